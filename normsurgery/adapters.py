@@ -1,0 +1,186 @@
+"""Model adapters: where each family keeps its embeddings, norms, writers, readers and head.
+
+An adapter turns a loaded Hugging Face model into a :class:`Layout`, plain data that passes
+read. Passes never name a model's attributes; they ask the layout.
+
+Placement:
+- ``pre``: x += f(norm(x)) for each sublayer in turn (GPT-2, Llama, ...);
+- ``parallel``: x += attn(norm_a(x)) + mlp(norm_m(x)) in one step (GPT-NeoX, Phi; Phi shares
+  one norm between both, which is just a norm site with both sublayers' readers);
+- ``post``: x = norm(x + f(x)) (BERT): the stream itself is normalised, so norm passes refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import SurgeryError
+
+
+@dataclass(frozen=True)
+class NormSite:
+    """A norm over the residual stream and the linear layers that read its output."""
+
+    path: str
+    readers: tuple[str, ...]
+    role: str  # "attn", "mlp", "attn+mlp", "final", "embed", "post"
+
+
+@dataclass(frozen=True)
+class Layout:
+    family: str
+    placement: str  # "pre" | "parallel" | "post"
+    norm_type: str  # "layernorm" | "rmsnorm"
+    hidden_size: int
+    layers: str  # path of the ModuleList of blocks
+    token_embedding: str
+    embeddings: tuple[str, ...]  # embeddings whose rows are added to the stream
+    writers: tuple[str, ...]  # linears whose outputs are added to the stream
+    norms: tuple[NormSite, ...]  # every stream norm, final norm last
+    head: str | None  # the LM head (reads the final norm)
+    tied: bool  # head shares its weight with the token embedding
+    norm_offset: float = 0.0  # gain = offset + weight (Gemma: 1)
+    qk_norms: tuple[str, ...] = ()  # per-head norms inside attention: not foldable
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def final_norm(self) -> NormSite | None:
+        return self.norms[-1] if self.norms and self.norms[-1].role == "final" else None
+
+
+def _gpt2(model) -> Layout:
+    c = model.config
+    h = "transformer.h"
+    norms = []
+    writers = []
+    for i in range(c.n_layer):
+        b = f"{h}.{i}"
+        norms += [NormSite(f"{b}.ln_1", (f"{b}.attn.c_attn",), "attn"),
+                  NormSite(f"{b}.ln_2", (f"{b}.mlp.c_fc",), "mlp")]
+        writers += [f"{b}.attn.c_proj", f"{b}.mlp.c_proj"]
+    norms.append(NormSite("transformer.ln_f", ("lm_head",), "final"))
+    return Layout("gpt2", "pre", "layernorm", c.n_embd, h, "transformer.wte",
+                  ("transformer.wte", "transformer.wpe"), tuple(writers), tuple(norms),
+                  "lm_head", _tied(model))
+
+
+def _gpt_neox(model) -> Layout:
+    c = model.config
+    h = "gpt_neox.layers"
+    norms, writers = [], []
+    for i in range(c.num_hidden_layers):
+        b = f"{h}.{i}"
+        norms += [NormSite(f"{b}.input_layernorm", (f"{b}.attention.query_key_value",), "attn"),
+                  NormSite(f"{b}.post_attention_layernorm", (f"{b}.mlp.dense_h_to_4h",), "mlp")]
+        writers += [f"{b}.attention.dense", f"{b}.mlp.dense_4h_to_h"]
+    norms.append(NormSite("gpt_neox.final_layer_norm", ("lm_head",), "final"))
+    placement = "parallel" if c.use_parallel_residual else "pre"
+    return Layout("gpt_neox", placement, "layernorm", c.hidden_size, h, "gpt_neox.embed_in",
+                  ("gpt_neox.embed_in",), tuple(writers), tuple(norms), "lm_head", _tied(model))
+
+
+def _opt(model) -> Layout:
+    c = model.config
+    d = "model.decoder"
+    h = f"{d}.layers"
+    norms, writers = [], []
+    for i in range(c.num_hidden_layers):
+        b = f"{h}.{i}"
+        attn = tuple(f"{b}.self_attn.{p}_proj" for p in "qkv")
+        norms += [NormSite(f"{b}.self_attn_layer_norm", attn, "attn" if c.do_layer_norm_before else "post"),
+                  NormSite(f"{b}.final_layer_norm", (f"{b}.fc1",), "mlp" if c.do_layer_norm_before else "post")]
+        writers += [f"{b}.self_attn.out_proj", f"{b}.fc2"]
+    project_in = getattr(model.model.decoder, "project_in", None) is not None
+    embeddings = (f"{d}.embed_positions",) if project_in else (f"{d}.embed_tokens", f"{d}.embed_positions")
+    if project_in:
+        writers.insert(0, f"{d}.project_in")
+    if getattr(model.model.decoder, "final_layer_norm", None) is not None:
+        reader = f"{d}.project_out" if getattr(model.model.decoder, "project_out", None) is not None else "lm_head"
+        norms.append(NormSite(f"{d}.final_layer_norm", (reader,), "final"))
+    placement = "pre" if c.do_layer_norm_before else "post"
+    return Layout("opt", placement, "layernorm", c.hidden_size, h, f"{d}.embed_tokens", embeddings,
+                  tuple(writers), tuple(norms), "lm_head", _tied(model))
+
+
+def _llama_like(model) -> Layout:
+    c = model.config
+    h = "model.layers"
+    norms, writers, qk = [], [], []
+    for i in range(c.num_hidden_layers):
+        b = f"{h}.{i}"
+        attn = tuple(f"{b}.self_attn.{p}_proj" for p in "qkv")
+        norms += [NormSite(f"{b}.input_layernorm", attn, "attn"),
+                  NormSite(f"{b}.post_attention_layernorm", (f"{b}.mlp.gate_proj", f"{b}.mlp.up_proj"), "mlp")]
+        writers += [f"{b}.self_attn.o_proj", f"{b}.mlp.down_proj"]
+        attn_mod = model.get_submodule(f"{b}.self_attn")
+        qk += [f"{b}.self_attn.{n}" for n in ("q_norm", "k_norm") if hasattr(attn_mod, n)]
+    norms.append(NormSite("model.norm", ("lm_head",), "final"))
+    offset = 1.0 if c.model_type == "gemma" else 0.0
+    return Layout(c.model_type, "pre", "rmsnorm", c.hidden_size, h, "model.embed_tokens",
+                  ("model.embed_tokens",), tuple(writers), tuple(norms), "lm_head", _tied(model),
+                  norm_offset=offset, qk_norms=tuple(qk))
+
+
+def _phi(model) -> Layout:
+    c = model.config
+    h = "model.layers"
+    norms, writers, qk = [], [], []
+    for i in range(c.num_hidden_layers):
+        b = f"{h}.{i}"
+        readers = tuple(f"{b}.self_attn.{p}_proj" for p in "qkv") + (f"{b}.mlp.fc1",)
+        norms.append(NormSite(f"{b}.input_layernorm", readers, "attn+mlp"))
+        writers += [f"{b}.self_attn.dense", f"{b}.mlp.fc2"]
+        if c.qk_layernorm:
+            qk += [f"{b}.self_attn.q_layernorm", f"{b}.self_attn.k_layernorm"]
+    norms.append(NormSite("model.final_layernorm", ("lm_head",), "final"))
+    return Layout("phi", "parallel", "layernorm", c.hidden_size, h, "model.embed_tokens",
+                  ("model.embed_tokens",), tuple(writers), tuple(norms), "lm_head", _tied(model),
+                  qk_norms=tuple(qk))
+
+
+def _bert(model) -> Layout:
+    c = model.config
+    h = "bert.encoder.layer"
+    norms = [NormSite("bert.embeddings.LayerNorm", (), "embed")]
+    writers = []
+    for i in range(c.num_hidden_layers):
+        b = f"{h}.{i}"
+        norms += [NormSite(f"{b}.attention.output.LayerNorm", (), "post"),
+                  NormSite(f"{b}.output.LayerNorm", (), "post")]
+        writers += [f"{b}.attention.output.dense", f"{b}.output.dense"]
+    emb = "bert.embeddings"
+    return Layout("bert", "post", "layernorm", c.hidden_size, h, f"{emb}.word_embeddings",
+                  (f"{emb}.word_embeddings", f"{emb}.position_embeddings", f"{emb}.token_type_embeddings"),
+                  tuple(writers), tuple(norms), "cls.predictions.decoder", _tied(model))
+
+
+def _tied(model) -> bool:
+    return bool(getattr(model.config, "tie_word_embeddings", False))
+
+
+ADAPTERS = {
+    "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+    "opt": _opt,
+    "llama": _llama_like,
+    "mistral": _llama_like,
+    "qwen2": _llama_like,
+    "qwen3": _llama_like,
+    "gemma": _llama_like,
+    "phi": _phi,
+    "bert": _bert,
+}
+
+#: The auto class that loads each family with its language-modelling head.
+AUTO_CLASS = {t: ("AutoModelForMaskedLM" if t == "bert" else "AutoModelForCausalLM") for t in ADAPTERS}
+
+
+def check_supported(model_type: str) -> None:
+    if model_type not in ADAPTERS:
+        raise SurgeryError(f"no adapter for {model_type!r}; supported: {', '.join(sorted(ADAPTERS))}")
+
+
+def layout(model) -> Layout:
+    """The layout of ``model``, read afresh (passes change modules, so never cache it)."""
+    check_supported(model.config.model_type)
+    return ADAPTERS[model.config.model_type](model)

@@ -1,0 +1,41 @@
+"""flashnorm: fold norm gains (and LayerNorm biases) into the next linear layers (Graef et al. 2024).
+
+RMS(x) W = (x / rms(x)) diag(g) W: W* = diag(g) W and the norm's gain becomes 1. For LayerNorm
+the bias folds into the readers' biases (c + W b); the norm keeps its mean removal and 1/std.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..adapters import Layout
+from ..registry import PassContext, PassReport, register
+from .norms import fold_into_readers, is_rmsnorm, refuse_post_ln, untie_if_touched
+
+
+def applies(model, layout: Layout) -> str | None:
+    reason = refuse_post_ln(layout)
+    if reason:
+        return reason
+    for site in layout.norms:
+        mod = model.get_submodule(site.path)
+        if not (is_rmsnorm(mod) or isinstance(mod, nn.LayerNorm)):
+            return f"{site.path} is a {type(mod).__name__}, not a LayerNorm or RMSNorm"
+    return None
+
+
+@register("flashnorm", "FlashNorm: fold every norm's gain (and bias) into the linears that read it",
+          "exact", "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", applies)
+def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
+    report = PassReport("flashnorm")
+    touched = {r for s in layout.norms for r in s.readers}
+    report.notes += untie_if_touched(model, layout, touched)
+    for site in layout.norms:
+        fold_into_readers(model, layout, site)
+    report.notes.append(f"folded {len(layout.norms)} norms into {len(touched)} readers; every norm gain is 1")
+    if layout.qk_norms:
+        report.notes.append(f"left {len(layout.qk_norms)} QK-norms as they are: rotary embeddings mix "
+                            "pairs of dimensions after them, so their gains cannot be folded")
+    report.metrics["norms_folded"] = len(layout.norms)
+    report.metrics["qk_norms_left"] = len(layout.qk_norms)
+    return report

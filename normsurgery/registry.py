@@ -1,0 +1,99 @@
+"""The one registry of passes.
+
+A pass is a name, a one-line description, its kind and two functions over (model, layout):
+``applies`` returns None when the pass can run, else the reason it cannot; ``apply`` rewrites
+the model in place and returns a :class:`PassReport`.
+
+- ``exact`` passes must preserve the function: the caller checks logits before and after.
+- ``trained`` passes change it on purpose: they get calibration text and a step budget through
+  :class:`PassContext`, and report the quality they keep in ``metrics``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import SurgeryError
+
+
+@dataclass
+class PassContext:
+    """What a pass may need beyond the model: options, tokenizer, text, progress."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
+    text: str | None = None
+    progress: Callable[[str], None] = lambda message: None
+
+
+@dataclass
+class PassReport:
+    name: str
+    notes: list[str] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    description: str
+    kind: str  # "exact" | "trained"
+    families: str  # human-readable: where it applies
+    applies: Callable[..., str | None]
+    apply: Callable[..., PassReport]
+    options: dict[str, Any] = field(default_factory=dict)  # option name -> default
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def register(name: str, description: str, kind: str, families: str, applies, options=None):
+    """Decorator registering ``apply(model, layout, ctx) -> PassReport`` under ``name``."""
+    if kind not in ("exact", "trained"):
+        raise ValueError(kind)
+
+    def wrap(apply):
+        PASSES[name] = Pass(name, description, kind, families, applies, apply, dict(options or {}))
+        return apply
+
+    return wrap
+
+
+def get(name: str) -> Pass:
+    _load_builtin()
+    if name not in PASSES:
+        raise SurgeryError(f"unknown pass {name!r}; registered: {', '.join(sorted(PASSES))}")
+    return PASSES[name]
+
+
+def all_passes() -> list[Pass]:
+    _load_builtin()
+    return [PASSES[n] for n in sorted(PASSES)]
+
+
+def check_options(p: Pass, options: dict[str, Any]) -> dict[str, Any]:
+    """The pass's defaults overridden by ``options``; unknown names are an error."""
+    unknown = set(options) - set(p.options)
+    if unknown:
+        known = ", ".join(sorted(p.options)) or "none"
+        raise SurgeryError(f"pass {p.name!r} has no option {', '.join(sorted(unknown))}; options: {known}")
+    return {**p.options, **{k: _coerce(v, p.options[k]) for k, v in options.items()}}
+
+
+def _coerce(value, default):
+    """Options arrive as strings from the CLI: give them the type of their default."""
+    if not isinstance(value, str) or isinstance(default, str) or default is None:
+        return value
+    try:
+        if isinstance(default, bool):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        return type(default)(value)
+    except ValueError:
+        raise SurgeryError(f"option value {value!r} is not a {type(default).__name__}") from None
+
+
+def _load_builtin() -> None:
+    from . import passes  # noqa: F401  (importing registers the built-in passes)

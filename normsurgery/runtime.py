@@ -1,0 +1,130 @@
+"""Self-contained runtime for rewritten checkpoints.
+
+This file is copied verbatim beside the weights as ``modeling_normsurgery.py`` when a rewrite
+cannot be expressed by the stock architecture, so it may import only torch and transformers.
+A checkpoint's ``config.normsurgery["modules"]`` lists the modules that differ from the stock
+architecture; :func:`apply_structure` rebuilds them before the weights are loaded.
+"""
+
+import torch
+import transformers
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+def _stats_dtype(x):
+    """Half-precision statistics overflow: take them in float32; keep float32/float64 as is."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+class RMSNorm(nn.Module):
+    """y = (offset + w) * x / sqrt(sum(x^2) / divisor + eps) + b, in the input's dtype.
+
+    ``divisor`` defaults to the width; a stream stored with some channels removed keeps the
+    original width as divisor so the statistic is that of the full vector (whose removed entries
+    are zero). ``offset`` is 1 for Gemma-style norms that scale by (1 + w).
+    """
+
+    def __init__(self, dim, eps=1e-5, bias=False, offset=0.0, divisor=None):
+        super().__init__()
+        self.dim, self.eps, self.offset = dim, eps, offset
+        self.divisor = divisor or dim
+        self.weight = nn.Parameter(torch.ones(dim) - offset)
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def spec(self):
+        return {"dim": self.dim, "eps": self.eps, "bias": self.bias is not None,
+                "offset": self.offset, "divisor": self.divisor}
+
+    def forward(self, x):
+        s = x.to(_stats_dtype(x))
+        inv = torch.rsqrt(s.pow(2).sum(-1, keepdim=True) / self.divisor + self.eps)
+        y = (s * inv).to(x.dtype) * (self.weight + self.offset)
+        return y if self.bias is None else y + self.bias
+
+
+class DeferredNormLinear(nn.Module):
+    """FlashNorm's deferred normalisation: y = (x @ W*^T) / rms(x) + bias.
+
+    Equal to Linear(RMS(x)) with the norm gain already folded into W*; the scalar 1/rms(x) is
+    applied after the matmul, so statistic and matmul are independent of each other.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, eps=1e-5):
+        super().__init__()
+        self.in_features, self.out_features, self.eps = in_features, out_features, eps
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def spec(self):
+        return {"in_features": self.in_features, "out_features": self.out_features,
+                "bias": self.bias is not None, "eps": self.eps}
+
+    def forward(self, x):
+        s = x.to(_stats_dtype(x))
+        inv = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype)
+        y = (x @ self.weight.T) * inv
+        return y if self.bias is None else y + self.bias
+
+
+def _linear(in_features, out_features, bias=True):
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def _conv1d(nf, nx):
+    return Conv1D(nf, nx)
+
+
+def _embedding(num_embeddings, embedding_dim, padding_idx=None):
+    return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
+
+
+def _layernorm(dim, eps=1e-5, bias=True):
+    return nn.LayerNorm(dim, eps=eps, bias=bias)
+
+
+MODULES = {"RMSNorm": RMSNorm, "DeferredNormLinear": DeferredNormLinear, "Linear": _linear,
+           "Conv1D": _conv1d, "Embedding": _embedding, "LayerNorm": _layernorm}
+
+
+def _parent(model, path):
+    head, _, leaf = path.rpartition(".")
+    return (model.get_submodule(head) if head else model), leaf
+
+
+def apply_structure(model, records):
+    """Rebuild the modules listed in ``records`` ({path, class, kwargs} or {path, attrs})."""
+    for rec in records:
+        if "class" in rec:
+            parent, leaf = _parent(model, rec["path"])
+            old = getattr(parent, leaf)
+            new = MODULES[rec["class"]](**rec["kwargs"])
+            ref = next(old.parameters(), None) if isinstance(old, nn.Module) else None
+            if ref is not None:
+                new = new.to(device=ref.device, dtype=ref.dtype)
+            setattr(parent, leaf, new)
+        for name, value in rec.get("attrs", {}).items():
+            setattr(model.get_submodule(rec["path"]), name, value)
+    return model
+
+
+BASES = ["GPT2LMHeadModel", "GPTNeoXForCausalLM", "OPTForCausalLM", "LlamaForCausalLM",
+         "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+         "PhiForCausalLM", "BertForMaskedLM"]
+
+
+def surgery_class(base):
+    """A subclass of a stock model class that rebuilds the recorded modules after __init__."""
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        apply_structure(self, (getattr(config, "normsurgery", None) or {}).get("modules", []))
+
+    return type("NormSurgery" + base.__name__, (base,), {"__init__": __init__})
+
+
+for _name in BASES:
+    globals()["NormSurgery" + _name] = surgery_class(getattr(transformers, _name))
+
+__all__ = ["RMSNorm", "DeferredNormLinear", "apply_structure", "surgery_class"] + [
+    "NormSurgery" + n for n in BASES]
