@@ -67,24 +67,15 @@ class DeferredNormLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _linear(in_features, out_features, bias=True):
-    return nn.Linear(in_features, out_features, bias=bias)
+MODULES = {"RMSNorm": RMSNorm, "DeferredNormLinear": DeferredNormLinear}
 
-
-def _conv1d(nf, nx):
-    return Conv1D(nf, nx)
-
-
-def _embedding(num_embeddings, embedding_dim, padding_idx=None):
-    return nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
-
-
-def _layernorm(dim, eps=1e-5, bias=True):
-    return nn.LayerNorm(dim, eps=eps, bias=bias)
-
-
-MODULES = {"RMSNorm": RMSNorm, "DeferredNormLinear": DeferredNormLinear, "Linear": _linear,
-           "Conv1D": _conv1d, "Embedding": _embedding, "LayerNorm": _layernorm}
+#: size attributes that must follow a resized parameter, by module class
+SIZE_ATTRS = {
+    nn.Linear: lambda w: {"out_features": w[0], "in_features": w[1]},
+    Conv1D: lambda w: {"nx": w[0], "nf": w[1]},
+    nn.Embedding: lambda w: {"num_embeddings": w[0], "embedding_dim": w[1]},
+    nn.LayerNorm: lambda w: {"normalized_shape": (w[0],)},
+}
 
 
 def _parent(model, path):
@@ -92,17 +83,31 @@ def _parent(model, path):
     return (model.get_submodule(head) if head else model), leaf
 
 
+def resize(module, params):
+    """Give ``module`` parameters of new shapes (None drops one), keeping its class and code."""
+    ref = next(module.parameters())
+    for name, shape in params.items():
+        value = None if shape is None else nn.Parameter(torch.empty(shape, device=ref.device, dtype=ref.dtype))
+        setattr(module, name, value)
+    for cls, attrs in SIZE_ATTRS.items():
+        if isinstance(module, cls) and params.get("weight"):
+            for k, v in attrs(list(params["weight"])).items():
+                setattr(module, k, v)
+
+
 def apply_structure(model, records):
-    """Rebuild the modules listed in ``records`` ({path, class, kwargs} or {path, attrs})."""
+    """Rebuild recorded modules: {path, class, kwargs} replaces one with a runtime module,
+    {path, params} resizes its parameters in place, {path, attrs} sets attributes."""
     for rec in records:
         if "class" in rec:
             parent, leaf = _parent(model, rec["path"])
-            old = getattr(parent, leaf)
+            ref = next(getattr(parent, leaf).parameters(), None)
             new = MODULES[rec["class"]](**rec["kwargs"])
-            ref = next(old.parameters(), None) if isinstance(old, nn.Module) else None
             if ref is not None:
                 new = new.to(device=ref.device, dtype=ref.dtype)
             setattr(parent, leaf, new)
+        if "params" in rec:
+            resize(model.get_submodule(rec["path"]), rec["params"])
         for name, value in rec.get("attrs", {}).items():
             setattr(model.get_submodule(rec["path"]), name, value)
     return model
@@ -126,5 +131,5 @@ def surgery_class(base):
 for _name in BASES:
     globals()["NormSurgery" + _name] = surgery_class(getattr(transformers, _name))
 
-__all__ = ["RMSNorm", "DeferredNormLinear", "apply_structure", "surgery_class"] + [
+__all__ = ["RMSNorm", "DeferredNormLinear", "apply_structure", "resize", "surgery_class"] + [
     "NormSurgery" + n for n in BASES]

@@ -1,0 +1,261 @@
+"""Reading and writing checkpoints: local folders or cached hub ids in, atomic safetensors out.
+
+A rewritten model whose modules differ from its stock architecture is saved with a list of
+module records in ``config.normsurgery["modules"]``, the runtime copied beside the weights as
+``modeling_normsurgery.py`` and an ``auto_map`` naming it, so ``from_pretrained(...,
+trust_remote_code=True)`` rebuilds it with only transformers installed. Records marked
+``native`` compute the same function as the stock module on this model (an RMSNorm on a
+zero-mean stream is a LayerNorm): when all are, plain ``from_pretrained`` loads it exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+from . import runtime
+from .adapters import AUTO_CLASS, check_supported
+from .errors import SurgeryError
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+RUNTIME_FILE = "modeling_normsurgery.py"
+NOT_COPIED = {"config.json", RUNTIME_FILE}
+
+
+def resolve(src: str | os.PathLike) -> Path:
+    """A checkpoint folder: ``src`` itself, or the snapshot of a hub id in the local cache."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SurgeryError(f"{src} is not a checkpoint folder: it has no config.json")
+        return path
+    if path.exists():
+        raise SurgeryError(f"{src} is a file; give the checkpoint's folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(src), local_files_only=True))
+    except Exception:
+        raise SurgeryError(f"no checkpoint at {src!r}: not a folder, and not a hub id in the local cache") from None
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weight files, checked: an index's shards must exist; safetensors headers must parse."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise SurgeryError(f"{index} is not a valid safetensors index ({e})") from None
+        files = [path / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise SurgeryError(f"{path}: the index names missing shards: {', '.join(missing)}")
+    else:
+        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise SurgeryError(f"{path} holds no weights (no *.safetensors or pytorch_model*.bin)")
+    for f in files:
+        if f.suffix == ".safetensors":
+            _check_safetensors(f)
+    return files
+
+
+def _check_safetensors(f: Path) -> None:
+    """Parse the header and check the data it describes is all there (a truncated file fails)."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("bad header length")
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"truncated: {size} bytes, header describes {8 + n + end}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise SurgeryError(f"{f} is not a valid safetensors file ({e})") from None
+
+
+def storage_dtype(path: Path) -> torch.dtype:
+    """The floating dtype the checkpoint stores its weights in."""
+    from safetensors import safe_open
+
+    for f in weight_files(path):
+        if f.suffix != ".safetensors":
+            break
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                dt = st.get_slice(k).get_dtype()
+                if dt in ("F64", "F32", "F16", "BF16"):
+                    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                            "BF16": torch.bfloat16}[dt]
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    dt = getattr(cfg, "dtype", None) or torch.float32
+    return getattr(torch, dt) if isinstance(dt, str) else dt
+
+
+def load_config(path: Path):
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise SurgeryError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from None
+    check_supported(cfg.model_type)
+    return cfg
+
+
+def stock_class(config):
+    """The stock transformers class for this config with its LM head."""
+    auto = getattr(transformers, AUTO_CLASS[config.model_type])
+    return auto._model_mapping[type(config)]
+
+
+def model_class(config):
+    """The stock class, or its normsurgery subclass when the config records rebuilt modules."""
+    base = stock_class(config)
+    if _records(config):
+        return getattr(runtime, "NormSurgery" + base.__name__)
+    return base
+
+
+def load(src, dtype: torch.dtype | None = None):
+    """Load a checkpoint (rewritten or stock) in ``dtype`` (default: its storage dtype), eval mode."""
+    path = resolve(src)
+    cfg = load_config(path)
+    weight_files(path)
+    dtype = dtype or storage_dtype(path)
+    try:
+        model = model_class(cfg).from_pretrained(path, config=cfg, dtype=dtype)
+    except Exception as e:
+        raise SurgeryError(f"cannot load {src}: {_first_line(e)}") from None
+    return model.eval()
+
+
+def load_tokenizer(src):
+    """The checkpoint's tokenizer, or None when it has none."""
+    path = resolve(src)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None
+
+
+def _records(config) -> list[dict]:
+    return list((getattr(config, "normsurgery", None) or {}).get("modules", []))
+
+
+def structure_records(model) -> list[dict]:
+    """What differs from the stock architecture built from the same config.
+
+    Runtime modules are recorded by class and constructor kwargs; stock modules with other
+    parameter shapes by their new shapes; any module's ``_normsurgery_attrs`` as attributes.
+    """
+    cfg = copy.deepcopy(model.config)
+    cfg.normsurgery = None
+    with torch.device("meta"):
+        stock = stock_class(cfg)(cfg)
+    stock_modules = dict(stock.named_modules())
+    records = []
+    for name, mod in model.named_modules():
+        rec = {"path": name}
+        if type(mod).__name__ in runtime.MODULES and isinstance(mod, runtime.MODULES[type(mod).__name__]):
+            rec.update({"class": type(mod).__name__, "kwargs": mod.spec(),
+                        "native": bool(getattr(mod, "native_equivalent", False))})
+        else:
+            ref = stock_modules.get(name)
+            own = {k: tuple(p.shape) for k, p in mod.named_parameters(recurse=False)}
+            theirs = {} if ref is None else {k: tuple(p.shape) for k, p in ref.named_parameters(recurse=False)}
+            if ref is None and own:
+                raise SurgeryError(f"cannot record {name}: the stock architecture has no such module")
+            if own != theirs:
+                rec["params"] = {k: list(own[k]) if k in own else None for k in {*own, *theirs}}
+                rec["native"] = False
+        if getattr(mod, "_normsurgery_attrs", None):
+            rec["attrs"] = dict(mod._normsurgery_attrs)
+            rec["native"] = False
+        if len(rec) > 1:
+            records.append(rec)
+    return records
+
+
+def save(model, out, *, source=None, force: bool = False, record: dict | None = None,
+         max_shard_size: str | int = "5GB") -> dict:
+    """Write ``model`` to ``out`` atomically (a temporary sibling folder, then one rename).
+
+    Copies tokenizer, generation config and other non-weight files from ``source``; stores
+    ``record`` (what was done) under ``config.normsurgery``. Returns what was written.
+    """
+    out = Path(out).expanduser()
+    check_output(out, force, source)
+    records = structure_records(model)
+    cfg = model.config
+    base = stock_class(cfg)
+    auto_map = dict(getattr(cfg, "auto_map", None) or {})
+    auto_map.pop(AUTO_CLASS[cfg.model_type], None)
+    if records:
+        auto_map[AUTO_CLASS[cfg.model_type]] = f"{RUNTIME_FILE[:-3]}.NormSurgery{base.__name__}"
+    _set_or_drop(cfg, "auto_map", auto_map)
+    _set_or_drop(cfg, "normsurgery", {**(record or {}), "modules": records} if (record or records) else None)
+    cfg.architectures = [base.__name__]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        if records:
+            shutil.copyfile(runtime.__file__, tmp / RUNTIME_FILE)
+        if source is not None:
+            _copy_side_files(resolve(source), tmp)
+        _replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"path": str(out), "files": sorted(p.name for p in out.iterdir()),
+            "custom_modules": len(records), "plain_transformers": all(r.get("native") for r in records)}
+
+
+def _set_or_drop(cfg, name, value) -> None:
+    if value:
+        setattr(cfg, name, value)
+    elif hasattr(cfg, name):
+        delattr(cfg, name)
+
+
+def check_output(out: Path, force: bool, source=None) -> None:
+    """Refuse to overwrite without ``force``, and never write over the input."""
+    out = Path(out).expanduser()
+    if source is not None and out.exists() and out.resolve() == resolve(source).resolve():
+        raise SurgeryError(f"output {out} is the input checkpoint; choose another folder")
+    if out.exists() and not force:
+        raise SurgeryError(f"output {out} already exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise SurgeryError(f"output {out} exists and is not a folder")
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for f in src.iterdir():
+        if f.is_file() and f.name not in NOT_COPIED and not f.name.startswith(".") \
+                and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, dst / f.name)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move ``tmp`` to ``out``; an old ``out`` is only removed once the new one is in place."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+

@@ -1,0 +1,202 @@
+"""Apply registered passes to a model or a checkpoint, check parity, save.
+
+Weights are rewritten in a working dtype (float32, or float64 on request or for float64
+checkpoints; every rewrite does its own algebra in float64) and cast back to the storage dtype
+once, just before saving. Parity is measured per pass against the logits just before it, and
+overall against the unmodified model; the cast to the storage dtype is reported separately.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import __version__, checkpoint, registry
+from .adapters import layout
+from .errors import SurgeryError
+from .registry import PassContext
+from .verify import TOLERANCE, Comparison, compare_logits, default_text, faithful_norms, logits, token_batches
+
+Progress = Callable[[str, int, int], None]
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    return None
+
+
+@dataclass
+class Step:
+    name: str
+    kind: str
+    options: dict[str, Any]
+    notes: list[str]
+    metrics: dict[str, Any]
+    parity: Comparison | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "options": self.options, "notes": self.notes,
+                "metrics": self.metrics, "parity": self.parity.as_dict() if self.parity else None}
+
+
+@dataclass
+class Result:
+    steps: list[Step]
+    work_dtype: str
+    storage_dtype: str
+    parity: Comparison | None = None  # converted vs original, in the working dtype
+    cast: Comparison | None = None  # converted in the storage dtype vs original
+    cast_baseline: Comparison | None = None  # original in the storage dtype vs original
+    saved: dict | None = None
+    source: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(s.parity is None or s.parity.ok for s in self.steps if s.kind == "exact")
+
+    def as_dict(self) -> dict:
+        def c(x):
+            return x.as_dict() if x else None
+        return {"source": self.source, "ok": self.ok, "work_dtype": self.work_dtype,
+                "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
+                "parity": c(self.parity), "cast": c(self.cast), "cast_baseline": c(self.cast_baseline),
+                "saved": self.saved}
+
+
+def parse_pass(spec: str) -> tuple[str, dict[str, str]]:
+    """``name`` or ``name:key=value,key=value`` -> (name, options)."""
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SurgeryError(f"pass option {item!r} in {spec!r} is not key=value")
+        options[key.strip().replace("-", "_")] = value.strip()
+    return name.strip(), options
+
+
+def load_recipe(path) -> list[tuple[str, dict[str, Any]]]:
+    """A TOML recipe: ``[[pass]]`` tables, each with ``name`` and the pass's options."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SurgeryError(f"no recipe at {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SurgeryError(f"recipe {path} is not valid TOML: {e}") from None
+    steps = data.get("pass", [])
+    if not steps or not all(isinstance(s, dict) and "name" in s for s in steps):
+        raise SurgeryError(f"recipe {path} needs one or more [[pass]] tables with a name")
+    return [(s["name"], {k: v for k, v in s.items() if k != "name"}) for s in steps]
+
+
+def check_applicable(model, name: str) -> registry.Pass:
+    p = registry.get(name)
+    reason = p.applies(model, layout(model))
+    if reason:
+        raise SurgeryError(f"pass {name} does not apply to this {model.config.model_type} model: {reason}")
+    return p
+
+
+def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.Tensor | None = None,
+                 tolerance: float | None = None, context: PassContext | None = None,
+                 progress: Progress = _no_progress) -> list[Step]:
+    """Run ``passes`` in order on ``model`` (in place). With ``ids``, each pass's parity is
+    measured against the logits before it; an exact pass out of ``tolerance`` is reported,
+    not raised (the caller decides)."""
+    context = context or PassContext()
+    steps = []
+    before = logits(model, ids) if ids is not None else None
+    for i, (name, options) in enumerate(passes):
+        p = check_applicable(model, name)
+        opts = registry.check_options(p, options)
+        progress(f"pass {name}", i, len(passes))
+        context.options = opts
+        report = p.apply(model, layout(model), context)
+        step = Step(name, p.kind, opts, report.notes, report.metrics)
+        if ids is not None:
+            after = logits(model, ids)
+            step.parity = compare_logits(before, after)
+            step.parity.tolerance = tolerance if p.kind == "exact" else None
+            before = after
+        steps.append(step)
+    progress("passes", len(passes), len(passes))
+    return steps
+
+
+def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    return requested or (torch.float64 if storage == torch.float64 else torch.float32)
+
+
+def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
+            verify: bool = True, work_dtype: torch.dtype | None = None, text: str | None = None,
+            tolerance: float | None = None, max_shard_size: str = "5GB",
+            progress: Progress = _no_progress) -> Result:
+    """Load ``src``, apply ``passes``, check parity, cast back, save to ``out`` atomically."""
+    if not passes:
+        raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
+    for name, options in passes:
+        registry.check_options(registry.get(name), options)
+    path = checkpoint.resolve(src)
+    checkpoint.check_output(Path(out), force, path)
+    progress("load", 0, 1)
+    storage = checkpoint.storage_dtype(path)
+    dtype = work_dtype_for(storage, work_dtype)
+    model = checkpoint.load(path, dtype)
+    tokenizer = checkpoint.load_tokenizer(path)
+    progress("load", 1, 1)
+    check_applicable(model, passes[0][0])
+    restore_norms = faithful_norms(model) if dtype == torch.float64 else None
+    ids = None
+    if verify:
+        ids = token_batches(tokenizer, text or (default_text() if tokenizer else None),
+                            model.config.vocab_size, 4, _length(model))
+    reference = logits(model, ids) if verify else None
+    result = Result([], str(dtype).removeprefix("torch."), str(storage).removeprefix("torch."), source=str(src))
+    if verify and storage != dtype:
+        result.cast_baseline = _in_dtype(model, storage, ids, reference)
+    tol = TOLERANCE[dtype] if tolerance is None else tolerance
+    context = PassContext(tokenizer=tokenizer, text=text)
+    result.steps = apply_passes(model, passes, ids=ids, tolerance=tol, context=context, progress=progress)
+    if verify:
+        progress("verify", 0, 1)
+        result.parity = compare_logits(reference, logits(model, ids))
+        result.parity.tolerance = tol
+        progress("verify", 1, 1)
+        if not result.ok and not force:
+            bad = [s for s in result.steps if s.parity and not s.parity.ok]
+            raise SurgeryError(
+                f"pass {bad[0].name} broke parity: relative error {bad[0].parity.relative:.2e} > {tol:.0e}; "
+                "nothing was saved (--force saves anyway)")
+    if restore_norms:
+        restore_norms()
+    model.to(storage)
+    if verify and storage != dtype:
+        result.cast = compare_logits(reference, logits(model, ids))
+    progress("save", 0, 1)
+    record = {"version": __version__, "source": str(src), "passes": [
+        {"name": s.name, "options": s.options, "notes": s.notes,
+         "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
+    result.saved = checkpoint.save(model, out, source=path, force=force, record=record,
+                                   max_shard_size=max_shard_size)
+    progress("save", 1, 1)
+    return result
+
+
+def _length(model) -> int:
+    c = model.config
+    return min(64, getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", 64))
+
+
+def _in_dtype(model, dtype: torch.dtype, ids, reference) -> Comparison:
+    """The original's own rounding in ``dtype``; casting up again restores the weights exactly."""
+    work = next(model.parameters()).dtype
+    model.to(dtype)
+    try:
+        return compare_logits(reference, logits(model, ids))
+    finally:
+        model.to(work)
+

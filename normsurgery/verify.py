@@ -1,0 +1,162 @@
+"""Do two models compute the same function? Logit, distribution, top-1 and generation checks.
+
+For token batches X, with reference logits A and candidate logits B:
+- max |A - B|, mean |A - B| and the relative error max |A - B| / max |A|;
+- KL(softmax A || softmax B) averaged over positions; top-1 agreement of argmax;
+- greedy generation from a few prompts: fraction of generated tokens that agree.
+
+HF's RMSNorm classes compute in float32 whatever the input dtype; :func:`faithful_norms` swaps
+them for runtime.RMSNorm (same maths, input dtype kept) so float64 checks are float64 throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Callable
+
+import torch
+
+from . import checkpoint
+from .adapters import layout
+from .errors import SurgeryError
+from .passes.norms import eps_of, is_rmsnorm
+from .runtime import RMSNorm
+
+#: relative-error tolerance by compute dtype: float64 checks the algebra, float32 its rounding
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+@dataclass
+class Comparison:
+    max_abs: float
+    mean_abs: float
+    relative: float
+    kl: float
+    top1: float
+    generation: float | None = None
+    tolerance: float | None = None
+    layers: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.tolerance is None or self.relative <= self.tolerance
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def default_text() -> str:
+    """Held-out Shakespeare shipped with the package (not used in training the demo models)."""
+    return resources.files("normsurgery").joinpath("data/sample.txt").read_text()
+
+
+def token_batches(tokenizer, text: str | None, vocab_size: int, n: int = 4, length: int = 64,
+                  seed: int = 0) -> torch.Tensor:
+    """n windows of ``length`` tokens of ``text`` (evenly spaced); random ids without a tokenizer."""
+    if tokenizer is None or text is None:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab_size, (n, length), generator=g)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    if len(ids) < length:
+        raise SurgeryError(f"the text has {len(ids)} tokens, fewer than one sequence of {length}")
+    starts = torch.linspace(0, len(ids) - length, n).long()
+    return torch.stack([ids[s:s + length] for s in starts])
+
+
+@torch.no_grad()
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids.to(model.device)).logits.to(torch.float64)
+
+
+def compare_logits(ref: torch.Tensor, out: torch.Tensor) -> Comparison:
+    if ref.shape != out.shape:
+        raise SurgeryError(f"the models' logits differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}")
+    d = (ref - out).abs()
+    logp, logq = ref.log_softmax(-1), out.log_softmax(-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).mean()
+    top1 = (ref.argmax(-1) == out.argmax(-1)).double().mean()
+    return Comparison(d.max().item(), d.mean().item(), (d.max() / ref.abs().max()).item(),
+                      max(kl.item(), 0.0), top1.item())
+
+
+@torch.no_grad()
+def greedy_agreement(a, b, prompts: torch.Tensor, new_tokens: int = 16) -> float:
+    """Fraction of greedily generated tokens (after the prompts) on which the models agree."""
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
+              pad_token_id=0, eos_token_id=None)
+    ga = a.generate(prompts.to(a.device), **kw)[:, prompts.shape[1]:]
+    gb = b.generate(prompts.to(b.device), **kw)[:, prompts.shape[1]:]
+    return (ga.cpu() == gb.cpu()).double().mean().item()
+
+
+@torch.no_grad()
+def layer_differences(a, b, ids: torch.Tensor) -> list[float]:
+    """max |h_a - h_b| / max |h_a| per hidden state (NaN where the widths differ)."""
+    ha = a(input_ids=ids, output_hidden_states=True).hidden_states
+    hb = b(input_ids=ids, output_hidden_states=True).hidden_states
+    return [((x - y).abs().max() / x.abs().max()).item() if x.shape == y.shape else float("nan")
+            for x, y in zip(ha, hb)]
+
+
+def faithful_norms(model) -> Callable[[], None]:
+    """Replace HF RMSNorm modules by runtime.RMSNorm, which keeps the input dtype (in place).
+
+    Returns a function that puts the stock modules back, with whatever weights the faithful
+    ones hold by then (so a model can be rewritten in float64, then saved as stock).
+    """
+    offset = layout(model).norm_offset
+    swapped = []
+    for name, mod in list(model.named_modules()):
+        if is_rmsnorm(mod) and not isinstance(mod, RMSNorm):
+            new = RMSNorm(mod.weight.shape[0], eps=eps_of(mod), offset=offset)
+            new.to(device=mod.weight.device, dtype=mod.weight.dtype)
+            new.weight.data.copy_(mod.weight.data)
+            _set_module(model, name, new)
+            swapped.append((name, mod, new))
+
+    def restore() -> None:
+        for name, stock, new in swapped:
+            if model.get_submodule(name) is new:
+                stock.weight.data = new.weight.data.to(stock.weight.dtype)
+                _set_module(model, name, stock)
+
+    return restore
+
+
+def _set_module(model, path: str, mod) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, mod)
+
+
+def is_causal(model) -> bool:
+    return model.config.model_type != "bert"
+
+
+def compare_models(a, b, ids: torch.Tensor, *, tolerance: float | None = None, generate: int = 16,
+                   per_layer: bool = False) -> Comparison:
+    """Compare model ``b`` against reference ``a`` on ``ids``."""
+    result = compare_logits(logits(a, ids), logits(b, ids))
+    result.tolerance = tolerance
+    if generate and is_causal(a):
+        result.generation = greedy_agreement(a, b, ids[:, : min(8, ids.shape[1])], generate)
+    if per_layer:
+        result.layers = layer_differences(a, b, ids)
+    return result
+
+
+def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
+           tolerance: float | None = None, n: int = 4, length: int = 64, generate: int = 16,
+           per_layer: bool = False) -> Comparison:
+    """Load checkpoints (paths) or take models, run both in ``dtype`` and compare."""
+    ma = checkpoint.load(a, dtype) if not isinstance(a, torch.nn.Module) else a
+    mb = checkpoint.load(b, dtype) if not isinstance(b, torch.nn.Module) else b
+    if dtype == torch.float64:
+        faithful_norms(ma)
+        faithful_norms(mb)
+    tok = checkpoint.load_tokenizer(a) if not isinstance(a, torch.nn.Module) else None
+    length = min(length, getattr(ma.config, "max_position_embeddings", None) or getattr(ma.config, "n_positions", length))
+    ids = token_batches(tok, text if text is not None else (default_text() if tok else None),
+                        ma.config.vocab_size, n, length)
+    tol = TOLERANCE[dtype] if tolerance is None else tolerance
+    return compare_models(ma, mb, ids, tolerance=tol, generate=generate, per_layer=per_layer)
