@@ -1,0 +1,32 @@
+# normsurgery: set-up, demo, tests, benchmarks. Everything runs from a fresh machine.
+PY ?= .venv/bin/python
+export HF_HUB_OFFLINE = 1
+export HF_HUB_DISABLE_PROGRESS_BARS = 1
+export TOKENIZERS_PARALLELISM = false
+
+.PHONY: install demo test bench clean
+
+$(PY):
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU wheel of torch first, so nothing resolves to a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+
+install: $(PY)
+
+demo: install
+	rm -rf demo-out
+	.venv/bin/normsurgery convert normsurgery/demo/gpt2-tiny demo-out/gpt2-rms --recipe recipes/gpt2-rmsnorm.toml
+	.venv/bin/normsurgery verify normsurgery/demo/gpt2-tiny demo-out/gpt2-rms
+	.venv/bin/normsurgery convert normsurgery/demo/llama-tiny demo-out/llama-flash --recipe recipes/llama-flashnorm.toml
+	.venv/bin/normsurgery verify normsurgery/demo/llama-tiny demo-out/llama-flash
+
+test: install
+	$(PY) -m pytest tests
+
+bench: install
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf demo-out bench-out .pytest_cache

@@ -1,0 +1,173 @@
+"""convert, verify, passes, inspect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+from rich.table import Table
+
+from .. import checkpoint, registry
+from ..convert import convert as convert_checkpoint, load_recipe, parse_pass
+from ..adapters import layout
+from ..errors import SurgeryError
+from ..verify import verify as verify_api
+from .app import command, console, emit_json, fmt, progress_bar
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+          "bfloat16": torch.bfloat16}
+
+
+def read_text(path: Optional[Path]) -> Optional[str]:
+    if path is None:
+        return None
+    if not path.is_file():
+        raise SurgeryError(f"no text file at {path}")
+    text = path.read_text(errors="replace")
+    if not text.strip():
+        raise SurgeryError(f"text file {path} is empty")
+    return text
+
+
+def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise SurgeryError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@command
+def convert(
+    src: str = typer.Argument(..., help="input checkpoint: a folder or a cached hub id"),
+    out: Path = typer.Argument(..., help="output folder (written atomically)"),
+    passes: list[str] = typer.Option([], "--pass", "-p", help="NAME or NAME:key=value,... (repeatable, in order)"),
+    recipe: Optional[Path] = typer.Option(None, help="a TOML recipe of [[pass]] tables"),
+    fold: bool = typer.Option(False, "--fold", help="set fold=true on every pass that has the option"),
+    force: bool = typer.Option(False, help="replace an existing output; save even if parity breaks"),
+    no_verify: bool = typer.Option(False, "--no-verify", help="skip the logit checks"),
+    work_dtype: Optional[str] = typer.Option(None, help="float32 (default) or float64 for the rewrite"),
+    text: Optional[Path] = typer.Option(None, help="text for the checks (default: bundled Shakespeare)"),
+    tol: Optional[float] = typer.Option(None, help="relative logit tolerance for exact passes"),
+    max_shard_size: str = typer.Option("5GB", help="largest safetensors shard"),
+    json: bool = typer.Option(False, "--json", help="print the result as JSON"),
+):
+    """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
+    specs = [parse_pass(s) for s in passes]
+    if recipe is not None:
+        specs = load_recipe(recipe) + specs
+    if fold:
+        specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
+    with progress_bar(not json) as progress:
+        result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
+                                     work_dtype=parse_dtype(work_dtype), text=read_text(text), tolerance=tol,
+                                     max_shard_size=max_shard_size, progress=progress)
+    if json:
+        emit_json(result.as_dict())
+        return
+    table = Table(title=f"convert {src} -> {out}  (rewritten in {result.work_dtype}, stored in {result.storage_dtype})")
+    for col in ("pass", "kind", "rel. error", "max |Δlogit|", "KL", "top-1", "ok"):
+        table.add_column(col)
+    for s in result.steps:
+        p = s.parity
+        ok = "-" if p is None else ("yes" if p.ok else "[red]NO[/red]") if s.kind == "exact" else "n/a (trained)"
+        table.add_row(s.name, s.kind, fmt(p and p.relative), fmt(p and p.max_abs), fmt(p and p.kl),
+                      fmt(p and p.top1), ok)
+    console.print(table)
+    for s in result.steps:
+        for note in s.notes:
+            console.print(f"  [bold]{s.name}[/bold]: {note}", highlight=False)
+    if result.parity:
+        console.print(f"overall vs input: relative error {fmt(result.parity.relative)}, "
+                      f"top-1 agreement {result.parity.top1:.4f}", highlight=False)
+    if result.cast:
+        console.print(f"cast to {result.storage_dtype}: relative error {fmt(result.cast.relative)} "
+                      f"(the input itself in {result.storage_dtype}: {fmt(result.cast_baseline.relative)})",
+                      highlight=False)
+    saved = result.saved
+    how = "plain transformers" if saved["plain_transformers"] else "trust_remote_code=True or normsurgery.load"
+    console.print(f"saved {saved['path']} ({len(saved['files'])} files); loads with {how}", highlight=False)
+
+
+@command
+def verify(
+    a: str = typer.Argument(..., help="reference checkpoint"),
+    b: str = typer.Argument(..., help="checkpoint to compare"),
+    text: Optional[Path] = typer.Option(None, help="text to tokenize (default: bundled Shakespeare)"),
+    dtype: str = typer.Option("float32", help="compute dtype: float64 checks the algebra"),
+    tol: Optional[float] = typer.Option(None, help="relative tolerance (default by dtype)"),
+    samples: int = typer.Option(4, help="number of token windows"),
+    seq_len: int = typer.Option(64, help="tokens per window"),
+    generate: int = typer.Option(16, help="greedy tokens to compare (0: skip)"),
+    layers: bool = typer.Option(False, "--layers", help="also compare every hidden state"),
+    json: bool = typer.Option(False, "--json"),
+):
+    """Compare two checkpoints' logits; exit 1 when they differ beyond the tolerance."""
+    r = verify_api(a, b, text=read_text(text), dtype=parse_dtype(dtype), tolerance=tol, n=samples,
+                   length=seq_len, generate=generate, per_layer=layers)
+    if json:
+        emit_json({"a": a, "b": b, "dtype": dtype, **r.as_dict()})
+    else:
+        table = Table(title=f"verify {a} vs {b} in {dtype}")
+        table.add_column("metric")
+        table.add_column("value")
+        rows = [("max |Δlogit|", r.max_abs), ("mean |Δlogit|", r.mean_abs),
+                ("relative error", r.relative), ("tolerance", r.tolerance), ("KL(a||b)", r.kl),
+                ("top-1 agreement", r.top1), ("greedy agreement", r.generation)]
+        rows += [(f"hidden state {i}", d) for i, d in enumerate(r.layers)]
+        for k, v in rows:
+            table.add_row(k, fmt(v))
+        console.print(table)
+        console.print("[green]same function[/green]" if r.ok else "[red]DIFFERENT[/red]: relative error above tolerance")
+    if not r.ok:
+        raise typer.Exit(1)
+
+
+@command
+def passes(json: bool = typer.Option(False, "--json")):
+    """List the registered passes."""
+    ps = registry.all_passes()
+    if json:
+        emit_json([{"name": p.name, "kind": p.kind, "description": p.description,
+                    "applies_to": p.families, "options": p.options} for p in ps])
+        return
+    table = Table(title="passes")
+    for col in ("name", "kind", "what it does", "applies to", "options"):
+        table.add_column(col)
+    for p in ps:
+        table.add_row(p.name, p.kind, p.description, p.families,
+                      ", ".join(f"{k}={v}" for k, v in p.options.items()) or "-")
+    console.print(table)
+
+
+@command
+def inspect(src: str = typer.Argument(..., help="checkpoint folder or cached hub id"),
+            json: bool = typer.Option(False, "--json")):
+    """Architecture, norm layout, and which passes apply (and why not)."""
+    model = checkpoint.load(src)
+    lay = layout(model)
+    info = {
+        "architecture": type(model).__name__, "family": lay.family, "placement": lay.placement,
+        "norm": lay.norm_type + (f" (gain = {lay.norm_offset:g} + w)" if lay.norm_offset else ""),
+        "hidden_size": lay.hidden_size, "blocks": len(model.get_submodule(lay.layers)),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "tied_embeddings": lay.tied, "stream_norms": len(lay.norms),
+        "writers": len(lay.embeddings) + len(lay.writers),
+        "readers": sum(len(s.readers) for s in lay.norms), "qk_norms": len(lay.qk_norms),
+        "passes": {p.name: (p.applies(model, lay) or "applies") for p in registry.all_passes()},
+    }
+    if json:
+        emit_json(info)
+        return
+    table = Table(title=f"inspect {src}", show_header=False)
+    table.add_column("")
+    table.add_column("")
+    for k, v in info.items():
+        if k != "passes":
+            table.add_row(k.replace("_", " "), str(v))
+    for name, why in info["passes"].items():
+        table.add_row(f"pass {name}", "[green]applies[/green]" if why == "applies" else why)
+    console.print(table)
