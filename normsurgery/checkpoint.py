@@ -26,6 +26,7 @@ from .errors import SurgeryError
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 RUNTIME_FILE = "modeling_normsurgery.py"
 NOT_COPIED = {"config.json", RUNTIME_FILE}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 
 
 def resolve(src: str | os.PathLike) -> Path:
@@ -140,6 +141,8 @@ def load(src, dtype: torch.dtype | None = None):
 def load_tokenizer(src):
     """The checkpoint's tokenizer, or None when it has none."""
     path = resolve(src)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
     except Exception:

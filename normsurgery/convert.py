@@ -192,11 +192,15 @@ def _length(model) -> int:
 
 
 def _in_dtype(model, dtype: torch.dtype, ids, reference) -> Comparison:
-    """The original's own rounding in ``dtype``; casting up again restores the weights exactly."""
+    """The original's own rounding in ``dtype``. Casting up again restores weights read from
+    ``dtype`` exactly; buffers (rotary frequencies) were computed in the working dtype: keep them."""
     work = next(model.parameters()).dtype
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
     model.to(dtype)
     try:
         return compare_logits(reference, logits(model, ids))
     finally:
         model.to(work)
+        for name, b in buffers.items():
+            model.get_buffer(name).copy_(b)
 
