@@ -1,0 +1,146 @@
+"""The CLI: results, and refusals that give one line, a non-zero exit and leave nothing behind."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers as T
+from typer.testing import CliRunner
+
+from normsurgery.cli import app
+
+from models import tiny_model
+
+GPT2 = "normsurgery/demo/gpt2-tiny"
+LLAMA = "normsurgery/demo/llama-tiny"
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(folder).iterdir()}
+
+
+def assert_refused(result, out, match):
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    assert match in result.output
+    assert "Traceback" not in result.output
+    if out is not None:
+        assert not Path(out).exists() or Path(out).name == "existing"
+        assert not [p for p in Path(out).parent.iterdir() if p.name.startswith(f".{Path(out).name}.")]
+
+
+def test_convert_and_verify(tmp_path):
+    out = tmp_path / "rms"
+    r = run("convert", GPT2, out, "--recipe", "recipes/gpt2-rmsnorm.toml", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["ok"] and data["steps"][0]["name"] == "pre-rmsnorm"
+    assert data["steps"][0]["options"] == {"fold": True}
+    r = run("verify", GPT2, out, "--json")
+    assert r.exit_code == 0, r.output
+    v = json.loads(r.stdout)
+    assert v["ok"] and v["relative"] <= 1e-5 and v["top1"] == 1.0 and v["generation"] == 1.0
+
+
+def test_verify_fails_on_a_different_model(tmp_path):
+    other = tmp_path / "other"
+    m = T.AutoModelForCausalLM.from_pretrained(GPT2)
+    m.transformer.h[0].mlp.c_fc.weight.data.mul_(1.5)
+    m.save_pretrained(other)
+    shutil.copy(Path(GPT2) / "tokenizer.json", other)
+    r = run("verify", GPT2, other)
+    assert r.exit_code == 1
+    assert "DIFFERENT" in r.output
+
+
+def test_passes_and_inspect():
+    r = run("passes", "--json")
+    names = {p["name"] for p in json.loads(r.stdout)}
+    assert {"pre-rmsnorm", "flashnorm"} <= names
+    r = run("inspect", LLAMA, "--json")
+    info = json.loads(r.stdout)
+    assert info["family"] == "llama" and info["norm"] == "rmsnorm" and info["blocks"] == 8
+    assert info["passes"]["pre-rmsnorm"] == "the norms are already RMSNorm"
+    assert info["passes"]["flashnorm"] == "applies"
+
+
+def test_refuses_post_ln_bert(tmp_path):
+    src = tmp_path / "bert"
+    tiny_model("bert").float().save_pretrained(src)
+    before = digest(src)
+    out = tmp_path / "out"
+    assert_refused(run("convert", src, out, "--pass", "pre-rmsnorm"), out, "Post-LN")
+    assert digest(src) == before
+
+
+def test_refuses_unknown_architecture(tmp_path):
+    src = tmp_path / "t5"
+    T.T5ForConditionalGeneration(T.T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8,
+                                            vocab_size=50)).save_pretrained(src)
+    out = tmp_path / "out"
+    assert_refused(run("convert", src, out, "--pass", "flashnorm"), out, "no adapter for 't5'; supported:")
+
+
+def test_refuses_pass_that_does_not_apply(tmp_path):
+    out = tmp_path / "out"
+    assert_refused(run("convert", LLAMA, out, "--pass", "pre-rmsnorm"), out, "already RMSNorm")
+
+
+def test_refuses_missing_input(tmp_path):
+    out = tmp_path / "out"
+    assert_refused(run("convert", tmp_path / "nope", out, "--pass", "flashnorm"), out, "no checkpoint at")
+
+
+def test_refuses_existing_output(tmp_path):
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm"), out, "--force")
+    assert (out / "keep.txt").read_text() == "mine"
+    r = run("convert", GPT2, out, "--pass", "flashnorm", "--force")
+    assert r.exit_code == 0 and not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_refuses_corrupt_safetensors(tmp_path, damage):
+    src = tmp_path / "src"
+    shutil.copytree(GPT2, src)
+    f = src / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x10\x00\x00\x00\x00\x00\x00\x00not json" + data[16:])
+    before = digest(src)
+    out = tmp_path / "out"
+    assert_refused(run("convert", src, out, "--pass", "flashnorm"), out, "not a valid safetensors file")
+    assert digest(src) == before
+
+
+def test_unknown_pass_and_bad_option(tmp_path):
+    out = tmp_path / "out"
+    assert_refused(run("convert", GPT2, out, "--pass", "nonsense"), out, "unknown pass 'nonsense'")
+    assert_refused(run("convert", GPT2, out, "--pass", "pre-rmsnorm:fold=maybe"), out, "not a bool")
+
+
+def test_real_process_prints_one_line(tmp_path):
+    """The installed entry point, as a user runs it: one line on stderr, exit 1."""
+    r = subprocess.run([sys.executable, "-m", "normsurgery", "convert", str(tmp_path / "nope"),
+                        str(tmp_path / "out"), "--pass", "flashnorm"], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: no checkpoint")
+
+
+def test_convert_refuses_to_save_when_parity_breaks(tmp_path):
+    out = tmp_path / "out"
+    r = run("convert", GPT2, out, "--pass", "flashnorm", "--tol", "1e-30")
+    assert_refused(r, out, "broke parity")
+    r = run("convert", GPT2, out, "--pass", "flashnorm", "--tol", "1e-30", "--force")
+    assert r.exit_code == 0 and (out / "config.json").is_file()
