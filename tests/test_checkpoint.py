@@ -2,6 +2,8 @@
 
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +106,19 @@ def test_input_is_never_modified(tmp_path):
     digest = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(GPT2).iterdir()}
     ns.convert(GPT2, tmp_path / "out", [("flashnorm", {})])
     assert digest == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(GPT2).iterdir()}
+
+
+def test_hub_id_from_the_local_cache(tmp_path):
+    """A hub id resolves to its snapshot in the cache (offline), like from_pretrained does."""
+    snap = tmp_path / "hub" / "models--demo--gpt2-tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(GPT2, snap)
+    (tmp_path / "hub" / "models--demo--gpt2-tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--demo--gpt2-tiny" / "refs" / "main").write_text("0123abcd")
+    code = ("import normsurgery as ns\n"
+            f"r = ns.convert('demo/gpt2-tiny', {str(tmp_path / 'out')!r}, [('flashnorm', {{}})])\n"
+            "print(r.parity.relative)\n")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout.strip().splitlines()[-1]) <= 1e-5
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
