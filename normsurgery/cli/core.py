@@ -157,6 +157,7 @@ def inspect(src: str = typer.Argument(..., help="checkpoint folder or cached hub
         "tied_embeddings": lay.tied, "stream_norms": len(lay.norms),
         "writers": len(lay.embeddings) + len(lay.writers),
         "readers": sum(len(s.readers) for s in lay.norms), "qk_norms": len(lay.qk_norms),
+        "norm_sites": _norm_sites(lay),
         "passes": {p.name: (p.applies(model, lay) or "applies") for p in registry.all_passes()},
     }
     if json:
@@ -166,8 +167,17 @@ def inspect(src: str = typer.Argument(..., help="checkpoint folder or cached hub
     table.add_column("")
     table.add_column("")
     for k, v in info.items():
-        if k != "passes":
+        if k not in ("passes", "norm_sites"):
             table.add_row(k.replace("_", " "), str(v))
+    for site in info["norm_sites"]:
+        table.add_row(f"norm ({site['role']})", f"{site['path']} -> {', '.join(site['readers']) or '(the stream)'}")
     for name, why in info["passes"].items():
         table.add_row(f"pass {name}", "[green]applies[/green]" if why == "applies" else why)
     console.print(table)
+
+
+def _norm_sites(lay) -> list[dict]:
+    """The first block's norm sites and the final norm (every block has the same layout)."""
+    first = f"{lay.layers}.0."
+    sites = [s for s in lay.norms if s.path.startswith(first) or s.role in ("final", "embed")]
+    return [{"path": s.path, "role": s.role, "readers": list(s.readers)} for s in sites]
