@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from transformers.pytorch_utils import Conv1D
+
 from .errors import SurgeryError
 
 
@@ -24,6 +26,40 @@ class NormSite:
     path: str
     readers: tuple[str, ...]
     role: str  # "attn", "mlp", "attn+mlp", "final", "embed", "post"
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One block's self-attention: its projections and head layout, read from current shapes.
+
+    Separate ``q``/``k``/``v`` or one fused ``qkv``: ``qkv_order`` "blocks" stacks all q rows,
+    then all k, then all v (GPT-2); "heads" stacks q, k, v per head (GPT-NeoX). Query head h
+    reads key/value head h // (num_heads // num_kv_heads). ``count_attrs`` are the module
+    attributes its forward reads that follow the head counts, each with its quantity: "heads",
+    "kv_heads", "groups" (query heads per kv head) or "width" (heads * head_dim).
+    """
+
+    path: str
+    o: str
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    q: str | None = None
+    k: str | None = None
+    v: str | None = None
+    qkv: str | None = None
+    qkv_order: str = "separate"  # "separate" | "blocks" | "heads"
+    count_attrs: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class MlpSite:
+    """One block's MLP: down(act(up x)), or down(act(gate x) * up x) when ``gate`` is set."""
+
+    up: str
+    down: str
+    act: str  # path of the activation module
+    gate: str | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +78,11 @@ class Layout:
     norm_offset: float = 0.0  # gain = offset + weight (Gemma: 1)
     qk_norms: tuple[str, ...] = ()  # per-head norms inside attention: not foldable
     notes: tuple[str, ...] = field(default=())
+    attention: tuple[AttentionSite, ...] = ()  # one per block
+    mlps: tuple[MlpSite, ...] = ()  # one per block
+    # (quantity, config key) the stock __init__ builds widths from: "intermediate", "heads",
+    # "kv_heads", "head_dim" (only where the stock code reads head_dim from the config)
+    config_widths: tuple[tuple[str, str], ...] = ()
 
     @property
     def final_norm(self) -> NormSite | None:
@@ -59,9 +100,19 @@ def _gpt2(model) -> Layout:
                   NormSite(f"{b}.ln_2", (f"{b}.mlp.c_fc",), "mlp")]
         writers += [f"{b}.attn.c_proj", f"{b}.mlp.c_proj"]
     norms.append(NormSite("transformer.ln_f", ("lm_head",), "final"))
+    attention, mlps = [], []
+    for i in range(c.n_layer):
+        b = f"{h}.{i}"
+        attn = model.get_submodule(f"{b}.attn")
+        n = _in_features(attn.c_proj) // attn.head_dim
+        attention.append(AttentionSite(f"{b}.attn", f"{b}.attn.c_proj", attn.head_dim, n, n,
+                                       qkv=f"{b}.attn.c_attn", qkv_order="blocks",
+                                       count_attrs=(("num_heads", "heads"), ("split_size", "width"))))
+        mlps.append(MlpSite(f"{b}.mlp.c_fc", f"{b}.mlp.c_proj", f"{b}.mlp.act"))
     return Layout("gpt2", "pre", "layernorm", c.n_embd, h, "transformer.wte",
                   ("transformer.wte", "transformer.wpe"), tuple(writers), tuple(norms),
-                  "lm_head", _tied(model))
+                  "lm_head", _tied(model), attention=tuple(attention), mlps=tuple(mlps),
+                  config_widths=(("intermediate", "n_inner"),))
 
 
 def _gpt_neox(model) -> Layout:
@@ -75,8 +126,18 @@ def _gpt_neox(model) -> Layout:
         writers += [f"{b}.attention.dense", f"{b}.mlp.dense_4h_to_h"]
     norms.append(NormSite("gpt_neox.final_layer_norm", ("lm_head",), "final"))
     placement = "parallel" if c.use_parallel_residual else "pre"
+    attention, mlps = [], []
+    for i in range(c.num_hidden_layers):
+        b = f"{h}.{i}"
+        attn = model.get_submodule(f"{b}.attention")
+        n = _in_features(attn.dense) // attn.head_size
+        attention.append(AttentionSite(f"{b}.attention", f"{b}.attention.dense", attn.head_size, n, n,
+                                       qkv=f"{b}.attention.query_key_value", qkv_order="heads"))
+        mlps.append(MlpSite(f"{b}.mlp.dense_h_to_4h", f"{b}.mlp.dense_4h_to_h", f"{b}.mlp.act"))
     return Layout("gpt_neox", placement, "layernorm", c.hidden_size, h, "gpt_neox.embed_in",
-                  ("gpt_neox.embed_in",), tuple(writers), tuple(norms), "lm_head", _tied(model))
+                  ("gpt_neox.embed_in",), tuple(writers), tuple(norms), "lm_head", _tied(model),
+                  attention=tuple(attention), mlps=tuple(mlps),
+                  config_widths=(("intermediate", "intermediate_size"),))
 
 
 def _opt(model) -> Layout:
@@ -98,8 +159,18 @@ def _opt(model) -> Layout:
         reader = f"{d}.project_out" if getattr(model.model.decoder, "project_out", None) is not None else "lm_head"
         norms.append(NormSite(f"{d}.final_layer_norm", (reader,), "final"))
     placement = "pre" if c.do_layer_norm_before else "post"
+    attention, mlps = [], []
+    for i in range(c.num_hidden_layers):
+        b = f"{h}.{i}"
+        attn = model.get_submodule(f"{b}.self_attn")
+        n = _in_features(attn.out_proj) // attn.head_dim
+        attention.append(AttentionSite(f"{b}.self_attn", f"{b}.self_attn.out_proj", attn.head_dim, n, n,
+                                       *(f"{b}.self_attn.{p}_proj" for p in "qkv"),
+                                       count_attrs=(("num_heads", "heads"),)))
+        mlps.append(MlpSite(f"{b}.fc1", f"{b}.fc2", f"{b}.activation_fn"))
     return Layout("opt", placement, "layernorm", c.hidden_size, h, f"{d}.embed_tokens", embeddings,
-                  tuple(writers), tuple(norms), "lm_head", _tied(model))
+                  tuple(writers), tuple(norms), "lm_head", _tied(model), attention=tuple(attention),
+                  mlps=tuple(mlps), config_widths=(("intermediate", "ffn_dim"),))
 
 
 def _llama_like(model) -> Layout:
@@ -116,9 +187,16 @@ def _llama_like(model) -> Layout:
         qk += [f"{b}.self_attn.{n}" for n in ("q_norm", "k_norm") if hasattr(attn_mod, n)]
     norms.append(NormSite("model.norm", ("lm_head",), "final"))
     offset = 1.0 if c.model_type == "gemma" else 0.0
+    attention = tuple(_separate_attention(model, f"{h}.{i}.self_attn", "o_proj")
+                      for i in range(c.num_hidden_layers))
+    mlps = tuple(MlpSite(f"{h}.{i}.mlp.up_proj", f"{h}.{i}.mlp.down_proj", f"{h}.{i}.mlp.act_fn",
+                         gate=f"{h}.{i}.mlp.gate_proj") for i in range(c.num_hidden_layers))
+    widths = (("intermediate", "intermediate_size"), ("heads", "num_attention_heads"),
+              ("kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"))
     return Layout(c.model_type, "pre", "rmsnorm", c.hidden_size, h, "model.embed_tokens",
                   ("model.embed_tokens",), tuple(writers), tuple(norms), "lm_head", _tied(model),
-                  norm_offset=offset, qk_norms=tuple(qk))
+                  norm_offset=offset, qk_norms=tuple(qk), attention=attention, mlps=mlps,
+                  config_widths=widths)
 
 
 def _phi(model) -> Layout:
@@ -133,9 +211,14 @@ def _phi(model) -> Layout:
         if c.qk_layernorm:
             qk += [f"{b}.self_attn.q_layernorm", f"{b}.self_attn.k_layernorm"]
     norms.append(NormSite("model.final_layernorm", ("lm_head",), "final"))
+    attention = tuple(_separate_attention(model, f"{h}.{i}.self_attn", "dense")
+                      for i in range(c.num_hidden_layers))
+    mlps = tuple(MlpSite(f"{h}.{i}.mlp.fc1", f"{h}.{i}.mlp.fc2", f"{h}.{i}.mlp.activation_fn")
+                 for i in range(c.num_hidden_layers))
     return Layout("phi", "parallel", "layernorm", c.hidden_size, h, "model.embed_tokens",
                   ("model.embed_tokens",), tuple(writers), tuple(norms), "lm_head", _tied(model),
-                  qk_norms=tuple(qk))
+                  qk_norms=tuple(qk), attention=attention, mlps=mlps,
+                  config_widths=(("intermediate", "intermediate_size"),))
 
 
 def _bert(model) -> Layout:
@@ -152,6 +235,19 @@ def _bert(model) -> Layout:
     return Layout("bert", "post", "layernorm", c.hidden_size, h, f"{emb}.word_embeddings",
                   (f"{emb}.word_embeddings", f"{emb}.position_embeddings", f"{emb}.token_type_embeddings"),
                   tuple(writers), tuple(norms), "cls.predictions.decoder", _tied(model))
+
+
+def _separate_attention(model, path: str, o: str) -> AttentionSite:
+    """Attention with separate q/k/v projections and ``num_key_value_groups`` (Llama, Phi, ...)."""
+    attn = model.get_submodule(path)
+    hd = attn.head_dim
+    return AttentionSite(path, f"{path}.{o}", hd, _in_features(getattr(attn, o)) // hd,
+                         attn.v_proj.weight.shape[0] // hd, f"{path}.q_proj", f"{path}.k_proj",
+                         f"{path}.v_proj", count_attrs=(("num_key_value_groups", "groups"),))
+
+
+def _in_features(mod) -> int:
+    return mod.weight.shape[0] if isinstance(mod, Conv1D) else mod.weight.shape[1]
 
 
 def _tied(model) -> bool:
