@@ -1,0 +1,63 @@
+"""Text to token windows: calibration batches for prune, training and held-out slices for heal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .errors import SurgeryError
+
+
+def read_text(path) -> str:
+    """The text of ``path``; a missing or empty file is a SurgeryError."""
+    path = Path(path)
+    if not path.is_file():
+        raise SurgeryError(f"no text file at {path}")
+    text = path.read_text(errors="replace")
+    if not text.strip():
+        raise SurgeryError(f"text file {path} is empty")
+    return text
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """The 1-D token ids of ``text`` (no special tokens added)."""
+    if tokenizer is None:
+        raise SurgeryError("the checkpoint has no tokenizer, so text cannot be turned into tokens")
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+
+
+def max_length(config) -> int | None:
+    """The longest sequence the model's positions allow (None: no limit known)."""
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_length(ids: torch.Tensor, length: int, what: str = "the text") -> None:
+    if length < 2:
+        raise SurgeryError(f"a sequence needs at least 2 tokens, got --seq-len {length}")
+    if len(ids) < length:
+        raise SurgeryError(f"{what} has {len(ids)} tokens, fewer than one sequence of {length} "
+                           "(give more text or a smaller --seq-len)")
+
+
+def windows(ids: torch.Tensor, length: int, n: int | None = None, what: str = "the text") -> torch.Tensor:
+    """[n, length] windows of ``ids``: n evenly spaced ones (overlapping only if the text is
+    short), or with ``n=None`` every non-overlapping one."""
+    check_length(ids, length, what)
+    if n is None:
+        n = len(ids) // length
+        starts = torch.arange(n) * length
+    else:
+        starts = torch.linspace(0, len(ids) - length, max(1, n)).long()
+    return torch.stack([ids[s:s + length] for s in starts])
+
+
+def split_heldout(ids: torch.Tensor, fraction: float, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first 1 - ``fraction`` of the tokens for training, the rest held out (each at least
+    one sequence long)."""
+    if not 0.0 < fraction < 1.0:
+        raise SurgeryError(f"the held-out fraction must be between 0 and 1, got {fraction:g}")
+    cut = len(ids) - max(length, int(len(ids) * fraction))
+    train, heldout = ids[:cut], ids[cut:]
+    check_length(train, length, "the training part of the text")
+    return train, heldout
