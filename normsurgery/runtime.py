@@ -67,7 +67,54 @@ class DeferredNormLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-MODULES = {"RMSNorm": RMSNorm, "DeferredNormLinear": DeferredNormLinear}
+class CRMSNorm(nn.Module):
+    """Pre-CRMSNorm (Jiang et al. 2023): y = x~ / sqrt((|x~|^2 + (sum x~)^2) / (dim + 1) + eps).
+
+    The stream is zero-mean in dim + 1 dimensions and stored without its last coordinate
+    x_d = -sum(x~); this is RMSNorm of the full vector, restricted to the stored coordinates.
+    Weightless: the gains and biases live in the readers.
+    """
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def spec(self):
+        return {"dim": self.dim, "eps": self.eps}
+
+    def forward(self, x):
+        s = x.to(_stats_dtype(x))
+        ms = (s.pow(2).sum(-1, keepdim=True) + s.sum(-1, keepdim=True).pow(2)) / (self.dim + 1)
+        return (s * torch.rsqrt(ms + self.eps)).to(x.dtype)
+
+
+class CompensatedLayerNorm(nn.Module):
+    """LayerNorm over the dim kept channels of a full_dim stream whose other entries are zero.
+
+    With m = sum(x') / D and v = (sum((x' - m)^2) + (D - d') m^2) / D (= sum(x'^2) / D - m^2),
+    the mean and biased variance of the full D-vector: y = w * (x' - m) / sqrt(v + eps) + b.
+    """
+
+    def __init__(self, dim, full_dim, eps=1e-5, bias=True):
+        super().__init__()
+        self.dim, self.full_dim, self.eps = dim, full_dim, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def spec(self):
+        return {"dim": self.dim, "full_dim": self.full_dim, "eps": self.eps, "bias": self.bias is not None}
+
+    def forward(self, x):
+        s = x.to(_stats_dtype(x))
+        m = s.sum(-1, keepdim=True) / self.full_dim
+        c = s - m
+        v = (c.pow(2).sum(-1, keepdim=True) + (self.full_dim - self.dim) * m.pow(2)) / self.full_dim
+        y = (c * torch.rsqrt(v + self.eps)).to(x.dtype) * self.weight
+        return y if self.bias is None else y + self.bias
+
+
+MODULES = {"RMSNorm": RMSNorm, "DeferredNormLinear": DeferredNormLinear, "CRMSNorm": CRMSNorm,
+           "CompensatedLayerNorm": CompensatedLayerNorm}
 
 #: size attributes that must follow a resized parameter, by module class
 SIZE_ATTRS = {
@@ -131,5 +178,6 @@ def surgery_class(base):
 for _name in BASES:
     globals()["NormSurgery" + _name] = surgery_class(getattr(transformers, _name))
 
-__all__ = ["RMSNorm", "DeferredNormLinear", "apply_structure", "resize", "surgery_class"] + [
+__all__ = ["RMSNorm", "DeferredNormLinear", "CRMSNorm", "CompensatedLayerNorm", "apply_structure", "resize",
+           "surgery_class"] + [
     "NormSurgery" + n for n in BASES]
