@@ -1,0 +1,143 @@
+"""Masks that put exact zeros into a model: unstructured magnitude and residual-channel pruning.
+
+A parameter mask maps parameter names to keep tensors of the parameter's shape (nonzero keeps);
+applying it multiplies each parameter by it. A channel mask is a keep vector over the d
+residual channels. Applying it zeroes, for every removed channel j, what writes j (embedding
+columns, writer rows and bias entries) and j's gain in every stream norm. The stream is then 0
+in j, and a LayerNorm's output there is the constant b_j (g_j * (0 - mean) / std + b_j with
+g_j = 0), which its readers may still see: that constant is part of the function. The model
+after :func:`apply` is "the masked model" that minimization reproduces exactly.
+
+Mask files are safetensors: parameter names, plus ``residual_channels`` for a channel mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from . import algebra
+from .adapters import Layout
+from .errors import SurgeryError
+from .passes.norms import offset_of
+
+CHANNELS = "residual_channels"
+CRITERIA = ("magnitude",)
+
+
+def block_weights(model, layout: Layout) -> dict[str, nn.Parameter]:
+    """The weight matrices of every linear inside the blocks (embeddings and head excluded)."""
+    out = {}
+    for name, mod in model.get_submodule(layout.layers).named_modules():
+        if isinstance(mod, (nn.Linear, Conv1D)):
+            out[f"{layout.layers}.{name}.weight"] = mod.weight
+    return out
+
+
+def magnitude(model, layout: Layout, sparsity: float) -> dict[str, torch.Tensor]:
+    """Per matrix, zero the round(sparsity * numel) entries of smallest |w| (ties by position)."""
+    if not 0.0 <= sparsity < 1.0:
+        raise SurgeryError(f"sparsity must be in [0, 1), got {sparsity}")
+    masks = {}
+    for name, w in block_weights(model, layout).items():
+        k = round(sparsity * w.numel())
+        keep = torch.ones(w.numel(), dtype=torch.bool, device=w.device)
+        keep[w.detach().abs().flatten().argsort(stable=True)[:k]] = False
+        masks[name] = keep.view(w.shape)
+    return masks
+
+
+def channel_scores(model, layout: Layout) -> torch.Tensor:
+    """Energy written into each residual channel: sum of squares of every writer's row j (and
+    bias entry j) and every embedding's column j, in float64."""
+    score = torch.zeros(layout.hidden_size, dtype=torch.float64)
+    for path in layout.embeddings + layout.writers:
+        mod = model.get_submodule(path)
+        w = algebra.weight(mod).cpu()
+        score += w.pow(2).sum(0) if isinstance(mod, nn.Embedding) else w.pow(2).sum(1)
+        c = algebra.bias(mod)
+        if c is not None and not isinstance(mod, nn.Embedding):
+            score += c.cpu().pow(2)
+    return score
+
+
+def prune_channels(model, layout: Layout, k: int, by: str = "magnitude") -> torch.Tensor:
+    """Keep vector over the residual channels without the ``k`` least-written ones."""
+    check_criterion(by)
+    d = layout.hidden_size
+    if not 0 <= k < d:
+        raise SurgeryError(f"prune_channels must be in [0, {d}), got {k}")
+    keep = torch.ones(d, dtype=torch.bool)
+    keep[channel_scores(model, layout).argsort(stable=True)[:k]] = False
+    return keep
+
+
+def check_criterion(by: str) -> None:
+    if by not in CRITERIA:
+        raise SurgeryError(f"unknown pruning criterion {by!r}; known: {', '.join(CRITERIA)}")
+
+
+@torch.no_grad()
+def apply(model, layout: Layout, params: dict[str, torch.Tensor] | None = None,
+          channels: torch.Tensor | None = None) -> dict[str, int]:
+    """Multiply parameters by their masks and zero the removed channels (see the module doc).
+
+    Returns how many parameter entries are zero afterwards among those masked, and the number
+    of channels masked.
+    """
+    named = dict(model.named_parameters(remove_duplicate=False))
+    zeros = 0
+    for name, keep in (params or {}).items():
+        if name not in named:
+            raise SurgeryError(f"the mask names {name!r}, which this model does not have")
+        p = named[name]
+        if tuple(keep.shape) != tuple(p.shape):
+            raise SurgeryError(f"mask for {name} has shape {tuple(keep.shape)}, the parameter {tuple(p.shape)}")
+        p.mul_((keep != 0).to(device=p.device, dtype=p.dtype))
+        zeros += int((p == 0).sum())
+    dropped = 0
+    if channels is not None:
+        if channels.shape != (layout.hidden_size,):
+            raise SurgeryError(f"channel mask has shape {tuple(channels.shape)}, the stream {layout.hidden_size}")
+        gone = (channels == 0).nonzero().flatten()
+        dropped = len(gone)
+        for path in layout.embeddings + layout.writers:
+            mod = model.get_submodule(path)
+            if isinstance(mod, nn.Embedding):
+                mod.weight[:, gone.to(mod.weight.device)] = 0
+                continue
+            rows = gone.to(mod.weight.device)
+            if isinstance(mod, Conv1D):
+                mod.weight[:, rows] = 0
+            else:
+                mod.weight[rows] = 0
+            if getattr(mod, "bias", None) is not None:
+                mod.bias[rows] = 0
+        for site in layout.norms:
+            norm = model.get_submodule(site.path)
+            if getattr(norm, "weight", None) is None:
+                raise SurgeryError(f"{site.path} has no gain to zero: its dead channels would stay visible")
+            norm.weight[gone.to(norm.weight.device)] = -offset_of(norm, layout)
+    return {"zero_entries": zeros, "channels": dropped}
+
+
+def save(path, params: dict[str, torch.Tensor] | None = None, channels: torch.Tensor | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.to(torch.bool).contiguous().cpu() for k, v in (params or {}).items()}
+    if channels is not None:
+        tensors[CHANNELS] = channels.to(torch.bool).cpu()
+    save_file(tensors, str(path))
+
+
+def load(path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """(parameter masks, channel keep vector or None) from a safetensors mask file."""
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SurgeryError(f"cannot read the mask file {path}: {e}") from None
+    channels = tensors.pop(CHANNELS, None)
+    return tensors, channels

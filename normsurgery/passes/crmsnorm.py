@@ -1,0 +1,96 @@
+"""crmsnorm: Pre-LN to Pre-CRMSNorm (Jiang et al. 2023), the residual stream stored in d-1 dims.
+
+After pre-rmsnorm every writer is centred, so the stream x in R^d is zero-mean and its last
+coordinate is x_d = -sum(x~) with x~ = x[:d-1]. Store only x~:
+- writers keep their first d-1 outputs (rows of W and c; embedding columns);
+- each norm's gain g and bias b are folded into its readers first (W <- W diag(g), c <- c + W b),
+  then a reader of the d-vector z becomes W z = (W[:, :d-1] - W[:, d-1] 1^T) z~;
+- each RMSNorm becomes CRMSNorm(d-1): z~ = x~ / sqrt((|x~|^2 + (sum x~)^2) / d + eps), the
+  RMSNorm of the full vector restricted to the stored coordinates.
+Attention and MLP widths stay as they were; only the stream shrinks, so the saved checkpoint
+needs the self-contained loader (config.hidden_size keeps the stock d; the module records carry
+the d-1 shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import adapters, algebra
+from ..adapters import Layout
+from ..registry import PassContext, PassReport, register
+from ..runtime import CRMSNorm, RMSNorm
+from . import _shrink, pre_rmsnorm
+from .norms import eps_of, refuse_post_ln, untie_if_touched
+
+#: |mean of a written vector| / max |entry| below which the stream counts as zero-mean
+CENTRED = 1e-6
+
+
+def _centred(model, layout: Layout) -> bool:
+    for path in layout.embeddings + layout.writers:
+        mod = model.get_submodule(path)
+        w = algebra.weight(mod)
+        means = w.mean(1) if isinstance(mod, nn.Embedding) else w.mean(0)
+        c = algebra.bias(mod)
+        if c is not None and not isinstance(mod, nn.Embedding):
+            means = torch.cat([means, c.mean().view(1)])
+        if means.abs().max() > CENTRED * max(w.abs().max().item(), 1e-30):
+            return False
+    return True
+
+
+def applies(model, layout: Layout) -> str | None:
+    reason = refuse_post_ln(layout)
+    if reason:
+        return reason
+    mods = [model.get_submodule(s.path) for s in layout.norms]
+    if any(isinstance(m, CRMSNorm) for m in mods):
+        return "the norms are already CRMSNorm"
+    if all(isinstance(m, nn.LayerNorm) for m in mods):
+        return None  # pre-rmsnorm runs first
+    if not all(isinstance(m, RMSNorm) for m in mods):
+        return ("the stream norms are not LayerNorm (nor pre-rmsnorm's RMSNorm): an RMSNorm model's "
+                "stream is not zero-mean, and centring it would change the function")
+    if any(m.divisor != m.dim for m in mods):
+        return "the norms divide by more than their width (channels were removed): not a zero-mean stream"
+    if not _centred(model, layout):
+        return "the writers are not centred, so the stream is not zero-mean (run pre-rmsnorm on the LayerNorm model)"
+    return None
+
+
+@register("crmsnorm", "Pre-CRMSNorm: after pre-rmsnorm, store the zero-mean stream in d-1 dimensions",
+          "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
+          applies)
+def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
+    report = PassReport("crmsnorm")
+    before = _shrink.size(model.parameters())
+    if isinstance(model.get_submodule(layout.norms[0].path), nn.LayerNorm):
+        report.notes += pre_rmsnorm.apply(model, layout, PassContext(options={"fold": False})).notes
+        layout = adapters.layout(model)
+    report.notes += untie_if_touched(model, layout, {layout.token_embedding})
+    d = model.get_submodule(layout.token_embedding).weight.shape[1]
+    stored = torch.arange(d - 1)
+    for site in layout.norms:
+        norm = model.get_submodule(site.path)
+        gain = norm.weight.detach().to(algebra.WORK) + norm.offset
+        shift = None if norm.bias is None else norm.bias.detach().to(algebra.WORK)
+        for path in site.readers:
+            reader = model.get_submodule(path)
+            w = algebra.weight(reader)
+            if shift is not None and bool(shift.any()):
+                _shrink.add_to_bias(reader, w @ shift)
+            w = w * gain
+            _shrink.set_matrix(reader, w[:, :-1] - w[:, -1:])
+        new = CRMSNorm(d - 1, eps=eps_of(norm)).to(device=norm.weight.device)
+        _shrink.replace(model, site.path, new)
+    for path in layout.embeddings + layout.writers:
+        _shrink.keep_outputs(model.get_submodule(path), stored)
+    after = _shrink.size(model.parameters())
+    report.notes.append(f"the residual stream is stored in {d - 1} of {d} dimensions; {len(layout.norms)} norms "
+                        "are weightless CRMSNorm, their gains and biases folded into the readers; saving needs the "
+                        f"self-contained loader (config hidden_size stays {d})")
+    report.metrics.update({"stream_width": [d, d - 1], "params": [before[0], after[0]],
+                           "bytes": [before[1], after[1]]})
+    return report
