@@ -21,13 +21,11 @@ from ..heal import heal_model, heldout_ce, make_accelerator
 from ..prune import METHODS, count_layers, prune_model, score_layers, select_layers
 from .app import command, console, emit_json, err
 
-EVAL_WINDOWS = 64  # held-out windows at most (evenly spaced)
-
 PRUNE_DEFAULTS = {"layers": None, "fraction": None, "method": "angular", "samples": 32, "seq_len": 128,
                   "batch_size": 8}
 HEAL_DEFAULTS = {"steps": 200, "rank": 8, "alpha": None, "lr": 2e-3, "target_modules": None,
                  "batch_size": 8, "seq_len": 128, "grad_accum": 1, "precision": "auto",
-                 "eval_fraction": 0.1, "seed": 0}
+                 "eval_fraction": 0.1, "eval_samples": 64, "seed": 0}
 
 
 def load_prune_recipe(path: Path) -> tuple[dict, dict | None]:
@@ -62,6 +60,12 @@ def check_seq_len(config, seq_len: int) -> None:
     limit = max_length(config)
     if limit is not None and seq_len > limit:
         raise SurgeryError(f"--seq-len {seq_len} is longer than the model's {limit} positions")
+
+
+def check_counts(opts: dict, keys: tuple[str, ...]) -> None:
+    for k in keys:
+        if opts[k] < 1:
+            raise SurgeryError(f"--{k.replace('_', '-')} must be at least 1, got {opts[k]}")
 
 
 @contextmanager
@@ -132,7 +136,7 @@ def _heal_data(tokenizer, text: str, eval_text: str | None, opts: dict):
     else:
         train, held = ids, tokenize(tokenizer, eval_text)
     windows(train, opts["seq_len"], 1, "the training text")
-    n_eval = min(EVAL_WINDOWS, max(1, len(held) // opts["seq_len"]))
+    n_eval = min(opts["eval_samples"], max(1, len(held) // opts["seq_len"]))
     return train, windows(held, opts["seq_len"], n_eval, "the held-out text")
 
 
@@ -153,7 +157,7 @@ def save_adapter(peft_model, out: Path, base, *, source=None, force: bool = Fals
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        peft_model.save_pretrained(tmp)
+        peft_model.save_pretrained(tmp, save_embedding_layers=False)  # LoRA never touches embeddings
         if source is not None:
             for f in checkpoint.resolve(source).glob("*token*"):
                 shutil.copy2(f, tmp / f.name)
@@ -195,9 +199,11 @@ def prune(
     text: Optional[Path] = typer.Option(None, help="calibration (and healing) text; default: bundled Shakespeare"),
     samples: Optional[int] = typer.Option(None, help="calibration windows (default 32)"),
     seq_len: Optional[int] = typer.Option(None, help="tokens per window (default 128)"),
+    batch_size: Optional[int] = typer.Option(None, help="windows per forward pass and per heal micro-batch (default 8)"),
     plot: Optional[Path] = typer.Option(None, help="also draw the scores into this PNG"),
     heal: bool = typer.Option(False, "--heal", help="heal with LoRA after pruning (see `heal --help`)"),
     eval_text: Optional[Path] = typer.Option(None, help="held-out text for CE (default: the end of --text)"),
+    eval_samples: Optional[int] = typer.Option(None, help="held-out windows at most (default 64)"),
     steps: Optional[int] = typer.Option(None, help="heal: optimizer steps (default 200)"),
     rank: Optional[int] = typer.Option(None, help="heal: LoRA rank (default 8)"),
     lr: Optional[float] = typer.Option(None, help="heal: learning rate (default 2e-3)"),
@@ -212,11 +218,11 @@ def prune(
     """Remove the layers that change the residual stream least; optionally heal; save."""
     prune_recipe, heal_recipe = load_prune_recipe(recipe) if recipe else ({}, None)
     p = merge(PRUNE_DEFAULTS, prune_recipe, {"layers": layers, "fraction": fraction, "method": method,
-                                             "samples": samples, "seq_len": seq_len})
+                                             "samples": samples, "seq_len": seq_len, "batch_size": batch_size})
     do_heal = heal or heal_recipe is not None
     h = merge(HEAL_DEFAULTS, heal_recipe, {"steps": steps, "rank": rank, "lr": lr, "grad_accum": grad_accum,
                                            "target_modules": split_names(target_modules), "precision": precision,
-                                           "seq_len": seq_len})
+                                           "seq_len": seq_len, "batch_size": batch_size, "eval_samples": eval_samples})
     if p["method"] not in METHODS:
         raise SurgeryError(f"unknown method {p['method']!r}; choose one of {', '.join(METHODS)}")
     path = checkpoint.resolve(src)
@@ -224,8 +230,7 @@ def prune(
     n = count_layers(cfg.num_hidden_layers, p["layers"], p["fraction"])
     checkpoint.check_output(out, force, path)
     check_seq_len(cfg, p["seq_len"])
-    if p["samples"] < 1:
-        raise SurgeryError(f"--samples must be at least 1, got {p['samples']}")
+    check_counts({**h, **p}, ("samples", "batch_size", "eval_samples") + (("steps", "rank") if do_heal else ()))
     tokenizer = checkpoint.load_tokenizer(path)
     needs_text = p["method"] != "last" or do_heal
     if tokenizer is None and needs_text:
@@ -238,9 +243,11 @@ def prune(
         check_seq_len(cfg, h["seq_len"])
         train, held = _heal_data(tokenizer, body, held_text, h)
     else:
-        held = windows(tokenize(tokenizer, held_text), p["seq_len"], EVAL_WINDOWS) if held_text else cal
+        held = windows(tokenize(tokenizer, held_text), p["seq_len"], h["eval_samples"]) if held_text else cal
 
-    model = checkpoint.load(path)
+    from accelerate import PartialState
+
+    model = checkpoint.load(path).to(PartialState().device)  # this process's GPU, if any
     scores = score_layers(model, cal, batch_size=p["batch_size"]) if cal is not None else None
     selection = select_layers(p["method"], n, scores, cfg.num_hidden_layers)
     mask_id = getattr(tokenizer, "mask_token_id", None)
@@ -316,6 +323,7 @@ def heal(
     grad_accum: Optional[int] = typer.Option(None, help="gradient-accumulation steps (default 1)"),
     precision: Optional[str] = typer.Option(None, help="auto (bf16 on a GPU that has it) | no | bf16 | fp16"),
     eval_fraction: Optional[float] = typer.Option(None, help="share of --text held out (default 0.1)"),
+    eval_samples: Optional[int] = typer.Option(None, help="held-out windows at most (default 64)"),
     seed: Optional[int] = typer.Option(None, help="random seed (default 0)"),
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="save the peft adapter (base: SRC), unmerged"),
     force: bool = typer.Option(False, help="replace an existing output"),
@@ -325,14 +333,12 @@ def heal(
     h = merge(HEAL_DEFAULTS, None, {"steps": steps, "rank": rank, "alpha": alpha, "lr": lr,
                                     "target_modules": split_names(target_modules), "batch_size": batch_size,
                                     "seq_len": seq_len, "grad_accum": grad_accum, "precision": precision,
-                                    "eval_fraction": eval_fraction, "seed": seed})
+                                    "eval_fraction": eval_fraction, "eval_samples": eval_samples, "seed": seed})
     path = checkpoint.resolve(src)
     cfg = checkpoint.load_config(path)
     checkpoint.check_output(out, force, path)
     check_seq_len(cfg, h["seq_len"])
-    for k in ("steps", "rank", "batch_size"):
-        if h[k] < 1:
-            raise SurgeryError(f"--{k.replace('_', '-')} must be at least 1, got {h[k]}")
+    check_counts(h, ("steps", "rank", "batch_size", "eval_samples"))
     tokenizer = checkpoint.load_tokenizer(path)
     if tokenizer is None:
         raise SurgeryError(f"{src} has no tokenizer to read the text with")

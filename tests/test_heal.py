@@ -1,0 +1,121 @@
+"""heal: LoRA repairs a pruned model; merged or as an adapter, the result is a plain checkpoint."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from peft import PeftModel
+from typer.testing import CliRunner
+
+import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
+from normsurgery import checkpoint
+from normsurgery.cli import app
+from normsurgery.heal import heal_model, heldout_ce, linear_targets, target_pattern
+
+from models import VOCAB, tiny_model, token_ids
+
+LLAMA = "normsurgery/demo/llama-tiny"
+SAMPLE = "normsurgery/data/sample.txt"
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_merged_adapters_are_a_plain_checkpoint_with_ties_kept(family, tmp_path):
+    model = tiny_model(family, torch.float32)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    linears = len(linear_targets(model))
+    stream, held = token_ids(1, 2000, seed=1)[0], token_ids(4, 32, seed=2)
+    mask_id = VOCAB - 1 if family == "bert" else None
+    peft_model, report = heal_model(model, stream, held, steps=3, seq_len=32, batch_size=4, rank=4, lr=1e-2,
+                                    mask_token_id=mask_id, merge=False)
+    assert report.steps == 3 and report.tokens == 3 * 4 * 32 and report.target_modules == linears
+    with torch.no_grad():
+        expected = peft_model(input_ids=held).logits
+    merged = peft_model.merge_and_unload()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    changed = {n for n, p in merged.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".layer." in n or ".h." in n for n in changed)  # only linears in the blocks
+    checkpoint.save(merged, tmp_path / "out")
+    auto = T.AutoModelForMaskedLM if family == "bert" else T.AutoModelForCausalLM
+    plain = auto.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        got = plain(input_ids=held).logits
+        assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()  # float32 rounding of the merge
+    if plain.config.tie_word_embeddings:
+        assert plain.get_output_embeddings().weight.data_ptr() == plain.get_input_embeddings().weight.data_ptr()
+    assert heldout_ce(plain, held, mask_token_id=mask_id) == pytest.approx(report.ce_after, abs=1e-4)
+
+
+def test_target_modules_by_name_stay_inside_the_blocks():
+    model = tiny_model("llama", torch.float32)
+    assert target_pattern(model, ["q_proj", "down_proj"]) == r"model\.layers\.\d+\.(mlp\.down_proj|self_attn\.q_proj)"
+    with pytest.raises(Exception, match="they are named .*gate_proj"):
+        target_pattern(model, ["c_attn"])
+
+
+def test_prune_then_heal_recovers_heldout_ce(tmp_path):
+    out = tmp_path / "healed"
+    r = run("prune", LLAMA, out, "--fraction", 0.25, "--heal", "--text", SAMPLE,
+            "--eval-text", "normsurgery/data/heldout.txt", "--steps", 30, "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    ce = data["ce"]
+    assert ce["pruned"] > ce["original"] and ce["healed"] < ce["pruned"], ce
+    assert data["heal"]["ce_before"] == pytest.approx(ce["pruned"], abs=1e-4)
+    plain = T.AutoModelForCausalLM.from_pretrained(out)
+    assert len(plain.model.layers) == 6 and not any("lora" in k for k in plain.state_dict())
+    record = json.loads((out / "config.json").read_text())["normsurgery"]
+    assert record["prune"]["layers_after"] == 6 and record["heal"]["steps"] == 30
+
+
+def test_heal_can_keep_the_adapter_for_peft(tmp_path):
+    pruned, adapter = tmp_path / "pruned", tmp_path / "adapter"
+    assert run("prune", LLAMA, pruned, "--layers", 2, "--samples", 4).exit_code == 0
+    r = run("heal", pruned, adapter, "--text", SAMPLE, "--steps", 2, "--seq-len", 64, "--save-adapter", "--json")
+    assert r.exit_code == 0, r.output
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "tokenizer.json").is_file()
+    base = T.AutoModelForCausalLM.from_pretrained(pruned).eval()
+    ids = token_ids(2, 16)
+    with torch.no_grad():
+        plain_logits = base(input_ids=ids).logits
+        tuned = PeftModel.from_pretrained(base, adapter).eval()
+        assert not torch.allclose(tuned(input_ids=ids).logits, plain_logits)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert Path(config["base_model_name_or_path"]) == pruned.resolve()
+
+
+def test_a_recipe_describes_prune_and_heal(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[prune]\nmethod = "last"\nlayers = 1\nsamples = 2\nseq_len = 64\n'
+                      '[heal]\nsteps = 1\nbatch_size = 2\nseq_len = 64\neval_samples = 2\n')
+    out = tmp_path / "out"
+    r = run("prune", LLAMA, out, "--recipe", recipe, "--save-adapter", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["prune"]["removed"] == [6] and data["heal"]["steps"] == 1
+    base = T.AutoModelForCausalLM.from_pretrained(out)  # the pruned model, the adapter beside it
+    assert len(base.model.layers) == 7 and (out / "adapter" / "adapter_config.json").is_file()
+    PeftModel.from_pretrained(base, out / "adapter")
+    recipe.write_text("[prune]\nlayer = 1\n")
+    r = run("prune", LLAMA, tmp_path / "bad", "--recipe", recipe)
+    assert r.exit_code == 1 and "has no option layer" in r.output
+
+
+@pytest.mark.parametrize("text, match", [
+    ("missing", "no text file"), ("empty", "is empty"), ("short", "fewer than one sequence of 128")])
+def test_heal_refuses_bad_text(tmp_path, text, match):
+    files = {"missing": tmp_path / "missing.txt", "empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt"}
+    files["empty"].write_text("")
+    files["short"].write_text("Now is the winter of our discontent. " * 5)
+    out = tmp_path / "out"
+    r = run("heal", LLAMA, out, "--text", files[text], "--steps", 1)
+    assert r.exit_code == 1, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and match in r.output, r.output
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
