@@ -26,6 +26,11 @@ CHANNELS = "residual_channels"
 CRITERIA = ("magnitude",)
 
 
+def stream_width(model, layout: Layout) -> int:
+    """Residual channels stored now (the config's hidden_size once channels are removed)."""
+    return model.get_submodule(layout.token_embedding).weight.shape[1]
+
+
 def block_weights(model, layout: Layout) -> dict[str, nn.Parameter]:
     """The weight matrices of every linear inside the blocks (embeddings and head excluded)."""
     out = {}
@@ -51,7 +56,7 @@ def magnitude(model, layout: Layout, sparsity: float) -> dict[str, torch.Tensor]
 def channel_scores(model, layout: Layout) -> torch.Tensor:
     """Energy written into each residual channel: sum of squares of every writer's row j (and
     bias entry j) and every embedding's column j, in float64."""
-    score = torch.zeros(layout.hidden_size, dtype=torch.float64)
+    score = torch.zeros(stream_width(model, layout), dtype=torch.float64)
     for path in layout.embeddings + layout.writers:
         mod = model.get_submodule(path)
         w = algebra.weight(mod).cpu()
@@ -65,7 +70,7 @@ def channel_scores(model, layout: Layout) -> torch.Tensor:
 def prune_channels(model, layout: Layout, k: int, by: str = "magnitude") -> torch.Tensor:
     """Keep vector over the residual channels without the ``k`` least-written ones."""
     check_criterion(by)
-    d = layout.hidden_size
+    d = stream_width(model, layout)
     if not 0 <= k < d:
         raise SurgeryError(f"prune_channels must be in [0, {d}), got {k}")
     keep = torch.ones(d, dtype=torch.bool)
@@ -98,8 +103,9 @@ def apply(model, layout: Layout, params: dict[str, torch.Tensor] | None = None,
         zeros += int((p == 0).sum())
     dropped = 0
     if channels is not None:
-        if channels.shape != (layout.hidden_size,):
-            raise SurgeryError(f"channel mask has shape {tuple(channels.shape)}, the stream {layout.hidden_size}")
+        d = stream_width(model, layout)
+        if channels.shape != (d,):
+            raise SurgeryError(f"channel mask has shape {tuple(channels.shape)}, the stream {d} channels")
         gone = (channels == 0).nonzero().flatten()
         dropped = len(gone)
         for path in layout.embeddings + layout.writers:

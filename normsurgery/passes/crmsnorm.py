@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import adapters, algebra
+from .. import adapters, algebra, masks
 from ..adapters import Layout
 from ..registry import PassContext, PassReport, register
 from ..runtime import CRMSNorm, RMSNorm
@@ -70,7 +70,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         report.notes += pre_rmsnorm.apply(model, layout, PassContext(options={"fold": False})).notes
         layout = adapters.layout(model)
     report.notes += untie_if_touched(model, layout, {layout.token_embedding})
-    d = model.get_submodule(layout.token_embedding).weight.shape[1]
+    d = masks.stream_width(model, layout)
     stored = torch.arange(d - 1)
     for site in layout.norms:
         norm = model.get_submodule(site.path)

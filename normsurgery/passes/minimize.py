@@ -38,7 +38,7 @@ from .. import adapters, algebra, masks
 from ..adapters import AttentionSite, Layout, MlpSite
 from ..errors import SurgeryError
 from ..registry import PassContext, PassReport, register
-from ..runtime import CompensatedLayerNorm, RMSNorm
+from ..runtime import CompensatedLayerNorm, CRMSNorm, RMSNorm
 from . import _shrink
 from .norms import eps_of, is_rmsnorm, offset_of, refuse_post_ln
 
@@ -329,7 +329,7 @@ def applies(model, layout: Layout) -> str | None:
         return f"the {layout.family} adapter does not describe its attention and MLP blocks"
     for site in layout.norms:
         mod = model.get_submodule(site.path)
-        if not (_layernorm_like(mod) or is_rmsnorm(mod)):
+        if isinstance(mod, CRMSNorm) or not (_layernorm_like(mod) or is_rmsnorm(mod)):
             return f"{site.path} is a {type(mod).__name__}: only LayerNorm and RMSNorm streams can lose channels"
         for r in site.readers:
             if not isinstance(model.get_submodule(r), (nn.Linear, Conv1D)):

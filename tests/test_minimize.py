@@ -1,0 +1,325 @@
+"""minimize / compensated-ln: the minimized model equals the masked one, and is smaller."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers as T
+from torch import nn
+
+import normsurgery as ns
+from normsurgery import algebra, masks
+from normsurgery.adapters import layout
+from normsurgery.passes.minimize import dead_units
+from normsurgery.runtime import CompensatedLayerNorm, RMSNorm
+from normsurgery.verify import compare_logits, faithful_norms, logits
+
+from models import CAUSAL, tiny_model, token_ids
+
+GQA = ["llama", "qwen2", "gemma"]
+
+
+def rel(a, b, ids=None):
+    ids = token_ids() if ids is None else ids
+    return compare_logits(logits(a, ids), logits(b, ids)).relative
+
+
+@torch.no_grad()
+def zero(model, path, rows=None, cols=None, bias=True):
+    """Zero rows (outputs) or columns (inputs) of a linear's W [out, in], and (``bias``) c's rows."""
+    mod = model.get_submodule(path)
+    w = algebra.weight(mod)
+    if rows is not None:
+        w[rows] = 0
+        if bias and algebra.has_bias(mod):
+            mod.bias[rows] = 0
+    if cols is not None:
+        w[:, cols] = 0
+    algebra.set_weight(mod, w)
+
+
+def head_cols(site, heads):
+    return torch.cat([torch.arange(h * site.head_dim, (h + 1) * site.head_dim) for h in heads])
+
+
+def masked(family, dtype=torch.float64, units=True, heads=True, channels=(3, 7, 20)):
+    """A tiny model with dead MLP units (down columns), dead heads (o columns) and dead channels."""
+    model = tiny_model(family, dtype)
+    if dtype == torch.float64:
+        faithful_norms(model)
+    lay = layout(model)
+    for i, (attn, mlp) in enumerate(zip(lay.attention, lay.mlps)):
+        if units:
+            zero(model, mlp.down, cols=torch.arange(i, 64, 5))
+        if heads:
+            zero(model, attn.o, cols=head_cols(attn, [0, 1] if i == 0 else [1]))
+    if channels:
+        keep = torch.ones(lay.hidden_size, dtype=torch.bool)
+        keep[list(channels)] = False
+        masks.apply(model, lay, channels=keep)
+    return model
+
+
+def minimized(model, name="minimize", **options):
+    new = copy.deepcopy(model)
+    steps = ns.apply_passes(new, [(name, options)])
+    return new, steps[0]
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_minimized_equals_masked_float64(family):
+    model = masked(family)
+    new, step = minimized(model)
+    assert rel(model, new) <= 1e-10
+    lay = layout(new)
+    assert step.metrics["stream_width"] == [32, 29]
+    assert new.get_submodule(lay.token_embedding).weight.shape[1] == 29
+    assert [a.num_heads for a in lay.attention] == ([2, 4, 4] if family in GQA + ["mistral", "qwen3"] else [2, 3, 3])
+    assert all(model.get_submodule(m.down).weight.numel() > new.get_submodule(m.down).weight.numel()
+               for m in lay.mlps)
+    norms = [type(new.get_submodule(s.path)) for s in lay.norms]
+    assert set(norms) == {CompensatedLayerNorm if lay.norm_type == "layernorm" else RMSNorm}
+    assert step.metrics["params"][1] < step.metrics["params"][0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma"])
+def test_minimized_equals_masked_float32(family):
+    model = masked(family, torch.float32)
+    new, _ = minimized(model)
+    assert rel(model, new) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "phi", "llama"])
+def test_plain_norm_over_kept_channels_is_not_equivalent(family):
+    """The tests can tell: a LayerNorm (or RMSNorm dividing by d') over the kept channels differs."""
+    model = masked(family, units=False, heads=False)
+    new, _ = minimized(model)
+    for site in layout(new).norms:
+        comp = new.get_submodule(site.path)
+        if isinstance(comp, CompensatedLayerNorm):
+            plain = nn.LayerNorm(comp.dim, eps=comp.eps).double()
+            plain.load_state_dict(comp.state_dict())
+        else:
+            plain = copy.deepcopy(comp)
+            plain.divisor = comp.dim
+        parent, _, leaf = site.path.rpartition(".")
+        setattr(new.get_submodule(parent), leaf, plain)
+    assert rel(model, new) > 1e-4
+
+
+def test_dead_channel_a_layernorm_still_shows_is_kept():
+    """Writers zeroed but gains not: LN outputs -g_j mean / std + b_j there, so j must stay."""
+    model = tiny_model("gpt_neox")
+    lay = layout(model)
+    for path in lay.writers:
+        zero(model, path, rows=[5])
+    with torch.no_grad():
+        model.get_submodule(lay.token_embedding).weight[:, 5] = 0
+    found = dead_units(model, lay)
+    assert found.dead_channels == [5] and found.removable_channels == []
+    new, step = minimized(model, "compensated-ln")
+    assert step.metrics["stream_width"] == [32, 32]
+    assert any("still shows" in n for n in step.notes)
+    assert rel(model, new) <= 1e-10
+
+
+def test_channel_mask_folds_the_norm_bias_into_the_readers():
+    """With g_j = 0 the norm outputs the constant b_j: it moves into the readers' biases (the
+    bias-free LM head gets one)."""
+    model = masked("gpt_neox", units=False, heads=False)
+    assert model.lm_head.bias is None
+    new, _ = minimized(model)
+    assert new.lm_head.bias is not None and new.lm_head.weight.shape == (96, 29)
+    assert rel(model, new) <= 1e-10
+
+
+@pytest.mark.parametrize("family", GQA)
+@pytest.mark.parametrize("dead,expect", [([0, 2], (2, 2)), ([0, 1], (2, 1)), ([1], (4, 2)), ([0, 1, 2, 3], (1, 1))])
+def test_grouped_kv_heads(family, dead, expect):
+    """A kv head goes only with all its query heads; the other groups lose equally many."""
+    model = tiny_model(family)
+    faithful_norms(model)
+    lay = layout(model)
+    for attn in lay.attention:
+        zero(model, attn.o, cols=head_cols(attn, dead))
+    new, _ = minimized(model)
+    assert rel(model, new) <= 1e-10
+    heads, kv = expect
+    for site in layout(new).attention:
+        attn = new.get_submodule(site.path)
+        assert (site.num_heads, site.num_kv_heads) == expect
+        assert attn.q_proj.weight.shape[0] == heads * 8 and attn.k_proj.weight.shape[0] == kv * 8
+        assert attn.num_key_value_groups == heads // kv
+    ids = token_ids(1, 6)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), new.generate(ids, **kw))  # with the KV cache
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen2"])
+def test_value_dead_heads(family):
+    """v rows zero: the head outputs the constant value bias, folded into the output bias where
+    there is one (GPT-2, GPT-NeoX); without one (Qwen2) the head must stay."""
+    model = tiny_model(family)
+    faithful_norms(model)
+    site = layout(model).attention[1]
+    if site.qkv_order == "separate":
+        zero(model, site.v, rows=head_cols(site, [0]), bias=False)
+    elif site.qkv_order == "blocks":
+        zero(model, site.qkv, rows=2 * 32 + head_cols(site, [1]), bias=False)
+    else:  # head 0's rows: q 0-7, k 8-15, v 16-23
+        zero(model, site.qkv, rows=torch.arange(16, 24), bias=False)
+    new, _ = minimized(model)
+    assert rel(model, new) <= 1e-10
+    assert layout(new).attention[1].num_heads == (4 if family == "qwen2" else 3)
+
+
+def test_mlp_units_with_zero_inputs():
+    """Ungated: act(c_i) is a constant folded into down's bias; gated: gate (or up) all zero."""
+    gpt2 = tiny_model("gpt2")
+    zero(gpt2, "transformer.h.1.mlp.c_fc", rows=torch.arange(10), bias=False)
+    llama = tiny_model("llama")
+    faithful_norms(llama)
+    zero(llama, "model.layers.2.mlp.gate_proj", rows=torch.arange(7))
+    zero(llama, "model.layers.2.mlp.up_proj", rows=torch.arange(7, 12))
+    for model, layer, left in [(gpt2, 1, 118), (llama, 2, 52)]:
+        new, step = minimized(model)
+        assert step.metrics["layers"][layer]["mlp_units"][1] == left
+        assert rel(model, new) <= 1e-10
+
+
+def test_magnitude_sparsity_option_equals_the_masked_model():
+    model = tiny_model("gpt2")
+    lay = layout(model)
+    keep = masks.magnitude(model, lay, 0.5)
+    assert all(abs((~k).double().mean().item() - 0.5) < 1e-3 for k in keep.values())
+    reference = copy.deepcopy(model)
+    masks.apply(reference, lay, keep)
+    new, step = minimized(model, sparsity="0.5", by="magnitude")
+    assert step.metrics["reference"] == "masked" and step.metrics["relative_error_vs_masked"] <= 1e-10
+    assert rel(reference, new) <= 1e-10
+    assert rel(model, new) > 1e-3  # the mask itself changed the function
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_prune_channels_option(family, tmp_path):
+    model = tiny_model(family)
+    faithful_norms(model)
+    lay = layout(model)
+    keep = masks.prune_channels(model, lay, 4)
+    reference = copy.deepcopy(model)
+    masks.apply(reference, lay, channels=keep)
+    new, step = minimized(model, prune_channels="4")
+    assert step.metrics["stream_width"] == [32, 28]
+    assert rel(reference, new) <= 1e-10
+    masks.save(tmp_path / "mask.safetensors", channels=keep)
+    from_file, _ = minimized(model, mask=str(tmp_path / "mask.safetensors"))
+    assert rel(reference, from_file) <= 1e-10
+
+
+def test_mask_then_minimize_keeps_per_pass_parity():
+    """As a recipe, the mask pass (function changed on purpose) then minimize (exact)."""
+    model = tiny_model("gpt2")
+    steps = ns.apply_passes(model, [("mask", {"sparsity": 0.3, "prune_channels": 2}), ("minimize", {})],
+                            ids=token_ids(), tolerance=1e-10)
+    assert steps[0].kind == "trained" and steps[0].parity.relative > 1e-3
+    assert steps[1].parity.ok and steps[1].metrics["stream_width"] == [32, 30]
+
+
+def test_compensated_ln_removes_channels_only():
+    model = masked("gpt2")
+    new, step = minimized(model, "compensated-ln")
+    assert step.metrics["stream_width"] == [32, 29]
+    assert new.transformer.h[0].mlp.c_fc.weight.shape == (29, 128)
+    assert new.transformer.h[0].attn.c_proj.weight.shape == (32, 29)
+    assert rel(model, new) <= 1e-10
+
+
+def test_minimize_again_keeps_the_full_width_statistics():
+    """A minimized model masked further and minimized again still divides by the stock d."""
+    model = masked("phi", channels=(1, 2))
+    once, _ = minimized(model)
+    keep = torch.ones(30, dtype=torch.bool)
+    keep[[0, 10]] = False
+    masks.apply(once, layout(once), channels=keep)
+    twice, step = minimized(once)
+    assert step.metrics["stream_width"] == [30, 28]
+    assert twice.model.final_layernorm.full_dim == 32
+    assert rel(once, twice) <= 1e-10
+
+
+def test_dead_units_report():
+    found = dead_units(masked("llama"), layout(tiny_model("llama")))
+    assert found.width == 32 and found.dead_channels == [3, 7, 20] == found.removable_channels
+    first = found.layers[0]
+    assert first.dead_units == list(range(0, 64, 5)) and first.mlp_units == 64
+    assert first.dead_heads == [0, 1] and first.removable_heads == [0, 1] and first.removable_kv_heads == [0]
+    assert found.layers[1].dead_heads == [1] and found.layers[1].removable_heads == []
+
+
+def test_uniform_widths_go_to_the_config_and_save_a_plain_checkpoint(tmp_path):
+    model = tiny_model("llama", torch.float32)
+    lay = layout(model)
+    for attn, mlp in zip(lay.attention, lay.mlps):
+        zero(model, mlp.down, cols=torch.arange(0, 64, 4))
+        zero(model, attn.o, cols=head_cols(attn, [1, 3]))
+    new, step = minimized(model)
+    assert (new.config.intermediate_size, new.config.num_attention_heads, new.config.num_key_value_heads) == (48, 2, 2)
+    saved = ns.save(new, tmp_path / "out")
+    assert saved["custom_modules"] == 0 and "modeling_normsurgery.py" not in saved["files"]
+    plain = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert rel(model, plain) <= 1e-5
+
+
+LOAD = """import sys, torch, transformers as T
+ids = torch.load(sys.argv[1])
+for path in sys.argv[2:]:
+    m = T.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float64).eval()
+    torch.save(m(input_ids=ids).logits, path + '/logits.pt')
+"""
+
+
+def test_saved_outputs_load_both_ways(tmp_path):
+    ids = token_ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    outs = {}
+    for family in ["gpt2", "llama", "qwen2"]:
+        new, _ = minimized(masked(family))
+        out = tmp_path / family
+        saved = ns.save(new, out)
+        assert "modeling_normsurgery.py" in saved["files"] and not saved["plain_transformers"]
+        back = ns.load(out, torch.float64)
+        assert isinstance(back.get_submodule(layout(back).norms[0].path), (CompensatedLayerNorm, RMSNorm))
+        faithful_norms(back)
+        assert rel(new, back, ids) <= 1e-12
+        outs[family] = (new, out)
+    # a clean interpreter that cannot import normsurgery: only transformers and torch
+    r = subprocess.run([sys.executable, "-I", "-c", LOAD, str(tmp_path / "ids.pt")]
+                       + [str(o) for _, o in outs.values()],
+                       capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    for family, (new, out) in outs.items():
+        theirs = torch.load(out / "logits.pt")
+        mine = logits(new, ids)
+        assert ((theirs - mine).abs().max() / mine.abs().max()).item() <= 1e-12
+
+
+@pytest.mark.xfail(strict=True, reason="checkpoint/runtime: NormSurgeryGPTNeoXForCausalLM misses transformers' "
+                   "embed_out -> lm_head renaming (keyed by class name), so lm_head is not loaded")
+def test_gpt_neox_round_trip(tmp_path):
+    new, _ = minimized(masked("gpt_neox"))
+    ns.save(new, tmp_path / "out")
+    back = ns.load(tmp_path / "out", torch.float64)
+    assert rel(new, back) <= 1e-12
+
+
+@pytest.mark.parametrize("family,passes,reason", [
+    ("bert", [("minimize", {})], "Post-LN"),
+    ("gpt2", [("crmsnorm", {}), ("minimize", {})], "CRMSNorm"),
+    ("gpt2", [("minimize", {"by": "wanda", "sparsity": 0.5})], "criterion"),
+    ("gpt2", [("minimize", {"sparsity": 1.5})], "sparsity"),
+])
+def test_refusals(family, passes, reason):
+    with pytest.raises(ns.SurgeryError, match=reason):
+        ns.apply_passes(tiny_model(family), passes)
