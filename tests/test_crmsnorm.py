@@ -1,0 +1,115 @@
+"""crmsnorm: the d-1 dimensional CRMSNorm model equals the original LayerNorm model."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import normsurgery as ns
+from normsurgery.adapters import layout
+from normsurgery.runtime import CRMSNorm, RMSNorm
+from normsurgery.verify import compare_logits, logits
+
+from models import LAYERNORM, tiny_model, token_ids
+
+GPT2 = "normsurgery/demo/gpt2-tiny"
+
+
+def rel(a, b, ids=None):
+    ids = token_ids() if ids is None else ids
+    return compare_logits(logits(a, ids), logits(b, ids)).relative
+
+
+def crms(model, passes=(("crmsnorm", {}),)):
+    new = copy.deepcopy(model)
+    steps = ns.apply_passes(new, list(passes))
+    return new, steps[-1]
+
+
+@pytest.mark.parametrize("family", LAYERNORM)
+def test_crmsnorm_float64(family):
+    model = tiny_model(family)
+    new, step = crms(model)
+    lay = layout(new)
+    assert all(isinstance(new.get_submodule(s.path), CRMSNorm) for s in lay.norms)
+    assert new.get_submodule(lay.token_embedding).weight.shape[1] == 31
+    assert all(new.get_submodule(w).weight.numel() < model.get_submodule(w).weight.numel() for w in lay.writers)
+    assert step.metrics["stream_width"] == [32, 31]
+    assert rel(model, new) <= 1e-10
+
+
+@pytest.mark.parametrize("family", LAYERNORM)
+def test_crmsnorm_float32(family):
+    model = tiny_model(family, torch.float32)
+    new, _ = crms(model)
+    assert rel(model, new) <= 1e-5
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_after_pre_rmsnorm(fold):
+    model = tiny_model("phi")
+    new, _ = crms(model, [("pre-rmsnorm", {"fold": fold}), ("crmsnorm", {})])
+    assert rel(model, new) <= 1e-10
+
+
+def test_rms_over_the_stored_coordinates_is_not_equivalent():
+    """The tests can tell: RMSNorm of x~ alone (dividing by d-1, without (sum x~)^2) differs."""
+    model = tiny_model("gpt2")
+    new, _ = crms(model)
+    for site in layout(new).norms:
+        c = new.get_submodule(site.path)
+        parent, _, leaf = site.path.rpartition(".")
+        setattr(new.get_submodule(parent), leaf, RMSNorm(c.dim, eps=c.eps).double())
+    assert rel(model, new) > 1e-3
+
+
+def test_trained_demo_float64():
+    model = ns.load(GPT2, torch.float64)
+    new, step = crms(model)
+    assert rel(model, new, token_ids(2, 32)) <= 1e-10
+    assert any("untied" in n for n in step.notes)
+
+
+@pytest.mark.parametrize("family,passes,reason", [
+    ("llama", [("crmsnorm", {})], "not zero-mean"),
+    ("bert", [("crmsnorm", {})], "Post-LN"),
+    ("gpt2", [("crmsnorm", {}), ("crmsnorm", {})], "already CRMSNorm"),
+    ("gpt2", [("minimize", {"prune_channels": 2}), ("crmsnorm", {})], "LayerNorm"),
+])
+def test_refusals(family, passes, reason):
+    with pytest.raises(ns.SurgeryError, match=reason):
+        ns.apply_passes(tiny_model(family), passes)
+
+
+LOAD = """import sys, torch, transformers as T
+ids = torch.load(sys.argv[1])
+for path in sys.argv[2:]:
+    m = T.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float64).eval()
+    assert type(m.get_output_embeddings()).__name__ == 'Linear'
+    torch.save(m(input_ids=ids).logits, path + '/logits.pt')
+"""
+
+
+def test_saved_output_loads_both_ways(tmp_path):
+    ids = token_ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    outs = {}
+    for family in ["gpt2", "opt", "phi"]:
+        model = tiny_model(family)
+        new, _ = crms(model)
+        saved = ns.save(new, tmp_path / family)
+        assert "modeling_normsurgery.py" in saved["files"] and not saved["plain_transformers"]
+        back = ns.load(tmp_path / family, torch.float64)
+        assert isinstance(back.get_submodule(layout(back).final_norm.path), CRMSNorm)
+        assert back.config.hidden_size == 32  # the stock width; the module records carry d-1
+        assert rel(model, back, ids) <= 1e-10
+        outs[family] = model
+    r = subprocess.run([sys.executable, "-I", "-c", LOAD, str(tmp_path / "ids.pt")]
+                       + [str(tmp_path / f) for f in outs],
+                       capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    for family, model in outs.items():
+        theirs, mine = torch.load(tmp_path / family / "logits.pt"), logits(model, ids)
+        assert ((theirs - mine).abs().max() / mine.abs().max()).item() <= 1e-10
