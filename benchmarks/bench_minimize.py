@@ -32,8 +32,6 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
-from normsurgery import masks  # noqa: E402
-from normsurgery.adapters import layout  # noqa: E402
 from normsurgery.verify import compare_logits, logits  # noqa: E402
 
 DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / "normsurgery/demo/llama-tiny"}

@@ -36,7 +36,6 @@ from transformers.pytorch_utils import Conv1D
 
 from .. import adapters, algebra, masks
 from ..adapters import AttentionSite, Layout, MlpSite
-from ..errors import SurgeryError
 from ..registry import PassContext, PassReport, register
 from ..runtime import CompensatedLayerNorm, CRMSNorm, RMSNorm
 from . import _shrink
@@ -373,7 +372,8 @@ def _run(model, layout: Layout, ctx: PassContext, name: str, blocks: bool) -> Pa
     if blocks:
         for w, attn, mlp in zip(widths, layout.attention, layout.mlps):
             w["mlp_units"] = list(_shrink_mlp(model, mlp))
-            w["heads"], w["kv_heads"] = zip((attn.num_heads, attn.num_kv_heads), _shrink_attention(model, attn))
+            w["heads"], w["kv_heads"] = map(list, zip((attn.num_heads, attn.num_kv_heads),
+                                                      _shrink_attention(model, attn)))
     dead, removable = _channels(model, layout)  # after the blocks: a removed unit may have been a channel's last writer
     stream = _shrink_channels(model, layout, removable) if bool(removable.any()) else (len(dead),) * 2
     report.notes += _record_widths(model, adapters.layout(model),
@@ -393,7 +393,10 @@ def _run(model, layout: Layout, ctx: PassContext, name: str, blocks: bool) -> Pa
     visible = int(dead.sum() - removable.sum())
     report.notes.append(f"removed {stream[0] - stream[1]} of {stream[0]} residual channels"
                         + (f"; {visible} more are unwritten but a LayerNorm still shows them to its readers"
-                           if visible else ""))
+                           if visible else "")
+                        + (f"; config hidden_size stays {stream[0]} (the norms' divisor), the saved checkpoint "
+                           "records the narrower modules and needs the self-contained loader"
+                           if stream[1] < stream[0] else ""))
     report.notes.append(f"parameters {before['total']['params']:,} -> {after['total']['params']:,}, "
                         f"bytes {before['total']['bytes']:,} -> {after['total']['bytes']:,}")
     if reference is not None:
