@@ -59,6 +59,9 @@ def worker(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
+    import accelerate  # noqa: F401  (imported before the baseline RSS, like everything heal uses)
+    import peft  # noqa: F401
+
     from normsurgery.heal import heal_model, make_accelerator
     from normsurgery.prune import score_layers
 

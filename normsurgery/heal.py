@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -39,6 +40,7 @@ class HealReport:
     ce_after: float
     steps: int
     tokens: int  # tokens trained on, all processes together
+    epochs: float  # tokens / training-text tokens: how many times over the text was read
     seconds: float
     rank: int
     alpha: float
@@ -64,7 +66,9 @@ def is_masked_lm(model) -> bool:
 
 
 def make_accelerator(mixed_precision: str = "auto", grad_accum: int = 1):
-    """An Accelerator; ``auto`` means bf16 on a GPU that supports it, else full precision."""
+    """An Accelerator; ``auto`` means bf16 on a GPU that supports it, else full precision.
+    Without a GPU it asks for the CPU, so ``torchrun``/``accelerate launch`` processes join one
+    multi-CPU group."""
     from accelerate import Accelerator
 
     if mixed_precision == "auto":
@@ -74,7 +78,8 @@ def make_accelerator(mixed_precision: str = "auto", grad_accum: int = 1):
     if grad_accum < 1:
         raise SurgeryError(f"gradient accumulation needs at least 1 step, got {grad_accum}")
     try:
-        return Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum)
+        return Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum,
+                           cpu=not torch.cuda.is_available())
     except ValueError as e:  # accelerate's state is per process: its precision is fixed once set
         raise SurgeryError(str(e)) from None
 
@@ -205,8 +210,10 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
     pattern = target_pattern(model, target_modules)
     conv1d = any(isinstance(m, Conv1D) for n, m in model.named_modules() if re.fullmatch(pattern, n))
     torch.manual_seed(seed)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
-                                                  target_modules=pattern, fan_in_fan_out=conv1d))
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
+                                                      target_modules=pattern, fan_in_fan_out=conv1d))
     params = [p for p in peft_model.parameters() if p.requires_grad]
     targets = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -249,8 +256,8 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
     seconds = time.perf_counter() - t0
     ce_after = heldout_ce(inner, eval_windows, mask_token_id=mask_token_id, batch_size=batch_size,
                           autocast=acc.autocast)
-    report = HealReport(ce_before, ce_after, step, step * accum * batch_size * acc.num_processes * seq_len,
-                        seconds, rank, alpha, lr, sum(p.numel() for p in params), targets,
+    tokens = step * accum * batch_size * acc.num_processes * seq_len
+    report = HealReport(ce_before, ce_after, step, tokens, tokens / len(train_ids), seconds, rank, alpha, lr, sum(p.numel() for p in params), targets,
                         acc.mixed_precision, acc.num_processes, losses)
     inner.eval()
     return (inner.merge_and_unload() if merge else inner), report

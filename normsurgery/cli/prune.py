@@ -140,9 +140,8 @@ def _heal_data(tokenizer, text: str, eval_text: str | None, opts: dict):
     return train, windows(held, opts["seq_len"], n_eval, "the held-out text")
 
 
-def _run_heal(model, tokenizer, train, held, opts, save_adapter: bool, progress):
-    acc = make_accelerator(opts["precision"], opts["grad_accum"])
-    return acc, *heal_model(model, train, held, steps=opts["steps"], seq_len=opts["seq_len"],
+def _run_heal(acc, model, tokenizer, train, held, opts, save_adapter: bool, progress):
+    return heal_model(model, train, held, steps=opts["steps"], seq_len=opts["seq_len"],
                             batch_size=opts["batch_size"], rank=opts["rank"], alpha=opts["alpha"],
                             lr=opts["lr"], target_modules=opts["target_modules"],
                             mask_token_id=getattr(tokenizer, "mask_token_id", None), merge=not save_adapter,
@@ -166,6 +165,17 @@ def save_adapter(peft_model, out: Path, base, *, source=None, force: bool = Fals
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+OVERFIT_EPOCHS = 4
+
+
+def overfit_note(report) -> str | None:
+    if report.epochs <= OVERFIT_EPOCHS:
+        return None
+    return (f"note: healing read the training text {report.epochs:.0f} times over "
+            f"({report.tokens} tokens from {round(report.tokens / report.epochs)}): held-out CE may "
+            "suffer from overfitting; give more text or fewer --steps")
 
 
 def _heal_summary(report) -> dict:
@@ -245,9 +255,8 @@ def prune(
     else:
         held = windows(tokenize(tokenizer, held_text), p["seq_len"], h["eval_samples"]) if held_text else cal
 
-    from accelerate import PartialState
-
-    model = checkpoint.load(path).to(PartialState().device)  # this process's GPU, if any
+    acc = make_accelerator(h["precision"], h["grad_accum"])  # one process of several, or the only one
+    model = checkpoint.load(path).to(acc.device)
     scores = score_layers(model, cal, batch_size=p["batch_size"]) if cal is not None else None
     selection = select_layers(p["method"], n, scores, cfg.num_hidden_layers)
     mask_id = getattr(tokenizer, "mask_token_id", None)
@@ -257,12 +266,12 @@ def prune(
     record = prune_model(model, selection.layers)
     if held is not None:
         ce["pruned"] = heldout_ce(model, held, mask_token_id=mask_id)
-    report, acc = None, None
+    report = None
     if do_heal:
-        with step_bar(not json, "heal") as bar:
-            acc, model, report = _run_heal(model, tokenizer, train, held, h, save_adapter_, bar)
+        with step_bar(not json and acc.is_main_process, "heal") as bar:
+            model, report = _run_heal(acc, model, tokenizer, train, held, h, save_adapter_, bar)
         ce["healed"] = report.ce_after
-    if acc is not None and not acc.is_main_process:
+    if not acc.is_main_process:
         acc.wait_for_everyone()
         return
     meta = {"version": __version__, "source": str(src),
@@ -278,8 +287,7 @@ def prune(
             shutil.rmtree(adapter_tmp, ignore_errors=True)
     else:
         saved = checkpoint.save(model, out, source=path, force=force, record=meta)
-    if acc is not None:
-        acc.wait_for_everyone()
+    acc.wait_for_everyone()
     if plot is not None and scores is not None:
         plot_scores(plot, selection, scores)
     rec = recovered_fraction(ce["original"], ce["pruned"], ce["healed"]) if "healed" in ce else None
@@ -300,8 +308,11 @@ def prune(
         console.print(f"healed: {report.steps} steps, {report.tokens} tokens, "
                       f"{report.tokens_per_second:.0f} tokens/s, LoRA rank {report.rank} on "
                       f"{report.target_modules} linears", highlight=False)
+        if overfit_note(report):
+            err.print(overfit_note(report), highlight=False)
     tail = " (adapter unmerged in adapter/)" if report and save_adapter_ else ""
-    console.print(f"saved {saved['path']}{tail}; loads with plain transformers", highlight=False)
+    how = "plain transformers" if saved["plain_transformers"] else "trust_remote_code=True or normsurgery.load"
+    console.print(f"saved {saved['path']}{tail}; loads with {how}", highlight=False)
     if plot is not None and scores is not None:
         console.print(f"plot: {plot}", highlight=False)
 
@@ -344,9 +355,10 @@ def heal(
         raise SurgeryError(f"{src} has no tokenizer to read the text with")
     body = read_text(text)
     train, held = _heal_data(tokenizer, body, read_text(eval_text) if eval_text else None, h)
+    acc = make_accelerator(h["precision"], h["grad_accum"])
     model = checkpoint.load(path)
-    with step_bar(not json, "heal") as bar:
-        acc, model, report = _run_heal(model, tokenizer, train, held, h, save_adapter_, bar)
+    with step_bar(not json and acc.is_main_process, "heal") as bar:
+        model, report = _run_heal(acc, model, tokenizer, train, held, h, save_adapter_, bar)
     if not acc.is_main_process:
         acc.wait_for_everyone()
         return
@@ -365,7 +377,10 @@ def heal(
                   f"({report.tokens_per_second:.0f} tokens/s, {report.processes} process(es), "
                   f"precision {report.mixed_precision}); LoRA rank {report.rank} on {report.target_modules} linears, "
                   f"{report.trainable_parameters} trainable parameters", highlight=False)
-    what = "adapter (peft; base " + str(path) + ")" if save_adapter_ else "merged; loads with plain transformers"
+    if overfit_note(report):
+        err.print(overfit_note(report), highlight=False)
+    how = "plain transformers" if saved.get("plain_transformers") else "trust_remote_code=True or normsurgery.load"
+    what = f"adapter (peft; base {path})" if save_adapter_ else f"merged; loads with {how}"
     console.print(f"saved {saved['path']}: {what}", highlight=False)
 
 
