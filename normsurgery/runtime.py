@@ -172,7 +172,21 @@ def surgery_class(base):
         base.__init__(self, config, *args, **kwargs)
         apply_structure(self, (getattr(config, "normsurgery", None) or {}).get("modules", []))
 
-    return type("NormSurgery" + base.__name__, (base,), {"__init__": __init__})
+    cls = type("NormSurgery" + base.__name__, (base,), {"__init__": __init__})
+    _inherit_weight_renames(base.__name__, cls.__name__)
+    return cls
+
+
+def _inherit_weight_renames(base_name, name):
+    """transformers renames some on-disk keys by class name (GPT-NeoX's embed_out -> lm_head):
+    give the subclass the same renames."""
+    try:
+        from transformers import conversion_mapping as cm
+    except ImportError:  # transformers before 5 renames nothing by class name
+        return
+    mapping = cm.get_checkpoint_conversion_mapping(base_name)
+    if mapping:
+        cm.register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
 
 
 for _name in BASES:

@@ -8,11 +8,13 @@ from torch import nn
 from .. import algebra
 from ..adapters import Layout, NormSite
 from ..errors import SurgeryError
-from ..runtime import RMSNorm
+from ..runtime import CRMSNorm, RMSNorm
 
 
 def is_rmsnorm(mod: nn.Module) -> bool:
-    return isinstance(mod, RMSNorm) or type(mod).__name__.endswith("RMSNorm")
+    """Ours, or an HF ``*RMSNorm`` class (not CRMSNorm, which normalises a d-1 stored stream)."""
+    return isinstance(mod, RMSNorm) or (type(mod).__name__.endswith("RMSNorm")
+                                        and not isinstance(mod, CRMSNorm))
 
 
 def eps_of(mod: nn.Module) -> float:
