@@ -23,7 +23,7 @@ demo: install
 	.venv/bin/normsurgery verify normsurgery/demo/llama-tiny demo-out/llama-flash
 
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -q
 
 bench: install
 	$(PY) benchmarks/run.py
