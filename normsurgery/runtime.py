@@ -155,8 +155,11 @@ def apply_structure(model, records):
             setattr(parent, leaf, new)
         if "params" in rec:
             resize(model.get_submodule(rec["path"]), rec["params"])
-        for name, value in rec.get("attrs", {}).items():
-            setattr(model.get_submodule(rec["path"]), name, value)
+        if rec.get("attrs"):
+            module = model.get_submodule(rec["path"])
+            for name, value in rec["attrs"].items():
+                setattr(module, name, value)
+            module._normsurgery_attrs = dict(rec["attrs"])  # so a re-save records them again
     return model
 
 

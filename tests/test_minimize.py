@@ -321,3 +321,15 @@ def test_gpt_neox_round_trip(tmp_path):
 def test_refusals(family, passes, reason):
     with pytest.raises(ns.SurgeryError, match=reason):
         ns.apply_passes(tiny_model(family), passes)
+
+
+def test_a_loaded_minimized_checkpoint_saves_again(tmp_path):
+    """Per-layer head counts survive load -> save -> load (they live in module attributes)."""
+    new, _ = minimized(masked("gpt2"))
+    ns.save(new, tmp_path / "a")
+    again = ns.load(tmp_path / "a", torch.float64)
+    ns.save(again, tmp_path / "b")
+    third = ns.load(tmp_path / "b", torch.float64)
+    ids = token_ids()
+    ref = new(ids).logits
+    assert ((third(ids).logits - ref).abs().max() / ref.abs().max()).item() <= 1e-12
