@@ -144,3 +144,12 @@ def test_convert_refuses_to_save_when_parity_breaks(tmp_path):
     assert_refused(r, out, "broke parity")
     r = run("convert", GPT2, out, "--pass", "flashnorm", "--tol", "1e-30", "--force")
     assert r.exit_code == 0 and (out / "config.json").is_file()
+
+
+def test_inspect_shows_dead_units_of_a_masked_model(tmp_path):
+    out = tmp_path / "masked"
+    assert run("convert", GPT2, out, "--pass", "mask:prune_channels=16").exit_code == 0
+    dead = json.loads(run("inspect", out, "--json").stdout)["dead"]
+    assert dead["width"] == 128 and len(dead["dead_channels"]) == 16
+    assert all(len(d["unwritten_channels"]) >= 16 for d in dead["layers"])
+    assert json.loads(run("inspect", GPT2, "--json").stdout)["dead"]["dead_channels"] == []

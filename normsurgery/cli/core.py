@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +14,7 @@ from .. import checkpoint, registry
 from ..convert import convert as convert_checkpoint, load_recipe, parse_pass
 from ..adapters import layout
 from ..errors import SurgeryError
+from ..passes.minimize import dead_units
 from ..verify import verify as verify_api
 from .app import command, console, emit_json, fmt, progress_bar
 
@@ -159,6 +161,7 @@ def inspect(src: str = typer.Argument(..., help="checkpoint folder or cached hub
         "readers": sum(len(s.readers) for s in lay.norms), "qk_norms": len(lay.qk_norms),
         "norm_sites": _norm_sites(lay),
         "passes": {p.name: (p.applies(model, lay) or "applies") for p in registry.all_passes()},
+        "dead": asdict(dead_units(model, lay)) if lay.attention else None,
     }
     if json:
         emit_json(info)
@@ -167,13 +170,29 @@ def inspect(src: str = typer.Argument(..., help="checkpoint folder or cached hub
     table.add_column("")
     table.add_column("")
     for k, v in info.items():
-        if k not in ("passes", "norm_sites"):
+        if k not in ("passes", "norm_sites", "dead"):
             table.add_row(k.replace("_", " "), str(v))
     for site in info["norm_sites"]:
         table.add_row(f"norm ({site['role']})", f"{site['path']} -> {', '.join(site['readers']) or '(the stream)'}")
     for name, why in info["passes"].items():
         table.add_row(f"pass {name}", "[green]applies[/green]" if why == "applies" else why)
     console.print(table)
+    if info["dead"]:
+        console.print(_dead_table(info["dead"]))
+
+
+def _dead_table(dead: dict) -> Table:
+    """Per layer: dead MLP units, dead and removable heads, channels its writers leave zero."""
+    table = Table(title=f"dead units (stream: {dead['width']} channels, {len(dead['dead_channels'])} unwritten, "
+                        f"{len(dead['removable_channels'])} removable)")
+    for col in ("layer", "MLP units dead", "heads dead", "heads removable", "KV heads removable",
+                "channels unwritten"):
+        table.add_column(col)
+    for d in dead["layers"]:
+        table.add_row(str(d["layer"]), f"{len(d['dead_units'])}/{d['mlp_units']}",
+                      f"{len(d['dead_heads'])}/{d['heads']}", str(len(d["removable_heads"])),
+                      f"{len(d['removable_kv_heads'])}/{d['kv_heads']}", str(len(d["unwritten_channels"])))
+    return table
 
 
 def _norm_sites(lay) -> list[dict]:
