@@ -8,6 +8,7 @@ overall against the unmodified model; the cast to the storage dtype is reported 
 
 from __future__ import annotations
 
+import copy
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,13 +104,13 @@ def check_applicable(model, name: str) -> registry.Pass:
 
 def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.Tensor | None = None,
                  tolerance: float | None = None, context: PassContext | None = None,
-                 progress: Progress = _no_progress) -> list[Step]:
+                 progress: Progress = _no_progress, reference: torch.Tensor | None = None) -> list[Step]:
     """Run ``passes`` in order on ``model`` (in place). With ``ids``, each pass's parity is
-    measured against the logits before it; an exact pass out of ``tolerance`` is reported,
-    not raised (the caller decides)."""
+    measured against the logits before it (``reference``: those of the model as given, when
+    already computed); an exact pass out of ``tolerance`` is reported, not raised."""
     context = context or PassContext()
     steps = []
-    before = logits(model, ids) if ids is not None else None
+    before = reference if reference is not None or ids is None else logits(model, ids)
     for i, (name, options) in enumerate(passes):
         p = check_applicable(model, name)
         opts = registry.check_options(p, options)
@@ -160,10 +161,13 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         result.cast_baseline = _in_dtype(model, storage, ids, reference)
     tol = TOLERANCE[dtype] if tolerance is None else tolerance
     context = PassContext(tokenizer=tokenizer, text=text)
-    result.steps = apply_passes(model, passes, ids=ids, tolerance=tol, context=context, progress=progress)
+    result.steps = apply_passes(model, passes, ids=ids, tolerance=tol, context=context, progress=progress,
+                                reference=reference)
     if verify:
         progress("verify", 0, 1)
-        result.parity = compare_logits(reference, logits(model, ids))
+        # with one pass its own check is the overall one: no second forward
+        result.parity = (compare_logits(reference, logits(model, ids)) if len(result.steps) > 1
+                         else copy.copy(result.steps[0].parity))
         result.parity.tolerance = tol
         progress("verify", 1, 1)
         if not result.ok and not force:

@@ -66,18 +66,29 @@ def token_batches(tokenizer, text: str | None, vocab_size: int, n: int = 4, leng
 
 @torch.no_grad()
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids.to(model.device)).logits.to(torch.float64)
+    """Logits in the model's dtype, at least float32 (compare_logits works in float64 by rows)."""
+    out = model(input_ids=ids.to(model.device)).logits
+    return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
 
 def compare_logits(ref: torch.Tensor, out: torch.Tensor) -> Comparison:
+    """The metrics, computed in float64 one sequence at a time (a batch of vocab-sized float64
+    copies would cost more memory than the model)."""
     if ref.shape != out.shape:
         raise SurgeryError(f"the models' logits differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}")
-    d = (ref - out).abs()
-    logp, logq = ref.log_softmax(-1), out.log_softmax(-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1).mean()
-    top1 = (ref.argmax(-1) == out.argmax(-1)).double().mean()
-    return Comparison(d.max().item(), d.mean().item(), (d.max() / ref.abs().max()).item(),
-                      max(kl.item(), 0.0), top1.item())
+    max_abs = abs_sum = kl = agree = 0.0
+    ref_max = 0.0
+    for r, o in zip(ref.reshape(-1, *ref.shape[-2:]), out.reshape(-1, *out.shape[-2:])):
+        r, o = r.double(), o.double()
+        d = (r - o).abs()
+        max_abs, abs_sum = max(max_abs, d.max().item()), abs_sum + d.sum().item()
+        ref_max = max(ref_max, r.abs().max().item())
+        logp, logq = r.log_softmax(-1), o.log_softmax(-1)
+        kl += (logp.exp() * (logp - logq)).sum().item()
+        agree += (r.argmax(-1) == o.argmax(-1)).sum().item()
+    positions = ref[..., 0].numel()
+    return Comparison(max_abs, abs_sum / ref.numel(), max_abs / ref_max, max(kl / positions, 0.0),
+                      agree / positions)
 
 
 @torch.no_grad()
