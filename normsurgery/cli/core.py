@@ -10,7 +10,7 @@ import torch
 import typer
 from rich.table import Table
 
-from .. import checkpoint, registry
+from .. import calibration, checkpoint, registry
 from ..convert import convert as convert_checkpoint, load_recipe, parse_pass
 from ..adapters import layout
 from ..errors import SurgeryError
@@ -23,14 +23,7 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.f
 
 
 def read_text(path: Optional[Path]) -> Optional[str]:
-    if path is None:
-        return None
-    if not path.is_file():
-        raise SurgeryError(f"no text file at {path}")
-    text = path.read_text(errors="replace")
-    if not text.strip():
-        raise SurgeryError(f"text file {path} is empty")
-    return text
+    return None if path is None else calibration.read_text(path)
 
 
 def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
