@@ -12,7 +12,7 @@ Placement:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from transformers.pytorch_utils import Conv1D
 
@@ -77,7 +77,6 @@ class Layout:
     tied: bool  # head shares its weight with the token embedding
     norm_offset: float = 0.0  # gain = offset + weight (Gemma: 1)
     qk_norms: tuple[str, ...] = ()  # per-head norms inside attention: not foldable
-    notes: tuple[str, ...] = field(default=())
     attention: tuple[AttentionSite, ...] = ()  # one per block
     mlps: tuple[MlpSite, ...] = ()  # one per block
     # (quantity, config key) the stock __init__ builds widths from: "intermediate", "heads",
@@ -92,23 +91,19 @@ class Layout:
 def _gpt2(model) -> Layout:
     c = model.config
     h = "transformer.h"
-    norms = []
-    writers = []
+    norms, writers, attention, mlps = [], [], [], []
     for i in range(c.n_layer):
         b = f"{h}.{i}"
         norms += [NormSite(f"{b}.ln_1", (f"{b}.attn.c_attn",), "attn"),
                   NormSite(f"{b}.ln_2", (f"{b}.mlp.c_fc",), "mlp")]
         writers += [f"{b}.attn.c_proj", f"{b}.mlp.c_proj"]
-    norms.append(NormSite("transformer.ln_f", ("lm_head",), "final"))
-    attention, mlps = [], []
-    for i in range(c.n_layer):
-        b = f"{h}.{i}"
         attn = model.get_submodule(f"{b}.attn")
         n = _in_features(attn.c_proj) // attn.head_dim
         attention.append(AttentionSite(f"{b}.attn", f"{b}.attn.c_proj", attn.head_dim, n, n,
                                        qkv=f"{b}.attn.c_attn", qkv_order="blocks",
                                        count_attrs=(("num_heads", "heads"), ("split_size", "width"))))
         mlps.append(MlpSite(f"{b}.mlp.c_fc", f"{b}.mlp.c_proj", f"{b}.mlp.act"))
+    norms.append(NormSite("transformer.ln_f", ("lm_head",), "final"))
     return Layout("gpt2", "pre", "layernorm", c.n_embd, h, "transformer.wte",
                   ("transformer.wte", "transformer.wpe"), tuple(writers), tuple(norms),
                   "lm_head", _tied(model), attention=tuple(attention), mlps=tuple(mlps),
@@ -118,22 +113,19 @@ def _gpt2(model) -> Layout:
 def _gpt_neox(model) -> Layout:
     c = model.config
     h = "gpt_neox.layers"
-    norms, writers = [], []
+    norms, writers, attention, mlps = [], [], [], []
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
         norms += [NormSite(f"{b}.input_layernorm", (f"{b}.attention.query_key_value",), "attn"),
                   NormSite(f"{b}.post_attention_layernorm", (f"{b}.mlp.dense_h_to_4h",), "mlp")]
         writers += [f"{b}.attention.dense", f"{b}.mlp.dense_4h_to_h"]
-    norms.append(NormSite("gpt_neox.final_layer_norm", ("lm_head",), "final"))
-    placement = "parallel" if c.use_parallel_residual else "pre"
-    attention, mlps = [], []
-    for i in range(c.num_hidden_layers):
-        b = f"{h}.{i}"
         attn = model.get_submodule(f"{b}.attention")
         n = _in_features(attn.dense) // attn.head_size
         attention.append(AttentionSite(f"{b}.attention", f"{b}.attention.dense", attn.head_size, n, n,
                                        qkv=f"{b}.attention.query_key_value", qkv_order="heads"))
         mlps.append(MlpSite(f"{b}.mlp.dense_h_to_4h", f"{b}.mlp.dense_4h_to_h", f"{b}.mlp.act"))
+    norms.append(NormSite("gpt_neox.final_layer_norm", ("lm_head",), "final"))
+    placement = "parallel" if c.use_parallel_residual else "pre"
     return Layout("gpt_neox", placement, "layernorm", c.hidden_size, h, "gpt_neox.embed_in",
                   ("gpt_neox.embed_in",), tuple(writers), tuple(norms), "lm_head", _tied(model),
                   attention=tuple(attention), mlps=tuple(mlps),
@@ -144,33 +136,30 @@ def _opt(model) -> Layout:
     c = model.config
     d = "model.decoder"
     h = f"{d}.layers"
-    norms, writers = [], []
+    decoder = model.get_submodule(d)
+    pre = c.do_layer_norm_before
+    norms, writers, attention, mlps = [], [], [], []
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
-        attn = tuple(f"{b}.self_attn.{p}_proj" for p in "qkv")
-        norms += [NormSite(f"{b}.self_attn_layer_norm", attn, "attn" if c.do_layer_norm_before else "post"),
-                  NormSite(f"{b}.final_layer_norm", (f"{b}.fc1",), "mlp" if c.do_layer_norm_before else "post")]
+        qkv = tuple(f"{b}.self_attn.{p}_proj" for p in "qkv")
+        norms += [NormSite(f"{b}.self_attn_layer_norm", qkv, "attn" if pre else "post"),
+                  NormSite(f"{b}.final_layer_norm", (f"{b}.fc1",), "mlp" if pre else "post")]
         writers += [f"{b}.self_attn.out_proj", f"{b}.fc2"]
-    project_in = getattr(model.model.decoder, "project_in", None) is not None
-    embeddings = (f"{d}.embed_positions",) if project_in else (f"{d}.embed_tokens", f"{d}.embed_positions")
-    if project_in:
-        writers.insert(0, f"{d}.project_in")
-    if getattr(model.model.decoder, "final_layer_norm", None) is not None:
-        reader = f"{d}.project_out" if getattr(model.model.decoder, "project_out", None) is not None else "lm_head"
-        norms.append(NormSite(f"{d}.final_layer_norm", (reader,), "final"))
-    placement = "pre" if c.do_layer_norm_before else "post"
-    attention, mlps = [], []
-    for i in range(c.num_hidden_layers):
-        b = f"{h}.{i}"
         attn = model.get_submodule(f"{b}.self_attn")
         n = _in_features(attn.out_proj) // attn.head_dim
         attention.append(AttentionSite(f"{b}.self_attn", f"{b}.self_attn.out_proj", attn.head_dim, n, n,
-                                       *(f"{b}.self_attn.{p}_proj" for p in "qkv"),
-                                       count_attrs=(("num_heads", "heads"),)))
+                                       *qkv, count_attrs=(("num_heads", "heads"),)))
         mlps.append(MlpSite(f"{b}.fc1", f"{b}.fc2", f"{b}.activation_fn"))
-    return Layout("opt", placement, "layernorm", c.hidden_size, h, f"{d}.embed_tokens", embeddings,
-                  tuple(writers), tuple(norms), "lm_head", _tied(model), attention=tuple(attention),
-                  mlps=tuple(mlps), config_widths=(("intermediate", "ffn_dim"),))
+    project_in = getattr(decoder, "project_in", None) is not None
+    embeddings = (f"{d}.embed_positions",) if project_in else (f"{d}.embed_tokens", f"{d}.embed_positions")
+    if project_in:
+        writers.insert(0, f"{d}.project_in")
+    if getattr(decoder, "final_layer_norm", None) is not None:
+        reader = f"{d}.project_out" if getattr(decoder, "project_out", None) is not None else "lm_head"
+        norms.append(NormSite(f"{d}.final_layer_norm", (reader,), "final"))
+    return Layout("opt", "pre" if pre else "post", "layernorm", c.hidden_size, h, f"{d}.embed_tokens",
+                  embeddings, tuple(writers), tuple(norms), "lm_head", _tied(model),
+                  attention=tuple(attention), mlps=tuple(mlps), config_widths=(("intermediate", "ffn_dim"),))
 
 
 def _llama_like(model) -> Layout:
