@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .adapters import layout
+from .families import layout
 from .errors import SurgeryError
 
 MLM_FRACTION = 0.15
@@ -62,7 +62,8 @@ class HealReport:
 
 
 def is_masked_lm(model) -> bool:
-    return model.config.model_type == "bert"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps it
+    return layout(base).objective == "masked-lm"
 
 
 def make_accelerator(mixed_precision: str = "auto", grad_accum: int = 1):
@@ -88,7 +89,7 @@ def linear_targets(model) -> list[str]:
     """Names of every linear layer (nn.Linear or GPT-2's Conv1D) inside the blocks."""
     from transformers.pytorch_utils import Conv1D
 
-    prefix = layout(model).layers + "."
+    prefix = layout(model).layers_path + "."
     return [n for n, m in model.named_modules()
             if n.startswith(prefix) and isinstance(m, (nn.Linear, Conv1D))]
 
@@ -97,7 +98,7 @@ def target_pattern(model, names: list[str] | None = None) -> str:
     """A peft regex (full match) for the linears of the blocks whose name ends with one of
     ``names`` (all of them when None)."""
     lin = linear_targets(model)
-    prefix = layout(model).layers + "."
+    prefix = layout(model).layers_path + "."
     rel = sorted({n[len(prefix):].split(".", 1)[1] for n in lin})
     if names:
         wanted = [r for r in rel if any(r == t or r.endswith("." + t) for t in names)]
