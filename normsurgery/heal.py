@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import layout
+from .families import layout, stock_class_of
+from .layout import LM_OBJECTIVES
 from .errors import SurgeryError
 
 MLM_FRACTION = 0.15
@@ -152,7 +153,17 @@ def _loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     return loss, (labels != -100).sum()
 
 
+def require_lm(model) -> None:
+    """Cross-entropy and healing need a language-modelling head (a causal or masked LM)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    objective = layout(base).objective
+    if objective not in LM_OBJECTIVES:
+        raise SurgeryError(f"{stock_class_of(base).__name__} has no language-modelling head (objective: "
+                           f"{objective}): cross-entropy and heal need a causal or masked LM")
+
+
 def _mlm_spec(model, mask_token_id: int | None) -> tuple[int, int] | None:
+    require_lm(model)
     if not is_masked_lm(model):
         return None
     if mask_token_id is None:
