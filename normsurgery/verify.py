@@ -79,7 +79,7 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 
     A sequence classifier without a pad token cannot find each row's last token in a batch:
     it runs one row at a time."""
-    if layout(model).objective == "sequence-classification" and model.config.pad_token_id is None:
+    if len(ids) > 1 and layout(model).objective == "sequence-classification" and model.config.pad_token_id is None:
         return torch.cat([logits(model, row[None]) for row in ids])
     out = model(input_ids=ids.to(model.device))
     out = out.logits if output_kind(model) == "logits" else out.last_hidden_state
