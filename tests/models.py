@@ -1,14 +1,12 @@
-"""Tiny models of every supported family, with weights of realistic scale.
-
-Random init (std 0.02) gives near-Gaussian activations of tiny norm; trained checkpoints have
-outlier channels and gains far from 1. ``realistic`` rescales the weights, gives norms random
-gains and biases and a few residual channels large writes, so a wrong fold shows up.
-"""
+"""Tiny models of every supported family, with weights of realistic scale (``synthetic``)."""
 
 from __future__ import annotations
 
 import torch
 import transformers as T
+
+from normsurgery.synthetic import make_realistic
+from normsurgery.verify import compare_logits, logits
 
 VOCAB = 96
 
@@ -54,22 +52,11 @@ def tiny_model(family: str, dtype=torch.float64, seed: int = 0, realistic: bool 
     return model
 
 
-@torch.no_grad()
-def make_realistic(model, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed + 1)
-    outliers = torch.randperm(model.config.hidden_size, generator=g)[:3]
-    for name, p in model.named_parameters():
-        r = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
-        if p.ndim == 1 and ("norm" in name.lower() or "ln" in name):
-            # gains around 1 with spread (Gemma-style zero-init gains too), biases of size 0.3
-            p.copy_((1.0 if name.endswith("weight") and p.abs().max() > 0.5 else 0.0) + 0.3 * r)
-        elif p.ndim == 1:
-            p.copy_(0.1 * r)
-        else:
-            p.copy_(r * (2.0 / p.shape[-1] ** 0.5))
-            if "emb" in name or "wte" in name or "wpe" in name:
-                p[..., outliers] *= 8.0
-
-
 def token_ids(n: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a, b, ids=None) -> float:
+    """max |logits_a - logits_b| / max |logits_a| on ``ids`` (default: ``token_ids()``)."""
+    ids = token_ids() if ids is None else ids
+    return compare_logits(logits(a, ids), logits(b, ids)).relative

@@ -10,16 +10,11 @@ import torch
 import normsurgery as ns
 from normsurgery.families import layout
 from normsurgery.runtime import CRMSNorm, RMSNorm
-from normsurgery.verify import compare_logits, logits
+from normsurgery.verify import logits
 
-from models import LAYERNORM, tiny_model, token_ids
+from models import LAYERNORM, rel, tiny_model, token_ids
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
-
-
-def rel(a, b, ids=None):
-    ids = token_ids() if ids is None else ids
-    return compare_logits(logits(a, ids), logits(b, ids)).relative
 
 
 def crms(model, passes=(("crmsnorm", {}),)):

@@ -15,16 +15,11 @@ from normsurgery.families import layout
 from normsurgery.analysis import dead_units
 from normsurgery.runtime import CompensatedLayerNorm, RMSNorm
 from normsurgery.norms import faithful_norms
-from normsurgery.verify import compare_logits, logits
+from normsurgery.verify import logits
 
-from models import CAUSAL, tiny_model, token_ids
+from models import CAUSAL, rel, tiny_model, token_ids
 
 GQA = ["llama", "qwen2", "gemma"]
-
-
-def rel(a, b, ids=None):
-    ids = token_ids() if ids is None else ids
-    return compare_logits(logits(a, ids), logits(b, ids)).relative
 
 
 @torch.no_grad()
