@@ -56,6 +56,27 @@ def token_ids(n: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
 
 
+_REMOTE_LOGITS = """import sys, torch, transformers as T
+ids = torch.load(sys.argv[1])
+for path in sys.argv[2:]:
+    m = T.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float64).eval()
+    torch.save((type(m.get_output_embeddings()).__name__, m(input_ids=ids).logits), path + '/logits.pt')
+"""
+
+
+def remote_logits(folders, ids, tmp_path) -> dict:
+    """folder -> (head class name, logits) from a clean interpreter that cannot import
+    normsurgery (only torch and transformers, ``trust_remote_code``)."""
+    import subprocess
+    import sys
+
+    torch.save(ids, tmp_path / "ids.pt")
+    r = subprocess.run([sys.executable, "-I", "-c", _REMOTE_LOGITS, str(tmp_path / "ids.pt")] + [str(f) for f in folders],
+                       capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return {f: torch.load(f"{f}/logits.pt") for f in folders}
+
+
 def rel(a, b, ids=None) -> float:
     """max |logits_a - logits_b| / max |logits_a| on ``ids`` (default: ``token_ids()``)."""
     ids = token_ids() if ids is None else ids
