@@ -4,6 +4,8 @@ loadable with plain transformers and computing the same outputs. A weight the cl
 the checkpoint lacks (or the reverse) is an error, never a random init."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,27 @@ def test_plain_transformers_is_claimed_only_when_checked(tmp_path):
     checkpoint.save(ours, again)
     assert not any(r.get("stock_equivalent") for r in json.loads((again / "config.json").read_text())
                    ["normsurgery"]["modules"])
+
+
+def test_a_rewritten_classifier_loads_with_trust_remote_code(tmp_path):
+    """crmsnorm stores the stream in d-1 dims: the runtime rebuilds NormSurgery<Class> for the
+    checkpoint's own class, in an interpreter that has only torch and transformers."""
+    src = make(tmp_path, "gpt_neox", "GPTNeoXForTokenClassification")
+    out = tmp_path / "out"
+    result = ns.convert(src, out, [("crmsnorm", {})])
+    assert result.ok and result.saved["plain_transformers"] is False
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["GPTNeoXForTokenClassification"]
+    assert cfg["auto_map"] == {"AutoModelForTokenClassification":
+                               "modeling_normsurgery.NormSurgeryGPTNeoXForTokenClassification"}
+    ids = token_ids(2, 16)
+    torch.save(ids, tmp_path / "ids.pt")
+    code = ("import sys, torch, transformers as T\n"
+            "m = T.AutoModelForTokenClassification.from_pretrained(sys.argv[2], trust_remote_code=True).eval()\n"
+            "torch.save((type(m).__name__, m(input_ids=torch.load(sys.argv[1])).logits), sys.argv[3])\n")
+    r = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path / "ids.pt"), str(out), str(tmp_path / "o.pt")],
+                       capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    name, remote = torch.load(tmp_path / "o.pt")
+    assert name == "NormSurgeryGPTNeoXForTokenClassification"
+    assert compare_logits(logits(plain(src), ids), remote).relative <= 1e-5
