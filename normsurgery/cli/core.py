@@ -133,9 +133,9 @@ def verify(
             table.add_row(k, fmt(v))
         console.print(table)
         if r.layers:
-            console.print("h_l: the residual stream entering block l (the last: leaving the last block); the final "
-                          "norm's output is not compared (flashnorm moves its gain into the head): the outputs above are",
-                          highlight=False)
+            console.print("h_l: the residual stream entering block l (the last row: leaving the last block). The "
+                          "final norm's output is not compared per layer (flashnorm moves its gain into the head); "
+                          f"the {r.output} compared above is what the model outputs", highlight=False, soft_wrap=True)
         console.print("[green]same function[/green]" if r.ok else "[red]DIFFERENT[/red]: relative error above tolerance")
     if not r.ok:
         raise typer.Exit(1)

@@ -61,8 +61,8 @@ def foldable(layout: Layout) -> tuple[NormSite, ...]:
 def output_note(layout: Layout) -> list[str]:
     if layout.output_norm is None:
         return []
-    return [f"left {layout.output_norm.path}'s gain and bias as they are: its output is the model's "
-            "output (a base model), there is no reader to fold them into"]
+    return [f"left the final norm ({layout.output_norm.path}) as it is: it gives the model's output "
+            "(a base model), so there is no reader to fold its gain into"]
 
 
 def untie_if_touched(model, layout: Layout, touched: set[str]) -> list[str]:
