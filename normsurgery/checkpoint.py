@@ -275,7 +275,8 @@ def _check_reload(model, folder: Path, records: list[dict], check) -> dict:
     ours = check(load(folder, next(model.parameters()).dtype))
     if not ours.ok:
         raise SurgeryError(f"the saved checkpoint, loaded back with normsurgery's runtime, differs from the "
-                           f"rewritten model (relative error {ours.relative:.2e} > {ours.tolerance:.0e}); nothing was saved")
+                           f"rewritten model (relative error {ours.relative:.2e} > {ours.tolerance:.0e}); "
+                           "nothing was saved")
     return {"loader": "trust_remote_code=True or normsurgery.load", "comparison": ours.as_dict(),
             "plain_transformers": None if plain is None else plain.as_dict()}
 

@@ -164,7 +164,8 @@ def _arithmetic(model, tolerance: float | None) -> str:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if tolerance is not None and tolerance != TOLERANCE.get(next(model.parameters()).dtype):
         return "given"
-    return f"{dtype} arithmetic (the working dtype): " + ("checks the algebra" if dtype == "float64" else "its rounding")
+    why = "checks the algebra" if dtype == "float64" else "its rounding"
+    return f"{dtype} arithmetic (the working dtype): {why}"
 
 
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,

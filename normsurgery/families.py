@@ -13,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-import transformers
 
 from . import adapters, algebra, norms
 from .errors import SurgeryError

@@ -289,13 +289,14 @@ def prune(
         save_adapter(model, adapter_tmp, Path(out).resolve(), force=True)
         try:
             base = model.unload()
-            saved = checkpoint.save(base, out, source=path, force=force, record=meta, check=reload_check(base, held))
+            saved = checkpoint.save(base, out, source=path, force=force, record=meta,
+                                    check=reload_check(base, held[:4]))
             adapter_tmp.rename(Path(out) / "adapter")
         finally:
             shutil.rmtree(adapter_tmp, ignore_errors=True)
     else:
-        saved = checkpoint.save(model, out, source=path, force=force, record=meta,
-                                check=reload_check(model, cal if cal is not None else probe_ids(model, None, None)))
+        probe = cal[:4] if cal is not None else probe_ids(model, None, None, 4, p["seq_len"])
+        saved = checkpoint.save(model, out, source=path, force=force, record=meta, check=reload_check(model, probe))
     acc.wait_for_everyone()
     if plot is not None and scores is not None:
         plot_scores(plot, selection, scores)
@@ -377,7 +378,7 @@ def heal(
         save_adapter(model, out, path.resolve(), source=path, force=force)
         saved = {"path": str(out), "files": sorted(f.name for f in Path(out).iterdir())}
     else:
-        saved = checkpoint.save(model, out, source=path, force=force, record=meta, check=reload_check(model, held))
+        saved = checkpoint.save(model, out, source=path, force=force, record=meta, check=reload_check(model, held[:4]))
     acc.wait_for_everyone()
     if json:
         emit_json({**meta, "saved": saved, "losses": report.losses})
