@@ -31,6 +31,8 @@ from .errors import SurgeryError
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 RUNTIME_FILE = "modeling_normsurgery.py"
 NOT_COPIED = {"config.json", RUNTIME_FILE}
+#: buffers old checkpoints store that no current class reads (GPT-2's attention constant)
+STALE_BUFFERS = (".masked_bias",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 
 
@@ -153,7 +155,8 @@ def check_loading(src, cls: str, info: dict) -> None:
     problems = []
     for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"),
                       ("mismatched_keys", "mis-shaped")):
-        keys = sorted(k[0] if isinstance(k, tuple) else k for k in info.get(key) or ())
+        keys = sorted(k[0] if isinstance(k, tuple) else k for k in info.get(key) or ()
+                      if not (key == "unexpected_keys" and str(k).endswith(STALE_BUFFERS)))
         if keys:
             more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
             problems.append(f"{what} {', '.join(keys[:5])}{more}")

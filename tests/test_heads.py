@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import normsurgery as ns
@@ -24,7 +25,6 @@ from normsurgery.verify import compare_logits, logits, output_kind
 from models import CONFIGS, make_realistic, token_ids
 
 runner = CliRunner()
-GPT2 = "normsurgery/demo/gpt2-tiny"
 
 
 def run(*args):
@@ -159,6 +159,11 @@ def test_missing_unexpected_and_misshaped_weights_are_errors(tmp_path):
     (lm / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaModel"]}))
     with pytest.raises(ns.SurgeryError, match=r"unexpected lm_head\.weight"):
         ns.load(lm)
+    gpt2 = make(tmp_path, "gpt2", "GPT2LMHeadModel")  # old GPT-2 files hold a constant no class reads: fine
+    weights = load_file(gpt2 / "model.safetensors")
+    save_file({**weights, "transformer.h.0.attn.masked_bias": torch.tensor(-1e4)}, gpt2 / "model.safetensors",
+              metadata={"format": "pt"})
+    assert type(ns.load(gpt2)).__name__ == "GPT2LMHeadModel"
     double = make(tmp_path, "gpt2", "GPT2DoubleHeadsModel")
     r = run("verify", double, double)
     assert r.exit_code == 1 and "GPT2DoubleHeadsModel is not a class normsurgery handles" in r.output
@@ -167,8 +172,8 @@ def test_missing_unexpected_and_misshaped_weights_are_errors(tmp_path):
 def test_plain_transformers_is_claimed_only_when_checked(tmp_path):
     """pre-rmsnorm's RMSNorms are stock-equivalent only on a centred stream; a mask stops it being
     centred. Before: the output was said to load with plain transformers, and differed by 2e-3."""
-    out = tmp_path / "out"
-    r = run("convert", GPT2, out, "--pass", "pre-rmsnorm", "--pass", "mask:sparsity=0.3", "--pass", "minimize",
+    src, out = make(tmp_path, "gpt2", "GPT2LMHeadModel"), tmp_path / "out"
+    r = run("convert", src, out, "--pass", "pre-rmsnorm", "--pass", "mask:sparsity=0.3", "--pass", "minimize",
             "--json")
     assert r.exit_code == 0, r.output
     saved = json.loads(r.stdout)["saved"]

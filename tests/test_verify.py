@@ -20,7 +20,6 @@ from models import tiny_model, token_ids
 
 runner = CliRunner()
 GPT2 = "normsurgery/demo/gpt2-tiny"
-LLAMA = "normsurgery/demo/llama-tiny"
 
 
 def run(*args):
@@ -70,7 +69,7 @@ def test_stored_precision_tolerance_still_catches_a_different_model(tmp_path, dt
     for block in model.model.layers:
         block.mlp.down_proj.weight.data.mul_(3.0)
     model.save_pretrained(tmp_path / "other")
-    r = run("verify", src, tmp_path / "other")
+    r = run("verify", src, tmp_path / "other", "--generate", "0")
     assert r.exit_code == 1 and "DIFFERENT" in r.output
 
 
@@ -149,7 +148,7 @@ def test_minimize_with_every_mlp_unit_of_a_layer_dead():
 def test_minimize_mask_options_convert_and_save(tmp_path, option):
     """Before: always refused on parity, measured against the unmasked input."""
     out = tmp_path / "out"
-    r = run("convert", GPT2, out, "--pass", f"minimize:{option}", "--json")
+    r = run("convert", stored(tmp_path, "gpt2", torch.float32), out, "--pass", f"minimize:{option}", "--json")
     assert r.exit_code == 0, r.output
     data = strict_json(r.stdout)
     assert [s["kind"] for s in data["steps"]] == ["reference", "exact"]
@@ -166,10 +165,10 @@ def test_overall_parity_catches_drift_the_steps_do_not(tmp_path):
 
     registry.register("test-nudge", "scale the logits by 1 + 4e-6", "exact", "tests", lambda m, lay: None)(nudge)
     try:
-        out = tmp_path / "out"
-        r = run("convert", LLAMA, out, "--pass", "test-nudge", "--pass", "test-nudge", "--pass", "test-nudge")
+        src, out = stored(tmp_path, "llama", torch.float32), tmp_path / "out"
+        r = run("convert", src, out, "--pass", "test-nudge", "--pass", "test-nudge", "--pass", "test-nudge")
         assert r.exit_code == 1 and "drifted" in r.output and not out.exists()
-        result = ns.convert(LLAMA, out, [("test-nudge", {})] * 3, force=True)
+        result = ns.convert(src, out, [("test-nudge", {})] * 3, force=True)
         assert all(s.parity.ok for s in result.steps) and not result.parity.ok and not result.ok
     finally:
         registry.PASSES.pop("test-nudge")
