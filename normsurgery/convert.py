@@ -9,6 +9,7 @@ overall against the unmodified model; the cast to the storage dtype is reported 
 from __future__ import annotations
 
 import copy
+import shutil
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from . import __version__, checkpoint, registry
 from .adapters import layout
 from .errors import SurgeryError
 from .registry import PassContext
+from .training import is_main_process
 from .verify import TOLERANCE, Comparison, compare_logits, default_text, faithful_norms, logits, token_batches
 
 Progress = Callable[[str, int, int], None]
@@ -160,7 +162,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if verify and storage != dtype:
         result.cast_baseline = _in_dtype(model, storage, ids, reference)
     tol = TOLERANCE[dtype] if tolerance is None else tolerance
-    context = PassContext(tokenizer=tokenizer, text=text)
+    workdir = Path(out).parent / f".{Path(out).name}.train-state"  # trained passes' resumable state
+    context = PassContext(tokenizer=tokenizer, text=text, workdir=workdir,
+                          train_progress=lambda done, total, loss: progress("train", done, total))
     result.steps = apply_passes(model, passes, ids=ids, tolerance=tol, context=context, progress=progress,
                                 reference=reference)
     if verify:
@@ -177,6 +181,8 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
                 "nothing was saved (--force saves anyway)")
     if restore_norms:
         restore_norms()
+    if not is_main_process():  # one of several training processes: the main one saves
+        return result
     model.to(storage)
     if verify and storage != dtype:
         result.cast = compare_logits(reference, logits(model, ids))
@@ -186,6 +192,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
          "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
     result.saved = checkpoint.save(model, out, source=path, force=force, record=record,
                                    max_shard_size=max_shard_size)
+    shutil.rmtree(workdir, ignore_errors=True)
     progress("save", 1, 1)
     return result
 

@@ -12,6 +12,7 @@ the model in place and returns a :class:`PassReport`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from .errors import SurgeryError
@@ -19,12 +20,15 @@ from .errors import SurgeryError
 
 @dataclass
 class PassContext:
-    """What a pass may need beyond the model: options, tokenizer, text, progress."""
+    """What a pass may need beyond the model: options, tokenizer, text, progress; for trained
+    passes a (step, total, loss) progress callback and a folder for resumable training state."""
 
     options: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     text: str | None = None
     progress: Callable[[str], None] = lambda message: None
+    train_progress: Callable[[int, int, float], None] | None = None
+    workdir: Path | None = None
 
 
 @dataclass

@@ -113,8 +113,22 @@ class CompensatedLayerNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class NoNorm(nn.Module):
+    """A removed normalization: y = x. Its constant divisor, gain and bias live in the readers."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.dim = dim
+
+    def spec(self):
+        return {"dim": self.dim}
+
+    def forward(self, x):
+        return x
+
+
 MODULES = {"RMSNorm": RMSNorm, "DeferredNormLinear": DeferredNormLinear, "CRMSNorm": CRMSNorm,
-           "CompensatedLayerNorm": CompensatedLayerNorm}
+           "CompensatedLayerNorm": CompensatedLayerNorm, "NoNorm": NoNorm}
 
 #: size attributes that must follow a resized parameter, by module class
 SIZE_ATTRS = {
@@ -195,6 +209,6 @@ def _inherit_weight_renames(base_name, name):
 for _name in BASES:
     globals()["NormSurgery" + _name] = surgery_class(getattr(transformers, _name))
 
-__all__ = ["RMSNorm", "DeferredNormLinear", "CRMSNorm", "CompensatedLayerNorm", "apply_structure", "resize",
+__all__ = ["RMSNorm", "DeferredNormLinear", "CRMSNorm", "CompensatedLayerNorm", "NoNorm", "apply_structure", "resize",
            "surgery_class"] + [
     "NormSurgery" + n for n in BASES]

@@ -159,6 +159,12 @@ def relaunch_cpu_processes() -> None:
     raise SystemExit(subprocess.call(cmd, env=env))
 
 
+def is_main_process() -> bool:
+    """False in every process but the first of a distributed group."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+        or torch.distributed.get_rank() == 0
+
+
 def make_accelerator(precision: str = "auto"):
     """An Accelerator; ``auto`` means bf16 on a GPU that supports it, else full precision.
     Without a GPU it asks for the CPU, so ``torchrun`` processes join one gloo group."""
