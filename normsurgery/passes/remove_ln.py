@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import algebra
@@ -66,19 +67,20 @@ class RemovableNorm(nn.Module):
         self.register_buffer("special", torch.ones((), dtype=torch.bool, device=dev))
         self.calibrating = False
         self.hooks = []
+        self.readers: dict[str, int] = {}  # reader path -> index of its path
+        self._cache: dict = {}  # path -> (input, output) of the current forward
 
-    def centred(self, x: torch.Tensor) -> torch.Tensor:
+    def stats(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token divisor sqrt(var + eps) (or rms), shape [..., T], at least float32."""
         s = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        return s - s.mean(-1, keepdim=True) if self.layernorm else s
-
-    def divisor(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-token sqrt(var + eps) (or rms), shape [..., T]."""
-        return torch.sqrt(self.centred(x).pow(2).mean(-1) + self.eps)
+        v = torch.var_mean(s, -1, correction=0)[0] if self.layernorm else s.pow(2).mean(-1)
+        return torch.sqrt(v + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._cache = {}
         if (self.training or self.calibrating) and not bool(self.frozen.all()):
             with torch.no_grad():
-                d = self.divisor(x.detach()).reshape(-1, x.shape[-2])
+                d = self.stats(x.detach()).reshape(-1, x.shape[-2])
                 rest = (d[:, 1:] if d.shape[1] > 1 else d).mean().to(self.scale.dtype)
                 first = d[:, 0].mean().to(self.scale.dtype)
                 live = ~self.frozen
@@ -88,22 +90,34 @@ class RemovableNorm(nn.Module):
         return x
 
     def normalise(self, x: torch.Tensor, p: int) -> torch.Tensor:
-        c = self.centred(x)
+        """Path ``p``'s output: the exact norm while live, else (x - mean) / s * g + b."""
+        hit = self._cache.get(p)
+        if hit is not None and hit[0] is x:  # another reader of the same path, same input
+            return hit[1]
+        gain = self.weight + self.offset
         if not bool(self.frozen[p]):
-            y = c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + self.eps)
-        elif bool(self.special):
-            d = self.scale[p].expand(x.shape[-2]).clone()
-            d[0] = self.scale_first[p]
-            y = c / d.to(c.dtype)[:, None]
+            s = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            if self.layernorm:
+                y = F.layer_norm(s, s.shape[-1:], eps=self.eps)
+            else:
+                y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + self.eps)
+            y = y.to(x.dtype) * gain
         else:
-            y = c / self.scale[p].to(c.dtype)
-        y = y.to(x.dtype) * (self.weight + self.offset)
-        return y if self.bias is None else y + self.bias
+            c = x - x.mean(-1, keepdim=True) if self.layernorm else x
+            if bool(self.special):
+                d = self.scale[p].expand(x.shape[-2]).clone()
+                d[0] = self.scale_first[p]
+                y = c * (gain / d.to(x.dtype)[:, None])
+            else:
+                y = c * (gain / self.scale[p].to(x.dtype))
+        y = y if self.bias is None else y + self.bias
+        self._cache[p] = (x, y)
+        return y
 
 
-def _path_of(reader: str, layout: Layout, role: str) -> str:
-    if role == "final":
-        return "final"
+def _path_of(reader: str, layout: Layout, role: str, split: bool = True) -> str:
+    if role in ("final", "mlp") or not split:
+        return "mlp" if role == "mlp" else "final" if role == "final" else "attn"
     for att in layout.attention:
         if reader in (att.q, att.k):
             return "qk"
@@ -117,17 +131,19 @@ def _path_of(reader: str, layout: Layout, role: str) -> str:
     return "mlp" if role == "mlp" else "attn"
 
 
-def install(model, layout: Layout) -> list[RemovableNorm]:
-    """Replace each norm by a RemovableNorm and hook its readers; returns them in layout order."""
+def install(model, layout: Layout, split: bool = True) -> list[RemovableNorm]:
+    """Replace each norm by a RemovableNorm and hook its readers; returns them in layout order.
+    ``split``: separate paths (q/k, v, MLP) where a norm has several kinds of reader; else one."""
     norms = []
     for site in layout.norms:
         mod = model.get_submodule(site.path)
-        paths = {r: _path_of(r, layout, site.role) for r in site.readers}
+        paths = {r: _path_of(r, layout, site.role, split) for r in site.readers}
         order = sorted(set(paths.values()), key=PATH_ORDER.index)
         rn = RemovableNorm(mod, not is_rmsnorm(mod), eps_of(mod), offset_of(mod, layout), order)
         _set(model, site.path, rn)
-        for reader, path in paths.items():
-            rn.hooks.append(model.get_submodule(reader).register_forward_pre_hook(_hook(rn, order.index(path))))
+        rn.readers = {reader: order.index(path) for reader, path in paths.items()}
+        for reader, p in rn.readers.items():
+            rn.hooks.append(model.get_submodule(reader).register_forward_pre_hook(_hook(rn, p)))
         norms.append(rn)
     return norms
 
@@ -215,8 +231,7 @@ def fold(model, layout: Layout, norms: list[RemovableNorm]) -> int:
             h.remove()
         gain = rn.weight.detach().to(algebra.WORK) + rn.offset
         shift = None if rn.bias is None else rn.bias.detach().to(algebra.WORK)
-        for reader in site.readers:
-            p = rn.paths.index(_path_of(reader, layout, site.role))
+        for reader, p in rn.readers.items():
             s = rn.scale[p].to(algebra.WORK)
             algebra.fold_affine_into_reader(model.get_submodule(reader), gain / s, shift)
             count += 1
@@ -232,14 +247,13 @@ def export_stock(model, layout: Layout, norms: list[RemovableNorm]) -> str:
     for site, rn in zip(layout.norms, norms):
         for h in rn.hooks:
             h.remove()
-        scales = rn.scale.unique()
-        if len(scales) != 1:
-            raise SurgeryError(f"export=stock: {site.path} has {len(scales)} frozen constants (one per path: "
-                               f"{', '.join(rn.paths)}), and a stock norm has one; use the default export")
+        if len(rn.paths) != 1:
+            raise SurgeryError(f"export=stock: {site.path} has one constant per path ({', '.join(rn.paths)}), "
+                               "and a stock norm has one output")
         norm = rn.original[0]
         with torch.no_grad():
             g = rn.weight.detach().to(algebra.WORK) + rn.offset
-            norm.weight.copy_((g * math.sqrt(STOCK_EPS) / scales[0].to(algebra.WORK) - rn.offset).to(norm.weight.dtype))
+            norm.weight.copy_((g * math.sqrt(STOCK_EPS) / rn.scale[0].to(algebra.WORK) - rn.offset).to(norm.weight.dtype))
             if rn.bias is not None:
                 norm.bias.copy_(rn.bias.detach())
         for name in ("eps", "variance_epsilon"):
@@ -350,7 +364,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                          state_dir=ctx.workdir / "remove-ln" if ctx.workdir else None)
     config.check()
     device = next(model.parameters()).device
-    norms = install(model, layout)
+    norms = install(model, layout, split=o["export"] != "stock")  # a stock norm has one output
     n_removals = sum(len(rn.paths) for rn in norms) + 1
     start, gap, final_gap = _auto_schedule(n_removals, o["steps"], o["start"], o["gap"], o["final_gap"])
     events = schedule(layout, norms, o["steps"], start, gap, final_gap)
