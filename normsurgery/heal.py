@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .adapters import layout
+from .families import layout
 from .errors import SurgeryError
 from .training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
 
@@ -60,7 +60,7 @@ def linear_targets(model) -> list[str]:
     """Names of every linear layer (nn.Linear or GPT-2's Conv1D) inside the blocks."""
     from transformers.pytorch_utils import Conv1D
 
-    prefix = layout(model).layers + "."
+    prefix = layout(model).layers_path + "."
     return [n for n, m in model.named_modules()
             if n.startswith(prefix) and isinstance(m, (nn.Linear, Conv1D))]
 
@@ -69,7 +69,7 @@ def target_pattern(model, names: list[str] | None = None) -> str:
     """A peft regex (full match) for the linears of the blocks whose name ends with one of
     ``names`` (all of them when None)."""
     lin = linear_targets(model)
-    prefix = layout(model).layers + "."
+    prefix = layout(model).layers_path + "."
     rel = sorted({n[len(prefix):].split(".", 1)[1] for n in lin})
     if names:
         wanted = [r for r in rel if any(r == t or r.endswith("." + t) for t in names)]

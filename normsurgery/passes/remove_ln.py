@@ -32,13 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import algebra
-from ..adapters import Layout, NormSite
 from ..calibration import split_heldout, tokenize, windows
 from ..errors import SurgeryError
+from ..layout import Layout
 from ..registry import PassContext, PassReport, register
 from ..runtime import NoNorm
-from ..training import TrainConfig, train
-from .norms import eps_of, is_rmsnorm, offset_of, refuse_post_ln, untie_if_touched
+from .norms import refuse_norms, refuse_post_ln, untie_if_touched
 
 MOMENTUM = 0.9
 STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance
@@ -139,7 +138,7 @@ def install(model, layout: Layout, split: bool = True) -> list[RemovableNorm]:
         mod = model.get_submodule(site.path)
         paths = {r: _path_of(r, layout, site.role, split) for r in site.readers}
         order = sorted(set(paths.values()), key=PATH_ORDER.index)
-        rn = RemovableNorm(mod, not is_rmsnorm(mod), eps_of(mod), offset_of(mod, layout), order)
+        rn = RemovableNorm(mod, site.kind == "layernorm", site.eps, site.offset, order)
         _set(model, site.path, rn)
         rn.readers = {reader: order.index(path) for reader, path in paths.items()}
         for reader, p in rn.readers.items():
@@ -321,13 +320,14 @@ def applies(model, layout: Layout) -> str | None:
     if layout.qk_norms:
         return (f"it has {len(layout.qk_norms)} QK-norms (per-head norms inside attention): their divisor "
                 "is not a property of the residual stream, and rotary embeddings follow them")
+    if layout.objective != "causal-lm":
+        return f"it has no causal language-modelling head to train with (objective {layout.objective})"
     for site in layout.norms:
-        mod = model.get_submodule(site.path)
         if site.role not in ("attn", "mlp", "attn+mlp", "final"):
             return f"{site.path} is a {site.role} norm"
-        if not (is_rmsnorm(mod) or isinstance(mod, nn.LayerNorm)):
-            return f"{site.path} is a {type(mod).__name__}, not a LayerNorm or RMSNorm"
-    return None
+        if site.eps is None:
+            return f"the epsilon of {site.path} is unknown"
+    return refuse_norms(layout, ("layernorm", "rmsnorm"))
 
 
 OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 128, "lr": 1e-4, "min_lr": 0.0, "warmup": -1,
@@ -355,23 +355,23 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     ids = tokenize(ctx.tokenizer, ctx.text)
     train_ids, held_ids = split_heldout(ids, o["heldout"], o["seq_len"])
     held = windows(held_ids, o["seq_len"], o["eval_samples"], "the held-out part of the text")
-    config = TrainConfig(steps=o["steps"], batch_size=o["batch_size"], seq_len=o["seq_len"], lr=o["lr"],
-                         min_lr=o["min_lr"] if o["min_lr"] > 0 else None,
-                         warmup=None if o["warmup"] < 0 else o["warmup"], weight_decay=o["weight_decay"],
-                         grad_accum=o["grad_accum"], precision=o["precision"], seed=o["seed"],
-                         eval_batch_size=o["batch_size"], resume=o["resume"],
-                         save_every=o["save_every"] if ctx.workdir else 0,
-                         state_dir=ctx.workdir / "remove-ln" if ctx.workdir else None)
-    config.check()
+    if ctx.train is None:
+        raise SurgeryError("remove-ln needs the training loop: run it through convert or apply_passes")
+    workdir = ctx.workdir / "remove-ln" if ctx.workdir else None
+    config = {"steps": o["steps"], "batch_size": o["batch_size"], "seq_len": o["seq_len"], "lr": o["lr"],
+              "min_lr": o["min_lr"] if o["min_lr"] > 0 else None, "warmup": None if o["warmup"] < 0 else o["warmup"],
+              "weight_decay": o["weight_decay"], "grad_accum": o["grad_accum"], "precision": o["precision"],
+              "seed": o["seed"], "eval_batch_size": o["batch_size"], "resume": o["resume"],
+              "save_every": o["save_every"] if workdir else 0, "state_dir": workdir}
     device = next(model.parameters()).device
     norms = install(model, layout, split=o["export"] != "stock")  # a stock norm has one output
     n_removals = sum(len(rn.paths) for rn in norms) + 1
     start, gap, final_gap = _auto_schedule(n_removals, o["steps"], o["start"], o["gap"], o["final_gap"])
     events = schedule(layout, norms, o["steps"], start, gap, final_gap)
     _calibrate(model, norms, windows(train_ids, o["seq_len"], 8))
-    config.eval_steps = tuple(sorted({e[0] for i, e in enumerate(events) if i == 0 or e[1] != events[i - 1][1]}))
-    result = train(model, train_ids, held, config, objective="causal-lm",
-                   on_step=lambda step, m: freeze_until(norms, events, step), progress=ctx.train_progress)
+    config["eval_steps"] = tuple(sorted({e[0] for i, e in enumerate(events) if i == 0 or e[1] != events[i - 1][1]}))
+    result = ctx.train(model, train_ids, held, config, objective="causal-lm",
+                       on_step=lambda step, m: freeze_until(norms, events, step), progress=ctx.train_progress)
     model.to(device)
     check_ids = held[: min(4, len(held))]
     report = PassReport("remove-ln")
