@@ -89,7 +89,21 @@ class CompensatedLayerNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-MODULES = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm, "CompensatedLayerNorm": CompensatedLayerNorm}
+class NoNorm(nn.Module):
+    """A removed normalization: y = x. Its constant divisor, gain and bias live in the readers."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.dim = dim
+
+    def spec(self):
+        return {"dim": self.dim}
+
+    def forward(self, x):
+        return x
+
+
+MODULES = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm, "CompensatedLayerNorm": CompensatedLayerNorm, "NoNorm": NoNorm}
 
 #: size attributes that must follow a resized parameter, by module class
 SIZE_ATTRS = {
@@ -165,5 +179,4 @@ def __getattr__(name):
     cls = globals()[name] = surgery_class(getattr(transformers, base))
     return cls
 
-
-__all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "apply_structure", "resize", "surgery_class"]
+__all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "NoNorm", "apply_structure", "resize", "surgery_class"]

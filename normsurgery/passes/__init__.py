@@ -1,3 +1,3 @@
 """Built-in passes; importing a module registers its passes."""
 
-from . import compensated_ln, crmsnorm, flashnorm, mask, minimize, pre_rmsnorm  # noqa: F401
+from . import compensated_ln, crmsnorm, flashnorm, mask, minimize, pre_rmsnorm, remove_ln  # noqa: F401
