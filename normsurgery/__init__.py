@@ -10,7 +10,8 @@ Python API (the CLI is a thin layer over it)::
 
 __version__ = "0.1.0"
 
-from .adapters import Layout, NormSite, layout  # noqa: E402
+from .families import layout  # noqa: E402
+from .layout import Layout, NormSite  # noqa: E402
 from .checkpoint import load, load_tokenizer, save  # noqa: E402
 from .convert import apply_passes, convert, load_recipe, parse_pass  # noqa: E402
 from .errors import SurgeryError  # noqa: E402

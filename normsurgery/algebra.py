@@ -19,6 +19,16 @@ def weight(mod: nn.Module) -> torch.Tensor:
     return (w.T if isinstance(mod, Conv1D) else w).to(WORK)
 
 
+def out_width(mod: nn.Module) -> int:
+    """Entries of each vector the module writes (an embedding: its row width)."""
+    w = mod.weight
+    return w.shape[1] if isinstance(mod, (Conv1D, nn.Embedding)) else w.shape[0]
+
+
+def in_width(mod: nn.Module) -> int:
+    return mod.weight.shape[0] if isinstance(mod, Conv1D) else mod.weight.shape[1]
+
+
 def set_weight(mod: nn.Module, w: torch.Tensor) -> None:
     w = w.T if isinstance(mod, Conv1D) else w
     with torch.no_grad():

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import torch
 
 from .errors import SurgeryError
+
+
+def bundled_path(name: str = "sample.txt") -> Path:
+    """A text shipped with the package: held-out Shakespeare the demo models never trained on
+    (``sample.txt``, 20 kB; ``heldout.txt``, the next 60 kB)."""
+    return Path(str(resources.files("normsurgery").joinpath("data", name)))
+
+
+def bundled_text(name: str = "sample.txt") -> str:
+    return bundled_path(name).read_text()
 
 
 def read_text(path) -> str:

@@ -4,8 +4,8 @@ A rewritten model whose modules differ from its stock architecture is saved with
 module records in ``config.normsurgery["modules"]``, the runtime copied beside the weights as
 ``modeling_normsurgery.py`` and an ``auto_map`` naming it, so ``from_pretrained(...,
 trust_remote_code=True)`` rebuilds it with only transformers installed. Records marked
-``native`` compute the same function as the stock module on this model (an RMSNorm on a
-zero-mean stream is a LayerNorm): when all are, plain ``from_pretrained`` loads it exactly.
+``stock_equivalent`` compute the same function as the stock module on this model (an RMSNorm
+on a zero-mean stream is a LayerNorm): when all are, plain ``from_pretrained`` loads it exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from . import runtime
-from .adapters import AUTO_CLASS, check_supported
+from .families import check_supported, family
 from .errors import SurgeryError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -113,8 +113,7 @@ def load_config(path: Path):
 
 def stock_class(config):
     """The stock transformers class for this config with its LM head."""
-    auto = getattr(transformers, AUTO_CLASS[config.model_type])
-    return auto._model_mapping[type(config)]
+    return getattr(transformers, family(config.model_type).lm_class)
 
 
 def model_class(config):
@@ -169,7 +168,7 @@ def structure_records(model) -> list[dict]:
         rec = {"path": name}
         if type(mod).__name__ in runtime.MODULES and isinstance(mod, runtime.MODULES[type(mod).__name__]):
             rec.update({"class": type(mod).__name__, "kwargs": mod.spec(),
-                        "native": bool(getattr(mod, "native_equivalent", False))})
+                        "stock_equivalent": bool(getattr(mod, "stock_equivalent", False))})
         else:
             ref = stock_modules.get(name)
             own = {k: tuple(p.shape) for k, p in mod.named_parameters(recurse=False)}
@@ -178,10 +177,10 @@ def structure_records(model) -> list[dict]:
                 raise SurgeryError(f"cannot record {name}: the stock architecture has no such module")
             if own != theirs:
                 rec["params"] = {k: list(own[k]) if k in own else None for k in {*own, *theirs}}
-                rec["native"] = False
+                rec["stock_equivalent"] = False
         if getattr(mod, "_normsurgery_attrs", None):
             rec["attrs"] = dict(mod._normsurgery_attrs)
-            rec["native"] = False
+            rec["stock_equivalent"] = False
         if len(rec) > 1:
             records.append(rec)
     return records
@@ -200,9 +199,10 @@ def save(model, out, *, source=None, force: bool = False, record: dict | None = 
     cfg = model.config
     base = stock_class(cfg)
     auto_map = dict(getattr(cfg, "auto_map", None) or {})
-    auto_map.pop(AUTO_CLASS[cfg.model_type], None)
+    auto = family(cfg.model_type).auto_class
+    auto_map.pop(auto, None)
     if records:
-        auto_map[AUTO_CLASS[cfg.model_type]] = f"{RUNTIME_FILE[:-3]}.NormSurgery{base.__name__}"
+        auto_map[auto] = f"{RUNTIME_FILE[:-3]}.NormSurgery{base.__name__}"
     _set_or_drop(cfg, "auto_map", auto_map)
     _set_or_drop(cfg, "normsurgery", {**(record or {}), "modules": records} if (record or records) else None)
     cfg.architectures = [base.__name__]
@@ -219,7 +219,7 @@ def save(model, out, *, source=None, force: bool = False, record: dict | None = 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"path": str(out), "files": sorted(p.name for p in out.iterdir()),
-            "custom_modules": len(records), "plain_transformers": all(r.get("native") for r in records)}
+            "custom_modules": len(records), "plain_transformers": all(r.get("stock_equivalent") for r in records)}
 
 
 def _set_or_drop(cfg, name, value) -> None:

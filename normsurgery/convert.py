@@ -12,21 +12,17 @@ import copy
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from . import __version__, checkpoint, registry
-from .adapters import layout
 from .errors import SurgeryError
+from .families import layout
+from .norms import faithful_norms
+from .progress import Progress, no_progress
 from .registry import PassContext
-from .verify import TOLERANCE, Comparison, compare_logits, default_text, faithful_norms, logits, token_batches
-
-Progress = Callable[[str, int, int], None]
-
-
-def _no_progress(stage: str, done: int, total: int) -> None:
-    return None
+from .verify import TOLERANCE, Comparison, compare_logits, logits, probe_ids
 
 
 @dataclass
@@ -48,7 +44,8 @@ class Result:
     steps: list[Step]
     work_dtype: str
     storage_dtype: str
-    parity: Comparison | None = None  # converted vs original, in the working dtype
+    parity: Comparison | None = None  # converted vs the reference (the input, or the model the last
+    # reference-changing or trained step left), in the working dtype
     cast: Comparison | None = None  # converted in the storage dtype vs original
     cast_baseline: Comparison | None = None  # original in the storage dtype vs original
     saved: dict | None = None
@@ -56,7 +53,8 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return all(s.parity is None or s.parity.ok for s in self.steps if s.kind == "exact")
+        steps_ok = all(s.parity is None or s.parity.ok for s in self.steps if s.kind == "exact")
+        return steps_ok and (self.parity is None or self.parity.ok)
 
     def as_dict(self) -> dict:
         def c(x):
@@ -104,28 +102,45 @@ def check_applicable(model, name: str) -> registry.Pass:
 
 def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.Tensor | None = None,
                  tolerance: float | None = None, context: PassContext | None = None,
-                 progress: Progress = _no_progress, reference: torch.Tensor | None = None) -> list[Step]:
+                 progress: Progress = no_progress, reference: torch.Tensor | None = None) -> list[Step]:
     """Run ``passes`` in order on ``model`` (in place). With ``ids``, each pass's parity is
     measured against the logits before it (``reference``: those of the model as given, when
-    already computed); an exact pass out of ``tolerance`` is reported, not raised."""
-    context = context or PassContext()
+    already computed); an exact pass out of ``tolerance`` is reported, not raised. A pass's own
+    reference step (a mask first) is a step of its own, kind "reference"."""
+    return _run_passes(model, passes, ids, tolerance, context or PassContext(), progress, reference)[0]
+
+
+def _run_passes(model, passes, ids, tolerance, context, progress, before):
+    """(steps, the logits of the last reference: the input's, or those after the last step
+    that changed the function on purpose)."""
     steps = []
-    before = reference if reference is not None or ids is None else logits(model, ids)
+    if ids is not None and before is None:
+        before = logits(model, ids)
+    anchor = before
+
+    def step(name, kind, opts, report):
+        nonlocal before, anchor
+        s = Step(name, kind, opts, report.notes, report.metrics)
+        if ids is not None:
+            after = logits(model, ids)
+            s.parity = compare_logits(before, after)
+            s.parity.tolerance = tolerance if kind == "exact" else None
+            before = after
+            if kind != "exact":
+                anchor = after
+        steps.append(s)
+
     for i, (name, options) in enumerate(passes):
         p = check_applicable(model, name)
         opts = registry.check_options(p, options)
         progress(f"pass {name}", i, len(passes))
         context.options = opts
-        report = p.apply(model, layout(model), context)
-        step = Step(name, p.kind, opts, report.notes, report.metrics)
-        if ids is not None:
-            after = logits(model, ids)
-            step.parity = compare_logits(before, after)
-            step.parity.tolerance = tolerance if p.kind == "exact" else None
-            before = after
-        steps.append(step)
+        made = p.reference(model, layout(model), context) if p.reference else None
+        if made is not None:
+            step(f"{name} (reference)", "reference", opts, made)
+        step(name, p.kind, opts, p.apply(model, layout(model), context))
     progress("passes", len(passes), len(passes))
-    return steps
+    return steps, anchor
 
 
 def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -135,7 +150,7 @@ def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
             verify: bool = True, work_dtype: torch.dtype | None = None, text: str | None = None,
             tolerance: float | None = None, max_shard_size: str = "5GB",
-            progress: Progress = _no_progress) -> Result:
+            progress: Progress = no_progress) -> Result:
     """Load ``src``, apply ``passes``, check parity, cast back, save to ``out`` atomically."""
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
@@ -151,30 +166,26 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     progress("load", 1, 1)
     check_applicable(model, passes[0][0])
     restore_norms = faithful_norms(model) if dtype == torch.float64 else None
-    ids = None
-    if verify:
-        ids = token_batches(tokenizer, text or (default_text() if tokenizer else None),
-                            model.config.vocab_size, 4, _length(model))
+    ids = probe_ids(model, tokenizer, text, 4, _length(model)) if verify else None
     reference = logits(model, ids) if verify else None
     result = Result([], str(dtype).removeprefix("torch."), str(storage).removeprefix("torch."), source=str(src))
     if verify and storage != dtype:
         result.cast_baseline = _in_dtype(model, storage, ids, reference)
     tol = TOLERANCE[dtype] if tolerance is None else tolerance
     context = PassContext(tokenizer=tokenizer, text=text)
-    result.steps = apply_passes(model, passes, ids=ids, tolerance=tol, context=context, progress=progress,
-                                reference=reference)
+    result.steps, anchor = _run_passes(model, passes, ids, tol, context, progress, reference)
     if verify:
         progress("verify", 0, 1)
-        # with one pass its own check is the overall one: no second forward
-        result.parity = (compare_logits(reference, logits(model, ids)) if len(result.steps) > 1
+        # with one step its own check is the overall one: no second forward
+        result.parity = (compare_logits(anchor, logits(model, ids)) if len(result.steps) > 1
                          else copy.copy(result.steps[0].parity))
-        result.parity.tolerance = tol
+        result.parity.tolerance = tol if any(s.kind == "exact" for s in result.steps) else None
         progress("verify", 1, 1)
         if not result.ok and not force:
-            bad = [s for s in result.steps if s.parity and not s.parity.ok]
-            raise SurgeryError(
-                f"pass {bad[0].name} broke parity: relative error {bad[0].parity.relative:.2e} > {tol:.0e}; "
-                "nothing was saved (--force saves anyway)")
+            bad = [s for s in result.steps if s.kind == "exact" and s.parity and not s.parity.ok]
+            what = (f"pass {bad[0].name} broke parity: relative error {bad[0].parity.relative:.2e}" if bad else
+                    f"the passes together drifted: relative error {result.parity.relative:.2e} against the reference")
+            raise SurgeryError(f"{what} > {tol:.0e}; nothing was saved (--force saves anyway)")
     if restore_norms:
         restore_norms()
     model.to(storage)

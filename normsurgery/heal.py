@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .adapters import layout
+from .families import layout
 from .errors import SurgeryError
 from .training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
 

@@ -18,25 +18,19 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import algebra
-from .adapters import Layout
 from .errors import SurgeryError
-from .passes.norms import offset_of
+from .layout import Layout
 
 CHANNELS = "residual_channels"
 CRITERIA = ("magnitude",)
 
 
-def stream_width(model, layout: Layout) -> int:
-    """Residual channels stored now (the config's hidden_size once channels are removed)."""
-    return model.get_submodule(layout.token_embedding).weight.shape[1]
-
-
 def block_weights(model, layout: Layout) -> dict[str, nn.Parameter]:
     """The weight matrices of every linear inside the blocks (embeddings and head excluded)."""
     out = {}
-    for name, mod in model.get_submodule(layout.layers).named_modules():
+    for name, mod in model.get_submodule(layout.layers_path).named_modules():
         if isinstance(mod, (nn.Linear, Conv1D)):
-            out[f"{layout.layers}.{name}.weight"] = mod.weight
+            out[f"{layout.layers_path}.{name}.weight"] = mod.weight
     return out
 
 
@@ -56,7 +50,7 @@ def magnitude(model, layout: Layout, sparsity: float) -> dict[str, torch.Tensor]
 def channel_scores(model, layout: Layout) -> torch.Tensor:
     """Energy written into each residual channel: sum of squares of every writer's row j (and
     bias entry j) and every embedding's column j, in float64."""
-    score = torch.zeros(stream_width(model, layout), dtype=torch.float64)
+    score = torch.zeros(layout.stream_width, dtype=torch.float64)
     for path in layout.embeddings + layout.writers:
         mod = model.get_submodule(path)
         w = algebra.weight(mod).cpu()
@@ -70,7 +64,7 @@ def channel_scores(model, layout: Layout) -> torch.Tensor:
 def prune_channels(model, layout: Layout, k: int, by: str = "magnitude") -> torch.Tensor:
     """Keep vector over the residual channels without the ``k`` least-written ones."""
     check_criterion(by)
-    d = stream_width(model, layout)
+    d = layout.stream_width
     if not 0 <= k < d:
         raise SurgeryError(f"prune_channels must be in [0, {d}), got {k}")
     keep = torch.ones(d, dtype=torch.bool)
@@ -103,7 +97,7 @@ def apply(model, layout: Layout, params: dict[str, torch.Tensor] | None = None,
         zeros += int((p == 0).sum())
     dropped = 0
     if channels is not None:
-        d = stream_width(model, layout)
+        d = layout.stream_width
         if channels.shape != (d,):
             raise SurgeryError(f"channel mask has shape {tuple(channels.shape)}, the stream {d} channels")
         gone = (channels == 0).nonzero().flatten()
@@ -124,7 +118,7 @@ def apply(model, layout: Layout, params: dict[str, torch.Tensor] | None = None,
             norm = model.get_submodule(site.path)
             if getattr(norm, "weight", None) is None:
                 raise SurgeryError(f"{site.path} has no gain to zero: its dead channels would stay visible")
-            norm.weight[gone.to(norm.weight.device)] = -offset_of(norm, layout)
+            norm.weight[gone.to(norm.weight.device)] = -site.offset
     return {"zero_entries": zeros, "channels": dropped}
 
 

@@ -23,20 +23,16 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 
-from .adapters import layout
+from .families import layout
+from .progress import Progress, no_progress
 from .errors import SurgeryError
 
 METHODS = ("angular", "block-influence", "last")
-Progress = Callable[[str, int, int], None]
-
-
-def _no_progress(stage: str, done: int, total: int) -> None:
-    return None
 
 
 @dataclass
@@ -79,7 +75,7 @@ class Selection:
 
 
 def blocks_of(model) -> nn.ModuleList:
-    return model.get_submodule(layout(model).layers)
+    return model.get_submodule(layout(model).layers_path)
 
 
 @contextmanager
@@ -106,7 +102,7 @@ def residual_capture(model):
 
 
 def _forward_kwargs(model) -> dict:
-    return {} if model.config.model_type == "bert" else {"use_cache": False}
+    return {"use_cache": False} if layout(model).objective == "causal-lm" else {}
 
 
 @torch.no_grad()
@@ -139,7 +135,7 @@ def _accumulate(states: list[torch.Tensor], weight: torch.Tensor, ang: torch.Ten
 
 @torch.no_grad()
 def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 batch_size: int = 8, progress: Progress = _no_progress) -> LayerScores:
+                 batch_size: int = 8, progress: Progress = no_progress) -> LayerScores:
     """Angular distances between all residual states and every layer's block influence.
 
     ``input_ids`` is [windows, tokens]; ``attention_mask`` (1 = real token) masks padding.
@@ -225,7 +221,7 @@ def prune_model(model, layers: Iterable[int]) -> dict:
     module that has one; ``num_hidden_layers`` and per-layer config lists (``layer_types``) shrink.
     """
     lay = layout(model)
-    blocks = model.get_submodule(lay.layers)
+    blocks = model.get_submodule(lay.layers_path)
     L = len(blocks)
     remove = sorted(set(int(i) for i in layers))
     if not remove:
@@ -247,8 +243,7 @@ def prune_model(model, layers: Iterable[int]) -> dict:
         for mod in block.modules():
             if isinstance(getattr(mod, "layer_idx", None), int):
                 mod.layer_idx = j
-    parent, _, leaf = lay.layers.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, new)
+    model.set_submodule(lay.layers_path, new)
     cfg.num_hidden_layers = len(keep)
     for k in per_layer:
         old = getattr(cfg, k)

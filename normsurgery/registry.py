@@ -5,8 +5,13 @@ A pass is a name, a one-line description, its kind and two functions over (model
 the model in place and returns a :class:`PassReport`.
 
 - ``exact`` passes must preserve the function: the caller checks logits before and after.
+- ``reference`` passes change it on purpose without training (a mask): what they output is the
+  reference the following exact passes are checked against.
 - ``trained`` passes change it on purpose: they get calibration text and a step budget through
   :class:`PassContext`, and report the quality they keep in ``metrics``.
+
+An exact pass may declare its own reference step (``reference``: minimize with a mask option
+masks first): the caller runs it first and checks the pass against the model it leaves.
 """
 
 from __future__ import annotations
@@ -38,23 +43,25 @@ class PassReport:
 class Pass:
     name: str
     description: str
-    kind: str  # "exact" | "trained"
+    kind: str  # one of KINDS
     families: str  # human-readable: where it applies
     applies: Callable[..., str | None]
     apply: Callable[..., PassReport]
     options: dict[str, Any] = field(default_factory=dict)  # option name -> default
+    reference: Callable[..., PassReport | None] | None = None  # changes the function first, on purpose
 
 
+KINDS = ("exact", "reference", "trained")
 PASSES: dict[str, Pass] = {}
 
 
-def register(name: str, description: str, kind: str, families: str, applies, options=None):
+def register(name: str, description: str, kind: str, families: str, applies, options=None, reference=None):
     """Decorator registering ``apply(model, layout, ctx) -> PassReport`` under ``name``."""
-    if kind not in ("exact", "trained"):
+    if kind not in KINDS:
         raise ValueError(kind)
 
     def wrap(apply):
-        PASSES[name] = Pass(name, description, kind, families, applies, apply, dict(options or {}))
+        PASSES[name] = Pass(name, description, kind, families, applies, apply, dict(options or {}), reference)
         return apply
 
     return wrap

@@ -43,30 +43,6 @@ class RMSNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class DeferredNormLinear(nn.Module):
-    """FlashNorm's deferred normalisation: y = (x @ W*^T) / rms(x) + bias.
-
-    Equal to Linear(RMS(x)) with the norm gain already folded into W*; the scalar 1/rms(x) is
-    applied after the matmul, so statistic and matmul are independent of each other.
-    """
-
-    def __init__(self, in_features, out_features, bias=True, eps=1e-5):
-        super().__init__()
-        self.in_features, self.out_features, self.eps = in_features, out_features, eps
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    def spec(self):
-        return {"in_features": self.in_features, "out_features": self.out_features,
-                "bias": self.bias is not None, "eps": self.eps}
-
-    def forward(self, x):
-        s = x.to(_stats_dtype(x))
-        inv = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype)
-        y = (x @ self.weight.T) * inv
-        return y if self.bias is None else y + self.bias
-
-
 class CRMSNorm(nn.Module):
     """Pre-CRMSNorm (Jiang et al. 2023): y = x~ / sqrt((|x~|^2 + (sum x~)^2) / (dim + 1) + eps).
 
@@ -179,8 +155,8 @@ class ChannelAffine(nn.Module):
         return x if self.bias is None else x + self.bias
 
 
-MODULES = {"RMSNorm": RMSNorm, "DeferredNormLinear": DeferredNormLinear, "CRMSNorm": CRMSNorm,
-           "CompensatedLayerNorm": CompensatedLayerNorm, "RepBN": RepBN, "ChannelAffine": ChannelAffine}
+MODULES = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm, "CompensatedLayerNorm": CompensatedLayerNorm,
+           "RepBN": RepBN, "ChannelAffine": ChannelAffine}
 
 #: size attributes that must follow a resized parameter, by module class
 SIZE_ATTRS = {
@@ -189,11 +165,6 @@ SIZE_ATTRS = {
     nn.Embedding: lambda w: {"num_embeddings": w[0], "embedding_dim": w[1]},
     nn.LayerNorm: lambda w: {"normalized_shape": (w[0],)},
 }
-
-
-def _parent(model, path):
-    head, _, leaf = path.rpartition(".")
-    return (model.get_submodule(head) if head else model), leaf
 
 
 def resize(module, params):
@@ -213,12 +184,12 @@ def apply_structure(model, records):
     {path, params} resizes its parameters in place, {path, attrs} sets attributes."""
     for rec in records:
         if "class" in rec:
-            parent, leaf = _parent(model, rec["path"])
-            ref = next(getattr(parent, leaf).parameters(), None)
+            ref = next(model.get_submodule(rec["path"]).parameters(), None)
             new = MODULES[rec["class"]](**rec["kwargs"])
             if ref is not None:
                 new = new.to(device=ref.device, dtype=ref.dtype)
-            setattr(parent, leaf, new)
+            new.stock_equivalent = bool(rec.get("stock_equivalent"))
+            model.set_submodule(rec["path"], new)
         if "params" in rec:
             resize(model.get_submodule(rec["path"]), rec["params"])
         if rec.get("attrs"):
@@ -227,11 +198,6 @@ def apply_structure(model, records):
                 setattr(module, name, value)
             module._normsurgery_attrs = dict(rec["attrs"])  # so a re-save records them again
     return model
-
-
-BASES = ["GPT2LMHeadModel", "GPTNeoXForCausalLM", "OPTForCausalLM", "LlamaForCausalLM",
-         "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
-         "PhiForCausalLM", "BertForMaskedLM"]
 
 
 def surgery_class(base):
@@ -258,9 +224,14 @@ def _inherit_weight_renames(base_name, name):
         cm.register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
 
 
-for _name in BASES:
-    globals()["NormSurgery" + _name] = surgery_class(getattr(transformers, _name))
+def __getattr__(name):
+    """``NormSurgery<StockClass>``, made on first use (``auto_map`` names one of these)."""
+    base = name.removeprefix("NormSurgery")
+    if base == name or not hasattr(transformers, base):
+        raise AttributeError(name)
+    cls = globals()[name] = surgery_class(getattr(transformers, base))
+    return cls
 
-__all__ = ["RMSNorm", "DeferredNormLinear", "CRMSNorm", "CompensatedLayerNorm", "RepBN", "ChannelAffine",
-           "apply_structure", "resize", "surgery_class"] + [
-    "NormSurgery" + n for n in BASES]
+
+__all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "RepBN", "ChannelAffine", "apply_structure", "resize",
+           "surgery_class"]

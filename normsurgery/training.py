@@ -190,7 +190,7 @@ def mask_tokens(ids: torch.Tensor, mask_id: int, vocab: int, gen: torch.Generato
 
 
 def objective_of(model) -> str:
-    from .adapters import layout
+    from .families import layout
 
     lay = layout(model)
     objective = getattr(lay, "objective", None)

@@ -5,23 +5,20 @@ For token batches X, with reference logits A and candidate logits B:
 - KL(softmax A || softmax B) averaged over positions; top-1 agreement of argmax;
 - greedy generation from a few prompts: fraction of generated tokens that agree.
 
-HF's RMSNorm classes compute in float32 whatever the input dtype; :func:`faithful_norms` swaps
+HF's RMSNorm classes compute in float32 whatever the input dtype; ``norms.faithful_norms`` swaps
 them for runtime.RMSNorm (same maths, input dtype kept) so float64 checks are float64 throughout.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from importlib import resources
-from typing import Callable
 
 import torch
 
-from . import checkpoint
-from .adapters import layout
+from . import calibration, checkpoint
 from .errors import SurgeryError
-from .passes.norms import eps_of, is_rmsnorm
-from .runtime import RMSNorm
+from .families import layout
+from .norms import faithful_norms
 
 #: relative-error tolerance by compute dtype: float64 checks the algebra, float32 its rounding
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -46,22 +43,14 @@ class Comparison:
         return {**asdict(self), "ok": self.ok}
 
 
-def default_text() -> str:
-    """Held-out Shakespeare shipped with the package (not used in training the demo models)."""
-    return resources.files("normsurgery").joinpath("data/sample.txt").read_text()
-
-
-def token_batches(tokenizer, text: str | None, vocab_size: int, n: int = 4, length: int = 64,
-                  seed: int = 0) -> torch.Tensor:
-    """n windows of ``length`` tokens of ``text`` (evenly spaced); random ids without a tokenizer."""
-    if tokenizer is None or text is None:
+def probe_ids(model, tokenizer, text: str | None, n: int = 4, length: int = 64, seed: int = 0) -> torch.Tensor:
+    """n evenly spaced windows of ``length`` tokens of ``text`` (default: the bundled held-out
+    sample); random ids when the checkpoint has no tokenizer."""
+    if tokenizer is None:
         g = torch.Generator().manual_seed(seed)
-        return torch.randint(0, vocab_size, (n, length), generator=g)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-    if len(ids) < length:
-        raise SurgeryError(f"the text has {len(ids)} tokens, fewer than one sequence of {length}")
-    starts = torch.linspace(0, len(ids) - length, n).long()
-    return torch.stack([ids[s:s + length] for s in starts])
+        return torch.randint(0, model.config.vocab_size, (n, length), generator=g)
+    ids = calibration.tokenize(tokenizer, text if text is not None else calibration.bundled_text())
+    return calibration.windows(ids, length, n)
 
 
 @torch.no_grad()
@@ -110,46 +99,12 @@ def layer_differences(a, b, ids: torch.Tensor) -> list[float]:
             for x, y in zip(ha, hb)]
 
 
-def faithful_norms(model) -> Callable[[], None]:
-    """Replace HF RMSNorm modules by runtime.RMSNorm, which keeps the input dtype (in place).
-
-    Returns a function that puts the stock modules back, with whatever weights the faithful
-    ones hold by then (so a model can be rewritten in float64, then saved as stock).
-    """
-    offset = layout(model).norm_offset
-    swapped = []
-    for name, mod in list(model.named_modules()):
-        if is_rmsnorm(mod) and not isinstance(mod, RMSNorm):
-            new = RMSNorm(mod.weight.shape[0], eps=eps_of(mod), offset=offset)
-            new.to(device=mod.weight.device, dtype=mod.weight.dtype)
-            new.weight.data.copy_(mod.weight.data)
-            _set_module(model, name, new)
-            swapped.append((name, mod, new))
-
-    def restore() -> None:
-        for name, stock, new in swapped:
-            if model.get_submodule(name) is new:
-                stock.weight.data = new.weight.data.to(stock.weight.dtype)
-                _set_module(model, name, stock)
-
-    return restore
-
-
-def _set_module(model, path: str, mod) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, mod)
-
-
-def is_causal(model) -> bool:
-    return model.config.model_type != "bert"
-
-
 def compare_models(a, b, ids: torch.Tensor, *, tolerance: float | None = None, generate: int = 16,
                    per_layer: bool = False) -> Comparison:
     """Compare model ``b`` against reference ``a`` on ``ids``."""
     result = compare_logits(logits(a, ids), logits(b, ids))
     result.tolerance = tolerance
-    if generate and is_causal(a):
+    if generate and layout(a).objective == "causal-lm":
         result.generation = greedy_agreement(a, b, ids[:, : min(8, ids.shape[1])], generate)
     if per_layer:
         result.layers = layer_differences(a, b, ids)
@@ -167,7 +122,6 @@ def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
         faithful_norms(mb)
     tok = checkpoint.load_tokenizer(a) if not isinstance(a, torch.nn.Module) else None
     length = min(length, getattr(ma.config, "max_position_embeddings", None) or getattr(ma.config, "n_positions", length))
-    ids = token_batches(tok, text if text is not None else (default_text() if tok else None),
-                        ma.config.vocab_size, n, length)
+    ids = probe_ids(ma, tok, text, n, length)
     tol = TOLERANCE[dtype] if tolerance is None else tolerance
     return compare_models(ma, mb, ids, tolerance=tol, generate=generate, per_layer=per_layer)

@@ -7,10 +7,11 @@ import torch
 
 import normsurgery as ns
 from normsurgery import checkpoint
-from normsurgery.adapters import layout
+from normsurgery.families import layout
 from normsurgery.errors import SurgeryError
 from normsurgery.runtime import ChannelAffine, RepBN
-from normsurgery.verify import compare_logits, faithful_norms, logits
+from normsurgery.norms import faithful_norms
+from normsurgery.verify import compare_logits, logits
 
 from models import tiny_model, token_ids
 
@@ -26,7 +27,7 @@ def with_repbn(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
     for site in layout(model).norms:
-        d = layout(model).hidden_size
+        d = layout(model).stream_width
         bn = RepBN(d, eps=1e-5).to(dtype)
         r = lambda: torch.randn(d, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
         bn.running_mean.copy_(r())

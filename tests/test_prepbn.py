@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 import normsurgery as ns
 from normsurgery import checkpoint
-from normsurgery.adapters import layout
+from normsurgery.families import layout
 from normsurgery.errors import SurgeryError
 from normsurgery.passes import prepbn
 from normsurgery.registry import PassContext
@@ -70,7 +70,7 @@ def test_repbn_starts_equal_to_the_norm_with_a_frozen_divisor(family):
     LayerNorm (0 for RMSNorm), s the mean per-token divisor of the norm's input."""
     model, progs = installed(family, torch.float64)
     ids = token_ids(4, 16)
-    prepbn.init_from_norms(model, layout(model), progs, ids)
+    prepbn.init_from_norms(model, progs, ids)
     prog = progs[1]
     captured = {}
     h = prog.norm.register_forward_pre_hook(lambda mod, a: captured.update(x=a[0].detach().double()))
@@ -78,7 +78,7 @@ def test_repbn_starts_equal_to_the_norm_with_a_frozen_divisor(family):
         model(input_ids=ids)
     h.remove()
     x = captured["x"]
-    st = prepbn.input_moments(model, [prog.norm], ids, per_token=prog.kind)[0]
+    st = prepbn.input_moments(model, [prog.norm], ids, per_token=[(prog.kind, prog.repbn.eps)])[0]
     g = prog.norm.weight.double()
     b = prog.norm.bias.double() if getattr(prog.norm, "bias", None) is not None else 0.0
     m = st["mean"].mean() if family == "gpt2" else 0.0
@@ -118,7 +118,7 @@ def padded_batch():
 def test_padding_does_not_enter_the_statistics(family):
     model, progs = installed(family)
     repbns = [p.repbn for p in progs]
-    prepbn.init_from_norms(model, layout(model), progs, token_ids(2, 16))
+    prepbn.init_from_norms(model, progs, token_ids(2, 16))
     prepbn.finish(model, layout(model), progs)
     ids, mask = padded_batch()
     other = ids.clone()

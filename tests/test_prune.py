@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
 from normsurgery import checkpoint
-from normsurgery.adapters import layout
+from normsurgery.families import layout
 from normsurgery.cli import app
 from normsurgery.prune import count_layers, prune_model, residual_states, score_layers, select_layers
 
@@ -23,7 +23,7 @@ runner = CliRunner()
 
 
 def blocks(model):
-    return model.get_submodule(layout(model).layers)
+    return model.get_submodule(layout(model).layers_path)
 
 
 def skip_layers(model, removed):

@@ -12,9 +12,9 @@ from rich.table import Table
 
 from .. import calibration, checkpoint, registry
 from ..convert import convert as convert_checkpoint, load_recipe, parse_pass
-from ..adapters import layout
+from ..families import layout
 from ..errors import SurgeryError
-from ..passes.minimize import dead_units
+from ..analysis import dead_units
 from ..verify import verify as verify_api
 from .app import command, console, emit_json, fmt, progress_bar
 
@@ -67,7 +67,7 @@ def convert(
         table.add_column(col)
     for s in result.steps:
         p = s.parity
-        ok = "-" if p is None else ("yes" if p.ok else "[red]NO[/red]") if s.kind == "exact" else "n/a (trained)"
+        ok = "-" if p is None else ("yes" if p.ok else "[red]NO[/red]") if s.kind == "exact" else f"n/a ({s.kind})"
         table.add_row(s.name, s.kind, fmt(p and p.relative), fmt(p and p.max_abs), fmt(p and p.kl),
                       fmt(p and p.top1), ok)
     console.print(table)
@@ -145,8 +145,9 @@ def inspect(src: str = typer.Argument(..., help="checkpoint folder or cached hub
     lay = layout(model)
     info = {
         "architecture": type(model).__name__, "family": lay.family, "placement": lay.placement,
-        "norm": lay.norm_type + (f" (gain = {lay.norm_offset:g} + w)" if lay.norm_offset else ""),
-        "hidden_size": lay.hidden_size, "blocks": len(model.get_submodule(lay.layers)),
+        "norm": ", ".join(sorted({s.kind + (f" (gain = {s.offset:g} + w)" if s.offset else "") for s in lay.norms})),
+        "hidden_size": lay.hidden_size, "stream_width": lay.stream_width, "objective": lay.objective,
+        "blocks": len(model.get_submodule(lay.layers_path)),
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "tied_embeddings": lay.tied, "stream_norms": len(lay.norms),
@@ -190,6 +191,6 @@ def _dead_table(dead: dict) -> Table:
 
 def _norm_sites(lay) -> list[dict]:
     """The first block's norm sites and the final norm (every block has the same layout)."""
-    first = f"{lay.layers}.0."
+    first = f"{lay.layers_path}.0."
     sites = [s for s in lay.norms if s.path.startswith(first) or s.role in ("final", "embed")]
     return [{"path": s.path, "role": s.role, "readers": list(s.readers)} for s in sites]

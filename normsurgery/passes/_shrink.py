@@ -1,4 +1,5 @@
-"""Slicing linears, embeddings and norms to fewer rows or columns, keeping their classes.
+"""Shrinking a model to fewer rows or columns, keeping module classes: the slicing primitives
+and the removal of what ``analysis`` finds dead (MLP units, attention heads, residual channels).
 
 Every module is seen as y = W x + c with W [out, in] (algebra's convention); an embedding's
 "outputs" are its columns (the stream coordinates it writes). Size attributes that the module's
@@ -10,9 +11,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
-from .. import algebra
-from ..runtime import SIZE_ATTRS
+from .. import algebra, analysis
+from ..layout import AttentionSite, Layout, MlpSite, NormSite
+from ..runtime import SIZE_ATTRS, CompensatedLayerNorm, RMSNorm
+
+
+def is_linear(mod: nn.Module) -> bool:
+    return isinstance(mod, (nn.Linear, Conv1D))
 
 
 def set_matrix(mod: nn.Module, w: torch.Tensor, c: torch.Tensor | None = None) -> None:
@@ -47,11 +54,6 @@ def add_to_bias(mod: nn.Module, delta: torch.Tensor) -> None:
     algebra.set_bias(mod, (c if c is not None else torch.zeros_like(delta)) + delta)
 
 
-def replace(model, path: str, new: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
-
-
 def size(params) -> tuple[int, int]:
     """(parameter count, bytes) of distinct parameters (a tied weight counts once)."""
     seen = {id(p): p for p in params}.values()
@@ -68,3 +70,113 @@ def sizes(model, layers: str) -> dict:
     return {"layers": [{"params": n, "bytes": b} for n, b in per_layer],
             "other": {"params": other[0], "bytes": other[1]},
             "total": {"params": total[0], "bytes": total[1]}}
+
+
+def mlp(model, site: MlpSite) -> tuple[int, int]:
+    dead, const = analysis.mlp_dead(model, site)
+    if bool(dead.all()):
+        dead[0] = False  # a layer keeps one unit: it goes on computing its own output
+        const[0] = 0
+    down = model.get_submodule(site.down)
+    if bool(const.any()):
+        add_to_bias(down, algebra.weight(down) @ const)
+    keep = (~dead).nonzero().flatten()
+    for path in (site.up, site.gate):
+        if path:
+            keep_outputs(model.get_submodule(path), keep)
+    keep_inputs(down, keep)
+    return len(dead), len(keep)
+
+
+def attention(model, site: AttentionSite) -> tuple[int, int]:
+    dead, const = analysis.heads_dead(model, site)
+    kept, kept_kv = analysis.head_plan(dead, site.num_kv_heads)
+    o = model.get_submodule(site.o)
+    gone = [h for h in range(site.num_heads) if h not in kept]
+    if gone and bool(const[gone].any()):
+        add_to_bias(o, const[gone].sum(0))
+    parts = {"q": kept, "k": kept_kv, "v": kept_kv}
+    if site.qkv_order == "separate":
+        for part, heads in parts.items():
+            path, rows = analysis.qkv_rows(site, part, heads)
+            keep_outputs(model.get_submodule(path), rows)
+    else:
+        rows = torch.cat([analysis.qkv_rows(site, part, heads)[1] for part, heads in parts.items()]).sort().values
+        keep_outputs(model.get_submodule(site.qkv), rows)
+    keep_inputs(o, torch.cat([analysis.head_idx(h, site.head_dim) for h in kept]))
+    counts = {"heads": len(kept), "kv_heads": len(kept_kv), "groups": len(kept) // len(kept_kv),
+              "width": len(kept) * site.head_dim}
+    attn = model.get_submodule(site.path)
+    for attr, quantity in site.count_attrs:
+        setattr(attn, attr, counts[quantity])
+    return len(kept), len(kept_kv)
+
+
+def channels(model, layout: Layout, removable: torch.Tensor) -> tuple[int, int]:
+    keep = (~removable).nonzero().flatten()
+    for site in layout.norms:
+        norm = model.get_submodule(site.path)
+        b = None if getattr(norm, "bias", None) is None else norm.bias.detach().to(algebra.WORK)
+        if b is not None:
+            fold = removable.to(b.device)
+            if site.kind in analysis.CENTRING:
+                fold = fold & (torch.zeros_like(fold) if norm.weight is None else norm.weight == 0)
+            for r in site.readers:
+                reader = model.get_submodule(r)
+                delta = algebra.weight(reader)[:, fold] @ b[fold]
+                if bool(delta.any()):
+                    add_to_bias(reader, delta)
+        model.set_submodule(site.path, compensated(norm, site, keep))
+        for r in site.readers:
+            keep_inputs(model.get_submodule(r), keep)
+    for path in layout.embeddings + layout.writers:
+        keep_outputs(model.get_submodule(path), keep)
+    if layout.tied:
+        model.get_submodule(layout.head).weight = model.get_submodule(layout.token_embedding).weight
+    return len(removable), len(keep)
+
+
+def compensated(norm, site: NormSite, keep: torch.Tensor) -> nn.Module:
+    """The norm over the kept channels with the full vector's statistics."""
+    w = norm.weight.detach()
+    k = keep.to(w.device)
+    if site.kind in analysis.CENTRING:
+        full = getattr(norm, "full_dim", w.shape[0])
+        new = CompensatedLayerNorm(len(keep), full, eps=site.eps, bias=norm.bias is not None)
+    else:
+        full = getattr(norm, "divisor", w.shape[0])
+        new = RMSNorm(len(keep), eps=site.eps, bias=getattr(norm, "bias", None) is not None,
+                      offset=site.offset, divisor=full)
+    new.to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        new.weight.copy_(w[k])
+        if new.bias is not None:
+            new.bias.copy_(norm.bias.detach()[k])
+    return new
+
+
+def record_widths(model, layout: Layout, mlp_changed: bool) -> list[str]:
+    """Write uniform widths into the config where its keys can say them; head counts it cannot
+    say go into each attention module's ``_normsurgery_attrs`` (set again after loading)."""
+    notes = []
+    cfg, keys = model.config, dict(layout.config_widths)
+    widths = {algebra.weight(model.get_submodule(m.down)).shape[1] for m in layout.mlps}
+    if mlp_changed and len(widths) == 1 and "intermediate" in keys:
+        setattr(cfg, keys["intermediate"], widths.pop())
+        notes.append(f"config {keys['intermediate']} = {getattr(cfg, keys['intermediate'])}")
+    counts = {(a.num_heads, a.num_kv_heads) for a in layout.attention}
+    stock = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    if len(counts) == 1 and counts != {stock} and {"heads", "kv_heads", "head_dim"} <= set(keys):
+        (h, kv), = counts
+        setattr(cfg, keys["heads"], h)
+        setattr(cfg, keys["kv_heads"], kv)
+        setattr(cfg, keys["head_dim"], layout.attention[0].head_dim)
+        notes.append(f"config {keys['heads']} = {h}, {keys['kv_heads']} = {kv}")
+        stock = (h, kv)
+    for a in layout.attention:
+        attn = model.get_submodule(a.path)
+        if (a.num_heads, a.num_kv_heads) != stock and a.count_attrs:
+            attn._normsurgery_attrs = {attr: getattr(attn, attr) for attr, _ in a.count_attrs}
+        elif hasattr(attn, "_normsurgery_attrs"):
+            del attn._normsurgery_attrs
+    return notes

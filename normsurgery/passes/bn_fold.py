@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import algebra
-from ..adapters import Layout, NormSite
+from ..layout import Layout, NormSite
 from ..registry import PassContext, PassReport, register
 from ..runtime import ChannelAffine, RepBN
 from .norms import untie_if_touched
@@ -59,11 +59,6 @@ def applies(model, layout: Layout) -> str | None:
         return ("no stream norm is a per-channel affine map (RepBN, BatchNorm with running statistics or "
                 "ChannelAffine): the norms compute per-token statistics (run prepbn first)")
     return None
-
-
-def _replace(model, path: str, new: nn.Module) -> None:
-    parent, _, leaf = path.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, new)
 
 
 def _bias_flags(model, new_bias: set[str]) -> list[str]:
@@ -116,7 +111,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
             with torch.no_grad():
                 new.weight.copy_(a)
                 new.bias.copy_(c)
-        _replace(model, site.path, new)
+        model.set_submodule(site.path, new)
     new_bias = touched - had_bias
     flags = _bias_flags(model, new_bias) if new_bias else []
     report.notes.append(f"folded {len(into_readers)} norms into {len(touched)} readers; they compute nothing now")

@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import adapters, algebra, masks
-from ..adapters import Layout
+from .. import algebra, families
+from ..layout import Layout
+from ..norms import is_stock_rmsnorm
 from ..registry import PassContext, PassReport, register
-from ..runtime import CRMSNorm, RMSNorm
+from ..runtime import CRMSNorm
 from . import _shrink, pre_rmsnorm
-from .norms import eps_of, refuse_post_ln, untie_if_touched
+from .norms import refuse_norms, refuse_post_ln, untie_if_touched
 
 #: |mean of a written vector| / max |entry| below which the stream counts as zero-mean
 CENTRED = 1e-6
@@ -42,15 +43,15 @@ def _centred(model, layout: Layout) -> bool:
 
 
 def applies(model, layout: Layout) -> str | None:
-    reason = refuse_post_ln(layout)
+    if "crmsnorm" in layout.norm_kinds:
+        return "the norms are already CRMSNorm"
+    reason = refuse_post_ln(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
     if reason:
         return reason
-    mods = [model.get_submodule(s.path) for s in layout.norms]
-    if any(isinstance(m, CRMSNorm) for m in mods):
-        return "the norms are already CRMSNorm"
-    if all(isinstance(m, nn.LayerNorm) for m in mods):
+    if layout.norm_kinds == {"layernorm"}:
         return None  # pre-rmsnorm runs first
-    if not all(isinstance(m, RMSNorm) for m in mods):
+    mods = [model.get_submodule(s.path) for s in layout.norms]
+    if layout.norm_kinds != {"rmsnorm"} or any(is_stock_rmsnorm(m) for m in mods):
         return ("the stream norms are not LayerNorm (nor pre-rmsnorm's RMSNorm): an RMSNorm model's "
                 "stream is not zero-mean, and centring it would change the function")
     if any(m.divisor != m.dim for m in mods):
@@ -66,15 +67,15 @@ def applies(model, layout: Layout) -> str | None:
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("crmsnorm")
     before = _shrink.size(model.parameters())
-    if isinstance(model.get_submodule(layout.norms[0].path), nn.LayerNorm):
+    if layout.norm_kinds == {"layernorm"}:
         report.notes += pre_rmsnorm.apply(model, layout, PassContext(options={"fold": False})).notes
-        layout = adapters.layout(model)
+        layout = families.layout(model)
     report.notes += untie_if_touched(model, layout, {layout.token_embedding})
-    d = masks.stream_width(model, layout)
+    d = layout.stream_width
     stored = torch.arange(d - 1)
     for site in layout.norms:
         norm = model.get_submodule(site.path)
-        gain = norm.weight.detach().to(algebra.WORK) + norm.offset
+        gain = norm.weight.detach().to(algebra.WORK) + site.offset
         shift = None if norm.bias is None else norm.bias.detach().to(algebra.WORK)
         for path in site.readers:
             reader = model.get_submodule(path)
@@ -83,8 +84,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                 _shrink.add_to_bias(reader, w @ shift)
             w = w * gain
             _shrink.set_matrix(reader, w[:, :-1] - w[:, -1:])
-        new = CRMSNorm(d - 1, eps=eps_of(norm)).to(device=norm.weight.device)
-        _shrink.replace(model, site.path, new)
+        model.set_submodule(site.path, CRMSNorm(d - 1, eps=site.eps).to(device=norm.weight.device))
     for path in layout.embeddings + layout.writers:
         _shrink.keep_outputs(model.get_submodule(path), stored)
     after = _shrink.size(model.parameters())

@@ -6,22 +6,13 @@ the bias folds into the readers' biases (c + W b); the norm keeps its mean remov
 
 from __future__ import annotations
 
-from torch import nn
-
-from ..adapters import Layout
+from ..layout import Layout
 from ..registry import PassContext, PassReport, register
-from .norms import fold_into_readers, is_rmsnorm, refuse_post_ln, untie_if_touched
+from .norms import fold_into_readers, refuse_norms, refuse_post_ln, untie_if_touched
 
 
 def applies(model, layout: Layout) -> str | None:
-    reason = refuse_post_ln(layout)
-    if reason:
-        return reason
-    for site in layout.norms:
-        mod = model.get_submodule(site.path)
-        if not (is_rmsnorm(mod) or isinstance(mod, nn.LayerNorm)):
-            return f"{site.path} is a {type(mod).__name__}, not a LayerNorm or RMSNorm"
-    return None
+    return refuse_post_ln(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
 
 
 @register("flashnorm", "FlashNorm: fold every norm's gain (and bias) into the linears that read it",

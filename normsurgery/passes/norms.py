@@ -1,32 +1,24 @@
-"""Helpers shared by the norm passes: what a norm module is, and folding it into its readers."""
+"""Helpers shared by the norm passes: refusals read off the Layout, folding a norm into its readers."""
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .. import algebra
-from ..adapters import Layout, NormSite
 from ..errors import SurgeryError
-from ..runtime import CRMSNorm, RMSNorm
+from ..layout import Layout, NormSite
 
 
-def is_rmsnorm(mod: nn.Module) -> bool:
-    """Ours, or an HF ``*RMSNorm`` class (not CRMSNorm, which normalises a d-1 stored stream)."""
-    return isinstance(mod, RMSNorm) or (type(mod).__name__.endswith("RMSNorm")
-                                        and not isinstance(mod, CRMSNorm))
-
-
-def eps_of(mod: nn.Module) -> float:
-    for name in ("eps", "variance_epsilon"):
-        if hasattr(mod, name):
-            return float(getattr(mod, name))
-    raise SurgeryError(f"cannot find the epsilon of {type(mod).__name__}")
-
-
-def offset_of(mod: nn.Module, layout: Layout) -> float:
-    """Gain = offset + weight: HF's Gemma norms use offset 1; ours carry it themselves."""
-    return mod.offset if isinstance(mod, RMSNorm) else (layout.norm_offset if is_rmsnorm(mod) else 0.0)
+def refuse_norms(layout: Layout, kinds: tuple[str, ...]) -> str | None:
+    """Why the stream norms cannot be rewritten, when one is not of ``kinds`` or its gain offset
+    is unknown (None when all can)."""
+    for site in layout.norms:
+        if site.kind == "other" or site.offset is None:
+            return (f"{site.path} is a norm class normsurgery does not know: its kind and gain offset "
+                    "are unknown, so nothing is folded")
+        if site.kind not in kinds:
+            return f"{site.path} is a {site.kind}, not a {' or '.join(kinds)}"
+    return None
 
 
 def refuse_post_ln(layout: Layout) -> str | None:
@@ -44,18 +36,18 @@ def fold_into_readers(model, layout: Layout, site: NormSite) -> None:
     """
     norm = model.get_submodule(site.path)
     readers = [model.get_submodule(r) for r in site.readers]
-    offset = offset_of(norm, layout)
+    offset = site.offset
     gain = norm.weight.detach().to(algebra.WORK) + offset
     shift = None if getattr(norm, "bias", None) is None else norm.bias.detach().to(algebra.WORK)
-    keep = shift is not None and not all(algebra.has_bias(r) for r in readers)
-    if keep and bool(((gain == 0) & (shift != 0)).any()):
+    in_norm = shift is not None and not all(algebra.has_bias(r) for r in readers)
+    if in_norm and bool(((gain == 0) & (shift != 0)).any()):
         raise SurgeryError(f"{site.path}: a channel has zero gain but a bias, and a reader has no bias to take it")
     for r in readers:
-        algebra.fold_affine_into_reader(r, gain, None if keep else shift)
+        algebra.fold_affine_into_reader(r, gain, None if in_norm else shift)
     with torch.no_grad():
         norm.weight.fill_(1.0 - offset)
         if shift is not None:
-            norm.bias.copy_((shift / gain if keep else torch.zeros_like(shift)).to(norm.bias.dtype))
+            norm.bias.copy_((shift / gain if in_norm else torch.zeros_like(shift)).to(norm.bias.dtype))
 
 
 def untie_if_touched(model, layout: Layout, touched: set[str]) -> list[str]:

@@ -23,12 +23,13 @@ import torch
 from torch import nn
 
 from .. import calibration
-from ..adapters import Layout
+from ..families import layout as layout_of
+from ..layout import Layout
 from ..errors import SurgeryError
 from ..registry import PassContext, PassReport, register
 from ..runtime import RepBN
 from . import bn_fold
-from .norms import eps_of, is_rmsnorm, offset_of, refuse_post_ln
+from .norms import refuse_norms, refuse_post_ln
 
 OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 1e-4, "batch_size": 16, "seq_len": 128,
            "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
@@ -38,9 +39,9 @@ OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 1e-4, "batch_size": 16
 class ProgressiveNorm(nn.Module):
     """lam * norm(x) + (1 - lam) * repbn(x); only the side(s) with a non-zero weight run."""
 
-    def __init__(self, norm: nn.Module, repbn: RepBN, kind: str):
+    def __init__(self, norm: nn.Module, repbn: RepBN, kind: str, offset: float):
         super().__init__()
-        self.norm, self.repbn, self.kind = norm, repbn, kind
+        self.norm, self.repbn, self.kind, self.offset = norm, repbn, kind, offset
         self.lam = 1.0
 
     def forward(self, x):
@@ -91,14 +92,16 @@ def attach_token_mask(model, repbns: list[RepBN]):
 
 @torch.no_grad()
 def input_moments(model, modules: list[nn.Module], windows: torch.Tensor, batch_size: int = 8,
-                  attention_mask: torch.Tensor | None = None, per_token: str | None = None) -> list[dict]:
-    """Per module, over the real tokens its input carries on ``windows``: channel mean ``mean``,
-    biased variance ``var`` (float64, exact over all tokens), and with ``per_token`` "layernorm"
-    or "rmsnorm" the mean per-token divisor ``s`` = sqrt(var_tok + eps) or sqrt(mean_tok(x^2) + eps)."""
+                  attention_mask: torch.Tensor | None = None,
+                  per_token: list[tuple[str, float]] | None = None) -> list[dict]:
+    """Per module, over the real tokens its input carries on ``windows``: channel mean ``mean``
+    and biased variance ``var`` (float64, exact over all tokens); with ``per_token`` (kind, eps)
+    per module also the mean per-token divisor ``s``: sqrt(var_tok + eps) for "layernorm",
+    sqrt(mean_tok(x^2) + eps) for "rmsnorm"."""
     sums = [{"n": 0, "s1": 0.0, "s2": 0.0, "div": 0.0} for _ in modules]
     mask_now = {}
 
-    def hook_for(i, mod):
+    def hook_for(i):
         def hook(module, args):
             x = masked_tokens(args[0].detach().to(torch.float64), mask_now.get("m"))
             acc = sums[i]
@@ -106,21 +109,20 @@ def input_moments(model, modules: list[nn.Module], windows: torch.Tensor, batch_
             acc["s1"] = acc["s1"] + x.sum(0)
             acc["s2"] = acc["s2"] + x.pow(2).sum(0)
             if per_token:
-                eps = eps_of(mod)
-                spread = x.var(-1, unbiased=False) if per_token == "layernorm" else x.pow(2).mean(-1)
+                kind, eps = per_token[i]
+                spread = x.var(-1, unbiased=False) if kind == "layernorm" else x.pow(2).mean(-1)
                 acc["div"] += torch.sqrt(spread + eps).sum().item()
         return hook
 
-    handles = [m.register_forward_pre_hook(hook_for(i, m)) for i, m in enumerate(modules)]
+    handles = [m.register_forward_pre_hook(hook_for(i)) for i, m in enumerate(modules)]
     device = next(model.parameters()).device
     try:
         for s in range(0, len(windows), batch_size):
-            ids = windows[s:s + batch_size].to(device)
             kw = {}
             if attention_mask is not None:
                 kw["attention_mask"] = attention_mask[s:s + batch_size].to(device)
                 mask_now["m"] = kw["attention_mask"].bool()
-            model(input_ids=ids, **kw)
+            model(input_ids=windows[s:s + batch_size].to(device), **kw)
     finally:
         for h in handles:
             h.remove()
@@ -132,33 +134,20 @@ def input_moments(model, modules: list[nn.Module], windows: torch.Tensor, batch_
     return out
 
 
-def norm_kind(mod: nn.Module) -> str | None:
-    if is_rmsnorm(mod):
-        return "rmsnorm"
-    if isinstance(mod, nn.LayerNorm):
-        return "layernorm"
-    return None
-
-
 @torch.no_grad()
-def init_from_norms(model, layout: Layout, progs: list[ProgressiveNorm], windows: torch.Tensor,
-                    batch_size: int = 8) -> None:
+def init_from_norms(model, progs: list[ProgressiveNorm], windows: torch.Tensor, batch_size: int = 8) -> None:
     """Set every RepBN equal to its norm with a frozen divisor (module docstring), the running
     statistics to the channel moments of the norm's input on ``windows`` (model in eval mode)."""
     was = model.training
     model.eval()
     try:
-        stats = []
-        for kind in ("layernorm", "rmsnorm"):
-            chosen = [p for p in progs if p.kind == kind]
-            if chosen:
-                stats += list(zip(chosen, input_moments(model, [p.norm for p in chosen], windows, batch_size,
-                                                        per_token=kind)))
+        stats = input_moments(model, [p.norm for p in progs], windows, batch_size,
+                              per_token=[(p.kind, p.repbn.eps) for p in progs])
     finally:
         model.train(was)
-    for prog, st in stats:
+    for prog, st in zip(progs, stats):
         norm, bn = prog.norm, prog.repbn
-        g = norm.weight.detach().double() + offset_of(norm, layout)
+        g = norm.weight.detach().double() + prog.offset
         b = norm.bias.detach().double() if getattr(norm, "bias", None) is not None else torch.zeros_like(g)
         m = st["mean"].mean() if prog.kind == "layernorm" else 0.0
         s = st["s"]
@@ -197,10 +186,9 @@ def install(model, layout: Layout, momentum: float = 0.1) -> list[ProgressiveNor
     for site in layout.norms:
         norm = model.get_submodule(site.path)
         ref = norm.weight
-        bn = RepBN(ref.shape[0], eps=eps_of(norm), momentum=momentum).to(device=ref.device, dtype=ref.dtype)
-        prog = ProgressiveNorm(norm, bn, norm_kind(norm))
-        parent, _, leaf = site.path.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, prog)
+        bn = RepBN(ref.shape[0], eps=site.eps, momentum=momentum).to(device=ref.device, dtype=ref.dtype)
+        prog = ProgressiveNorm(norm, bn, site.kind, site.offset)
+        model.set_submodule(site.path, prog)
         progs.append(prog)
     return progs
 
@@ -208,8 +196,7 @@ def install(model, layout: Layout, momentum: float = 0.1) -> list[ProgressiveNor
 def finish(model, layout: Layout, progs: list[ProgressiveNorm]) -> None:
     """Replace each ProgressiveNorm by its RepBN (lam has reached 0)."""
     for site, prog in zip(layout.norms, progs):
-        parent, _, leaf = site.path.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, prog.repbn)
+        model.set_submodule(site.path, prog.repbn)
 
 
 def applies(model, layout: Layout) -> str | None:
@@ -217,10 +204,9 @@ def applies(model, layout: Layout) -> str | None:
     if reason:
         return (reason + "; bn-fold would have to keep each frozen BatchNorm as a per-channel affine map on the "
                 "stream, and prepbn is only built for Pre-LN and parallel decoders")
-    for site in layout.norms:
-        mod = model.get_submodule(site.path)
-        if norm_kind(mod) is None:
-            return f"{site.path} is a {type(mod).__name__}, not a LayerNorm or RMSNorm"
+    reason = refuse_norms(layout, ("layernorm", "rmsnorm"))
+    if reason:
+        return reason
     if layout.head is None:
         return "the model has no language-modelling head to train"
     return None
@@ -252,7 +238,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
 
     def on_step(step, m):
         if step == warmup:
-            init_from_norms(m, layout, progs, calib)
+            init_from_norms(m, progs, calib)
         lam = lam_at(step, warmup, decay)
         for p in progs:
             p.lam = lam
@@ -280,8 +266,6 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                         f"{result.ce_before:.4f} -> {ce_reestimated:.4f} ({ce_reestimated - result.ce_before:+.4f}) "
                         f"with running statistics re-estimated on {len(calib)} windows")
     if opts["fold"]:
-        from ..adapters import layout as layout_of
-
         folded = bn_fold.apply(model, layout_of(model), ctx)
         report.notes += folded.notes
         report.metrics["fold"] = folded.metrics

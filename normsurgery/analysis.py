@@ -1,0 +1,183 @@
+"""Dead units of a masked (zero-filled) model: MLP units, attention heads, residual channels.
+
+Read-only analysis used by ``inspect`` and by the minimization passes (which remove what it finds):
+- MLP hidden unit i: down's column i is zero (nothing leaves it); or, ungated, up's row i is zero,
+  so the unit outputs the constant act(c_i), foldable into down's bias; or, gated, gate's row
+  and bias are zero (act(0) = 0) or up's row and bias are zero.
+- Query head h: its columns of the output projection are zero; or its value head's rows are
+  zero, so it outputs the constant value bias c_v (softmax weights sum to 1), foldable into the
+  output bias. A key/value head goes only with all the query heads that share it; the remaining
+  groups then lose the same number of dead query heads each, so every kv head keeps G' query
+  heads and grouped attention (query h reads kv h // G') still applies.
+- Residual channel j that no writer writes (embedding columns, writer rows and biases zero):
+  the stream is 0 there. An RMSNorm's output in j is then its bias b_j (0 without one); a
+  LayerNorm's is g_j * (0 - mean) / std + b_j, so j is removable only where g_j = 0 (the
+  constant b_j then folds into the readers' biases) or every reader's column j is zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import algebra
+from .layout import AttentionSite, Layout, MlpSite
+
+#: norm kinds whose output in an unwritten channel depends on the other channels
+CENTRING = ("layernorm", "compensated-layernorm")
+
+
+@dataclass
+class LayerDead:
+    layer: int
+    mlp_units: int
+    dead_units: list[int]
+    heads: int
+    kv_heads: int
+    dead_heads: list[int]
+    removable_heads: list[int]  # after the grouped-KV rule
+    removable_kv_heads: list[int]
+    unwritten_channels: list[int]  # channels this layer's writers leave zero
+
+
+@dataclass
+class DeadReport:
+    width: int  # residual channels stored
+    layers: list[LayerDead] = field(default_factory=list)
+    dead_channels: list[int] = field(default_factory=list)  # no writer writes them
+    removable_channels: list[int] = field(default_factory=list)  # dead, and no reader sees them vary
+
+
+def zero(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return (t == 0).all(dim)
+
+
+def bias_or_zeros(mod, n: int) -> torch.Tensor:
+    c = algebra.bias(mod)
+    return c if c is not None else torch.zeros(n, dtype=algebra.WORK, device=mod.weight.device)
+
+
+
+def mlp_dead(model, site: MlpSite) -> tuple[torch.Tensor, torch.Tensor]:
+    """(removable units, the constant each one still outputs: nonzero only where folded)."""
+    up, down = model.get_submodule(site.up), model.get_submodule(site.down)
+    act = model.get_submodule(site.act)
+    wu, wd = algebra.weight(up), algebra.weight(down)
+    cu = bias_or_zeros(up, wu.shape[0])
+    dead = zero(wd, 0)
+    const = torch.zeros_like(cu)
+    if site.gate is None:
+        value = act(cu)
+        silent = zero(wu, 1) & ((value == 0) | algebra.has_bias(down))
+        const = torch.where(silent & ~dead, value, const)
+        dead = dead | silent
+    else:
+        gate = model.get_submodule(site.gate)
+        wg = algebra.weight(gate)
+        cg = bias_or_zeros(gate, wg.shape[0])
+        at_zero = act(torch.zeros(1, dtype=algebra.WORK, device=wg.device)).item()
+        dead = dead | (zero(wg, 1) & (cg == 0) & (at_zero == 0)) | (zero(wu, 1) & (cu == 0))
+    return dead, const
+
+
+def head_idx(h: int, hd: int) -> torch.Tensor:
+    return torch.arange(h * hd, (h + 1) * hd)
+
+
+def qkv_rows(site: AttentionSite, part: str, heads) -> tuple[str, torch.Tensor]:
+    """The module and its output rows that hold ``part`` (q, k or v) of ``heads``."""
+    hd = site.head_dim
+    if site.qkv_order == "separate":
+        idx = [head_idx(h, hd) for h in heads]
+        return getattr(site, part), torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+    p = "qkv".index(part)
+    if site.qkv_order == "blocks":
+        idx = [p * site.num_heads * hd + head_idx(h, hd) for h in heads]
+    else:  # "heads": q, k, v of each head together
+        idx = [h * 3 * hd + p * hd + torch.arange(hd) for h in heads]
+    return site.qkv, torch.cat(idx)
+
+
+def heads_dead(model, site: AttentionSite) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dead query heads, each dead head's constant contribution to the output, [heads, d])."""
+    hd, groups = site.head_dim, site.num_heads // site.num_kv_heads
+    o = model.get_submodule(site.o)
+    wo = algebra.weight(o)
+    dead = torch.zeros(site.num_heads, dtype=torch.bool)
+    const = torch.zeros(site.num_heads, wo.shape[0], dtype=algebra.WORK, device=wo.device)
+    for h in range(site.num_heads):
+        cols = head_idx(h, hd).to(wo.device)
+        if bool(zero(wo[:, cols], 0).all()):
+            dead[h] = True
+            continue
+        path, rows = qkv_rows(site, "v", [h // groups])
+        v = model.get_submodule(path)
+        wv = algebra.weight(v)
+        rows = rows.to(wv.device)
+        if bool(zero(wv[rows], 1).all()):
+            contribution = wo[:, cols] @ bias_or_zeros(v, wv.shape[0])[rows]
+            if algebra.has_bias(o) or not bool(contribution.any()):
+                dead[h], const[h] = True, contribution
+    return dead, const
+
+
+def head_plan(dead: torch.Tensor, kv_heads: int) -> tuple[list[int], list[int]]:
+    """(kept query heads, kept kv heads): whole groups go when all their query heads are dead;
+    the other groups each drop the same number m of dead query heads (at least one head stays)."""
+    groups = len(dead) // kv_heads
+    dead_in = [[h for h in range(g * groups, (g + 1) * groups) if dead[h]] for g in range(kv_heads)]
+    kept_kv = [g for g in range(kv_heads) if len(dead_in[g]) < groups] or [0]
+    m = min(min(len(dead_in[g]) for g in kept_kv), groups - 1)
+    drop = {h for g in kept_kv for h in dead_in[g][:m]}
+    kept = [h for g in kept_kv for h in range(g * groups, (g + 1) * groups) if h not in drop]
+    return kept, kept_kv
+
+
+def written(model, paths) -> torch.Tensor:
+    written = None
+    for path in paths:
+        mod = model.get_submodule(path)
+        w = algebra.weight(mod)
+        if isinstance(mod, nn.Embedding):
+            col = (w != 0).any(0)
+        else:
+            col = (w != 0).any(1) | (bias_or_zeros(mod, w.shape[0]) != 0)
+        written = col.cpu() if written is None else written | col.cpu()
+    return written
+
+
+def channels(model, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dead channels, removable channels) over the stored stream."""
+    dead = ~written(model, layout.embeddings + layout.writers)
+    removable = dead.clone()
+    for site in layout.norms:
+        if site.kind not in CENTRING:
+            continue
+        norm = model.get_submodule(site.path)  # RMSNorm: 0 in, its bias (a constant) out
+        gain_zero = torch.zeros_like(dead) if norm.weight is None else (norm.weight == 0).cpu()
+        unread = torch.ones_like(dead)
+        for r in site.readers:
+            unread &= zero(algebra.weight(model.get_submodule(r)), 0).cpu()
+        removable &= gain_zero | unread
+    return dead, removable
+
+
+def dead_units(model, layout: Layout) -> DeadReport:
+    """Dead MLP units, attention heads and residual channels, per layer (nothing is changed)."""
+    dead_ch, removable = channels(model, layout)
+    report = DeadReport(len(dead_ch), dead_channels=dead_ch.nonzero().flatten().tolist(),
+                        removable_channels=removable.nonzero().flatten().tolist())
+    for i, (attn, mlp) in enumerate(zip(layout.attention, layout.mlps)):
+        units, _ = mlp_dead(model, mlp)
+        heads, _ = heads_dead(model, attn)
+        kept, kept_kv = head_plan(heads, attn.num_kv_heads)
+        report.layers.append(LayerDead(
+            i, len(units), units.nonzero().flatten().tolist(), attn.num_heads, attn.num_kv_heads,
+            heads.nonzero().flatten().tolist(), [h for h in range(attn.num_heads) if h not in kept],
+            [g for g in range(attn.num_kv_heads) if g not in kept_kv],
+            (~written(model, (attn.o, mlp.down))).nonzero().flatten().tolist()))
+    return report
+
+

@@ -1,0 +1,101 @@
+"""The data a pass reads: where a model keeps its stream's writers, norms, readers and head.
+
+An adapter (``adapters.py``) turns a loaded model into a :class:`Layout`; passes read only it and
+never name a model attribute. Every fact a pass needs is stated here, read from the live modules:
+the stream width as stored now, each norm's kind, gain offset and eps, the training objective.
+
+Placement:
+- ``pre``: x += f(norm(x)) for each sublayer in turn (GPT-2, Llama, ...);
+- ``parallel``: x += attn(norm_a(x)) + mlp(norm_m(x)) in one step (GPT-NeoX, Phi; Phi shares
+  one norm between both, which is just a norm site with both sublayers' readers);
+- ``post``: x = norm(x + f(x)) (BERT): the stream itself is normalised, so norm passes refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: norm kinds: what a norm computes over its input x (``norms.kind_of`` reads it off the module)
+NORM_KINDS = ("layernorm", "rmsnorm", "crmsnorm", "compensated-layernorm", "other")
+#: what the model's head is trained for
+OBJECTIVES = ("causal-lm", "masked-lm", "none")
+
+
+@dataclass(frozen=True)
+class NormSite:
+    """A norm over the residual stream and the linear layers that read its output.
+
+    ``kind`` is one of NORM_KINDS; the gain is ``offset + weight`` (Gemma: 1; None when the
+    module's class is not known, so nothing may be folded); ``eps`` its epsilon.
+    """
+
+    path: str
+    readers: tuple[str, ...]
+    role: str  # "attn", "mlp", "attn+mlp", "final", "embed", "post"
+    kind: str = "other"
+    offset: float | None = 0.0
+    eps: float | None = None
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One block's self-attention: its projections and head layout, read from current shapes.
+
+    Separate ``q``/``k``/``v`` or one fused ``qkv``: ``qkv_order`` "blocks" stacks all q rows,
+    then all k, then all v (GPT-2); "heads" stacks q, k, v per head (GPT-NeoX). Query head h
+    reads key/value head h // (num_heads // num_kv_heads). ``count_attrs`` are the module
+    attributes its forward reads that follow the head counts, each with its quantity: "heads",
+    "kv_heads", "groups" (query heads per kv head) or "width" (heads * head_dim).
+    """
+
+    path: str
+    o: str
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    q: str | None = None
+    k: str | None = None
+    v: str | None = None
+    qkv: str | None = None
+    qkv_order: str = "separate"  # "separate" | "blocks" | "heads"
+    count_attrs: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class MlpSite:
+    """One block's MLP: down(act(up x)), or down(act(gate x) * up x) when ``gate`` is set."""
+
+    up: str
+    down: str
+    act: str  # path of the activation module
+    gate: str | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    family: str
+    placement: str  # "pre" | "parallel" | "post"
+    stream_width: int  # residual channels as stored now (a writer's output width)
+    hidden_size: int  # the config's width (stays the stock d when channels are removed)
+    layers_path: str  # path of the ModuleList of blocks
+    token_embedding: str
+    embeddings: tuple[str, ...]  # embeddings whose rows are added to the stream
+    writers: tuple[str, ...]  # linears whose outputs are added to the stream
+    norms: tuple[NormSite, ...]  # every stream norm, final norm last
+    head: str | None  # the output head (reads the final norm); None for a base model
+    tied: bool  # head shares its weight with the token embedding
+    objective: str = "causal-lm"  # one of OBJECTIVES
+    qk_norms: tuple[str, ...] = ()  # per-head norms inside attention: not foldable
+    attention: tuple[AttentionSite, ...] = ()  # one per block
+    mlps: tuple[MlpSite, ...] = ()  # one per block
+    # (quantity, config key) the stock __init__ builds widths from: "intermediate", "heads",
+    # "kv_heads", "head_dim" (only where the stock code reads head_dim from the config)
+    config_widths: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def final_norm(self) -> NormSite | None:
+        return self.norms[-1] if self.norms and self.norms[-1].role == "final" else None
+
+    @property
+    def norm_kinds(self) -> set[str]:
+        return {s.kind for s in self.norms}

@@ -1,0 +1,16 @@
+"""compensated-ln: remove residual channels no writer writes; the norms keep the statistics of
+the full D-vector (LayerNorm -> CompensatedLayerNorm: mean = sum(x') / D,
+var = sum(x'^2) / D - mean^2; RMSNorm divides by D). The channel part of ``minimize`` alone."""
+
+from __future__ import annotations
+
+from ..layout import Layout
+from ..registry import PassContext, PassReport, register
+from . import mask, minimize
+
+
+@register("compensated-ln", "Remove dead residual channels, norms keeping the full width's statistics (exact)",
+          "exact", "Pre-LN and parallel models of every supported family", minimize.applies,
+          options=mask.OPTIONS, reference=minimize.reference)
+def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
+    return minimize.shrink(model, layout, "compensated-ln", blocks=False)

@@ -1,0 +1,58 @@
+"""mask: put exact zeros into a model by a mask file or a criterion (changes the function on purpose).
+
+The masked model is the reference a following exact pass must reproduce: ``minimize`` and
+``compensated-ln`` run this first when given mask options, then shrink it exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import masks
+from ..layout import Layout
+from ..registry import PassContext, PassReport, register
+from .norms import refuse_norms, refuse_post_ln
+
+OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0}
+
+
+def applies(model, layout: Layout) -> str | None:
+    reason = refuse_post_ln(layout) or refuse_norms(layout, ("layernorm", "rmsnorm", "compensated-layernorm"))
+    if reason:
+        return reason
+    if not layout.attention or len(layout.mlps) != len(layout.attention):
+        return f"the {layout.family} adapter does not describe its attention and MLP blocks"
+    return None
+
+
+def wants_mask(options: dict) -> bool:
+    return bool(options.get("mask") or options.get("sparsity") or options.get("prune_channels"))
+
+
+def make_mask(model, layout: Layout, options: dict) -> tuple[dict, torch.Tensor | None, list[str]]:
+    """(parameter masks, channel keep vector or None, notes) from a mask file and criteria."""
+    options = {**OPTIONS, **options}
+    masks.check_criterion(options["by"])
+    params, channels, notes = {}, None, []
+    if options["mask"]:
+        params, channels = masks.load(options["mask"])
+        notes.append(f"mask {options['mask']}: {len(params)} parameters"
+                     + ("" if channels is None else f", {int((channels == 0).sum())} channels"))
+    if options["sparsity"]:
+        for name, keep in masks.magnitude(model, layout, options["sparsity"]).items():
+            params[name] = keep & params[name].bool() if name in params else keep
+        notes.append(f"{options['by']} sparsity {options['sparsity']:g} in every linear inside the blocks")
+    if options["prune_channels"]:
+        keep = masks.prune_channels(model, layout, options["prune_channels"], options["by"])
+        channels = keep if channels is None else keep & channels.bool()
+        notes.append(f"pruned the {options['prune_channels']} least-written residual channels")
+    return params, channels, notes
+
+
+@register("mask", "Zero weights by a mask file or criterion (changes the function; minimize then shrinks)",
+          "reference", "Pre-LN and parallel models of every supported family", applies, options=OPTIONS)
+def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
+    report = PassReport("mask")
+    params, channels, report.notes = make_mask(model, layout, ctx.options)
+    report.metrics.update(masks.apply(model, layout, params, channels))
+    return report
