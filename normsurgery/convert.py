@@ -9,6 +9,7 @@ overall against the unmodified model; the cast to the storage dtype is reported 
 from __future__ import annotations
 
 import copy
+import shutil
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from .families import layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
 from .registry import PassContext
+from .training import heldout_ce, is_main_process, train
 from .verify import TOLERANCE, Comparison, compare_logits, logits, probe_ids
 
 
@@ -114,6 +116,8 @@ def _run_passes(model, passes, ids, tolerance, context, progress, before):
     """(steps, the logits of the last reference: the input's, or those after the last step
     that changed the function on purpose)."""
     steps = []
+    context.train = context.train or train
+    context.heldout_ce = context.heldout_ce or heldout_ce
     if ids is not None and before is None:
         before = logits(model, ids)
     anchor = before
@@ -172,7 +176,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if verify and storage != dtype:
         result.cast_baseline = _in_dtype(model, storage, ids, reference)
     tol = TOLERANCE[dtype] if tolerance is None else tolerance
-    context = PassContext(tokenizer=tokenizer, text=text)
+    workdir = Path(out).parent / f".{Path(out).name}.train-state"  # trained passes' resumable state
+    context = PassContext(tokenizer=tokenizer, text=text, workdir=workdir,
+                          train_progress=lambda done, total, loss: progress("train", done, total))
     result.steps, anchor = _run_passes(model, passes, ids, tol, context, progress, reference)
     if verify:
         progress("verify", 0, 1)
@@ -188,6 +194,8 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
             raise SurgeryError(f"{what} > {tol:.0e}; nothing was saved (--force saves anyway)")
     if restore_norms:
         restore_norms()
+    if not is_main_process():  # one of several training processes: the main one saves
+        return result
     model.to(storage)
     if verify and storage != dtype:
         result.cast = compare_logits(reference, logits(model, ids))
@@ -197,6 +205,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
          "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
     result.saved = checkpoint.save(model, out, source=path, force=force, record=record,
                                    max_shard_size=max_shard_size)
+    shutil.rmtree(workdir, ignore_errors=True)
     progress("save", 1, 1)
     return result
 

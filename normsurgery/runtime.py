@@ -89,6 +89,20 @@ class CompensatedLayerNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class NoNorm(nn.Module):
+    """A removed normalization: y = x. Its constant divisor, gain and bias live in the readers."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.dim = dim
+
+    def spec(self):
+        return {"dim": self.dim}
+
+    def forward(self, x):
+        return x
+
+
 class RepBN(nn.Module):
     """Re-parameterised BatchNorm (SLAB, Guo et al. 2024): y = BN(x) + eta * x over the last axis.
 
@@ -136,26 +150,23 @@ class RepBN(nn.Module):
 
 
 class ChannelAffine(nn.Module):
-    """y = weight * x + bias per channel, either part optional (neither: y = x). What a folded
-    norm leaves behind: nothing, a shift its readers could not take, or on a Post-LN stream the
-    whole frozen affine map."""
+    """y = weight * x + bias per channel: a frozen BatchNorm / RepBN on a Post-LN stream, where no
+    linear reader can absorb it (a multiply-add per channel, no statistics)."""
 
-    def __init__(self, dim, scale=False, shift=False):
+    def __init__(self, dim):
         super().__init__()
-        self.dim, self.scale, self.shift = dim, scale, shift
-        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
-        self.bias = nn.Parameter(torch.zeros(dim)) if shift else None
+        self.dim = dim
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
 
     def spec(self):
-        return {"dim": self.dim, "scale": self.scale, "shift": self.shift}
+        return {"dim": self.dim}
 
     def forward(self, x):
-        if self.weight is not None:
-            x = x * self.weight
-        return x if self.bias is None else x + self.bias
+        return x * self.weight + self.bias
 
 
-MODULES = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm, "CompensatedLayerNorm": CompensatedLayerNorm,
+MODULES = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm, "CompensatedLayerNorm": CompensatedLayerNorm, "NoNorm": NoNorm,
            "RepBN": RepBN, "ChannelAffine": ChannelAffine}
 
 #: size attributes that must follow a resized parameter, by module class
@@ -232,6 +243,5 @@ def __getattr__(name):
     cls = globals()[name] = surgery_class(getattr(transformers, base))
     return cls
 
-
-__all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "RepBN", "ChannelAffine", "apply_structure", "resize",
-           "surgery_class"]
+__all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "NoNorm", "RepBN", "ChannelAffine", "apply_structure",
+           "resize", "surgery_class"]

@@ -159,6 +159,12 @@ def relaunch_cpu_processes() -> None:
     raise SystemExit(subprocess.call(cmd, env=env))
 
 
+def is_main_process() -> bool:
+    """False in every process but the first of a distributed group."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+        or torch.distributed.get_rank() == 0
+
+
 def make_accelerator(precision: str = "auto"):
     """An Accelerator; ``auto`` means bf16 on a GPU that supports it, else full precision.
     Without a GPU it asks for the CPU, so ``torchrun`` processes join one gloo group."""
@@ -190,12 +196,13 @@ def mask_tokens(ids: torch.Tensor, mask_id: int, vocab: int, gen: torch.Generato
 
 
 def objective_of(model) -> str:
+    """The Layout's objective of ``model`` (or of the model a peft wrapper holds)."""
     from .families import layout
 
-    lay = layout(model)
-    objective = getattr(lay, "objective", None)
-    if objective is None:
-        objective = "masked-lm" if lay.placement == "post" else "causal-lm"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    objective = layout(base).objective
+    if objective not in OBJECTIVES:
+        raise SurgeryError(f"the model has no language-modelling head to train (objective {objective})")
     return objective
 
 
@@ -279,18 +286,20 @@ def _load_state(config: TrainConfig, fingerprint: str) -> dict:
 
 # ----------------------------------------------------------------------------- the loop
 
-def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainConfig, *,
+def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainConfig | dict, *,
           objective: str = "causal-lm", mask_token_id: int | None = None, on_step: OnStep | None = None,
           params: Iterable[torch.nn.Parameter] | None = None, progress: StepProgress | None = None,
           accelerator=None) -> TrainResult:
     """Fine-tune ``model`` in place on random windows of the 1-D token stream ``train_ids``;
     held-out CE on the fixed windows ``heldout`` [n, T] before, after and on ``config``'s
-    evaluation steps. ``params``: what trains (default every parameter that requires grad).
+    evaluation steps (``config`` may be a dict of TrainConfig's fields). ``params``: what
+    trains (default every parameter that requires grad).
 
     ``on_step(step, model)`` runs at the start of each optimizer step, before its forwards; it
     must depend only on ``step`` and the model's state (a resumed run skips the earlier calls);
     the metrics it returns go into the next curve row.
     """
+    config = TrainConfig(**config) if isinstance(config, dict) else config
     config.check()
     train_ids = torch.as_tensor(train_ids).reshape(-1).cpu()
     if len(train_ids) < config.seq_len:

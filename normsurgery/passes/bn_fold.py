@@ -2,7 +2,7 @@
 
 With frozen statistics such a norm is y = a * x + c per channel (RepBN: a = gamma / sqrt(v + eps)
 + eta, c = beta - gamma * m / sqrt(v + eps)). A reader W y + b becomes (W diag(a)) x + (b + W c),
-and the norm site computes nothing (a weightless ChannelAffine, y = x). Readers without a bias get
+and the norm site computes nothing (NoNorm, y = x). Readers without a bias get
 one: through the family's config flag where the stock architecture has one (Llama's
 ``attention_bias`` / ``mlp_bias``, which also give o_proj / down_proj a bias: those stay zero),
 else as a recorded parameter of the self-contained checkpoint. The final norm folds into the
@@ -10,7 +10,7 @@ LM head (untied first when tied).
 
 Post-LN (BERT) norms sit on the residual stream itself: their output is read by the next
 sublayer and carried forward by the residual, so a (x) cannot move into linear readers alone.
-There the norm becomes the same affine map as a ChannelAffine (a multiply-add per channel, no
+There the norm becomes the same affine map, a ChannelAffine (a multiply-add per channel, no
 statistics): exact, but not removed.
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 from .. import algebra
 from ..layout import Layout, NormSite
 from ..registry import PassContext, PassReport, register
-from ..runtime import ChannelAffine, RepBN
+from ..runtime import ChannelAffine, NoNorm, RepBN
 from .norms import untie_if_touched
 
 #: config flags that give the stock architecture biases on linear layers
@@ -42,11 +42,8 @@ def affine_of(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         w = mod.weight.detach().to(algebra.WORK) if mod.affine else torch.ones_like(inv)
         b = mod.bias.detach().to(algebra.WORK) if mod.affine else torch.zeros_like(inv)
         return w * inv, b - w * mod.running_mean.to(algebra.WORK) * inv
-    if isinstance(mod, ChannelAffine) and (mod.scale or mod.shift):
-        one = torch.ones(mod.dim, dtype=algebra.WORK)
-        a = one if mod.weight is None else mod.weight.detach().to(algebra.WORK)
-        c = one * 0 if mod.bias is None else mod.bias.detach().to(algebra.WORK)
-        return a, c
+    if isinstance(mod, ChannelAffine):
+        return mod.weight.detach().to(algebra.WORK), mod.bias.detach().to(algebra.WORK)
     return None
 
 
@@ -105,7 +102,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         ref = ref if ref is not None else next(model.parameters())
         for r in site.readers:
             algebra.fold_affine_into_reader(model.get_submodule(r), a, c)
-        new = ChannelAffine(a.numel(), scale=not site.readers, shift=not site.readers)
+        new = (NoNorm if site.readers else ChannelAffine)(a.numel())
         new.to(device=ref.device, dtype=ref.dtype)
         if not site.readers:
             with torch.no_grad():

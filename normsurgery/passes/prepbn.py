@@ -33,7 +33,7 @@ from .norms import refuse_norms, refuse_post_ln
 
 OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 1e-4, "batch_size": 16, "seq_len": 128,
            "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
-           "fold": True, "state_dir": "", "save_every": 0, "resume": False}
+           "fold": True, "save_every": 0, "resume": False}
 
 
 class ProgressiveNorm(nn.Module):
@@ -226,15 +226,14 @@ def _data(ctx: PassContext, opts: dict, max_len: int | None):
           "then folded (bn-fold): no normalisation statistics at run time", "trained",
           "Pre-LN and parallel decoders with LayerNorm or RMSNorm", applies, options=OPTIONS)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
-    from ..training import TrainConfig, heldout_ce, remove_state, train
-
     opts = {**OPTIONS, **ctx.options}
+    if ctx.train is None or ctx.heldout_ce is None:
+        raise SurgeryError("prepbn needs the training loop: run it through convert or apply_passes")
     warmup, decay = schedule(opts["steps"], opts["warmup"], opts["decay"])
     train_ids, held, calib, seq = _data(ctx, opts, calibration.max_length(model.config))
-    report = PassReport("prepbn")
+    device = next(model.parameters()).device
     progs = install(model, layout, opts["momentum"])
     repbns = [p.repbn for p in progs]
-    hook = attach_token_mask(model, repbns)
 
     def on_step(step, m):
         if step == warmup:
@@ -244,31 +243,35 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
             p.lam = lam
         return {"lam": lam}
 
-    config = TrainConfig(steps=opts["steps"], batch_size=opts["batch_size"], seq_len=seq, lr=opts["lr"],
-                         seed=opts["seed"], eval_batch_size=8, state_dir=opts["state_dir"] or None,
-                         save_every=opts["save_every"], resume=opts["resume"])
-    step_progress = lambda done, total, loss: ctx.progress(f"prepbn step {done}/{total}, loss {loss:.3f}")  # noqa: E731
+    workdir = ctx.workdir / "prepbn" if ctx.workdir else None
+    config = {"steps": opts["steps"], "batch_size": opts["batch_size"], "seq_len": seq, "lr": opts["lr"],
+              "seed": opts["seed"], "eval_batch_size": 8, "resume": opts["resume"],
+              "save_every": opts["save_every"] if workdir else 0, "state_dir": workdir}
+    hook = attach_token_mask(model, repbns)
     try:
-        result = train(model, train_ids, held, config, on_step=on_step, progress=step_progress)
+        result = ctx.train(model, train_ids, held, config, objective=layout.objective, on_step=on_step,
+                           progress=ctx.train_progress)
     finally:
         hook.remove()
-    remove_state(config)
+    model.to(device)
     finish(model, layout, progs)
     t = time.perf_counter()
     reestimate(model, repbns, calib)
-    ce_reestimated = heldout_ce(model, held)
-    report.metrics.update(ce_before=result.ce_before, ce_trained=result.ce_after, ce_after=ce_reestimated,
-                          ce_delta=ce_reestimated - result.ce_before, steps=result.steps, tokens=result.tokens,
+    ce = ctx.heldout_ce(model, held, objective=layout.objective)
+    report = PassReport("prepbn")
+    report.metrics.update(ce_before=result.ce_before, ce_trained=result.ce_after, ce_after=ce,
+                          ce_delta=ce - result.ce_before, steps=result.steps, tokens=result.tokens,
                           seconds=result.seconds + time.perf_counter() - t, warmup=warmup, decay=decay,
                           lr=opts["lr"], curve=result.curve)
     report.notes.append(f"trained {result.steps} steps ({result.tokens:,} tokens, {result.seconds:.0f} s): "
                         f"lam = 1 for {warmup}, decayed to 0 over {decay}; held-out CE "
-                        f"{result.ce_before:.4f} -> {ce_reestimated:.4f} ({ce_reestimated - result.ce_before:+.4f}) "
+                        f"{result.ce_before:.4f} -> {ce:.4f} ({ce - result.ce_before:+.4f}) "
                         f"with running statistics re-estimated on {len(calib)} windows")
     if opts["fold"]:
         folded = bn_fold.apply(model, layout_of(model), ctx)
         report.notes += folded.notes
         report.metrics["fold"] = folded.metrics
+        report.metrics["ce_folded"] = ctx.heldout_ce(model, held, objective=layout.objective)
     else:
         report.notes.append("not folded (fold=false): the norms are eval-mode RepBN; run bn-fold to fold them")
     return report
