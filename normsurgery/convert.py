@@ -27,7 +27,7 @@ from .families import layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
 from .registry import PassContext
-from .training import is_main_process, train
+from .training import heldout_ce, is_main_process, train
 from .verify import (TOLERANCE, Comparison, compare_logits, logits, output_kind, probe_ids,
                      reload_check, tolerance_for)
 
@@ -124,6 +124,7 @@ def _run_passes(model, passes, ids, tolerance, context, progress, before):
     steps = []
     reason = None if tolerance is None else _arithmetic(model, tolerance)
     context.train = context.train or train
+    context.heldout_ce = context.heldout_ce or heldout_ce
     if ids is not None and before is None:
         before = logits(model, ids)
     anchor = before
