@@ -13,6 +13,7 @@ how it loads is made (``checkpoint.save``).
 from __future__ import annotations
 
 import copy
+import shutil
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from .families import layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
 from .registry import PassContext
+from .training import heldout_ce, is_main_process, train
 from .verify import (TOLERANCE, Comparison, compare_logits, logits, output_kind, probe_ids,
                      reload_check, tolerance_for)
 
@@ -121,6 +123,8 @@ def _run_passes(model, passes, ids, tolerance, context, progress, before):
     that changed the function on purpose)."""
     steps = []
     reason = None if tolerance is None else _arithmetic(model, tolerance)
+    context.train = context.train or train
+    context.heldout_ce = context.heldout_ce or heldout_ce
     if ids is not None and before is None:
         before = logits(model, ids)
     anchor = before
@@ -194,7 +198,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if verify and storage != dtype:
         cast_tol, cast_reason, result.cast_baseline = tolerance_for(model, ids, storage, reference)
     tol = TOLERANCE[dtype] if tolerance is None else tolerance
-    context = PassContext(tokenizer=tokenizer, text=text)
+    workdir = Path(out).parent / f".{Path(out).name}.train-state"  # trained passes' resumable state
+    context = PassContext(tokenizer=tokenizer, text=text, workdir=workdir,
+                          train_progress=lambda done, total, loss: progress("train", done, total))
     result.steps, anchor = _run_passes(model, passes, ids, tol, context, progress, reference)
     if verify:
         progress("verify", 0, 1)
@@ -212,6 +218,8 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
             raise SurgeryError(f"{what} > {tol:.0e}; nothing was saved (--force saves anyway)")
     if restore_norms:
         restore_norms()
+    if not is_main_process():  # one of several training processes: the main one saves
+        return result
     model.to(storage)
     if verify and storage != dtype:
         result.cast = compare_logits(anchor, logits(model, ids), kind)
@@ -225,6 +233,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
          "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
     result.saved = checkpoint.save(model, out, source=path, force=force, record=record,
                                    max_shard_size=max_shard_size, check=reload_check(model, ids) if verify else None)
+    shutil.rmtree(workdir, ignore_errors=True)
     progress("save", 1, 1)
     return result
 

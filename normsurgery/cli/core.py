@@ -15,6 +15,7 @@ from ..convert import convert as convert_checkpoint, load_recipe, parse_pass
 from ..families import layout
 from ..errors import SurgeryError
 from ..analysis import dead_units
+from ..training import is_main_process
 from ..verify import verify as verify_api
 from .app import command, console, emit_json, fmt, progress_bar
 
@@ -47,6 +48,11 @@ def convert(
     text: Optional[Path] = typer.Option(None, help="text for the checks (default: bundled Shakespeare)"),
     tol: Optional[float] = typer.Option(None, help="relative logit tolerance for exact passes"),
     max_shard_size: str = typer.Option("5GB", help="largest safetensors shard"),
+    steps: Optional[int] = typer.Option(None, help="trained passes: optimizer steps"),
+    batch_size: Optional[int] = typer.Option(None, help="trained passes: windows per micro-batch and process"),
+    seq_len: Optional[int] = typer.Option(None, help="trained passes: tokens per window"),
+    lr: Optional[float] = typer.Option(None, help="trained passes: peak learning rate"),
+    resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
     json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ):
     """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
@@ -55,10 +61,15 @@ def convert(
         specs = load_recipe(recipe) + specs
     if fold:
         specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
-    with progress_bar(not json) as progress:
+    given = {k: v for k, v in {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
+                                "resume": resume or None}.items() if v is not None}
+    specs = [(n, {**o, **{k: v for k, v in given.items() if k in registry.get(n).options}}) for n, o in specs]
+    with progress_bar(not json and is_main_process()) as progress:
         result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
                                      work_dtype=parse_dtype(work_dtype), text=read_text(text), tolerance=tol,
                                      max_shard_size=max_shard_size, progress=progress)
+    if result.saved is None:  # not the main process
+        return
     if json:
         emit_json(result.as_dict())
         return
@@ -71,6 +82,9 @@ def convert(
         table.add_row(s.name, s.kind, fmt(p and p.relative), fmt(p and p.max_abs), fmt(p and p.kl),
                       fmt(p and p.top1), ok)
     console.print(table)
+    for s in result.steps:
+        if s.metrics.get("curve"):
+            console.print(curve_table(s.name, s.metrics["curve"]))
     for s in result.steps:
         for note in s.notes:
             console.print(f"  [bold]{s.name}[/bold]: {note}", highlight=False)
@@ -95,6 +109,18 @@ def loads_with(saved: dict) -> str:
     c = reload["comparison"]
     return (f"loads with {reload['loader']} (checked: loaded back, relative error {fmt(c['relative'])})"
             + ("; plain transformers loads it with different outputs" if reload.get("plain_transformers") else ""))
+
+
+def curve_table(name: str, curve: list[dict]) -> Table:
+    """A trained pass's evaluations: step, stage, what was removed, training loss, held-out CE."""
+    table = Table(title=f"{name}: training curve (held-out CE never trained on)")
+    keys = ["step", "tokens"] + [k for k in ("stage", "removed") if any(k in r for r in curve)] + ["loss", "heldout_ce"]
+    for k in keys:
+        table.add_column(k.replace("_", " "), justify="left" if k == "stage" else "right")
+    for row in curve:
+        table.add_row(*[(f"{row[k]:.4f}" if isinstance(row.get(k), float) else str(row.get(k, "-")))
+                        if row.get(k) is not None else "-" for k in keys])
+    return table
 
 
 @command

@@ -149,7 +149,7 @@ def _run_heal(acc, model, tokenizer, train, held, opts, save_adapter: bool, prog
                             batch_size=opts["batch_size"], rank=opts["rank"], alpha=opts["alpha"],
                             lr=opts["lr"], target_modules=opts["target_modules"],
                             mask_token_id=getattr(tokenizer, "mask_token_id", None), merge=not save_adapter,
-                            seed=opts["seed"], accelerator=acc, progress=progress)
+                            seed=opts["seed"], grad_accum=opts["grad_accum"], accelerator=acc, progress=progress)
 
 
 def save_adapter(peft_model, out: Path, base, *, source=None, force: bool = False) -> None:
@@ -259,7 +259,7 @@ def prune(
     else:
         held = windows(tokenize(tokenizer, held_text), p["seq_len"], h["eval_samples"]) if held_text else cal
 
-    acc = make_accelerator(h["precision"], h["grad_accum"])  # one process of several, or the only one
+    acc = make_accelerator(h["precision"])  # one process of several, or the only one
     model = checkpoint.load(path).to(acc.device)
     lm = layout(model).objective in LM_OBJECTIVES
     if do_heal or held_text:
@@ -366,7 +366,7 @@ def heal(
         raise SurgeryError(f"{src} has no tokenizer to read the text with")
     body = read_text(text)
     train, held = _heal_data(tokenizer, body, read_text(eval_text) if eval_text else None, h)
-    acc = make_accelerator(h["precision"], h["grad_accum"])
+    acc = make_accelerator(h["precision"])
     model = checkpoint.load(path)
     with step_bar(not json and acc.is_main_process, "heal") as bar:
         model, report = _run_heal(acc, model, tokenizer, train, held, h, save_adapter_, bar)
