@@ -34,6 +34,7 @@ class PassContext:
     text: str | None = None
     progress: Callable[[str], None] = lambda message: None
     train: Callable[..., Any] | None = None
+    heldout_ce: Callable[..., float] | None = None  # ``training.heldout_ce``, given with ``train``
     train_progress: Callable[[int, int, float], None] | None = None
     workdir: Path | None = None
 
