@@ -108,7 +108,7 @@ def main(argv=None) -> int:
                       f"{loss:>7} {r['heldout_ce']:>12.4f}")
         else:
             text = (ROOT / "normsurgery/data/sample.txt").read_text()
-            steps = args.steps or 24
+            steps = args.steps or 40  # llama-tiny has 26 removals to schedule
             original = checkpoint.load(ROOT / path)
             model, m, wall = run_pass(path, text, {"steps": steps, "batch_size": args.batch or 8,
                                                    "eval_samples": 2, "save_every": 0})

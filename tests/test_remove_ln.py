@@ -156,10 +156,13 @@ def test_resume_continues_an_interrupted_run_to_the_same_model(tmp_path):
 
 
 def test_quality_after_a_short_run():
-    """At 60 steps of 8 x 64 tokens gpt2-tiny keeps held-out CE within the bound measured."""
-    model, report = run_pass(None, checkpoint.load(GPT2), steps=60, batch_size=8, seq_len=64, lr=1e-4 * 3, eval_samples=16, save_every=0)
+    """60 steps of 8 x 64 tokens on the bundled sample: the demo gpt2-tiny without any norm stays
+    within +0.05 nats of its held-out CE (measured +0.012; freezing the divisors without
+    fine-tuning costs about +0.9)."""
+    model, report = run_pass(None, checkpoint.load(GPT2), steps=60, batch_size=8, seq_len=64, lr=3e-4,
+                             eval_samples=16, save_every=0)
     m = report.metrics
-    assert m["ce_delta"] < 0.2, m["curve"]
+    assert m["ce_delta"] < 0.05, m["curve"]
     assert m["fold_error_float64"] <= 1e-10 and m["fold_error_float32"] <= 1e-5
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -74,7 +75,10 @@ def test_two_cpu_processes_form_one_group_and_write_once(tmp_path):
     """torchrun with two processes: one gloo group, half the batches each, one output."""
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    with socket.socket() as sock:  # a free port: other runs may hold the default one
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
            "-m", "normsurgery", "heal", LLAMA, str(out), "--text", SAMPLE, "--steps", "2", "--seq-len", "32",
            "--batch-size", "2", "--eval-samples", "2", "--json"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
