@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from timing import forward_ms  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
 from normsurgery.verify import compare_logits, logits  # noqa: E402
@@ -46,19 +45,6 @@ def variants(family: str, k: int) -> list[tuple[str, dict | None, list]]:
             (f"{k} channels + minimize", {"prune_channels": k}, [("minimize", {})]),
             (f"50% + {k} channels + minimize", {"sparsity": 0.5, "prune_channels": k}, [("minimize", {})])]
     return out
-
-
-def forward_ms(models: dict, ids: torch.Tensor, repeats: int) -> dict[str, float]:
-    times = {name: [] for name in models}
-    with torch.no_grad():
-        for m in models.values():
-            m(input_ids=ids)  # warm-up
-        for _ in range(repeats):
-            for name, m in models.items():
-                t = time.perf_counter()
-                m(input_ids=ids)
-                times[name].append((time.perf_counter() - t) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def disk_bytes(model) -> int:

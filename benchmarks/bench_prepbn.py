@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from timing import forward_ms  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
 from normsurgery import checkpoint, registry  # noqa: E402
@@ -34,19 +33,6 @@ from normsurgery.registry import PassContext  # noqa: E402
 DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / "normsurgery/demo/llama-tiny"}
 SAMPLE = ROOT / "normsurgery/data/sample.txt"
 SHORT = {"steps": 2, "batch_size": 2, "seq_len": 32}
-
-
-def forward_ms(models: dict, ids: torch.Tensor, repeats: int) -> dict[str, float]:
-    times = {name: [] for name in models}
-    with torch.no_grad():
-        for m in models.values():
-            m(input_ids=ids)  # warm-up
-        for _ in range(repeats):
-            for name, m in models.items():
-                t = time.perf_counter()
-                m(input_ids=ids)
-                times[name].append((time.perf_counter() - t) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def trained(original, path: Path, name: str):

@@ -11,6 +11,9 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 WORK = torch.float64
+#: relative-error tolerance of arithmetic in a dtype on weights it holds exactly (exact rewrites
+#: are checked against it: 1e-10 in float64 checks the algebra, 1e-5 in float32 its rounding)
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 def weight(mod: nn.Module) -> torch.Tensor:

@@ -24,12 +24,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import calibration, checkpoint
+from .algebra import TOLERANCE
 from .errors import SurgeryError
 from .families import layout, stock_class_of
 from .norms import faithful_norms
 
-#: relative-error tolerance of arithmetic in a dtype on weights it holds exactly
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 #: a model stored in a coarser dtype may differ by this many times the reference's own rounding in it
 ROUNDING_FACTOR = 4
 #: norm kinds whose output depends on the stream only through x - mean(x)

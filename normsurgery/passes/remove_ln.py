@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import algebra
 from ..calibration import split_heldout, tokenize, windows
+from ..algebra import TOLERANCE
 from ..errors import SurgeryError
 from ..layout import Layout
 from ..registry import PassContext, PassReport, register
@@ -287,7 +288,6 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 def fold_checked(model, layout: Layout, norms: list[RemovableNorm], ids: torch.Tensor) -> dict:
     """Fold in float64 and check it against the frozen-norm model in float64 and in float32;
     the model ends in its working dtype. Raises (nothing to save) when a check fails."""
-    from ..verify import TOLERANCE  # the exact passes' tolerances
 
     work = next(model.parameters()).dtype
     kept = {k: v.clone() for k, v in model.state_dict().items()}
