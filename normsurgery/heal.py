@@ -22,11 +22,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .families import layout
 from .errors import SurgeryError
+from .families import layout
 from .training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
 
-__all__ = ["HealReport", "heal_model", "heldout_ce", "linear_targets", "make_accelerator", "target_pattern"]
+__all__ = ["HealReport", "heal_model", "heldout_ce", "linear_targets", "make_accelerator", "require_lm",
+           "target_pattern"]
 
 
 @dataclass
@@ -79,6 +80,11 @@ def target_pattern(model, names: list[str] | None = None) -> str:
                                f"they are named {', '.join(choices)}")
         rel = wanted
     return rf"{re.escape(prefix)}\d+\.({'|'.join(re.escape(r) for r in rel)})"
+
+
+def require_lm(model) -> None:
+    """Cross-entropy and healing need a language-modelling head (a causal or masked LM)."""
+    objective_of(model)
 
 
 def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, steps: int = 200,

@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SurgeryError
+from .families import layout, stock_class_of
+from .layout import LM_OBJECTIVES
 
 MLM_FRACTION = 0.15
-OBJECTIVES = ("causal-lm", "masked-lm")
 STATE_FILE = "train-state.pt"
 
 #: (step done, total steps, running training loss), called on the main process only
@@ -197,18 +198,17 @@ def mask_tokens(ids: torch.Tensor, mask_id: int, vocab: int, gen: torch.Generato
 
 def objective_of(model) -> str:
     """The Layout's objective of ``model`` (or of the model a peft wrapper holds)."""
-    from .families import layout
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     objective = layout(base).objective
-    if objective not in OBJECTIVES:
-        raise SurgeryError(f"the model has no language-modelling head to train (objective {objective})")
+    if objective not in LM_OBJECTIVES:
+        raise SurgeryError(f"{stock_class_of(base).__name__} has no language-modelling head (objective: "
+                           f"{objective}): cross-entropy and training need a causal or masked LM")
     return objective
 
 
 def _mlm_spec(objective: str, model, mask_token_id: int | None) -> tuple[int, int] | None:
-    if objective not in OBJECTIVES:
-        raise SurgeryError(f"unknown objective {objective!r}; choose {' or '.join(OBJECTIVES)}")
+    if objective not in LM_OBJECTIVES:
+        raise SurgeryError(f"unknown objective {objective!r}; choose {' or '.join(LM_OBJECTIVES)}")
     if objective == "causal-lm":
         return None
     if mask_token_id is None:

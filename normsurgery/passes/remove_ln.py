@@ -163,12 +163,12 @@ def _set(model, path: str, mod: nn.Module) -> None:
 
 # ----------------------------------------------------------------------------- schedule
 
-def schedule(layout: Layout, norms: list[RemovableNorm], steps: int, start: int, gap: int,
+def schedule(norms: list[RemovableNorm], steps: int, start: int, gap: int,
              final_gap: int) -> list[tuple[int, str, list[tuple[int, int]]]]:
     """(step, stage, [(norm index, path index)]): MLP paths block by block, then q/k (fused
     attention), then v, then the final norm, then position 0's special case (empty list)."""
     groups: dict[str, list[list[tuple[int, int]]]] = {k: [] for k in ("mlp", "qk", "v", "final")}
-    for i, (site, rn) in enumerate(zip(layout.norms, norms)):
+    for i, rn in enumerate(norms):
         for p, name in enumerate(rn.paths):
             groups["qk" if name == "attn" else name].append([(i, p)])
     events, step = [], start
@@ -330,7 +330,7 @@ def applies(model, layout: Layout) -> str | None:
     return refuse_norms(layout, ("layernorm", "rmsnorm"))
 
 
-OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 128, "lr": 1e-4, "min_lr": 0.0, "warmup": -1,
+OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 128, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
            "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
            "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
            "export": "self"}
@@ -359,7 +359,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         raise SurgeryError("remove-ln needs the training loop: run it through convert or apply_passes")
     workdir = ctx.workdir / "remove-ln" if ctx.workdir else None
     config = {"steps": o["steps"], "batch_size": o["batch_size"], "seq_len": o["seq_len"], "lr": o["lr"],
-              "min_lr": o["min_lr"] if o["min_lr"] > 0 else None, "warmup": None if o["warmup"] < 0 else o["warmup"],
+              "min_lr": None if o["min_lr"] < 0 else o["min_lr"], "warmup": None if o["warmup"] < 0 else o["warmup"],
               "weight_decay": o["weight_decay"], "grad_accum": o["grad_accum"], "precision": o["precision"],
               "seed": o["seed"], "eval_batch_size": o["batch_size"], "resume": o["resume"],
               "save_every": o["save_every"] if workdir else 0, "state_dir": workdir}
@@ -367,7 +367,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     norms = install(model, layout, split=o["export"] != "stock")  # a stock norm has one output
     n_removals = sum(len(rn.paths) for rn in norms) + 1
     start, gap, final_gap = _auto_schedule(n_removals, o["steps"], o["start"], o["gap"], o["final_gap"])
-    events = schedule(layout, norms, o["steps"], start, gap, final_gap)
+    events = schedule(norms, o["steps"], start, gap, final_gap)
     _calibrate(model, norms, windows(train_ids, o["seq_len"], 8))
     config["eval_steps"] = tuple(sorted({e[0] for i, e in enumerate(events) if i == 0 or e[1] != events[i - 1][1]}))
     result = ctx.train(model, train_ids, held, config, objective="causal-lm",
