@@ -3,8 +3,8 @@
 
 On the demo checkpoints (normsurgery/demo/gpt2-tiny, llama-tiny; float32, CPU), in memory. The
 timing depends only on the structure, not on how well the model was trained, so each trained
-pass runs a token budget of 2 steps on the bundled sample text: prepbn leaves every norm a
-weightless ChannelAffine (y = x) and its statistics folded into the readers (which gain biases).
+pass runs a budget that only fixes its structure, on the bundled sample text: prepbn leaves
+every norm a NoNorm (y = x), its statistics folded into the readers (which gain biases).
 Forward median (no_grad, batch x seq tokens, interleaved runs after a warm-up); ratio = time /
 original's time.
 
@@ -32,7 +32,9 @@ from normsurgery.registry import PassContext  # noqa: E402
 
 DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / "normsurgery/demo/llama-tiny"}
 SAMPLE = ROOT / "normsurgery/data/sample.txt"
-SHORT = {"steps": 2, "batch_size": 2, "seq_len": 32}
+#: a budget that only fixes each trained pass's structure (remove-ln needs a step per removal)
+SHORT = {"prepbn": {"steps": 2, "batch_size": 2, "seq_len": 32, "eval_samples": 2, "calib_samples": 2},
+         "remove-ln": {"steps": 40, "batch_size": 1, "seq_len": 32, "eval_samples": 2}}
 
 
 def trained(original, path: Path, name: str):
@@ -41,7 +43,7 @@ def trained(original, path: Path, name: str):
     if p.applies(original, ns.layout(original)):
         return None
     model = copy.deepcopy(original)
-    options = {k: v for k, v in SHORT.items() if k in p.options}
+    options = {k: v for k, v in SHORT[name].items() if k in p.options}
     ctx = PassContext(tokenizer=checkpoint.load_tokenizer(path), text=SAMPLE.read_text())
     ns.apply_passes(model, [(name, options)], context=ctx)
     return model.eval()

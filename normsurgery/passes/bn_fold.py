@@ -113,7 +113,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     flags = _bias_flags(model, new_bias) if new_bias else []
     report.notes.append(f"folded {len(into_readers)} norms into {len(touched)} readers; they compute nothing now")
     if new_bias:
-        report.notes.append(f"{len(new_bias)} readers got a bias" + (
+        report.notes.append(f"{len(new_bias)} reader(s) got a bias" + (
             f" (config {', '.join(f'{f}=true' for f in flags)}; the other linears it adds hold zeros)"
             if flags else ""))
     kept = len(sites) - len(into_readers)

@@ -31,7 +31,7 @@ from ..runtime import RepBN
 from . import bn_fold
 from .norms import refuse_norms, refuse_post_ln
 
-OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 1e-4, "batch_size": 16, "seq_len": 128,
+OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 128,
            "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
            "fold": True, "save_every": 0, "resume": False}
 
