@@ -107,8 +107,14 @@ def test_refuses_existing_output(tmp_path):
     (out / "keep.txt").write_text("mine")
     assert_refused(run("convert", GPT2, out, "--pass", "flashnorm"), out, "--force")
     assert (out / "keep.txt").read_text() == "mine"
-    r = run("convert", GPT2, out, "--pass", "flashnorm", "--force")
-    assert r.exit_code == 0 and not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    # --force replaces only a checkpoint: a folder of the user's files is refused, kept whole
+    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm", "--force"), out, "not a checkpoint")
+    assert (out / "keep.txt").read_text() == "mine"
+    previous = tmp_path / "previous"
+    assert run("convert", GPT2, previous, "--pass", "flashnorm").exit_code == 0
+    (previous / "notes.md").write_text("a side file of the checkpoint")
+    r = run("convert", GPT2, previous, "--pass", "flashnorm", "--force")
+    assert r.exit_code == 0 and not (previous / "notes.md").exists() and (previous / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])

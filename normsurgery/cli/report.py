@@ -1,0 +1,194 @@
+"""What the commands print for people: tables (fitting 80 columns: long cells wrap, names never
+cut), the prune score plot. ``--json`` output is the result's ``as_dict`` (see each command).
+
+Cells are rich ``Text``, never markup, so ``[[pass]]`` or a path with brackets prints as is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}e}" if (x != 0 and (abs(x) < 1e-2 or abs(x) >= 1e4)) else f"{x:.4g}"
+    return str(x)
+
+
+def table(title: str, columns, rows, *, show_header: bool = True, right: tuple[int, ...] = ()) -> Table:
+    """A table of literal text; the first column never wraps (names, options), the others fold."""
+    t = Table(title=Text(title), show_header=show_header)
+    for i, col in enumerate(columns):
+        t.add_column(Text(col), no_wrap=i == 0, overflow="fold", justify="right" if i in right else "left")
+    for row in rows:
+        t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in row))
+    return t
+
+
+def red(text: str) -> Text:
+    return Text(text, style="red")
+
+
+def green(text: str) -> Text:
+    return Text(text, style="green")
+
+
+# ---- convert ----
+
+def convert_tables(result, src, out) -> list:
+    rows = []
+    for s in result.steps:
+        p = s.parity
+        ok = "-" if p is None else (("yes" if p.ok else red("NO")) if s.kind == "exact" else f"n/a ({s.kind})")
+        rows.append((s.name, s.kind, fmt(p and p.relative), fmt(p and p.max_abs), fmt(p and p.kl),
+                     fmt(p and p.top1), ok))
+    out_tables = [table(f"convert {src} -> {out} (rewritten in {result.work_dtype}, stored in "
+                        f"{result.storage_dtype})", ("pass", "kind", "rel. error", "max |Δlogit|", "KL",
+                                                     "top-1", "ok"), rows)]
+    for s in result.steps:
+        if "layers" in s.metrics and "params" in s.metrics:
+            out_tables.append(size_table(s.name, s.metrics))
+    return out_tables
+
+
+def size_table(name: str, m: dict) -> Table:
+    """minimize's per-layer sizes: widths kept, parameters and bytes before -> after."""
+    def pair(v):
+        return "-" if not v else f"{v[0]:,} -> {v[1]:,}" if v[0] != v[1] else f"{v[0]:,}"
+
+    rows = [(str(i), pair(w.get("mlp_units")), pair(w.get("heads")), pair(w.get("params")), pair(w.get("bytes")))
+            for i, w in enumerate(m["layers"])]
+    rows.append(("other", "", "", pair(m["other"]["params"]), pair(m["other"]["bytes"])))
+    rows.append(("total", "", f"stream {pair(m.get('stream_width'))}", pair(m["params"]), pair(m["bytes"])))
+    return table(f"{name}: sizes per layer", ("layer", "MLP units", "heads", "parameters", "bytes"), rows)
+
+
+# ---- verify ----
+
+def verify_table(r, a, b, dtype) -> Table:
+    rows = [("max |Δlogit|", r.max_abs), ("mean |Δlogit|", r.mean_abs), ("relative error", r.relative),
+            ("tolerance", r.tolerance), ("KL(a||b)", r.kl), ("top-1 agreement", r.top1),
+            ("greedy agreement", r.generation)]
+    rows += [(f"hidden state {i}", d) for i, d in enumerate(r.layers)]
+    return table(f"verify {a} vs {b} in {dtype}", ("metric", "value"), [(k, fmt(v)) for k, v in rows])
+
+
+# ---- passes, inspect ----
+
+def passes_table(ps) -> Table:
+    rows = [(p.name, p.kind, p.description, p.families,
+             ", ".join(f"{k}={v}" for k, v in p.options.items()) or "-") for p in ps]
+    return table("passes", ("name", "kind", "what it does", "applies to", "options"), rows)
+
+
+def inspect_tables(info: dict, src) -> list:
+    rows = [(k.replace("_", " "), str(v)) for k, v in info.items() if k not in ("passes", "norm_sites", "dead")]
+    rows += [(f"norm ({s['role']})", f"{s['path']} -> {', '.join(s['readers']) or '(the stream)'}")
+             for s in info["norm_sites"]]
+    rows += [(f"pass {name}", green("applies") if why == "applies" else why) for name, why in info["passes"].items()]
+    tables = [table(f"inspect {src}", ("", ""), rows, show_header=False)]
+    if info["dead"]:
+        tables.append(dead_table(info["dead"]))
+    return tables
+
+
+def dead_table(dead: dict) -> Table:
+    """Per layer: dead MLP units, dead and removable heads, channels its writers leave zero."""
+    rows = [(str(d["layer"]), f"{len(d['dead_units'])}/{d['mlp_units']}", f"{len(d['dead_heads'])}/{d['heads']}",
+             str(len(d["removable_heads"])), f"{len(d['removable_kv_heads'])}/{d['kv_heads']}",
+             str(len(d["unwritten_channels"]))) for d in dead["layers"]]
+    return table(f"dead units (stream: {dead['width']} channels, {len(dead['dead_channels'])} unwritten, "
+                 f"{len(dead['removable_channels'])} removable)",
+                 ("layer", "MLP units dead", "heads dead", "heads removable", "KV heads removable",
+                  "channels unwritten"), rows)
+
+
+# ---- prune, heal ----
+
+def score_table(selection, scores) -> Table:
+    """Candidates with their scores as bars; the removed ones marked."""
+    what = ("block influence 1 - cos(x_in, x_out)" if selection.method == "block-influence"
+            else "angular distance arccos(cos(x_l, x_l+n)) / pi")
+    top = max(selection.scores) or 1.0
+    rows = []
+    for i, (c, s) in enumerate(zip(selection.candidates, selection.scores)):
+        mark = i in selection.chosen
+        bar = "█" * max(1, round(30 * s / top)) if s > 0 else ""
+        rows.append((c, f"{s:.4f}", red(bar) if mark else bar, "yes" if mark else ""))
+    return table(f"{selection.method}: {what} over {scores.tokens} tokens (smaller = more removable)",
+                 ("layer" if selection.method == "block-influence" else "block", "score", "", "removed"),
+                 rows, right=(1,))
+
+
+def ce_table(title: str, rows: list[tuple[str, float]], recovered: float | None) -> Table:
+    body = [(name, f"{ce:.4f}") for name, ce in rows]
+    if recovered is not None:
+        body.append(("gap recovered by healing", f"{100 * recovered:.1f}%"))
+    return table(title, ("model", "CE (nats/token)"), body, right=(1,))
+
+
+def heal_line(report, seconds: float | None = None) -> str:
+    """Steps, throughput, LoRA set-up and (given the whole heal's wall time) the share spent
+    evaluating held-out CE before and after."""
+    share = ""
+    if seconds:
+        share = (f"; held-out evaluation {max(seconds - report.seconds, 0.0):.1f} s of {seconds:.1f} s "
+                 f"({100 * max(seconds - report.seconds, 0.0) / seconds:.0f}%, --eval-samples sets its size)")
+    return (f"healed: {report.steps} steps, {report.tokens} tokens in {report.seconds:.1f} s "
+            f"({report.tokens_per_second:.0f} tokens/s, {report.processes} process(es), precision "
+            f"{report.mixed_precision}); LoRA rank {report.rank} on {report.target_modules} linears, "
+            f"{report.trainable_parameters} trainable parameters{share}")
+
+
+def recovered_fraction(original: float, pruned: float, healed: float) -> float | None:
+    """(CE_pruned - CE_healed) / (CE_pruned - CE_original): the share of the damage repaired."""
+    gap = pruned - original
+    return (pruned - healed) / gap if gap > 0 else None
+
+
+OVERFIT_EPOCHS = 4
+
+
+def overfit_note(report) -> str | None:
+    if report.epochs <= OVERFIT_EPOCHS:
+        return None
+    return (f"note: healing read the training text {report.epochs:.0f} times over "
+            f"({report.tokens} tokens from {round(report.tokens / report.epochs)}): held-out CE may "
+            "suffer from overfitting; give more text or fewer --steps")
+
+
+def plot_scores(path: Path, selection, scores) -> None:
+    """Left: the chosen method's candidate scores (removed in red). Right: d(l, n) for every
+    start l and block size n, the chosen block marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L = scores.num_layers
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    colours = ["tab:red" if i in selection.chosen else "tab:blue" for i in range(len(selection.candidates))]
+    a.bar(range(len(selection.scores)), selection.scores, color=colours)
+    a.set_xticks(range(len(selection.candidates)), selection.candidates, rotation=45 if L > 12 else 0)
+    a.set_xlabel("layer" if selection.method == "block-influence" else f"block of {selection.n}")
+    a.set_ylabel("1 - cos" if selection.method == "block-influence" else "angular distance / pi")
+    a.set_title(f"{selection.method}: removed {', '.join(map(str, selection.layers))}")
+    grid = [[float(scores.angular[l, l + n]) if l + n <= L else float("nan") for l in range(L)]
+            for n in range(1, L)]
+    im = b.imshow(grid, origin="lower", aspect="auto", cmap="viridis",
+                  extent=(-0.5, L - 0.5, 0.5, L - 0.5))
+    if selection.method != "block-influence":
+        b.scatter([selection.layers[0]], [selection.n], marker="x", color="red", s=80)
+    b.set_xlabel("first layer l")
+    b.set_ylabel("block size n")
+    b.set_title("angular distance d(l, n)")
+    fig.colorbar(im, ax=b)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
