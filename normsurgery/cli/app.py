@@ -142,10 +142,10 @@ ALLOW_PICKLE = typer.Option(False, "--allow-pickle", help="read pickle (.bin) we
 
 
 def allow_pickle_option(value: bool) -> None:
-    if value:
-        from .. import checkpoint
+    """--allow-pickle for this command (or NORMSURGERY_ALLOW_PICKLE=1)."""
+    from .. import checkpoint
 
-        checkpoint.ALLOW_PICKLE = True
+    checkpoint.ALLOW_PICKLE = value or os.environ.get("NORMSURGERY_ALLOW_PICKLE") == "1"
 
 
 def read_text(path) -> str | None:

@@ -11,7 +11,7 @@ import typer
 
 from .. import __version__
 from ..errors import SurgeryError
-from .app import FORCE, JSON, command, emit_json, open_unit, positive, progress_bar, read_text, report_stale, say, \
+from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, command, emit_json, open_unit, positive, progress_bar, read_text, report_stale, say, \
     show, stderr
 
 PRECISIONS = {"auto": "auto", "fp32": "no", "no": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -146,11 +146,13 @@ def heal(
     seed: Optional[int] = typer.Option(None, min=0, metavar="N", help="random seed (default 0)"),
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="save the peft adapter (base: IN), unmerged"),
     force: bool = FORCE,
+    allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
     """LoRA on the remaining linears (LM loss; MLM for BERT), merge, save a plain checkpoint."""
     from .. import checkpoint
 
+    allow_pickle_option(allow_pickle)
     h = merge(HEAL_DEFAULTS, None, {"steps": steps, "rank": rank, "alpha": alpha, "lr": lr,
                                     "target_modules": split_names(target_modules), "batch_size": batch_size,
                                     "seq_len": seq_len, "grad_accum": grad_accum, "precision": precision,

@@ -29,7 +29,7 @@ def load_prune_recipe(path: Path) -> tuple[dict, dict | None]:
         raise SurgeryError(f"recipe {path} needs a [prune] table")
     for table, known in (("prune", PRUNE_DEFAULTS), ("heal", HEAL_DEFAULTS)):
         for key in set(data.get(table) or {}) - set(known):
-            raise SurgeryError(f"recipe {path}: [{table}] has no option {key!r}{did_you_mean(key, known)}; "
+            raise SurgeryError(f"recipe {path}: [{table}] has no option {key}{did_you_mean(key, known)}; "
                                f"options: {', '.join(known)}")
     return data["prune"], data.get("heal")
 
