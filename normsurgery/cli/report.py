@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich import box
 from rich.table import Table
 from rich.text import Text
+
+STYLE = {"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True}  # no vertical rules: more room in 80 columns
 
 
 def fmt(x, digits: int = 2) -> str:
@@ -20,11 +23,13 @@ def fmt(x, digits: int = 2) -> str:
     return str(x)
 
 
-def table(title: str, columns, rows, *, show_header: bool = True, right: tuple[int, ...] = ()) -> Table:
-    """A table of literal text; the first column never wraps (names, options), the others fold."""
-    t = Table(title=Text(title), show_header=show_header)
+def table(title: str, columns, rows, *, show_header: bool = True, right: tuple[int, ...] = (),
+          no_wrap: bool = False) -> Table:
+    """A table of literal text; the first column never wraps (names), the others fold unless
+    ``no_wrap``. A cell may hold several lines."""
+    t = Table(title=Text(title), show_header=show_header, **STYLE)
     for i, col in enumerate(columns):
-        t.add_column(Text(col), no_wrap=i == 0, overflow="fold", justify="right" if i in right else "left")
+        t.add_column(Text(col), no_wrap=no_wrap or i == 0, overflow="fold", justify="right" if i in right else "left")
     for row in rows:
         t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in row))
     return t
@@ -44,12 +49,12 @@ def convert_tables(result, src, out) -> list:
     rows = []
     for s in result.steps:
         p = s.parity
-        ok = "-" if p is None else (("yes" if p.ok else red("NO")) if s.kind == "exact" else f"n/a ({s.kind})")
+        ok = ("yes" if p.ok else red("NO")) if p is not None and s.kind == "exact" else "-"
         rows.append((s.name, s.kind, fmt(p and p.relative), fmt(p and p.max_abs), fmt(p and p.kl),
                      fmt(p and p.top1), ok))
     out_tables = [table(f"convert {src} -> {out} (rewritten in {result.work_dtype}, stored in "
-                        f"{result.storage_dtype})", ("pass", "kind", "rel. error", "max |Δlogit|", "KL",
-                                                     "top-1", "ok"), rows)]
+                        f"{result.storage_dtype})", ("pass", "kind", "rel. error", "max |Δ|", "KL",
+                                                     "top-1", "ok"), rows, no_wrap=True)]
     for s in result.steps:
         if "layers" in s.metrics and "params" in s.metrics:
             out_tables.append(size_table(s.name, s.metrics))
@@ -57,15 +62,29 @@ def convert_tables(result, src, out) -> list:
 
 
 def size_table(name: str, m: dict) -> Table:
-    """minimize's per-layer sizes: widths kept, parameters and bytes before -> after."""
-    def pair(v):
-        return "-" if not v else f"{v[0]:,} -> {v[1]:,}" if v[0] != v[1] else f"{v[0]:,}"
+    """minimize's per-layer sizes, before -> after: MLP units, heads, parameters, bytes (exact
+    counts in --json)."""
+    def pair(v, unit=None):
+        if not v:
+            return "-"
+        a, b = (human(x, unit) for x in v) if unit is not None else map(str, v)
+        return f"{a} -> {b}" if v[0] != v[1] else a
 
-    rows = [(str(i), pair(w.get("mlp_units")), pair(w.get("heads")), pair(w.get("params")), pair(w.get("bytes")))
-            for i, w in enumerate(m["layers"])]
-    rows.append(("other", "", "", pair(m["other"]["params"]), pair(m["other"]["bytes"])))
-    rows.append(("total", "", f"stream {pair(m.get('stream_width'))}", pair(m["params"]), pair(m["bytes"])))
-    return table(f"{name}: sizes per layer", ("layer", "MLP units", "heads", "parameters", "bytes"), rows)
+    rows = [(str(i), pair(w.get("mlp_units")), pair(w.get("heads")), pair(w.get("params"), ""),
+             pair(w.get("bytes"), "B")) for i, w in enumerate(m["layers"])]
+    rows.append(("other", "", "", pair(m["other"]["params"], ""), pair(m["other"]["bytes"], "B")))
+    rows.append(("total", "", "", pair(m["params"], ""), pair(m["bytes"], "B")))
+    stream = m.get("stream_width")
+    return table(f"{name}: sizes per layer (residual stream {pair(stream)})",
+                 ("layer", "MLP units", "heads", "parameters", "bytes"), rows, right=(3, 4), no_wrap=True)
+
+
+def human(n: int, unit: str = "") -> str:
+    """1234567 -> '1.23M' (parameters) or '1.23 MB' (unit 'B')."""
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{' ' if unit else ''}{prefix}{unit}"
+    return f"{n}{' ' if unit else ''}{unit}"
 
 
 # ---- verify ----
@@ -81,9 +100,16 @@ def verify_table(r, a, b, dtype) -> Table:
 # ---- passes, inspect ----
 
 def passes_table(ps) -> Table:
-    rows = [(p.name, p.kind, p.description, p.families,
-             ", ".join(f"{k}={v}" for k, v in p.options.items()) or "-") for p in ps]
-    return table("passes", ("name", "kind", "what it does", "applies to", "options"), rows)
+    """One row per pass; options one per line, never cut."""
+    t = Table(title="passes", **STYLE)
+    t.add_column("name", no_wrap=True)
+    t.add_column("kind", no_wrap=True)
+    t.add_column("what it does; where it applies", overflow="fold")
+    t.add_column("options", no_wrap=True)
+    for p in ps:
+        t.add_row(Text(p.name), Text(p.kind), Text(f"{p.description}. Applies to: {p.families}"),
+                  Text("\n".join(f"{k}={v}" for k, v in p.options.items()) or "-"))
+    return t
 
 
 def inspect_tables(info: dict, src) -> list:
