@@ -19,6 +19,7 @@ checkpoint of the same architecture.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from contextlib import contextmanager
@@ -101,17 +102,20 @@ def residual_capture(model):
             h.remove()
 
 
-def _forward_kwargs(model) -> dict:
-    return {"use_cache": False} if layout(model).objective == "causal-lm" else {}
+def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Run the base model only (no head: the scores read hidden states, and a base model or a
+    classifier without a pad token works the same), without a KV cache."""
+    base = model.base_model
+    kw = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
+    base(input_ids=input_ids.to(model.device),
+         attention_mask=None if attention_mask is None else attention_mask.to(model.device), **kw)
 
 
 @torch.no_grad()
 def residual_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
     """h_0..h_L for one batch, in the model's dtype."""
     with residual_capture(model) as states:
-        model(input_ids=input_ids.to(model.device),
-              attention_mask=None if attention_mask is None else attention_mask.to(model.device),
-              **_forward_kwargs(model))
+        _forward(model, input_ids, attention_mask)
     return list(states)
 
 
@@ -158,7 +162,7 @@ def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             for start in range(0, total, batch_size):
                 ids, m = input_ids[start:start + batch_size], mask[start:start + batch_size]
                 progress("score", start, total)
-                model(input_ids=ids.to(model.device), attention_mask=m.to(model.device), **_forward_kwargs(model))
+                _forward(model, ids, m)
                 _accumulate(states, m, ang, cos_adj)
     finally:
         model.train(was_training)

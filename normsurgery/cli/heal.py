@@ -94,14 +94,15 @@ def run_heal(acc, model, tokenizer, train, held, opts, keep_adapter: bool, show_
                                    batch_size=opts["batch_size"], rank=opts["rank"], alpha=opts["alpha"],
                                    lr=opts["lr"], target_modules=opts["target_modules"],
                                    mask_token_id=getattr(tokenizer, "mask_token_id", None),
-                                   merge=not keep_adapter, seed=opts["seed"], accelerator=acc, progress=step)
+                                   merge=not keep_adapter, seed=opts["seed"], grad_accum=opts["grad_accum"],
+                                   accelerator=acc, progress=step)
     return model, report, time.perf_counter() - t0
 
 
 def make_accelerator(opts: dict):
     from ..heal import make_accelerator as make
 
-    return make(PRECISIONS[opts["precision"]], opts["grad_accum"])
+    return make(PRECISIONS[opts["precision"]])
 
 
 def save_adapter(peft_model, folder: Path, base, *, source=None) -> None:
@@ -151,6 +152,8 @@ def heal(
 ):
     """LoRA on the remaining linears (LM loss; MLM for BERT), merge, save a plain checkpoint."""
     from .. import checkpoint
+    from ..heal import require_lm
+    from ..verify import reload_check
 
     allow_pickle_option(allow_pickle)
     h = merge(HEAL_DEFAULTS, None, {"steps": steps, "rank": rank, "alpha": alpha, "lr": lr,
@@ -171,6 +174,7 @@ def heal(
         train, held = heal_data(tokenizer, body, held_text, h)
         acc = make_accelerator(h)
         model = checkpoint.load(path)
+        require_lm(model)
         model, report, seconds = run_heal(acc, model, tokenizer, train, held, h, save_adapter_,
                                           not json and acc.is_main_process)
         if not acc.is_main_process:
@@ -182,17 +186,17 @@ def heal(
                 save_adapter(model, stage.path, path.resolve(), source=path)
             saved = {"path": str(out), "files": sorted(f.name for f in Path(out).iterdir())}
         else:
-            saved = checkpoint.save(model, out, source=path, force=force, record=meta)
+            saved = checkpoint.save(model, out, source=path, force=force, record=meta,
+                                    check=reload_check(model, held[:4]))
         acc.wait_for_everyone()
     if json:
         emit_json({**meta, "saved": saved, "losses": report.losses, "seconds": seconds})
         return
-    from .report import ce_table, heal_line, overfit_note
+    from .report import ce_table, heal_line, loads_with, overfit_note
 
     show(ce_table("held-out cross-entropy", [("before", report.ce_before), ("after", report.ce_after)], None))
     say(heal_line(report, seconds))
     if overfit_note(report):
         stderr().print(overfit_note(report), markup=False, highlight=False)
-    how = "plain transformers" if saved.get("plain_transformers") else "trust_remote_code=True or normsurgery.load"
-    what = f"adapter (peft; base {path})" if save_adapter_ else f"merged; loads with {how}"
+    what = f"adapter (peft; base {path})" if save_adapter_ else f"merged; {loads_with(saved)}"
     say(f"saved {saved['path']}: {what}")

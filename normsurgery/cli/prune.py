@@ -96,12 +96,12 @@ def prune(
                         seq_len)
     if result is None:
         return
-    meta, ce, scores, selection, record, report, seconds, saved = result
+    meta, ce, scores, selection, record, report, seconds, saved, lm = result
     if plot is not None and scores is not None:
         from .report import plot_scores
 
         plot_scores(plot, selection, scores)
-    from .report import ce_table, heal_line, overfit_note, recovered_fraction, score_table
+    from .report import ce_table, heal_line, loads_with, overfit_note, recovered_fraction, score_table
 
     rec = recovered_fraction(ce["original"], ce["pruned"], ce["healed"]) if "healed" in ce else None
     if json:
@@ -115,13 +115,14 @@ def prune(
     if ce:
         where = "held-out text" if held_text or do_heal else "the calibration windows"
         show(ce_table(f"cross-entropy on {where}", list(ce.items()), rec))
+    elif not lm:
+        say("no cross-entropy: the model has no language-modelling head")
     if report:
         say(heal_line(report, seconds))
         if overfit_note(report):
             stderr().print(overfit_note(report), markup=False, highlight=False)
     tail = " (adapter unmerged in adapter/)" if report and save_adapter_ else ""
-    how = "plain transformers" if saved["plain_transformers"] else "trust_remote_code=True or normsurgery.load"
-    say(f"saved {saved['path']}{tail}; loads with {how}")
+    say(f"saved {saved['path']}{tail}; {loads_with(saved)}")
     if plot is not None and scores is not None:
         say(f"plot: {plot}")
 
@@ -130,8 +131,11 @@ def _prune(path, src, out, cfg, p, h, do_heal, body, held_text, keep_adapter, fo
     """Score, remove, (heal), save. None on a secondary process of a distributed heal."""
     from .. import checkpoint
     from ..calibration import bundled_text, tokenize, windows
-    from ..heal import heldout_ce
+    from ..families import layout
+    from ..heal import heldout_ce, require_lm
+    from ..layout import LM_OBJECTIVES
     from ..prune import count_layers, prune_model, score_layers, select_layers
+    from ..verify import probe_ids, reload_check
 
     n = count_layers(cfg.num_hidden_layers, p["layers"], p["fraction"])
     fit_seq_len(cfg, p, given_seq_len)
@@ -150,16 +154,19 @@ def _prune(path, src, out, cfg, p, h, do_heal, body, held_text, keep_adapter, fo
 
     acc = make_accelerator(h)  # one process of several, or the only one
     model = checkpoint.load(path).to(acc.device)
+    lm = layout(model).objective in LM_OBJECTIVES
+    if do_heal or held_text:
+        require_lm(model)  # --heal and --eval-text need a language-modelling head
     with progress_bar(not json and acc.is_main_process) as progress:
         scores = score_layers(model, cal, batch_size=p["batch_size"], progress=progress) if cal is not None else None
         selection = select_layers(p["method"], n, scores, cfg.num_hidden_layers)
         mask_id = getattr(tokenizer, "mask_token_id", None)
         ce = {}
-        if held is not None:
+        if held is not None and lm:
             progress("held-out CE", 0, 2)
             ce["original"] = heldout_ce(model, held, mask_token_id=mask_id)
         record = prune_model(model, selection.layers)
-        if held is not None:
+        if held is not None and lm:
             ce["pruned"] = heldout_ce(model, held, mask_token_id=mask_id)
             progress("held-out CE", 2, 2)
     report = seconds = None
@@ -177,10 +184,12 @@ def _prune(path, src, out, cfg, p, h, do_heal, body, held_text, keep_adapter, fo
         with checkpoint.writing(out, force=force, source=path) as stage:
             adapter = stage.path / ".adapter"
             save_adapter(model, adapter, Path(out).expanduser().resolve())
-            info = checkpoint.save_into(model.unload(), stage.path, source=path, record=meta)
+            base = model.unload()
+            info = checkpoint.save_into(base, stage.path, source=path, record=meta, check=reload_check(base, held[:4]))
             shutil.move(adapter, stage.path / "adapter")
         saved = {"path": str(out), "files": sorted(f.name for f in Path(out).iterdir()), **info}
     else:
-        saved = checkpoint.save(model, out, source=path, force=force, record=meta)
+        probe = cal[:4] if cal is not None else probe_ids(model, None, None, 4, p["seq_len"])
+        saved = checkpoint.save(model, out, source=path, force=force, record=meta, check=reload_check(model, probe))
     acc.wait_for_everyone()
-    return meta, ce, scores, selection, record, report, seconds, saved
+    return meta, ce, scores, selection, record, report, seconds, saved, lm

@@ -56,9 +56,30 @@ def convert_tables(result, src, out) -> list:
                         f"{result.storage_dtype})", ("pass", "kind", "rel. error", "max |Δ|", "KL",
                                                      "top-1", "ok"), rows, no_wrap=True)]
     for s in result.steps:
+        if s.metrics.get("curve"):
+            out_tables.append(curve_table(s.name, s.metrics["curve"]))
         if "layers" in s.metrics and "params" in s.metrics:
             out_tables.append(size_table(s.name, s.metrics))
     return out_tables
+
+
+def loads_with(saved: dict) -> str:
+    """What was checked about loading the saved folder (``checkpoint.save``)."""
+    reload = saved.get("reload")
+    if reload is None:
+        return "not loaded back: how it loads was not checked"
+    c = reload["comparison"]
+    return (f"loads with {reload['loader']} (checked: loaded back, relative error {fmt(c['relative'])})"
+            + ("; plain transformers loads it with different outputs" if reload.get("plain_transformers") else ""))
+
+
+def curve_table(name: str, curve: list[dict]) -> Table:
+    """A trained pass's evaluations: step, stage, what was removed, training loss, held-out CE."""
+    keys = ["step", "tokens"] + [k for k in ("stage", "removed") if any(k in r for r in curve)] + ["loss", "heldout_ce"]
+    rows = [[(f"{row[k]:.4f}" if isinstance(row.get(k), float) else str(row.get(k, "-")))
+             if row.get(k) is not None else "-" for k in keys] for row in curve]
+    return table(f"{name}: training curve (held-out CE never trained on)", [k.replace("_", " ") for k in keys],
+                 rows, right=tuple(i for i, k in enumerate(keys) if k != "stage"))
 
 
 def size_table(name: str, m: dict) -> Table:
@@ -90,11 +111,17 @@ def human(n: int, unit: str = "") -> str:
 # ---- verify ----
 
 def verify_table(r, a, b, dtype) -> Table:
-    rows = [("max |Δlogit|", r.max_abs), ("mean |Δlogit|", r.mean_abs), ("relative error", r.relative),
-            ("tolerance", r.tolerance), ("KL(a||b)", r.kl), ("top-1 agreement", r.top1),
-            ("greedy agreement", r.generation)]
-    rows += [(f"hidden state {i}", d) for i, d in enumerate(r.layers)]
-    return table(f"verify {a} vs {b} in {dtype}", ("metric", "value"), [(k, fmt(v)) for k, v in rows])
+    d = "Δlogit" if r.output == "logits" else "Δh"
+    rows = [("compared", r.output), (f"max |{d}|", r.max_abs), (f"mean |{d}|", r.mean_abs),
+            ("relative error", r.relative), ("tolerance", r.tolerance), ("why this tolerance", r.reason)]
+    rows += ([("KL(a||b)", r.kl), ("top-1 agreement", r.top1)] if r.output == "logits"
+             else [("mean-pooled cosine (worst)", r.cosine)])
+    rows += [("greedy agreement", r.generation)] if r.generation is not None else []
+    rows = [(k, fmt(v)) for k, v in rows]
+    for row in r.layers:
+        rows.append((f"h_{row['state']}: {row['what']}", fmt(row["relative"]) + f" ({row['basis']})"
+                     + (f"; {row['note']}" if row["note"] else "")))
+    return table(f"verify {a} vs {b} in {dtype}", ("metric", "value"), rows)
 
 
 # ---- passes, inspect ----

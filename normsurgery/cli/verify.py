@@ -33,7 +33,7 @@ def verify(
     dtype: str = typer.Option("float32", metavar="DTYPE", callback=dtype_option,
                               help="compute dtype: float64 checks the algebra; float32, float16, bfloat16"),
     tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
-                                        help="relative tolerance (default by dtype)"),
+                                        help="relative tolerance (default: from the compute and storage dtypes)"),
     samples: int = typer.Option(4, min=1, metavar="K", help="number of token windows"),
     seq_len: int = typer.Option(64, min=2, metavar="L", help="tokens per window (at most the model's positions)"),
     generate: int = typer.Option(16, min=0, metavar="N", help="greedy tokens to compare (0: skip)"),
@@ -41,7 +41,8 @@ def verify(
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
-    """Compare two checkpoints' logits; exit 1 when they differ beyond the tolerance."""
+    """Compare two checkpoints' outputs (logits, or a base model's last hidden state); exit 1 when
+    they differ beyond the tolerance (by default the one the stored precision allows)."""
     from ..verify import verify as verify_api
 
     allow_pickle_option(allow_pickle)
@@ -55,6 +56,10 @@ def verify(
         from .report import verify_table
 
         show(verify_table(r, a, b, dtype))
+        if r.layers:
+            say("h_l: the residual stream entering block l (the last row: leaving the last block). The final "
+                "norm's output is not compared per layer (flashnorm moves its gain into the head); the "
+                f"{r.output} compared above is what the model outputs")
         say("same function" if r.ok else "DIFFERENT: relative error above tolerance")
     if not r.ok:
         raise typer.Exit(FAILED)
