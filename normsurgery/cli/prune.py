@@ -96,7 +96,7 @@ def prune(
                         seq_len)
     if result is None:
         return
-    meta, ce, scores, selection, record, report, seconds, saved, lm = result
+    meta, ce, scores, selection, record, report, seconds, saved, headless = result
     if plot is not None and scores is not None:
         from .report import plot_scores
 
@@ -115,8 +115,8 @@ def prune(
     if ce:
         where = "held-out text" if held_text or do_heal else "the calibration windows"
         show(ce_table(f"cross-entropy on {where}", list(ce.items()), rec))
-    elif not lm:
-        say("no cross-entropy: the model has no language-modelling head")
+    elif headless:
+        say(f"no cross-entropy: {headless} has no language-modelling head")
     if report:
         say(heal_line(report, seconds))
         if overfit_note(report):
@@ -192,4 +192,4 @@ def _prune(path, src, out, cfg, p, h, do_heal, body, held_text, keep_adapter, fo
         probe = cal[:4] if cal is not None else probe_ids(model, None, None, 4, p["seq_len"])
         saved = checkpoint.save(model, out, source=path, force=force, record=meta, check=reload_check(model, probe))
     acc.wait_for_everyone()
-    return meta, ce, scores, selection, record, report, seconds, saved, lm
+    return meta, ce, scores, selection, record, report, seconds, saved, None if lm else type(model).__name__
