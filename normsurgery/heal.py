@@ -61,7 +61,7 @@ def linear_targets(model) -> list[str]:
     """Names of every linear layer (nn.Linear or GPT-2's Conv1D) inside the blocks."""
     from transformers.pytorch_utils import Conv1D
 
-    prefix = layout(model).layers + "."
+    prefix = layout(model).layers_path + "."
     return [n for n, m in model.named_modules()
             if n.startswith(prefix) and isinstance(m, (nn.Linear, Conv1D))]
 
@@ -70,7 +70,7 @@ def target_pattern(model, names: list[str] | None = None) -> str:
     """A peft regex (full match) for the linears of the blocks whose name ends with one of
     ``names`` (all of them when None)."""
     lin = linear_targets(model)
-    prefix = layout(model).layers + "."
+    prefix = layout(model).layers_path + "."
     rel = sorted({n[len(prefix):].split(".", 1)[1] for n in lin})
     if names:
         wanted = [r for r in rel if any(r == t or r.endswith("." + t) for t in names)]
