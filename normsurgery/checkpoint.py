@@ -453,6 +453,9 @@ def output_lock(out):
     the same output at once cannot mix: the second fails at once, naming the first's PID.
     The lock file lives in the temporary directory, never beside the output."""
     key = str(Path(out).expanduser().resolve())
+    if os.environ.get("RANK", "0") != "0":  # a secondary process of a distributed run: rank 0 writes
+        yield
+        return
     if key in _HELD:
         _HELD[key] += 1
         try:
