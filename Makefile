@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE = 1
 export HF_HUB_DISABLE_PROGRESS_BARS = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test fuzz bench clean
 
 $(PY):
 	python3 -m venv .venv
@@ -24,6 +24,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests -q
+
+# the property tests with many random configs (make test runs a few, derandomized)
+fuzz: install
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest tests/test_properties.py -q
 
 bench: install
 	$(PY) benchmarks/run.py

@@ -10,13 +10,35 @@ Python API (the CLI is a thin layer over it)::
 
 __version__ = "0.1.0"
 
-from .families import layout  # noqa: E402
-from .layout import Layout, NormSite  # noqa: E402
-from .checkpoint import load, load_tokenizer, save  # noqa: E402
-from .convert import apply_passes, convert, load_recipe, parse_pass  # noqa: E402
-from .errors import SurgeryError  # noqa: E402
-from .registry import all_passes, register  # noqa: E402
-from .verify import verify  # noqa: E402
+import importlib  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+# The API is imported on first use (PEP 562), so ``import normsurgery.cli`` and
+# ``normsurgery --help`` do not pay for torch and transformers.
+_API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": "checkpoint",
+        "load_tokenizer": "checkpoint", "save": "checkpoint", "apply_passes": "convert",
+        "convert": "convert", "load_recipe": "convert", "parse_pass": "convert",
+        "SurgeryError": "errors", "all_passes": "registry", "register": "registry", "verify": "verify"}
+
+
+class _Package(types.ModuleType):
+    """Loads the API on first use; ``import normsurgery.convert`` (a submodule) does not
+    replace the function ``normsurgery.convert`` of the same name."""
+
+    def __getattr__(self, name: str):
+        if name not in _API:
+            raise AttributeError(f"module 'normsurgery' has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{_API[name]}", __name__), name)
+        super().__setattr__(name, value)
+        return value
+
+    def __setattr__(self, name: str, value) -> None:
+        if not (name in _API and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = ["Layout", "NormSite", "SurgeryError", "all_passes", "apply_passes", "convert", "layout",
            "load", "load_recipe", "load_tokenizer", "parse_pass", "register", "save", "verify"]

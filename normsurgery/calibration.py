@@ -21,11 +21,15 @@ def bundled_text(name: str = "sample.txt") -> str:
 
 
 def read_text(path) -> str:
-    """The text of ``path``; a missing or empty file is a SurgeryError."""
+    """The text of ``path``: a missing, empty or binary file (a NUL byte, or over 1% of it not
+    UTF-8) is a SurgeryError."""
     path = Path(path)
     if not path.is_file():
         raise SurgeryError(f"no text file at {path}")
-    text = path.read_text(errors="replace")
+    data = path.read_bytes()
+    text = data.decode("utf-8", errors="replace")
+    if b"\0" in data or text.count("\ufffd") > 0.01 * len(text):
+        raise SurgeryError(f"{path} is not a text file (binary or not UTF-8): give plain text")
     if not text.strip():
         raise SurgeryError(f"text file {path} is empty")
     return text

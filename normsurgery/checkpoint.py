@@ -15,9 +15,16 @@ sequence or token classifier: ``families.FAMILIES``) and save with the same clas
 from __future__ import annotations
 
 import copy
+import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
+import signal
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +41,11 @@ NOT_COPIED = {"config.json", RUNTIME_FILE}
 #: buffers old checkpoints store that no current class reads (GPT-2's attention constant)
 STALE_BUFFERS = (".masked_bias",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+#: folders a checkpoint may hold that ``--force`` may replace with it (ours: an unmerged adapter)
+CHECKPOINT_FOLDERS = {"adapter", ".cache"}
+#: pickle checkpoints (.bin) can run code when loaded: refused unless allowed (the CLI's
+#: --allow-pickle); even then transformers reads them with torch.load(weights_only=True)
+ALLOW_PICKLE = os.environ.get("NORMSURGERY_ALLOW_PICKLE") == "1"
 
 
 def resolve(src: str | os.PathLike) -> Path:
@@ -50,7 +62,9 @@ def resolve(src: str | os.PathLike) -> Path:
     try:
         return Path(snapshot_download(str(src), local_files_only=True))
     except Exception:
-        raise SurgeryError(f"no checkpoint at {src!r}: not a folder, and not a hub id in the local cache") from None
+        raise SurgeryError(f"no checkpoint at {src!r}: not a folder, and not a hub id in the local Hugging Face "
+                           "cache (normsurgery reads local files only and never downloads, as if offline): "
+                           f"download it first, e.g. `hf download {src} --local-dir DIR`, and pass DIR") from None
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -69,6 +83,10 @@ def weight_files(path: Path) -> list[Path]:
         files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if not files:
         raise SurgeryError(f"{path} holds no weights (no *.safetensors or pytorch_model*.bin)")
+    if files[0].suffix == ".bin" and not ALLOW_PICKLE:
+        raise SurgeryError(f"{path} stores its weights as pickle ({files[0].name}), which can run code when "
+                           "loaded: convert it to safetensors, or pass --allow-pickle to load it with "
+                           "torch.load(weights_only=True)")
     for f in files:
         if f.suffix == ".safetensors":
             _check_safetensors(f)
@@ -147,6 +165,7 @@ def load(src, dtype: torch.dtype | None = None, *, stock: bool = False):
     except Exception as e:
         raise SurgeryError(f"cannot load {src}: {_first_line(e)}") from None
     check_loading(src, cls.__name__, info)
+    check_finite(model, src)
     return model.eval()
 
 
@@ -163,6 +182,14 @@ def check_loading(src, cls: str, info: dict) -> None:
     if problems:
         raise SurgeryError(f"cannot load {src} as {cls}: weights {'; '.join(problems)} "
                            "(transformers would fill them at random)")
+
+
+def check_finite(model, src) -> None:
+    """Refuse weights holding NaN or Inf: every check downstream would compare NaN with NaN."""
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise SurgeryError(f"{src} holds NaN or Inf weights: {bad[0]}{more}")
 
 
 def load_tokenizer(src):
@@ -228,8 +255,17 @@ def save(model, out, *, source=None, force: bool = False, record: dict | None = 
     stock-equivalent and the folder must pass loaded with the runtime (``normsurgery.load``), or
     nothing is saved. Without ``check`` nothing is claimed (``plain_transformers`` is None).
     """
-    out = Path(out).expanduser()
-    check_output(out, force, source)
+    with writing(out, force=force, source=source) as stage:
+        info = save_into(model, stage.path, source=source, record=record, max_shard_size=max_shard_size,
+                         check=check)
+    return {"path": str(out), "files": sorted(p.name for p in Path(out).expanduser().iterdir()), **info,
+            **({"stale_removed": stage.stale} if stage.stale else {})}
+
+
+def save_into(model, folder: Path, *, source=None, record: dict | None = None, max_shard_size: str | int = "5GB",
+              check: Callable[[torch.nn.Module], Any] | None = None) -> dict:
+    """Write ``model`` (weights, config with its record, runtime file, the source's side files)
+    into ``folder``, normally a :func:`writing` stage, and check it loads back (see :func:`save`)."""
     records = structure_records(model)
     cfg = model.config
     base = stock_class_of(model)
@@ -242,22 +278,45 @@ def save(model, out, *, source=None, force: bool = False, record: dict | None = 
     _set_or_drop(cfg, "auto_map", auto_map)
     _set_or_drop(cfg, "normsurgery", {**(record or {}), "modules": records} if (record or records) else None)
     cfg.architectures = [base.__name__]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        if records:
-            shutil.copyfile(runtime.__file__, tmp / RUNTIME_FILE)
-        reload = None if check is None else _check_reload(model, tmp, records, check)
-        if source is not None:
-            _copy_side_files(resolve(source), tmp)
-        _replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {"path": str(out), "files": sorted(p.name for p in out.iterdir()), "custom_modules": len(records),
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if records:
+        shutil.copyfile(runtime.__file__, folder / RUNTIME_FILE)
+    reload = None if check is None else _check_reload(model, folder, records, check)
+    if source is not None:
+        _copy_side_files(resolve(source), folder)
+    return {"custom_modules": len(records),
             "plain_transformers": None if reload is None else reload["loader"] == "plain transformers",
             "reload": reload}
+
+
+@dataclass
+class Stage:
+    path: Path  # the temporary folder to fill
+    stale: list[str] = field(default_factory=list)  # leftovers of killed runs, removed
+
+
+@contextmanager
+def writing(out, *, force: bool = False, source=None):
+    """Yields a :class:`Stage`: a temporary sibling folder ``.OUT.tmp-PID`` to fill. When the
+    block ends without an exception the folder replaces ``out`` (see :func:`_replace`); on any
+    exception, Ctrl-C or SIGTERM (the CLI turns it into an exception) it is removed, and ``out``
+    is as it was. Holds :func:`output_lock` throughout; first removes what killed runs left."""
+    out = Path(out).expanduser()
+    with output_lock(out):
+        stale = check_output(out, force, source)
+        try:
+            stage = Stage(out.parent / f".{out.name}.tmp-{os.getpid()}", stale)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(stage.path, ignore_errors=True)
+            stage.path.mkdir()
+            try:
+                yield stage
+                _replace(stage.path, out)
+            finally:
+                shutil.rmtree(stage.path, ignore_errors=True)
+        except OSError as e:
+            raise SurgeryError(f"cannot write {out}: {e.strerror or e}"
+                               + (f" ({e.filename})" if e.filename else "")) from None
 
 
 def _check_reload(model, folder: Path, records: list[dict], check) -> dict:
@@ -291,15 +350,140 @@ def _set_or_drop(cfg, name, value) -> None:
         delattr(cfg, name)
 
 
-def check_output(out: Path, force: bool, source=None) -> None:
-    """Refuse to overwrite without ``force``, and never write over the input."""
+def check_output(out: Path, force: bool, source=None) -> list[str]:
+    """Refuse, before any work, an output that would lose data or cannot be written: the input
+    itself, a folder inside it or holding it, the current folder (or one holding it), an existing
+    folder without ``force``, and with ``force`` anything but a checkpoint (config.json and
+    weights; no folders of the user's); an unwritable location. First clears what killed runs
+    left beside ``out`` (:func:`remove_stale`) and returns what that did."""
     out = Path(out).expanduser()
-    if source is not None and out.exists() and out.resolve() == resolve(source).resolve():
-        raise SurgeryError(f"output {out} is the input checkpoint; choose another folder")
-    if out.exists() and not force:
-        raise SurgeryError(f"output {out} already exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise SurgeryError(f"output {out} exists and is not a folder")
+    target = out.resolve()
+    stale = remove_stale(out)
+    if source is not None:
+        src = resolve(source).resolve()
+        if target == src:
+            raise SurgeryError(f"output {out} is the input checkpoint; choose another folder")
+        if src in target.parents:
+            raise SurgeryError(f"output {out} is inside the input checkpoint {source}; choose a folder outside it")
+        if target in src.parents:
+            raise SurgeryError(f"output {out} holds the input checkpoint {source}: replacing it would delete "
+                               "the input; choose another folder")
+    cwd = Path.cwd().resolve()
+    if target == cwd or target in cwd.parents:
+        raise SurgeryError(f"output {out} is the current folder or holds it; run from elsewhere or name "
+                           "another folder")
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise SurgeryError(f"output {out} exists and is not a folder")
+        if not force:
+            raise SurgeryError(f"output {out} already exists; pass --force to replace it")
+        why = _not_a_checkpoint(out)
+        if why:
+            raise SurgeryError(f"--force replaces only a checkpoint folder, and {out} {why}; move what you "
+                               "keep there or choose another output")
+    _check_writable(target.parent)
+    return stale
+
+
+def _not_a_checkpoint(folder: Path) -> str | None:
+    """Why ``--force`` may not replace ``folder`` (None: an empty folder, or a checkpoint)."""
+    entries = list(folder.iterdir())
+    if not entries:
+        return None
+    if not (folder / "config.json").is_file():
+        return "has no config.json (it is not a checkpoint)"
+    if not any(f.is_file() and f.name.endswith(WEIGHT_SUFFIXES) for f in entries):
+        return "holds no weights (it is not a checkpoint)"
+    other = sorted(f.name for f in entries if f.is_dir() and f.name not in CHECKPOINT_FOLDERS)
+    if other:
+        return f"holds folders a checkpoint does not have ({', '.join(other[:3])})"
+    return None
+
+
+def _check_writable(folder: Path) -> None:
+    """The nearest existing ancestor of ``folder`` must take a new folder: probed, then removed."""
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise SurgeryError(f"cannot write there: {folder} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".normsurgery-probe-", dir=folder))
+    except OSError as e:
+        raise SurgeryError(f"cannot write to {folder}: {e.strerror or e}") from None
+
+
+STALE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)")
+
+
+def remove_stale(out: Path) -> list[str]:
+    """Remove the ``.OUT.tmp-PID`` / ``.OUT.old-PID`` folders of killed runs (PID no longer
+    alive); an ``.old`` one with no ``out`` beside it (killed between the two renames of
+    :func:`_replace`) is the previous output: it is put back. Returns what was done."""
+    done = []
+    if not out.parent.is_dir():
+        return done
+    for f in out.parent.iterdir():
+        m = STALE.fullmatch(f.name)
+        if not m or m["name"] != out.name or not f.is_dir() or _alive(int(m["pid"])):
+            continue
+        if m["kind"] == "old" and not out.exists():
+            f.rename(out)
+            done.append(f"restored {out} from {f.name}")
+        else:
+            shutil.rmtree(f, ignore_errors=True)
+            done.append(f"removed {f.name}")
+    return done
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_HELD: dict[str, int] = {}
+
+
+@contextmanager
+def output_lock(out):
+    """An exclusive lock on the output path for this process (re-entrant), so two runs writing
+    the same output at once cannot mix: the second fails at once, naming the first's PID.
+    The lock file lives in the temporary directory, never beside the output."""
+    key = str(Path(out).expanduser().resolve())
+    if os.environ.get("RANK", "0") != "0":  # a secondary process of a distributed run: rank 0 writes
+        yield
+        return
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
+    folder = Path(tempfile.gettempdir()) / "normsurgery-locks"
+    folder.mkdir(exist_ok=True)
+    fd = os.open(folder / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SurgeryError(f"another normsurgery run (PID {owner}) is writing {out}; wait for it to finish "
+                           "or choose another output") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[key] = 1
+    try:
+        yield
+    finally:
+        del _HELD[key]
+        os.close(fd)
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
@@ -310,14 +494,20 @@ def _copy_side_files(src: Path, dst: Path) -> None:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Move ``tmp`` to ``out``; an old ``out`` is only removed once the new one is in place."""
+    """Move ``tmp`` to ``out``; an old ``out`` is only removed once the new one is in place.
+    Ctrl-C and SIGTERM wait for the two renames; a SIGKILL between them leaves the previous
+    output as ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`)."""
     old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        if out.exists() or out.is_symlink():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+        tmp.rename(out)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if old is not None:
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _first_line(e: BaseException) -> str:

@@ -85,15 +85,22 @@ def parse_pass(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), options
 
 
-def load_recipe(path) -> list[tuple[str, dict[str, Any]]]:
-    """A TOML recipe: ``[[pass]]`` tables, each with ``name`` and the pass's options."""
+def read_recipe(path) -> dict[str, Any]:
+    """The tables of a TOML recipe file (``[[pass]]`` for convert, ``[prune]``/``[heal]`` for prune)."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
+        return tomllib.loads(path.read_text())
+    except (FileNotFoundError, IsADirectoryError):
         raise SurgeryError(f"no recipe at {path}") from None
+    except UnicodeDecodeError:
+        raise SurgeryError(f"recipe {path} is not a text file") from None
     except tomllib.TOMLDecodeError as e:
         raise SurgeryError(f"recipe {path} is not valid TOML: {e}") from None
+
+
+def load_recipe(path) -> list[tuple[str, dict[str, Any]]]:
+    """A TOML recipe: ``[[pass]]`` tables, each with ``name`` and the pass's options."""
+    data = read_recipe(path)
     steps = data.get("pass", [])
     if not steps or not all(isinstance(s, dict) and "name" in s for s in steps):
         raise SurgeryError(f"recipe {path} needs one or more [[pass]] tables with a name")

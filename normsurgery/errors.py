@@ -1,4 +1,19 @@
-"""The one exception type the CLI turns into a one-line message and a non-zero exit."""
+"""The one exception type the CLI turns into a one-line message, and the exit codes.
+
+Exit codes: 0 success; 1 bad input, a refusal or a parity failure (:class:`SurgeryError`,
+``verify`` finding different functions); 2 a usage error (unknown option, bad value: reported
+by the argument parser before any work); 3 a bug of ours (any other exception); 130 interrupted.
+"""
+
+OK = 0
+FAILED = 1
+USAGE = 2
+BUG = 3
+INTERRUPTED = 130
+
+#: where the CLI asks users to report exit code 3
+REPORT_BUGS = ("this is a bug in normsurgery: please report it with the command line and the "
+               "traceback NORMSURGERY_DEBUG=1 prints (README: Reporting bugs)")
 
 
 class SurgeryError(Exception):

@@ -13,7 +13,7 @@ the first 90% is used to train the tokenizer and the models.
 
 Usage (from the repository root):
   HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_demo.py \
-      [--text ../shared/data/tinyshakespeare.txt] [--steps 1400]
+      --text tinyshakespeare.txt [--steps 1400]
 """
 from __future__ import annotations
 
@@ -265,8 +265,9 @@ def folder_size(folder: Path) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--text", default="../shared/data/tinyshakespeare.txt",
-                    help="training text; a relative path is taken from the repository root")
+    ap.add_argument("--text", required=True,
+                    help="training text (the demo models were trained on tinyshakespeare.txt, 1.1 MB, from "
+                         "https://github.com/karpathy/char-rnn); a relative path is taken from the repository root")
     ap.add_argument("--steps", type=int, default=1400,
                     help="optimizer steps per model (~0.2 s/step for either model on 2 cores)")
     ap.add_argument("--batch", type=int, default=16)
@@ -381,7 +382,7 @@ def write_readme(path: Path, rows, args, text_path: Path, n_all, n_train, n_held
         "Regenerate (from the repository root):",
         "",
         "```",
-        "HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_demo.py --text ../shared/data/tinyshakespeare.txt",
+        "HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_demo.py --text tinyshakespeare.txt",
         "```",
         "",
     ]

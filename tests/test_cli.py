@@ -107,8 +107,14 @@ def test_refuses_existing_output(tmp_path):
     (out / "keep.txt").write_text("mine")
     assert_refused(run("convert", GPT2, out, "--pass", "flashnorm"), out, "--force")
     assert (out / "keep.txt").read_text() == "mine"
-    r = run("convert", GPT2, out, "--pass", "flashnorm", "--force")
-    assert r.exit_code == 0 and not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    # --force replaces only a checkpoint: a folder of the user's files is refused, kept whole
+    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm", "--force"), out, "not a checkpoint")
+    assert (out / "keep.txt").read_text() == "mine"
+    previous = tmp_path / "previous"
+    assert run("convert", GPT2, previous, "--pass", "flashnorm").exit_code == 0
+    (previous / "notes.md").write_text("a side file of the checkpoint")
+    r = run("convert", GPT2, previous, "--pass", "flashnorm", "--force")
+    assert r.exit_code == 0 and not (previous / "notes.md").exists() and (previous / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -153,3 +159,63 @@ def test_inspect_shows_dead_units_of_a_masked_model(tmp_path):
     assert dead["width"] == 128 and len(dead["dead_channels"]) == 16
     assert all(len(d["unwritten_channels"]) >= 16 for d in dead["layers"])
     assert json.loads(run("inspect", GPT2, "--json").stdout)["dead"]["dead_channels"] == []
+
+
+# ---- behaving like the tools users know ----
+
+def test_help_version_and_usage_errors_load_neither_torch_nor_transformers():
+    code = ("import sys\nfrom normsurgery.cli import app\nfrom typer.testing import CliRunner\n"
+            "for args in (['--help'], ['-h'], ['--version'], ['convert', '-h'], ['verify', 'a', 'b', '--samples', '0']):\n"
+            "    CliRunner().invoke(app, args)\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_version_short_help_and_help_as_users_read_it():
+    from normsurgery import __version__
+
+    assert run("--version").stdout.strip() == f"normsurgery {__version__}"
+    r = run("convert", "-h")
+    assert r.exit_code == 0
+    assert "[[pass]]" in r.stdout and "<bool>" not in r.stdout and "--json" in r.stdout
+    assert "--recipe FILE" in r.stdout and "--max-shard-size SIZE" in r.stdout
+    for command in ("verify", "passes", "inspect", "prune", "heal"):
+        assert "print the result as JSON" in run(command, "--help").stdout
+
+
+@pytest.mark.parametrize("args, match", [
+    (["convert", GPT2, "OUT", "--pass", "FlashNorm"], "did you mean 'flashnorm'"),
+    (["convert", GPT2, "OUT", "--pass", "pre_rmsnorm"], "did you mean 'pre-rmsnorm'"),
+    (["convert", GPT2, "OUT", "--pass", "pre-rmsnorm:flod=true"], "did you mean 'fold'"),
+    (["convert", GPT2, "OUT", "--pass", "flashnorm", "--flod"], "--fold"),
+    (["covert", GPT2, "OUT"], "Did you mean 'convert'"),
+])
+def test_did_you_mean(tmp_path, args, match):
+    r = run(*[str(tmp_path / "out") if a == "OUT" else a for a in args])
+    assert r.exit_code in (1, 2) and match in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bug_of_ours_has_its_own_exit_code_and_says_where_to_report_it(monkeypatch):
+    from normsurgery import registry
+
+    def broken():
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(registry, "all_passes", broken)
+    r = run("passes")
+    assert r.exit_code == 3, r.output
+    assert "internal error, ZeroDivisionError" in r.output and "please report it" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_tables_fit_80_columns_and_minimize_prints_its_sizes(tmp_path):
+    r = runner.invoke(app, ["passes"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0 and max(map(len, r.stdout.splitlines())) <= 80
+    assert "prune_channels" in r.stdout  # option names whole, never cut
+    out = tmp_path / "small"
+    r = runner.invoke(app, ["convert", GPT2, str(out), "--pass", "minimize:prune_channels=16"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert max(map(len, r.stdout.splitlines())) <= 80
+    assert "minimize: sizes per layer" in r.stdout and "total" in r.stdout and "bytes" in r.stdout

@@ -220,7 +220,6 @@ def assert_refused(result, out, match):
 
 @pytest.mark.parametrize("args, match", [
     (["--layers", 8], "the model has 8"),
-    (["--layers", 0], "at least 1"),
     (["--fraction", 0.01], "rounds to 0"),
     ([], "exactly one of --layers"),
     (["--layers", 2, "--method", "middle"], "unknown method"),

@@ -1,10 +1,11 @@
-"""Command-line interface: ``normsurgery convert | verify | passes | inspect | ...``."""
+"""Command-line interface: ``normsurgery convert | verify | passes | inspect | prune | heal``.
 
-from . import core, prune  # noqa: F401  (importing registers the commands)
-from .app import app
+One module per command group (convert, verify, inspect, prune, heal), ``report`` for what they
+print, ``app`` for what they share. Importing this package loads neither torch nor
+transformers: each command imports what it needs when it runs.
+"""
 
-__all__ = ["app"]
+from . import convert, verify, inspect, prune  # noqa: F401, I001  (importing registers the commands, in this order)
+from .app import app, main
 
-
-def main() -> None:
-    app()
+__all__ = ["app", "main"]

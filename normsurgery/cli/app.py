@@ -1,29 +1,78 @@
-"""The Typer application and what every command shares: one-line errors, progress, output."""
+"""The Typer application and what every command shares: exit codes, one-line errors, progress,
+option parsing, output.
+
+Nothing here imports torch or transformers: ``--help``, ``--version`` and usage errors answer
+before any of it loads; each command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
+import signal
 import sys
 from contextlib import contextmanager
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..errors import SurgeryError
+from .. import __version__
+from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, SurgeryError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Model surgery on transformer checkpoints, with the logits re-verified.")
-console = Console()
-err = Console(stderr=True)
+                  rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Model surgery on transformer checkpoints, with the logits re-verified. "
+                       "Exit codes: 0 ok, 1 bad input or parity failure, 2 usage error, "
+                       "3 a bug of ours, 130 interrupted.")
 
 
-def quiet_transformers() -> None:
-    """Our progress bars replace transformers' own; its warnings go too unless asked for."""
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"normsurgery {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")):
+    """Model surgery on transformer checkpoints, with the logits re-verified."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that every ``finally`` (temporary folders) runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def main() -> None:
+    """The entry point: SIGTERM unwinds like Ctrl-C; an interrupt anywhere is one line."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        app()
+    except KeyboardInterrupt as e:
+        say_error(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: nothing was written")
+        sys.exit(INTERRUPTED)
+
+
+def say_error(message: str) -> None:
+    """One line on stderr: ``error: message`` (no markup: ``[[pass]]`` stays literal)."""
+    typer.echo(typer.style("error:", fg="red") + " " + message, err=True)
+
+
+def load_transformers() -> None:
+    """Import torch and transformers with Ctrl-C and SIGTERM held until both are loaded (a signal
+    inside torch's C++ start-up aborts the process instead of raising KeyboardInterrupt); then
+    quiet them: our progress bars replace transformers' own, its warnings go unless asked for."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import transformers
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        import torch  # noqa: F401
+        import transformers
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is raised here
 
     transformers.utils.logging.disable_progress_bar()
     if "TRANSFORMERS_VERBOSITY" not in os.environ:
@@ -31,60 +80,165 @@ def quiet_transformers() -> None:
 
 
 def command(fn):
-    """Register ``fn`` as a command; SurgeryError and interrupts become one line and exit 1/130.
-
-    Any other exception is one line too (exit 2); NORMSURGERY_DEBUG=1 shows its traceback.
-    """
+    """Register ``fn`` as a command. SurgeryError and OSError (a bad or unwritable path) are one
+    line and exit 1; an interrupt exits 130; anything else is a bug of ours: one line saying
+    where to report it, exit 3 (NORMSURGERY_DEBUG=1 shows the traceback)."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        quiet_transformers()
         try:
+            load_transformers()
             return fn(*args, **kwargs)
         except SurgeryError as e:
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1)
-        except KeyboardInterrupt:
-            err.print("[red]interrupted[/red]: nothing was written")
-            raise typer.Exit(130)
+            say_error(str(e))
+            raise typer.Exit(FAILED)
+        except KeyboardInterrupt as e:
+            say_error(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: nothing was written")
+            raise typer.Exit(INTERRUPTED)
         except (typer.Exit, typer.Abort):
             raise
-        except Exception as e:  # a bug of ours: still one line, unless debugging
+        except OSError as e:
             if os.environ.get("NORMSURGERY_DEBUG"):
                 raise
-            err.print(f"[red]error:[/red] internal error, {type(e).__name__}: {e} "
-                      "(NORMSURGERY_DEBUG=1 shows the traceback)", highlight=False, soft_wrap=True)
-            raise typer.Exit(2)
+            say_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
+            raise typer.Exit(FAILED)
+        except Exception as e:
+            if os.environ.get("NORMSURGERY_DEBUG"):
+                raise
+            say_error(f"internal error, {type(e).__name__}: {e}; {REPORT_BUGS}")
+            raise typer.Exit(BUG)
 
     return app.command()(run)
 
 
+# ---- option parsing: every value is checked before any work starts (usage errors, exit 2) ----
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def did_you_mean(name: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` (case, - and _ ignored), or ''."""
+    choices = list(choices)
+    key = name.lower().replace("_", "-")
+    close = [c for c in choices if c.lower().replace("_", "-") == key]
+    close = close or difflib.get_close_matches(key, choices, 1, 0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def dtype_option(value: str | None) -> str | None:
+    if value is not None and value not in DTYPES:
+        raise typer.BadParameter(f"{value!r} is not a dtype; choose one of {', '.join(DTYPES)}{did_you_mean(value, DTYPES)}")
+    return value
+
+
+def size_option(value: str) -> str:
+    """A shard size as transformers reads it: bytes, or a number with KB/MB/GB (KiB/MiB/GiB)."""
+    import re
+
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*([KMGT]i?B?)?\s*", value, re.IGNORECASE) or not \
+            re.search(r"[1-9]", value):
+        raise typer.BadParameter(f"{value!r} is not a size; give bytes or e.g. 500MB, 2GB")
+    return value.strip()
+
+
+FORCE = typer.Option(False, "--force", help="replace OUT if it is a checkpoint (never a folder of other files); "
+                                            "convert: save even if parity breaks")
+JSON = typer.Option(False, "--json", help="print the result as JSON (for scripts)")
+ALLOW_PICKLE = typer.Option(False, "--allow-pickle", help="read pickle (.bin) weights, with "
+                                                          "torch.load(weights_only=True); refused otherwise")
+
+
+def allow_pickle_option(value: bool) -> None:
+    """--allow-pickle for this command (or NORMSURGERY_ALLOW_PICKLE=1)."""
+    from .. import checkpoint
+
+    checkpoint.ALLOW_PICKLE = value or os.environ.get("NORMSURGERY_ALLOW_PICKLE") == "1"
+
+
+def read_text(path) -> str | None:
+    """The text of a --text style option (None: not given): missing, empty or binary files refused."""
+    if path is None:
+        return None
+    from ..calibration import read_text as read
+
+    return read(path)
+
+
+def report_stale(done: list[str]) -> None:
+    """Say what was cleared of killed runs' leftovers beside the output."""
+    for line in done:
+        stderr().print(f"note: {line} (left by a run that was killed)", markup=False, highlight=False)
+
+
+def positive(value: float | None) -> float | None:
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"{value:g} is not positive")
+    return value
+
+
+def open_unit(value: float | None) -> float | None:
+    if value is not None and not 0 < value < 1:
+        raise typer.BadParameter(f"{value:g} is not between 0 and 1 (exclusive)")
+    return value
+
+
+def torch_dtype(name: str | None):
+    import torch
+
+    return None if name is None else getattr(torch, name)
+
+
+# ---- progress (stderr, terminals only) ----
+
 @contextmanager
 def progress_bar(enabled: bool = True):
-    """Yields a (stage, done, total) callback drawing one bar per stage (on stderr)."""
+    """Yields ``update(stage, done, total, note="")``: one bar per stage on stderr, drawn on a
+    terminal (or with NORMSURGERY_PROGRESS=1). Stages ``pass NAME`` share one bar, so a
+    convert shows which pass of how many runs; ``note`` is shown after the counts."""
     if not enabled or not sys.stderr.isatty() and not os.environ.get("NORMSURGERY_PROGRESS"):
-        yield lambda stage, done, total: None
+        yield lambda stage, done, total, note="": None
         return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=err, transient=False) as bar:
+                  TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=stderr(),
+                  transient=False) as bar:
         tasks = {}
 
-        def update(stage, done, total):
+        def update(stage, done, total, note=""):
             key = stage.split(" ")[0] if stage.startswith("pass") else stage
             if key not in tasks:
-                tasks[key] = bar.add_task(stage, total=total)
-            bar.update(tasks[key], completed=done, total=total, description=stage)
+                tasks[key] = bar.add_task(stage, total=total, note=note)
+            bar.update(tasks[key], completed=done, total=total, description=stage, note=note)
 
         yield update
 
 
+# ---- output ----
+
+@functools.cache
+def stdout():
+    from rich.console import Console
+
+    return Console()
+
+
+@functools.cache
+def stderr():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def say(text: str) -> None:
+    """A line for people on stdout, printed literally (no markup, no highlighting)."""
+    stdout().print(text, markup=False, highlight=False)
+
+
+def show(renderable) -> None:
+    """A table (see report) on stdout."""
+    stdout().print(renderable)
+
+
 def emit_json(data) -> None:
     typer.echo(json.dumps(data, indent=2, default=str))
-
-
-def fmt(x, digits: int = 2) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.{digits}e}" if (x != 0 and (abs(x) < 1e-2 or abs(x) >= 1e4)) else f"{x:.4g}"
-    return str(x)

@@ -1,0 +1,102 @@
+"""``convert``: apply passes (or a recipe), check parity, save."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import SurgeryError
+from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, command, did_you_mean, dtype_option, emit_json, \
+    positive, progress_bar, read_text, report_stale, say, show, size_option, torch_dtype
+
+
+def check_passes(specs) -> None:
+    """Every pass named exists and every option it is given is one it has (with suggestions)."""
+    from .. import registry
+
+    names = [p.name for p in registry.all_passes()]
+    for name, options in specs:
+        if name not in names:
+            raise SurgeryError(f"unknown pass {name!r}{did_you_mean(name, names)}; registered: {', '.join(names)} "
+                               "(`normsurgery passes` describes them)")
+        p = registry.get(name)
+        for key in options:
+            if key not in p.options:
+                raise SurgeryError(f"pass {name!r} has no option {key!r}{did_you_mean(key, p.options)}; "
+                                   f"options: {', '.join(p.options) or 'none'}")
+        registry.check_options(p, options)
+
+
+@command
+def convert(
+    src: str = typer.Argument(..., metavar="IN", help="input checkpoint: a folder or a cached hub id"),
+    out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
+    passes: list[str] = typer.Option([], "--pass", "-p", metavar="NAME[:KEY=VALUE,...]",
+                                     help="a pass and its options (repeatable, applied in order)"),
+    recipe: Optional[Path] = typer.Option(None, metavar="FILE", help="a TOML recipe of [[pass]] tables"),
+    fold: bool = typer.Option(False, "--fold", help="set fold=true on every pass that has the option"),
+    force: bool = FORCE,
+    no_verify: bool = typer.Option(False, "--no-verify", help="skip the logit checks"),
+    work_dtype: Optional[str] = typer.Option(None, metavar="DTYPE", callback=dtype_option,
+                                             help="float32 (default) or float64 for the rewrite (not half)"),
+    text: Optional[Path] = typer.Option(None, metavar="FILE", help="text for the checks (default: bundled Shakespeare)"),
+    tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
+                                        help="relative logit tolerance for exact passes (default by dtype)"),
+    max_shard_size: str = typer.Option("5GB", metavar="SIZE", callback=size_option,
+                                       help="largest safetensors shard, e.g. 500MB"),
+    steps: Optional[int] = typer.Option(None, min=1, metavar="N", help="trained passes: optimizer steps"),
+    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B",
+                                             help="trained passes: windows per micro-batch and process"),
+    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="trained passes: tokens per window"),
+    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="trained passes: peak learning rate"),
+    resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
+    allow_pickle: bool = ALLOW_PICKLE,
+    json: bool = JSON,
+):
+    """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
+    from .. import checkpoint
+    from ..convert import convert as convert_checkpoint, load_recipe, parse_pass
+
+    allow_pickle_option(allow_pickle)
+    specs = (load_recipe(recipe) if recipe is not None else []) + [parse_pass(s) for s in passes]
+    if not specs:
+        raise SurgeryError("no passes given: use --pass NAME or --recipe FILE (`normsurgery passes` lists them)")
+    check_passes(specs)
+    from .. import registry
+    from ..training import is_main_process
+
+    if fold:
+        specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
+    given = {k: v for k, v in {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
+                                "resume": resume or None}.items() if v is not None}
+    specs = [(n, {**o, **{k: v for k, v in given.items() if k in registry.get(n).options}}) for n, o in specs]
+    body = read_text(text)
+    with checkpoint.output_lock(out):
+        report_stale(checkpoint.check_output(out, force, checkpoint.resolve(src)))
+        with progress_bar(not json and is_main_process()) as progress:
+            result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
+                                         work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
+                                         max_shard_size=max_shard_size, progress=progress)
+    if result.saved is None:  # not the main process
+        return
+    if json:
+        emit_json(result.as_dict())
+        return
+    from .report import convert_tables, fmt, loads_with
+
+    for t in convert_tables(result, src, out):
+        show(t)
+    for s in result.steps:
+        for note in s.notes:
+            say(f"  {s.name}: {note}")
+    if result.parity:
+        p = result.parity
+        say(f"overall vs the reference ({p.output}): relative error {fmt(p.relative)}"
+            + (f", top-1 agreement {p.top1:.4f}" if p.top1 is not None else "")
+            + (f"; tolerance {fmt(p.tolerance)}: {p.reason}" if p.tolerance is not None else ""))
+    if result.cast:
+        say(f"cast to {result.storage_dtype}: relative error {fmt(result.cast.relative)}; tolerance "
+            f"{fmt(result.cast.tolerance)}: {result.cast.reason}")
+    say(f"saved {result.saved['path']} ({len(result.saved['files'])} files); {loads_with(result.saved)}")

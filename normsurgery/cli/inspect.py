@@ -1,0 +1,65 @@
+"""``passes`` and ``inspect``: what exists, what applies to a checkpoint and why not."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import typer
+
+from .app import ALLOW_PICKLE, JSON, allow_pickle_option, command, emit_json, show
+
+
+@command
+def passes(json: bool = JSON):
+    """List the registered passes."""
+    from .. import registry
+
+    ps = registry.all_passes()
+    if json:
+        emit_json([{"name": p.name, "kind": p.kind, "description": p.description,
+                    "applies_to": p.families, "options": p.options} for p in ps])
+        return
+    from .report import passes_table
+
+    show(passes_table(ps))
+
+
+@command
+def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder or cached hub id"),
+            allow_pickle: bool = ALLOW_PICKLE, json: bool = JSON):
+    """Architecture, norm layout, dead units, and which passes apply (and why not)."""
+    from .. import checkpoint, registry
+    from ..analysis import dead_units
+    from ..families import layout
+
+    allow_pickle_option(allow_pickle)
+    model = checkpoint.load(src)
+    lay = layout(model)
+    info = {
+        "architecture": type(model).__name__, "family": lay.family, "placement": lay.placement,
+        "norm": ", ".join(sorted({s.kind + (f" (gain = {s.offset:g} + w)" if s.offset else "") for s in lay.norms})),
+        "hidden_size": lay.hidden_size, "stream_width": lay.stream_width, "objective": lay.objective,
+        "blocks": len(model.get_submodule(lay.layers_path)),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "tied_embeddings": lay.tied, "stream_norms": len(lay.norms),
+        "writers": len(lay.embeddings) + len(lay.writers),
+        "readers": sum(len(s.readers) for s in lay.norms), "qk_norms": len(lay.qk_norms),
+        "norm_sites": _norm_sites(lay),
+        "passes": {p.name: (p.applies(model, lay) or "applies") for p in registry.all_passes()},
+        "dead": asdict(dead_units(model, lay)) if lay.attention else None,
+    }
+    if json:
+        emit_json(info)
+        return
+    from .report import inspect_tables
+
+    for t in inspect_tables(info, src):
+        show(t)
+
+
+def _norm_sites(lay) -> list[dict]:
+    """The first block's norm sites and the final norm (every block has the same layout)."""
+    first = f"{lay.layers_path}.0."
+    sites = [s for s in lay.norms if s.path.startswith(first) or s.role in ("final", "embed")]
+    return [{"path": s.path, "role": s.role, "readers": list(s.readers)} for s in sites]

@@ -1,0 +1,247 @@
+"""What the commands print for people: tables (fitting 80 columns: long cells wrap, names never
+cut), the prune score plot. ``--json`` output is the result's ``as_dict`` (see each command).
+
+Cells are rich ``Text``, never markup, so ``[[pass]]`` or a path with brackets prints as is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+STYLE = {"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True}  # no vertical rules: more room in 80 columns
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}e}" if (x != 0 and (abs(x) < 1e-2 or abs(x) >= 1e4)) else f"{x:.4g}"
+    return str(x)
+
+
+def table(title: str, columns, rows, *, show_header: bool = True, right: tuple[int, ...] = (),
+          no_wrap: bool = False) -> Table:
+    """A table of literal text; the first column never wraps (names), the others fold unless
+    ``no_wrap``. A cell may hold several lines."""
+    t = Table(title=Text(title), show_header=show_header, **STYLE)
+    for i, col in enumerate(columns):
+        t.add_column(Text(col), no_wrap=no_wrap or i == 0, overflow="fold", justify="right" if i in right else "left")
+    for row in rows:
+        t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in row))
+    return t
+
+
+def red(text: str) -> Text:
+    return Text(text, style="red")
+
+
+def green(text: str) -> Text:
+    return Text(text, style="green")
+
+
+# ---- convert ----
+
+def convert_tables(result, src, out) -> list:
+    rows = []
+    for s in result.steps:
+        p = s.parity
+        ok = ("yes" if p.ok else red("NO")) if p is not None and s.kind == "exact" else "-"
+        rows.append((s.name, s.kind, fmt(p and p.relative), fmt(p and p.max_abs), fmt(p and p.kl),
+                     fmt(p and p.top1), ok))
+    out_tables = [table(f"convert {src} -> {out} (rewritten in {result.work_dtype}, stored in "
+                        f"{result.storage_dtype})", ("pass", "kind", "rel. error", "max |Δ|", "KL",
+                                                     "top-1", "ok"), rows, no_wrap=True)]
+    for s in result.steps:
+        if s.metrics.get("curve"):
+            out_tables.append(curve_table(s.name, s.metrics["curve"]))
+        if "layers" in s.metrics and "params" in s.metrics:
+            out_tables.append(size_table(s.name, s.metrics))
+    return out_tables
+
+
+def loads_with(saved: dict) -> str:
+    """What was checked about loading the saved folder (``checkpoint.save``)."""
+    reload = saved.get("reload")
+    if reload is None:
+        return "not loaded back: how it loads was not checked"
+    c = reload["comparison"]
+    return (f"loads with {reload['loader']} (checked: loaded back, relative error {fmt(c['relative'])})"
+            + ("; plain transformers loads it with different outputs" if reload.get("plain_transformers") else ""))
+
+
+def curve_table(name: str, curve: list[dict]) -> Table:
+    """A trained pass's evaluations: step, stage, what was removed, training loss, held-out CE."""
+    keys = ["step", "tokens"] + [k for k in ("stage", "removed") if any(k in r for r in curve)] + ["loss", "heldout_ce"]
+    rows = [[(f"{row[k]:.4f}" if isinstance(row.get(k), float) else str(row.get(k, "-")))
+             if row.get(k) is not None else "-" for k in keys] for row in curve]
+    return table(f"{name}: training curve (held-out CE never trained on)", [k.replace("_", " ") for k in keys],
+                 rows, right=tuple(i for i, k in enumerate(keys) if k != "stage"))
+
+
+def size_table(name: str, m: dict) -> Table:
+    """minimize's per-layer sizes, before -> after: MLP units, heads, parameters, bytes (exact
+    counts in --json)."""
+    def pair(v, unit=None):
+        if not v:
+            return "-"
+        a, b = (human(x, unit) for x in v) if unit is not None else map(str, v)
+        return f"{a} -> {b}" if v[0] != v[1] else a
+
+    rows = [(str(i), pair(w.get("mlp_units")), pair(w.get("heads")), pair(w.get("params"), ""),
+             pair(w.get("bytes"), "B")) for i, w in enumerate(m["layers"])]
+    rows.append(("other", "", "", pair(m["other"]["params"], ""), pair(m["other"]["bytes"], "B")))
+    rows.append(("total", "", "", pair(m["params"], ""), pair(m["bytes"], "B")))
+    stream = m.get("stream_width")
+    return table(f"{name}: sizes per layer (residual stream {pair(stream)})",
+                 ("layer", "MLP units", "heads", "parameters", "bytes"), rows, right=(3, 4), no_wrap=True)
+
+
+def human(n: int, unit: str = "") -> str:
+    """1234567 -> '1.23M' (parameters) or '1.23 MB' (unit 'B')."""
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{' ' if unit else ''}{prefix}{unit}"
+    return f"{n}{' ' if unit else ''}{unit}"
+
+
+# ---- verify ----
+
+def verify_table(r, a, b, dtype) -> Table:
+    d = "Δlogit" if r.output == "logits" else "Δh"
+    rows = [("compared", r.output), (f"max |{d}|", r.max_abs), (f"mean |{d}|", r.mean_abs),
+            ("relative error", r.relative), ("tolerance", r.tolerance), ("why this tolerance", r.reason)]
+    rows += ([("KL(a||b)", r.kl), ("top-1 agreement", r.top1)] if r.output == "logits"
+             else [("mean-pooled cosine (worst)", r.cosine)])
+    rows += [("greedy agreement", r.generation)] if r.generation is not None else []
+    rows = [(k, fmt(v)) for k, v in rows]
+    for row in r.layers:
+        rows.append((f"h_{row['state']}: {row['what']}", fmt(row["relative"]) + f" ({row['basis']})"
+                     + (f"; {row['note']}" if row["note"] else "")))
+    return table(f"verify {a} vs {b} in {dtype}", ("metric", "value"), rows)
+
+
+# ---- passes, inspect ----
+
+def passes_table(ps) -> Table:
+    """One row per pass; options one per line, never cut."""
+    t = Table(title="passes", **STYLE)
+    t.add_column("name", no_wrap=True)
+    t.add_column("kind", no_wrap=True)
+    t.add_column("what it does; where it applies", overflow="fold")
+    t.add_column("options", no_wrap=True)
+    for p in ps:
+        t.add_row(Text(p.name), Text(p.kind), Text(f"{p.description}. Applies to: {p.families}"),
+                  Text("\n".join(f"{k}={v}" for k, v in p.options.items()) or "-"))
+    return t
+
+
+def inspect_tables(info: dict, src) -> list:
+    rows = [(k.replace("_", " "), str(v)) for k, v in info.items() if k not in ("passes", "norm_sites", "dead")]
+    rows += [(f"norm ({s['role']})", f"{s['path']} -> {', '.join(s['readers']) or '(the stream)'}")
+             for s in info["norm_sites"]]
+    rows += [(f"pass {name}", green("applies") if why == "applies" else why) for name, why in info["passes"].items()]
+    tables = [table(f"inspect {src}", ("", ""), rows, show_header=False)]
+    if info["dead"]:
+        tables.append(dead_table(info["dead"]))
+    return tables
+
+
+def dead_table(dead: dict) -> Table:
+    """Per layer: dead MLP units, dead and removable heads, channels its writers leave zero."""
+    rows = [(str(d["layer"]), f"{len(d['dead_units'])}/{d['mlp_units']}", f"{len(d['dead_heads'])}/{d['heads']}",
+             str(len(d["removable_heads"])), f"{len(d['removable_kv_heads'])}/{d['kv_heads']}",
+             str(len(d["unwritten_channels"]))) for d in dead["layers"]]
+    return table(f"dead units (stream: {dead['width']} channels, {len(dead['dead_channels'])} unwritten, "
+                 f"{len(dead['removable_channels'])} removable)",
+                 ("layer", "MLP units dead", "heads dead", "heads removable", "KV heads removable",
+                  "channels unwritten"), rows)
+
+
+# ---- prune, heal ----
+
+def score_table(selection, scores) -> Table:
+    """Candidates with their scores as bars; the removed ones marked."""
+    what = ("block influence 1 - cos(x_in, x_out)" if selection.method == "block-influence"
+            else "angular distance arccos(cos(x_l, x_l+n)) / pi")
+    top = max(selection.scores) or 1.0
+    rows = []
+    for i, (c, s) in enumerate(zip(selection.candidates, selection.scores)):
+        mark = i in selection.chosen
+        bar = "█" * max(1, round(30 * s / top)) if s > 0 else ""
+        rows.append((c, f"{s:.4f}", red(bar) if mark else bar, "yes" if mark else ""))
+    return table(f"{selection.method}: {what} over {scores.tokens} tokens (smaller = more removable)",
+                 ("layer" if selection.method == "block-influence" else "block", "score", "", "removed"),
+                 rows, right=(1,))
+
+
+def ce_table(title: str, rows: list[tuple[str, float]], recovered: float | None) -> Table:
+    body = [(name, f"{ce:.4f}") for name, ce in rows]
+    if recovered is not None:
+        body.append(("gap recovered by healing", f"{100 * recovered:.1f}%"))
+    return table(title, ("model", "CE (nats/token)"), body, right=(1,))
+
+
+def heal_line(report, seconds: float | None = None) -> str:
+    """Steps, throughput, LoRA set-up and (given the whole heal's wall time) the share spent
+    evaluating held-out CE before and after."""
+    share = ""
+    if seconds:
+        share = (f"; held-out evaluation {max(seconds - report.seconds, 0.0):.1f} s of {seconds:.1f} s "
+                 f"({100 * max(seconds - report.seconds, 0.0) / seconds:.0f}%, --eval-samples sets its size)")
+    return (f"healed: {report.steps} steps, {report.tokens} tokens in {report.seconds:.1f} s "
+            f"({report.tokens_per_second:.0f} tokens/s, {report.processes} process(es), precision "
+            f"{report.mixed_precision}); LoRA rank {report.rank} on {report.target_modules} linears, "
+            f"{report.trainable_parameters} trainable parameters{share}")
+
+
+def recovered_fraction(original: float, pruned: float, healed: float) -> float | None:
+    """(CE_pruned - CE_healed) / (CE_pruned - CE_original): the share of the damage repaired."""
+    gap = pruned - original
+    return (pruned - healed) / gap if gap > 0 else None
+
+
+OVERFIT_EPOCHS = 4
+
+
+def overfit_note(report) -> str | None:
+    if report.epochs <= OVERFIT_EPOCHS:
+        return None
+    return (f"note: healing read the training text {report.epochs:.0f} times over "
+            f"({report.tokens} tokens from {round(report.tokens / report.epochs)}): held-out CE may "
+            "suffer from overfitting; give more text or fewer --steps")
+
+
+def plot_scores(path: Path, selection, scores) -> None:
+    """Left: the chosen method's candidate scores (removed in red). Right: d(l, n) for every
+    start l and block size n, the chosen block marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L = scores.num_layers
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    colours = ["tab:red" if i in selection.chosen else "tab:blue" for i in range(len(selection.candidates))]
+    a.bar(range(len(selection.scores)), selection.scores, color=colours)
+    a.set_xticks(range(len(selection.candidates)), selection.candidates, rotation=45 if L > 12 else 0)
+    a.set_xlabel("layer" if selection.method == "block-influence" else f"block of {selection.n}")
+    a.set_ylabel("1 - cos" if selection.method == "block-influence" else "angular distance / pi")
+    a.set_title(f"{selection.method}: removed {', '.join(map(str, selection.layers))}")
+    grid = [[float(scores.angular[l, l + n]) if l + n <= L else float("nan") for l in range(L)]
+            for n in range(1, L)]
+    im = b.imshow(grid, origin="lower", aspect="auto", cmap="viridis",
+                  extent=(-0.5, L - 0.5, 0.5, L - 0.5))
+    if selection.method != "block-influence":
+        b.scatter([selection.layers[0]], [selection.n], marker="x", color="red", s=80)
+    b.set_xlabel("first layer l")
+    b.set_ylabel("block size n")
+    b.set_title("angular distance d(l, n)")
+    fig.colorbar(im, ax=b)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,65 @@
+"""``verify``: do two checkpoints compute the same function?"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import FAILED, SurgeryError
+from .app import ALLOW_PICKLE, JSON, allow_pickle_option, command, dtype_option, emit_json, positive, read_text, say, \
+    show, torch_dtype
+
+
+def check_comparable(a: str, b: str) -> None:
+    """Same family and vocabulary, or the logits cannot be compared: refused before loading."""
+    from .. import checkpoint
+
+    ca, cb = (checkpoint.load_config(checkpoint.resolve(x)) for x in (a, b))
+    if ca.model_type != cb.model_type:
+        raise SurgeryError(f"{a} is a {ca.model_type} model and {b} a {cb.model_type} one: verify compares a "
+                           "checkpoint with its rewrite, of the same architecture")
+    if ca.vocab_size != cb.vocab_size:
+        raise SurgeryError(f"{a} has a vocabulary of {ca.vocab_size} tokens and {b} of {cb.vocab_size}: "
+                           "their logits cannot be compared")
+
+
+@command
+def verify(
+    a: str = typer.Argument(..., metavar="A", help="reference checkpoint"),
+    b: str = typer.Argument(..., metavar="B", help="checkpoint to compare"),
+    text: Optional[Path] = typer.Option(None, metavar="FILE", help="text to tokenize (default: bundled Shakespeare)"),
+    dtype: str = typer.Option("float32", metavar="DTYPE", callback=dtype_option,
+                              help="compute dtype: float64 checks the algebra; float32, float16, bfloat16"),
+    tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
+                                        help="relative tolerance (default: from the compute and storage dtypes)"),
+    samples: int = typer.Option(4, min=1, metavar="K", help="number of token windows"),
+    seq_len: int = typer.Option(64, min=2, metavar="L", help="tokens per window (at most the model's positions)"),
+    generate: int = typer.Option(16, min=0, metavar="N", help="greedy tokens to compare (0: skip)"),
+    layers: bool = typer.Option(False, "--layers", help="also compare every hidden state"),
+    allow_pickle: bool = ALLOW_PICKLE,
+    json: bool = JSON,
+):
+    """Compare two checkpoints' outputs (logits, or a base model's last hidden state); exit 1 when
+    they differ beyond the tolerance (by default the one the stored precision allows)."""
+    from ..verify import verify as verify_api
+
+    allow_pickle_option(allow_pickle)
+    body = read_text(text)
+    check_comparable(a, b)
+    r = verify_api(a, b, text=body, dtype=torch_dtype(dtype), tolerance=tol, n=samples, length=seq_len,
+                   generate=generate, per_layer=layers)
+    if json:
+        emit_json({"a": a, "b": b, "dtype": dtype, **r.as_dict()})
+    else:
+        from .report import verify_table
+
+        show(verify_table(r, a, b, dtype))
+        if r.layers:
+            say("h_l: the residual stream entering block l (the last row: leaving the last block). The final "
+                "norm's output is not compared per layer (flashnorm moves its gain into the head); the "
+                f"{r.output} compared above is what the model outputs")
+        say("same function" if r.ok else "DIFFERENT: relative error above tolerance")
+    if not r.ok:
+        raise typer.Exit(FAILED)

@@ -1,0 +1,275 @@
+"""Nothing lost, ever: outputs that would destroy data are refused, interrupted and concurrent runs
+leave the previous output or none, bad values are refused before any work, bad checkpoints are
+one line each. Subprocess tests run the real entry point with ``save_pretrained`` made to wait,
+so a signal lands while the output is being written."""
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from normsurgery import checkpoint
+from normsurgery.cli import app
+
+from models import tiny_model
+
+GPT2 = "normsurgery/demo/gpt2-tiny"
+LLAMA = "normsurgery/demo/llama-tiny"
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def run(*args, **kw):
+    return runner.invoke(app, [str(a) for a in args], **kw)
+
+
+def digest(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def one_line_error(r, code=1, match=""):
+    assert r.exit_code == code, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
+    assert match in r.output, r.output
+    assert "Traceback" not in r.output and "internal error" not in r.output
+
+
+def leftovers(out):
+    return [p.name for p in Path(out).parent.iterdir() if p.name.startswith(f".{Path(out).name}.")]
+
+
+# ---- data safety 1-2: --force and outputs around the input ----
+
+def test_force_never_replaces_the_folder_holding_the_input(tmp_path):
+    parent = tmp_path / "work"
+    shutil.copytree(GPT2, parent / "in")
+    (parent / "notes.txt").write_text("mine")
+    before = digest(parent)
+    one_line_error(run("convert", parent / "in", parent, "--pass", "flashnorm", "--force"), match="holds the input")
+    assert digest(parent) == before
+
+
+def test_force_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
+    out = tmp_path / "mine"
+    (out / "sub").mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (out / "model.safetensors").write_bytes(b"")
+    (out / "sub" / "data.csv").write_text("1,2")
+    before = digest(out)
+    one_line_error(run("convert", GPT2, out, "--pass", "flashnorm", "--force"), match="holds folders")
+    assert digest(out) == before
+
+
+def test_output_inside_the_input_is_refused(tmp_path):
+    src = tmp_path / "in"
+    shutil.copytree(GPT2, src)
+    before = digest(src)
+    one_line_error(run("convert", src, src / "out", "--pass", "flashnorm"), match="inside the input")
+    one_line_error(run("prune", src, src / "out", "--layers", "1"), match="inside the input")
+    assert digest(src) == before
+
+
+def test_output_holding_the_current_folder_is_refused(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(GPT2, out)  # a checkpoint, so --force alone would allow it
+    monkeypatch.chdir(out)
+    one_line_error(run("convert", ROOT / GPT2, ".", "--pass", "flashnorm", "--force"), match="current folder")
+    assert (out / "model.safetensors").is_file()
+
+
+# ---- data safety 3 and hardening: signals, SIGKILL, stale folders, concurrent writers ----
+
+SLOW_SAVE = """import os, sys, time, transformers
+from normsurgery.cli import main
+save = transformers.PreTrainedModel.save_pretrained
+def slow(self, folder, *a, **k):
+    save(self, folder, *a, **k)
+    open(os.environ["NS_READY"], "w").close()
+    for _ in range(600):
+        if os.path.exists(os.environ["NS_GO"]):
+            return
+        time.sleep(0.1)
+transformers.PreTrainedModel.save_pretrained = slow
+sys.argv = ["normsurgery", *sys.argv[1:]]
+main()
+"""
+
+
+def slow_convert(tmp_path, out, *extra):
+    """A convert whose save waits (after writing the weights) until ``tmp_path/go`` exists."""
+    env = {**os.environ, "NS_READY": str(tmp_path / "ready"), "NS_GO": str(tmp_path / "go"),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, "convert", GPT2, str(out), "--pass", "flashnorm",
+                             "--no-verify", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.1)
+    return proc
+
+
+def test_sigterm_while_saving_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = slow_convert(tmp_path, out)
+    assert leftovers(out)  # the temporary folder exists while saving
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip() == "error: terminated: nothing was written"
+    assert not out.exists() and not leftovers(out)
+
+
+def test_a_second_writer_fails_clearly_sigkill_keeps_the_previous_output_the_next_run_cleans_up(tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(GPT2, out)  # the previous output
+    before = digest(out)
+    proc = slow_convert(tmp_path, out, "--force")
+    r = run("convert", GPT2, out, "--pass", "flashnorm", "--force")  # while the first one saves
+    one_line_error(r, match=f"another normsurgery run (PID {proc.pid}) is writing")
+    proc.kill()
+    proc.wait(timeout=60)
+    assert digest(out) == before  # the previous one, whole
+    stale = leftovers(out)
+    assert stale == [f".out.tmp-{proc.pid}"]
+    r = run("convert", GPT2, out, "--pass", "flashnorm", "--force", "--no-verify")
+    assert r.exit_code == 0, r.output
+    assert f"removed .out.tmp-{proc.pid}" in r.output
+    assert not leftovers(out) and digest(out) != before
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_killed_between_the_renames_the_previous_output_is_put_back(tmp_path):
+    out = tmp_path / "out"
+    old = tmp_path / f".out.old-{dead_pid()}"
+    shutil.copytree(GPT2, old)
+    before = digest(old)
+    done = checkpoint.check_output(out, force=True)
+    assert done == [f"restored {out} from {old.name}"]
+    assert digest(out) == before and not leftovers(out)
+
+
+def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "normsurgery", "convert", GPT2, str(tmp_path / "out"), "--pass",
+                             "flashnorm"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)  # importing torch, inside the command
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == "error: interrupted: nothing was written"
+
+
+# ---- data safety 4: bad values refused before any work ----
+
+@pytest.mark.parametrize("args, match", [
+    (("verify", GPT2, GPT2, "--samples", "0"), "--samples"),
+    (("verify", GPT2, GPT2, "--generate", "-1"), "--generate"),
+    (("verify", GPT2, GPT2, "--tol", "-1"), "--tol"),
+    (("verify", GPT2, GPT2, "--dtype", "float33"), "float32"),
+    (("convert", GPT2, "OUT", "--pass", "flashnorm", "--max-shard-size", "lots"), "not a size"),
+    (("prune", GPT2, "OUT", "--fraction", "1.5"), "--fraction"),
+    (("prune", GPT2, "OUT", "--layers", "0"), "--layers"),
+    (("heal", GPT2, "OUT", "--text", "x.txt", "--eval-fraction", "0"), "--eval-fraction"),
+])
+def test_bad_values_are_usage_errors_before_any_work(tmp_path, args, match):
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    t0 = time.perf_counter()
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    assert "Invalid value" in r.output and match in r.output and "internal error" not in r.output
+    assert time.perf_counter() - t0 < 2  # nothing loaded
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content, match", [(b"", "empty"), (b"\x00\x01\x02binary\xff\xfe" * 50, "not a text file")])
+def test_binary_or_empty_text_is_refused(tmp_path, content, match):
+    f = tmp_path / "text.txt"
+    f.write_bytes(content)
+    one_line_error(run("verify", GPT2, GPT2, "--text", f), match=match)
+    one_line_error(run("convert", GPT2, tmp_path / "out", "--pass", "flashnorm", "--text", f), match=match)
+
+
+# ---- data safety 5: defaults fit the model ----
+
+def test_default_window_fits_a_model_with_few_positions(tmp_path):
+    src = tmp_path / "short"
+    torch.manual_seed(0)
+    T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=1024, n_positions=64)).save_pretrained(src)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(GPT2) / f, src)
+    r = run("prune", src, tmp_path / "out", "--layers", "1", "--json")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    one_line_error(run("prune", src, tmp_path / "out2", "--layers", "1", "--seq-len", "128"),
+                   match="--seq-len 128 is longer than the model's 64 positions")
+
+
+# ---- hardening: bad checkpoints, one line each, input untouched, nothing written ----
+
+def broken(tmp_path, how):
+    src = tmp_path / "src"
+    shutil.copytree(GPT2, src)
+    if how == "missing shard":
+        (src / "model.safetensors.index.json").write_text(
+            '{"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}')
+    elif how in ("nan", "inf"):
+        w = load_file(src / "model.safetensors")
+        w["transformer.h.0.mlp.c_fc.weight"][0, 0] = float(how)
+        save_file(w, src / "model.safetensors", metadata={"format": "pt"})
+    elif how == "pickle":
+        torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
+        (src / "model.safetensors").unlink()
+    return src
+
+
+@pytest.mark.parametrize("how, match", [("missing shard", "missing shards"), ("nan", "NaN or Inf"),
+                                        ("inf", "NaN or Inf"), ("pickle", "--allow-pickle")])
+def test_bad_checkpoints_are_one_line(tmp_path, how, match):
+    src = broken(tmp_path, how)
+    before = digest(src)
+    out = tmp_path / "out"
+    one_line_error(run("convert", src, out, "--pass", "flashnorm"), match=match)
+    assert digest(src) == before and not out.exists() and not leftovers(out)
+
+
+def test_pickle_loads_when_allowed(tmp_path):
+    src = broken(tmp_path, "pickle")
+    r = run("convert", src, tmp_path / "out", "--pass", "flashnorm", "--allow-pickle", "--no-verify")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    one_line_error(run("inspect", src), match="--allow-pickle")  # for that command only
+
+
+def test_verify_refuses_models_that_cannot_be_compared(tmp_path):
+    small = tmp_path / "small"
+    tiny_model("gpt2").float().save_pretrained(small)
+    one_line_error(run("verify", GPT2, small), match="vocabulary of 1024 tokens")
+    one_line_error(run("verify", GPT2, LLAMA), match="a gpt2 model and")
+
+
+def test_unwritable_output_location(tmp_path):
+    out = Path("/sys/normsurgery-test/out")  # refused even to root
+    one_line_error(run("convert", GPT2, out, "--pass", "flashnorm"), match="cannot write")
+
+
+def test_hub_id_not_in_the_cache_says_how_to_pass_a_path(tmp_path):
+    one_line_error(run("convert", "no-such-org/no-such-model", tmp_path / "out", "--pass", "flashnorm"),
+                   match="never downloads")
