@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -64,12 +65,14 @@ def weight_files(path: Path) -> list[Path]:
         raise SurgeryError(f"{path} holds no weights (no *.safetensors or pytorch_model*.bin)")
     for f in files:
         if f.suffix == ".safetensors":
-            _check_safetensors(f)
+            safetensors_header(f)
     return files
 
 
-def _check_safetensors(f: Path) -> None:
-    """Parse the header and check the data it describes is all there (a truncated file fails)."""
+def safetensors_header(f: Path) -> tuple[dict, int]:
+    """Parse the header and check the data it describes is all there (a truncated file fails).
+
+    Returns (header, offset of the data: where ``data_offsets`` count from)."""
     size = f.stat().st_size
     try:
         with open(f, "rb") as fh:
@@ -82,6 +85,7 @@ def _check_safetensors(f: Path) -> None:
             raise ValueError(f"truncated: {size} bytes, header describes {8 + n + end}")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise SurgeryError(f"{f} is not a valid safetensors file ({e})") from None
+    return header, 8 + n
 
 
 def storage_dtype(path: Path) -> torch.dtype:
@@ -193,8 +197,17 @@ def save(model, out, *, source=None, force: bool = False, record: dict | None = 
     Copies tokenizer, generation config and other non-weight files from ``source``; stores
     ``record`` (what was done) under ``config.normsurgery``. Returns what was written.
     """
-    out = Path(out).expanduser()
-    check_output(out, force, source)
+    with staged(out, force, source) as tmp:
+        records = stamp(model, record)
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        finish(tmp, records, source)
+    return written(out, records)
+
+
+def stamp(model, record: dict | None) -> list[dict]:
+    """Write into ``model.config`` what a rewritten checkpoint needs: the module records, the
+    ``auto_map`` naming the runtime when there are any, ``record`` and the stock architecture.
+    Reads only classes and shapes (a model on the meta device will do). Returns the records."""
     records = structure_records(model)
     cfg = model.config
     base = stock_class(cfg)
@@ -206,18 +219,36 @@ def save(model, out, *, source=None, force: bool = False, record: dict | None = 
     _set_or_drop(cfg, "auto_map", auto_map)
     _set_or_drop(cfg, "normsurgery", {**(record or {}), "modules": records} if (record or records) else None)
     cfg.architectures = [base.__name__]
+    return records
+
+
+@contextmanager
+def staged(out, force: bool, source=None):
+    """Yields a temporary sibling folder of ``out`` to write into; on success it replaces
+    ``out`` in one rename, on failure it is removed and ``out`` is untouched."""
+    out = Path(out).expanduser()
+    check_output(out, force, source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        if records:
-            shutil.copyfile(runtime.__file__, tmp / RUNTIME_FILE)
-        if source is not None:
-            _copy_side_files(resolve(source), tmp)
+        yield tmp
         _replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def finish(tmp: Path, records: list[dict], source=None) -> None:
+    """The runtime beside the weights when modules were rebuilt; the source's side files."""
+    if records:
+        shutil.copyfile(runtime.__file__, tmp / RUNTIME_FILE)
+    if source is not None:
+        _copy_side_files(resolve(source), tmp)
+
+
+def written(out, records: list[dict]) -> dict:
+    out = Path(out).expanduser()
     return {"path": str(out), "files": sorted(p.name for p in out.iterdir()),
             "custom_modules": len(records), "plain_transformers": all(r.get("stock_equivalent") for r in records)}
 

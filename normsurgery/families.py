@@ -51,15 +51,18 @@ def check_supported(model_type: str) -> None:
     family(model_type)
 
 
-def layout(model) -> Layout:
-    """The layout of ``model``, read afresh (passes change modules, so never cache it)."""
+def layout(model, scope: tuple[str, ...] = ()) -> Layout:
+    """The layout of ``model``, read afresh (passes change modules, so never cache it); with
+    ``scope``, restricted to those modules (``Layout.restrict``). Reads only classes, shapes
+    and attributes, so it works on a model whose parameters are on the meta device."""
     fam = family(model.config.model_type)
-    lay = fam.adapter(model)
+    lay = fam.adapter(model).restrict(scope)
     sites = []
     for s in lay.norms:
         mod = model.get_submodule(s.path)
         kind, offset = norms.kind_of(mod)
         sites.append(dataclasses.replace(s, kind=kind, offset=offset, eps=norms.eps_of(mod)))
+    # read inside the scope: elsewhere a part rewritten earlier may have another width
     width = algebra.out_width(model.get_submodule((lay.writers or lay.embeddings)[0]))
     objective = fam.objective if isinstance(model, getattr(transformers, fam.lm_class)) else "none"
     return dataclasses.replace(lay, norms=tuple(sites), stream_width=width, objective=objective)

@@ -1,0 +1,496 @@
+"""Checkpoints larger than memory: the same passes and checks, one part of the model at a time.
+
+The model is built on the meta device from its config (no memory for weights) and its Layout
+read from that (classes and shapes only). The model is cut into parts, each holding norms: every
+block, the embeddings joined to the first block, the final norm and head to the last (a head tied
+to the embedding joins all four into one part). Rewriting a part: read its tensors from the input
+shards, cast them to the working dtype, run each registered ``blockwise`` pass's ``applies`` and
+``apply`` on the Layout restricted to the part (``Layout.restrict``), cast back to the storage
+dtype, append the tensors to the output shard, free the part (back to meta). The arithmetic is
+that of the in-memory path, tensor for tensor, so the outputs are bit-identical; memory is about
+one part (the embeddings or head with a block) plus one tensor being read or written.
+
+Checks carry the probe tokens through a model one part at a time: a forward pass over the meta
+model whose hooks load each part before its first module runs and free it after its last (the
+reference read from the input; the rewritten model converted as it runs), so both logits are the
+whole models', compared as in memory. Greedy generation is not compared (each new token would
+read the whole checkpoint again), nor is the cast to the storage dtype.
+
+Input: safetensors headers are parsed once; a tensor is read with one plain read into its own
+buffer, one file open at a time (a memory map would count every page it touched as the process's
+memory until closed). Output: each shard file reserves room for its header and the tensors follow
+as they come; when the shard is full its header is written into that room (padded with spaces,
+as the format allows), then the next shard starts; the index is written at the end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import __version__, checkpoint, registry
+from .errors import SurgeryError
+from .families import layout
+from .layout import Layout
+from .norms import faithful_norms
+from .progress import Progress, no_progress
+from .registry import PassContext
+from .verify import TOLERANCE, Comparison, compare_logits, probe_ids
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+def _inside(path: str, scope: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in scope)
+
+
+# ---------------------------------------------------------------------------------------------
+# shards in and out
+
+
+class Shards:
+    """The tensors of a safetensors checkpoint, read one at a time (see the module docstring)."""
+
+    def __init__(self, path: Path):
+        self.where: dict[str, tuple[Path, int, int, torch.dtype, list[int]]] = {}
+        for f in checkpoint.weight_files(path):
+            if f.suffix != ".safetensors":
+                raise SurgeryError(f"{f.name}: streaming reads safetensors checkpoints only")
+            header, start = checkpoint.safetensors_header(f)
+            for key, v in header.items():
+                if key == "__metadata__":
+                    continue
+                if v["dtype"] not in DTYPES:
+                    raise SurgeryError(f"{f.name}: tensor {key} has dtype {v['dtype']}, which streaming cannot read")
+                a, b = v["data_offsets"]
+                self.where[key] = (f, start + a, b - a, DTYPES[v["dtype"]], v["shape"])
+        self._file, self._fh = None, None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    @property
+    def numel(self) -> int:
+        return sum(torch.Size(shape).numel() for *_, shape in self.where.values())
+
+    def get(self, key: str) -> torch.Tensor:
+        f, offset, size, dtype, shape = self.where[key]
+        if self._file != f:
+            self.close()
+            self._file, self._fh = f, open(f, "rb", buffering=0)
+        buf = torch.empty(size, dtype=torch.uint8)
+        self._fh.seek(offset)
+        view, done = memoryview(buf.numpy()), 0
+        while done < size:
+            n = self._fh.readinto(view[done:])
+            if not n:
+                raise SurgeryError(f"{f.name} ended inside tensor {key}")
+            done += n
+        return buf.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        self._file, self._fh = None, None
+
+
+class ShardWriter:
+    """Safetensors shards of at most ``max_bytes`` (a larger tensor gets one of its own), written
+    as the tensors come; ``close`` names them as transformers does and writes the index."""
+
+    def __init__(self, folder: Path, max_bytes: int, header_room: int):
+        self.folder, self.max, self.room = Path(folder), max_bytes, -(-header_room // 8) * 8
+        self.done: list[tuple[Path, list[str]]] = []
+        self.fh, self.header, self.used = None, {}, 0
+        self.total, self.params = 0, 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().contiguous().reshape(-1)
+        size = t.numel() * t.element_size()
+        if self.fh is not None and self.used and self.used + size > self.max:
+            self._finish_shard()
+        if self.fh is None:
+            path = self.folder / f".shard-{len(self.done)}"
+            self.fh, self.header, self.used = open(path, "wb"), {}, 0
+            self.fh.seek(8 + self.room)
+        self.fh.write(memoryview(t.view(torch.uint8).numpy()))
+        self.header[name] = {"dtype": CODES[t.dtype], "shape": list(tensor.shape),
+                             "data_offsets": [self.used, self.used + size]}
+        self.used += size
+        self.total += size
+        self.params += t.numel()
+
+    def _finish_shard(self) -> None:
+        head = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+        if len(head) > self.room:
+            raise RuntimeError(f"shard header of {len(head)} bytes overflows the {self.room} reserved")
+        self.fh.seek(0)
+        self.fh.write(struct.pack("<Q", self.room) + head + b" " * (self.room - len(head)))
+        self.fh.close()
+        self.done.append((Path(self.fh.name), list(self.header)))
+        self.fh = None
+
+    def close(self) -> list[str]:
+        """Finish the last shard, name the shards, write the index; returns the file names."""
+        if self.fh is not None:
+            self._finish_shard()
+        n = len(self.done)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for (path, _), name in zip(self.done, names):
+            path.rename(self.folder / name)
+        if n > 1:
+            weight_map = {k: name for (_, keys), name in zip(self.done, names) for k in keys}
+            index = {"metadata": {"total_parameters": self.params, "total_size": self.total},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+# ---------------------------------------------------------------------------------------------
+# the model on the meta device, its parts, loading and freeing them
+
+
+def meta_model(path: Path, dtype: torch.dtype):
+    """The checkpoint's model (rebuilt modules included) with its parameters on the meta device;
+    buffers (rotary frequencies) are real. Eval mode."""
+    from accelerate import init_empty_weights
+
+    cfg = checkpoint.load_config(path)
+    with init_empty_weights():
+        model = checkpoint.model_class(cfg)._from_config(cfg, dtype=dtype)
+    model.tie_weights()  # as from_pretrained does: a tied head is the embedding's parameter
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class Part:
+    """Module paths rewritten together, and the stages of a forward pass they take part in
+    (-1: before the blocks, i: block i, L: after the blocks)."""
+
+    scope: tuple[str, ...]
+    stages: tuple[int, ...]
+
+
+def plan(model, lay: Layout) -> list[Part]:
+    """The parts: each block; the embeddings (every parameter outside the blocks but those of the
+    final norm, its readers and the head) with the first block; the final norm, its readers and
+    the head with the last; all in one part when the two ends share a parameter (a tied head)."""
+    n = len(model.get_submodule(lay.layers_path))
+    blocks = [f"{lay.layers_path}.{i}" for i in range(n)]
+    back = tuple(dict.fromkeys(((lay.final_norm.path, *lay.final_norm.readers) if lay.final_norm else ())
+                               + ((lay.head,) if lay.head else ())))
+    front, ends = [], defaultdict(set)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        mod = name.rpartition(".")[0]
+        if _inside(name, (lay.layers_path,)):
+            continue
+        ends[id(p)].add(_inside(mod, back))
+        if not _inside(mod, back) and mod not in front:
+            front.append(mod)
+    first = Part((*front, blocks[0]), (-1, 0))
+    last = Part((blocks[-1], *back), (n - 1, n))
+    if n == 1 or any(len(e) > 1 for e in ends.values()):
+        return [Part(tuple(dict.fromkeys(first.scope + last.scope)), (-1, 0, n - 1, n)),
+                *[Part((b,), (i,)) for i, b in enumerate(blocks)][1:-1]]
+    return [first, *[Part((b,), (i,)) for i, b in enumerate(blocks)][1:-1], last]
+
+
+class Loader:
+    """Puts a part's parameters on the model from the shards (cast to ``dtype``) and frees them."""
+
+    def __init__(self, model, shards: Shards, dtype: torch.dtype):
+        from transformers.core_model_loading import revert_weight_conversion
+
+        self.model, self.shards, self.dtype = model, shards, dtype
+        prefix = getattr(model, "base_model_prefix", "")
+        self.keys = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            saved = next(iter(revert_weight_conversion(model, {name: p})))
+            for key in (saved, name, saved.removeprefix(prefix + "."), f"{prefix}.{saved}"):
+                if key in shards:
+                    self.keys[name] = key
+                    break
+
+    def _uses(self, scope):
+        """Distinct parameters inside ``scope``: (parameter, [(module, attribute, full name)])."""
+        uses = {}
+        for path, mod in self.model.named_modules(remove_duplicate=False):
+            for attr, p in mod._parameters.items():
+                if p is not None:
+                    uses.setdefault(id(p), (p, []))[1].append((mod, attr, f"{path}.{attr}" if path else attr))
+        return [(p, u) for p, u in uses.values() if any(_inside(full, scope) for *_, full in u)]
+
+    def load(self, scope: tuple[str, ...]) -> None:
+        for p, uses in self._uses(scope):
+            if p.device.type != "meta":
+                continue
+            names = [full for *_, full in uses]
+            key = next((self.keys[n] for n in names if n in self.keys), None)
+            if key is None:
+                raise SurgeryError(f"{names[0]} is missing from the checkpoint")
+            t = self.shards.get(key)
+            if tuple(t.shape) != tuple(p.shape):
+                raise SurgeryError(f"{key} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(p.shape)}")
+            new = nn.Parameter(t.to(self.dtype) if t.is_floating_point() else t, requires_grad=False)
+            for mod, attr, _ in uses:
+                mod._parameters[attr] = new
+
+    def free(self, scope: tuple[str, ...]) -> None:
+        for p, uses in self._uses(scope):
+            meta = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+            for mod, attr, _ in uses:
+                mod._parameters[attr] = meta
+        _trim()
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system (glibc keeps it otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def tensors(model, scope: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The part's entries of the state dict under the names ``save_pretrained`` writes."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    sd = {k: v for k, v in model.state_dict().items() if _inside(k, scope)}
+    for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        sd.pop(k, None)
+    return revert_weight_conversion(model, remove_tied_weights_from_state_dict(sd, model))
+
+
+@contextmanager
+def part_by_part(model, parts: list[Part], enter: Callable[[Part], None], leave: Callable[[Part], None]):
+    """Hooks that, during a forward pass, ``enter`` each part before its first stage runs and
+    ``leave`` it after its last."""
+    lay = layout(model)
+    blocks = model.get_submodule(lay.layers_path)
+    n = len(blocks)
+    starts = {min(p.stages): p for p in parts}
+    ends = {max(p.stages): p for p in parts}
+
+    def start(stage):
+        if stage in starts:
+            enter(starts[stage])
+
+    def end(stage):
+        if stage in ends:
+            leave(ends[stage])
+
+    def before_block(i):
+        def hook(module, args):
+            if i == 0:
+                end(-1)
+            start(i)
+        return hook
+
+    def after_block(i):
+        def hook(module, args, output):
+            end(i)
+            if i == n - 1:
+                start(n)
+        return hook
+
+    handles = [model.register_forward_pre_hook(lambda m, a: start(-1)),
+               model.register_forward_hook(lambda m, a, o: end(n))]
+    for i, b in enumerate(blocks):
+        handles += [b.register_forward_pre_hook(before_block(i)), b.register_forward_hook(after_block(i))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def logits(model, parts: list[Part], ids: torch.Tensor, enter, leave) -> torch.Tensor:
+    """The model's logits on ``ids`` with its parts entered and left as the forward goes."""
+    kwargs = {"use_cache": False} if layout(model).objective == "causal-lm" else {}
+    with part_by_part(model, parts, enter, leave):
+        out = model(input_ids=ids, **kwargs).logits
+    return out if out.dtype in (torch.float32, torch.float64) else out.float()
+
+
+def read_logits(path: Path, dtype: torch.dtype, ids: torch.Tensor, model=None) -> torch.Tensor:
+    """Logits of the checkpoint at ``path`` in ``dtype`` (``model``: its meta model, when built
+    already), one part in memory at a time."""
+    model = meta_model(path, dtype) if model is None else model
+    if dtype == torch.float64:
+        faithful_norms(model)
+    shards = Shards(path)
+    loader = Loader(model, shards, dtype)
+    try:
+        return logits(model, plan(model, layout(model)), ids, lambda p: loader.load(p.scope),
+                      lambda p: loader.free(p.scope))
+    finally:
+        shards.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# when to stream
+
+
+def available_memory() -> int:
+    """Bytes this process may still take: MemAvailable, or less under a cgroup limit."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail or 1 << 62, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail if avail is not None else 1 << 62
+
+
+def too_big(paths: list[Path], dtype: torch.dtype, copies: float) -> str | None:
+    """Why the checkpoints must be streamed (None when ``copies`` of their parameters in ``dtype``
+    fit in the available memory, with a margin of 1 GiB)."""
+    params = sum(Shards(p).numel for p in paths)
+    need = params * torch.finfo(dtype).bits // 8 * copies + 2**30
+    avail = available_memory()
+    if need <= avail:
+        return None
+    return (f"in memory this needs about {need / 2**30:.1f} GiB ({params / 1e9:.2f}B parameters in "
+            f"{str(dtype).removeprefix('torch.')}), {avail / 2**30:.1f} GiB are available")
+
+
+# ---------------------------------------------------------------------------------------------
+# convert and verify
+
+
+def check_blockwise(passes: list[tuple[str, dict]]) -> list[tuple[registry.Pass, dict]]:
+    out = []
+    for name, options in passes:
+        p = registry.get(name)
+        if not p.blockwise:
+            raise SurgeryError(f"pass {name} cannot run one block at a time (it needs facts about the whole "
+                               "model, such as which channels any writer writes): convert in memory")
+        out.append((p, registry.check_options(p, options)))
+    return out
+
+
+def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: torch.dtype, dtype: torch.dtype,
+            force: bool = False, verify: bool = True, text: str | None = None, tolerance: float | None = None,
+            max_shard_size: str | int = "5GB", progress: Progress = no_progress, reason: str = ""):
+    """``convert.convert`` one part at a time (called by it: ``path`` resolved, ``out`` checked)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from .convert import Result, _length
+
+    todo = check_blockwise(passes)
+    shards = Shards(path)
+    model = meta_model(path, dtype)
+    restore = faithful_norms(model) if dtype == torch.float64 else None
+    parts = plan(model, layout(model))
+    loader = Loader(model, shards, dtype)
+    tokenizer = checkpoint.load_tokenizer(path)
+    context = PassContext(tokenizer=tokenizer, text=text)
+    reports = defaultdict(list)
+    names = list(model.state_dict())
+    result = Result([], str(dtype).removeprefix("torch."), str(storage).removeprefix("torch."), source=str(src))
+    result.streaming = reason
+    done = [0]
+
+    def rewrite(part: Part) -> None:
+        progress("rewrite", done[0], len(parts))
+        loader.load(part.scope)
+        for p, opts in todo:
+            lay = layout(model, part.scope)
+            why = p.applies(model, lay)
+            if why:
+                raise SurgeryError(f"pass {p.name} does not apply to this {model.config.model_type} model: {why}")
+            context.options = opts
+            reports[p.name].append(p.apply(model, lay, context))
+
+    def write(part: Part) -> None:
+        for name, t in tensors(model, part.scope).items():
+            writer.add(name, t.to(storage) if t.is_floating_point() else t)
+        loader.free(part.scope)
+        done[0] += 1
+        progress("rewrite", done[0], len(parts))
+
+    try:
+        with checkpoint.staged(out, force, path) as tmp:
+            writer = ShardWriter(tmp, convert_file_size_to_int(max_shard_size),
+                                 sum(2 * (len(n) + 160) for n in names) + 256)
+            if verify:
+                ids = probe_ids(model, tokenizer, text, 4, _length(model))
+                progress("reference", 0, 1)
+                reference = read_logits(path, dtype, ids)
+                progress("reference", 1, 1)
+                after = logits(model, parts, ids, rewrite, write)
+                result.parity = compare_logits(reference, after)
+                result.parity.tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
+            else:
+                for part in parts:
+                    rewrite(part)
+                    write(part)
+            files = writer.close()
+            result.steps = [_step(p.name, p.kind, opts, reports[p.name], len(parts)) for p, opts in todo]
+            if len(result.steps) == 1 and result.parity is not None:
+                result.steps[0].parity = result.parity
+            if verify and not result.ok and not force:
+                raise SurgeryError(f"the passes broke parity: relative error {result.parity.relative:.2e} > "
+                                   f"{result.parity.tolerance:.0e}; nothing was saved (--force saves anyway)")
+            if restore:
+                restore()
+            record = {"version": __version__, "source": str(src), "streaming": True, "passes": [
+                {"name": s.name, "options": s.options, "notes": s.notes,
+                 "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
+            records = checkpoint.stamp(model, record)
+            model.config.dtype = storage
+            model.config.save_pretrained(tmp)
+            if model.can_generate():
+                model.generation_config.save_pretrained(tmp)
+            checkpoint.finish(tmp, records, path)
+        result.saved = {**checkpoint.written(out, records), "shards": len(files)}
+    finally:
+        shards.close()
+    return result
+
+
+def _step(name: str, kind: str, options: dict, reports: list, parts: int):
+    """One step from the reports of every part: distinct notes, integer metrics summed."""
+    from .convert import Step
+
+    notes = list(dict.fromkeys(n for r in reports for n in r.notes))
+    metrics = {}
+    for r in reports:
+        for k, v in r.metrics.items():
+            metrics[k] = metrics.get(k, 0) + v if isinstance(v, int) and not isinstance(v, bool) else v
+    return Step(name, kind, options, [f"rewritten in {parts} parts, one at a time (notes per part)"] + notes, metrics)
+
+
+def verify(a: Path, b: Path, *, text: str | None = None, dtype: torch.dtype = torch.float32,
+           tolerance: float | None = None, n: int = 4, length: int = 64) -> Comparison:
+    """``verify.verify`` on checkpoints one part at a time (no greedy generation, no per-layer)."""
+    ma = meta_model(a, dtype)
+    c = ma.config
+    length = min(length, getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", length))
+    ids = probe_ids(ma, checkpoint.load_tokenizer(a), text, n, length)
+    result = compare_logits(read_logits(a, dtype, ids, ma), read_logits(b, dtype, ids))
+    result.tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
+    return result
