@@ -29,6 +29,7 @@ import ctypes
 import json
 import os
 import struct
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -209,20 +210,28 @@ def plan(model, lay: Layout) -> list[Part]:
 
 
 class Loader:
-    """Puts a part's parameters on the model from the shards (cast to ``dtype``) and frees them."""
+    """Puts a part's parameters on the model from the shards (cast to ``dtype``) and frees them.
+
+    Each parameter's tensor in the shards is found once, by the names the model had then, and
+    follows the parameter object (through loading and freeing), so modules may be moved or
+    renumbered afterwards (``prune_model``) and still read the right tensors."""
 
     def __init__(self, model, shards: Shards, dtype: torch.dtype):
         from transformers.core_model_loading import revert_weight_conversion
 
         self.model, self.shards, self.dtype = model, shards, dtype
         prefix = getattr(model, "base_model_prefix", "")
-        self.keys = {}
+        self.keys: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (the parameter, key)
         for name, p in model.named_parameters(remove_duplicate=False):
             saved = next(iter(revert_weight_conversion(model, {name: p})))
             for key in (saved, name, saved.removeprefix(prefix + "."), f"{prefix}.{saved}"):
                 if key in shards:
-                    self.keys[name] = key
+                    self.keys[id(p)] = (weakref.ref(p), key)
                     break
+
+    def key(self, p) -> str | None:
+        entry = self.keys.get(id(p))
+        return entry[1] if entry is not None and entry[0]() is p else None
 
     def _uses(self, scope):
         """Distinct parameters inside ``scope``: (parameter, [(module, attribute, full name)])."""
@@ -233,26 +242,29 @@ class Loader:
                     uses.setdefault(id(p), (p, []))[1].append((mod, attr, f"{path}.{attr}" if path else attr))
         return [(p, u) for p, u in uses.values() if any(_inside(full, scope) for *_, full in u)]
 
+    def _replace(self, old, new, uses) -> None:
+        key = self.key(old)
+        self.keys.pop(id(old), None)
+        if key is not None:
+            self.keys[id(new)] = (weakref.ref(new), key)
+        for mod, attr, _ in uses:
+            mod._parameters[attr] = new
+
     def load(self, scope: tuple[str, ...]) -> None:
         for p, uses in self._uses(scope):
             if p.device.type != "meta":
                 continue
-            names = [full for *_, full in uses]
-            key = next((self.keys[n] for n in names if n in self.keys), None)
+            key = self.key(p)
             if key is None:
-                raise SurgeryError(f"{names[0]} is missing from the checkpoint")
+                raise SurgeryError(f"{uses[0][2]} is missing from the checkpoint")
             t = self.shards.get(key)
             if tuple(t.shape) != tuple(p.shape):
                 raise SurgeryError(f"{key} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(p.shape)}")
-            new = nn.Parameter(t.to(self.dtype) if t.is_floating_point() else t, requires_grad=False)
-            for mod, attr, _ in uses:
-                mod._parameters[attr] = new
+            self._replace(p, nn.Parameter(t.to(self.dtype) if t.is_floating_point() else t, requires_grad=False), uses)
 
     def free(self, scope: tuple[str, ...]) -> None:
         for p, uses in self._uses(scope):
-            meta = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-            for mod, attr, _ in uses:
-                mod._parameters[attr] = meta
+            self._replace(p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False), uses)
         _trim()
 
 

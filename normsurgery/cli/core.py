@@ -18,6 +18,8 @@ from ..analysis import dead_units
 from ..verify import verify as verify_api
 from .app import command, console, emit_json, fmt, progress_bar
 
+STREAMING_HELP = ("read and rewrite one block at a time (default: only when the model does not fit "
+                  "in memory); --in-memory loads it whole")
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
 
@@ -47,6 +49,7 @@ def convert(
     text: Optional[Path] = typer.Option(None, help="text for the checks (default: bundled Shakespeare)"),
     tol: Optional[float] = typer.Option(None, help="relative logit tolerance for exact passes"),
     max_shard_size: str = typer.Option("5GB", help="largest safetensors shard"),
+    streaming: Optional[bool] = typer.Option(None, "--streaming/--in-memory", help=STREAMING_HELP),
     json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ):
     """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
@@ -58,7 +61,7 @@ def convert(
     with progress_bar(not json) as progress:
         result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
                                      work_dtype=parse_dtype(work_dtype), text=read_text(text), tolerance=tol,
-                                     max_shard_size=max_shard_size, progress=progress)
+                                     max_shard_size=max_shard_size, progress=progress, streaming=streaming)
     if json:
         emit_json(result.as_dict())
         return
@@ -81,6 +84,8 @@ def convert(
         console.print(f"cast to {result.storage_dtype}: relative error {fmt(result.cast.relative)} "
                       f"(the input itself in {result.storage_dtype}: {fmt(result.cast_baseline.relative)})",
                       highlight=False)
+    if result.streaming:
+        console.print(f"rewritten one block at a time: {result.streaming}", highlight=False)
     saved = result.saved
     how = "plain transformers" if saved["plain_transformers"] else "trust_remote_code=True or normsurgery.load"
     console.print(f"saved {saved['path']} ({len(saved['files'])} files); loads with {how}", highlight=False)
@@ -97,11 +102,12 @@ def verify(
     seq_len: int = typer.Option(64, help="tokens per window"),
     generate: int = typer.Option(16, help="greedy tokens to compare (0: skip)"),
     layers: bool = typer.Option(False, "--layers", help="also compare every hidden state"),
+    streaming: Optional[bool] = typer.Option(None, "--streaming/--in-memory", help=STREAMING_HELP),
     json: bool = typer.Option(False, "--json"),
 ):
     """Compare two checkpoints' logits; exit 1 when they differ beyond the tolerance."""
     r = verify_api(a, b, text=read_text(text), dtype=parse_dtype(dtype), tolerance=tol, n=samples,
-                   length=seq_len, generate=generate, per_layer=layers)
+                   length=seq_len, generate=generate, per_layer=layers, streaming=streaming)
     if json:
         emit_json({"a": a, "b": b, "dtype": dtype, **r.as_dict()})
     else:
@@ -115,6 +121,9 @@ def verify(
         for k, v in rows:
             table.add_row(k, fmt(v))
         console.print(table)
+        if r.streaming:
+            console.print(f"read one block at a time (no generation, no per-layer figures): {r.streaming}",
+                          highlight=False)
         console.print("[green]same function[/green]" if r.ok else "[red]DIFFERENT[/red]: relative error above tolerance")
     if not r.ok:
         raise typer.Exit(1)
