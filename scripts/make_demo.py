@@ -46,6 +46,8 @@ from transformers import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from normsurgery import calibration  # noqa: E402
 SPECIAL = "<|endoftext|>"
 VOCAB = 1024
 SEQ = 128
@@ -93,13 +95,6 @@ def train_tokenizer(train_text: str) -> PreTrainedTokenizerFast:
 def encode(tok: PreTrainedTokenizerFast, text: str) -> torch.Tensor:
     ids = tok(text, add_special_tokens=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
-
-
-def fixed_windows(ids: torch.Tensor, n: int, seq: int = SEQ) -> torch.Tensor:
-    """n evenly spaced (non-random) windows of seq+1 tokens."""
-    span = len(ids) - (seq + 1)
-    starts = torch.linspace(0, span, n).long()
-    return torch.stack([ids[s : s + seq + 1] for s in starts.tolist()])
 
 
 # --------------------------------------------------------------------------- models
@@ -317,7 +312,7 @@ def main(argv=None) -> int:
     assert tok.decode(encode(tok, sample).tolist()) == sample
     print(f"tokenizer: vocab {len(tok)}, eot id {eot}, train {len(train_ids):,} tokens, "
           f"held-out {len(held_ids):,} tokens ({time.perf_counter() - t0:.1f}s)", flush=True)
-    windows = fixed_windows(held_ids, args.eval_windows)
+    windows = calibration.windows(held_ids, SEQ + 1, args.eval_windows)  # evenly spaced, seq+1 tokens
 
     builders = {"gpt2-tiny": make_gpt2, "llama-tiny": make_llama}
     rows = []

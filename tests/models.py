@@ -1,14 +1,12 @@
-"""Tiny models of every supported family, with weights of realistic scale.
-
-Random init (std 0.02) gives near-Gaussian activations of tiny norm; trained checkpoints have
-outlier channels and gains far from 1. ``realistic`` rescales the weights, gives norms random
-gains and biases and a few residual channels large writes, so a wrong fold shows up.
-"""
+"""Tiny models of every supported family, with weights of realistic scale (``synthetic``)."""
 
 from __future__ import annotations
 
 import torch
 import transformers as T
+
+from normsurgery.synthetic import make_realistic
+from normsurgery.verify import compare_logits, logits
 
 VOCAB = 96
 
@@ -54,22 +52,32 @@ def tiny_model(family: str, dtype=torch.float64, seed: int = 0, realistic: bool 
     return model
 
 
-@torch.no_grad()
-def make_realistic(model, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed + 1)
-    outliers = torch.randperm(model.config.hidden_size, generator=g)[:3]
-    for name, p in model.named_parameters():
-        r = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
-        if p.ndim == 1 and ("norm" in name.lower() or "ln" in name):
-            # gains around 1 with spread (Gemma-style zero-init gains too), biases of size 0.3
-            p.copy_((1.0 if name.endswith("weight") and p.abs().max() > 0.5 else 0.0) + 0.3 * r)
-        elif p.ndim == 1:
-            p.copy_(0.1 * r)
-        else:
-            p.copy_(r * (2.0 / p.shape[-1] ** 0.5))
-            if "emb" in name or "wte" in name or "wpe" in name:
-                p[..., outliers] *= 8.0
-
-
 def token_ids(n: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+_REMOTE_LOGITS = """import sys, torch, transformers as T
+ids = torch.load(sys.argv[1])
+for path in sys.argv[2:]:
+    m = T.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float64).eval()
+    torch.save((type(m.get_output_embeddings()).__name__, m(input_ids=ids).logits), path + '/logits.pt')
+"""
+
+
+def remote_logits(folders, ids, tmp_path) -> dict:
+    """folder -> (head class name, logits) from a clean interpreter that cannot import
+    normsurgery (only torch and transformers, ``trust_remote_code``)."""
+    import subprocess
+    import sys
+
+    torch.save(ids, tmp_path / "ids.pt")
+    r = subprocess.run([sys.executable, "-I", "-c", _REMOTE_LOGITS, str(tmp_path / "ids.pt")] + [str(f) for f in folders],
+                       capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return {f: torch.load(f"{f}/logits.pt") for f in folders}
+
+
+def rel(a, b, ids=None) -> float:
+    """max |logits_a - logits_b| / max |logits_a| on ``ids`` (default: ``token_ids()``)."""
+    ids = token_ids() if ids is None else ids
+    return compare_logits(logits(a, ids), logits(b, ids)).relative

@@ -14,16 +14,11 @@ import transformers as T
 
 import normsurgery as ns
 from normsurgery.runtime import RMSNorm
-from normsurgery.verify import compare_logits, logits
 
-from models import tiny_model, token_ids
+from models import rel, tiny_model, token_ids
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
 LLAMA = "normsurgery/demo/llama-tiny"
-
-
-def rel(a, b, ids):
-    return compare_logits(logits(a, ids), logits(b, ids)).relative
 
 
 def test_gpt2_pre_rmsnorm_loads_with_plain_transformers(tmp_path):

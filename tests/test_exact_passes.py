@@ -8,10 +8,9 @@ import torch
 import normsurgery as ns
 from normsurgery.families import layout
 from normsurgery.norms import faithful_norms
-from normsurgery.verify import compare_logits, logits
 from normsurgery.runtime import RMSNorm
 
-from models import CAUSAL, LAYERNORM, tiny_model, token_ids
+from models import CAUSAL, LAYERNORM, rel, tiny_model, token_ids
 
 DEMOS = ["normsurgery/demo/gpt2-tiny", "normsurgery/demo/llama-tiny"]
 
@@ -25,17 +24,13 @@ def rewritten(model, passes):
     return new, steps
 
 
-def relative_error(a, b, ids):
-    return compare_logits(logits(a, ids), logits(b, ids)).relative
-
-
 @pytest.mark.parametrize("family", LAYERNORM)
 @pytest.mark.parametrize("fold", [False, True])
 def test_pre_rmsnorm_float64(family, fold):
     model = tiny_model(family)
     new, _ = rewritten(model, [("pre-rmsnorm", {"fold": fold})])
     assert all(isinstance(new.get_submodule(s.path), RMSNorm) for s in layout(new).norms)
-    assert relative_error(model, new, token_ids()) <= 1e-10
+    assert rel(model, new, token_ids()) <= 1e-10
 
 
 @pytest.mark.parametrize("family", CAUSAL)
@@ -45,7 +40,7 @@ def test_flashnorm_float64(family):
     lay = layout(new)
     for site in lay.norms:
         assert torch.all(new.get_submodule(site.path).weight + site.offset == 1)
-    assert relative_error(model, new, token_ids()) <= 1e-10
+    assert rel(model, new, token_ids()) <= 1e-10
     if lay.qk_norms:
         assert any("QK-norm" in n for n in steps[0].notes)
 
@@ -54,7 +49,7 @@ def test_flashnorm_float64(family):
 def test_pre_rmsnorm_then_flashnorm(family):
     model = tiny_model(family)
     new, _ = rewritten(model, [("pre-rmsnorm", {}), ("flashnorm", {})])
-    assert relative_error(model, new, token_ids()) <= 1e-10
+    assert rel(model, new, token_ids()) <= 1e-10
 
 
 @pytest.mark.parametrize("family,pass_name", [("gpt2", "pre-rmsnorm"), ("llama", "flashnorm"),
@@ -62,7 +57,7 @@ def test_pre_rmsnorm_then_flashnorm(family):
 def test_float32_within_rounding(family, pass_name):
     model = tiny_model(family, torch.float32)
     new, _ = rewritten(model, [(pass_name, {})])
-    assert relative_error(model, new, token_ids()) <= 1e-5
+    assert rel(model, new, token_ids()) <= 1e-5
 
 
 @pytest.mark.parametrize("path", DEMOS)
@@ -71,7 +66,7 @@ def test_trained_demo_models_float64(path):
     ids = token_ids(2, 32)
     passes = [("pre-rmsnorm", {"fold": True})] if "gpt2" in path else [("flashnorm", {})]
     new, _ = rewritten(model, passes)
-    assert relative_error(model, new, ids) <= 1e-10
+    assert rel(model, new, ids) <= 1e-10
 
 
 def test_tied_embeddings_are_untied_and_reported():
@@ -95,7 +90,7 @@ def test_swap_without_centring_is_not_equivalent():
         rms.load_state_dict(ln.state_dict())
         parent, _, leaf = site.path.rpartition(".")
         setattr(new.get_submodule(parent), leaf, rms)
-    assert relative_error(model, new, token_ids()) > 1e-3
+    assert rel(model, new, token_ids()) > 1e-3
 
 
 def test_gemma_flashnorm_stores_zero_weights():
