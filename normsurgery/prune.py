@@ -101,6 +101,15 @@ def residual_capture(model):
             h.remove()
 
 
+def device_of(model) -> torch.device:
+    """Where the model computes: its first parameter's device, or (a streamed model, whose
+    parameters wait on the meta device until their block runs) its first real buffer's, or CPU."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
 def _forward_kwargs(model) -> dict:
     return {"use_cache": False} if layout(model).objective == "causal-lm" else {}
 
@@ -109,8 +118,8 @@ def _forward_kwargs(model) -> dict:
 def residual_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
     """h_0..h_L for one batch, in the model's dtype."""
     with residual_capture(model) as states:
-        model(input_ids=input_ids.to(model.device),
-              attention_mask=None if attention_mask is None else attention_mask.to(model.device),
+        model(input_ids=input_ids.to(device_of(model)),
+              attention_mask=None if attention_mask is None else attention_mask.to(device_of(model)),
               **_forward_kwargs(model))
     return list(states)
 
@@ -158,7 +167,8 @@ def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             for start in range(0, total, batch_size):
                 ids, m = input_ids[start:start + batch_size], mask[start:start + batch_size]
                 progress("score", start, total)
-                model(input_ids=ids.to(model.device), attention_mask=m.to(model.device), **_forward_kwargs(model))
+                dev = device_of(model)
+                model(input_ids=ids.to(dev), attention_mask=m.to(dev), **_forward_kwargs(model))
                 _accumulate(states, m, ang, cos_adj)
     finally:
         model.train(was_training)

@@ -472,16 +472,23 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
             record = {"version": __version__, "source": str(src), "streaming": True, "passes": [
                 {"name": s.name, "options": s.options, "notes": s.notes,
                  "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
-            records = checkpoint.stamp(model, record)
-            model.config.dtype = storage
-            model.config.save_pretrained(tmp)
-            if model.can_generate():
-                model.generation_config.save_pretrained(tmp)
-            checkpoint.finish(tmp, records, path)
+            records = _finish(model, tmp, storage, record, path)
         result.saved = {**checkpoint.written(out, records), "shards": len(files)}
     finally:
         shards.close()
     return result
+
+
+def _finish(model, tmp: Path, storage: torch.dtype, record: dict, source: Path) -> list[dict]:
+    """What ``save_pretrained`` writes beside the weights, from the meta model; the runtime and
+    the side files (``checkpoint.finish``). Returns the module records."""
+    records = checkpoint.stamp(model, record)
+    model.config.dtype = storage
+    model.config.save_pretrained(tmp)
+    if model.can_generate():
+        model.generation_config.save_pretrained(tmp)
+    checkpoint.finish(tmp, records, source)
+    return records
 
 
 def _step(name: str, kind: str, options: dict, reports: list, parts: int):
@@ -506,3 +513,64 @@ def verify(a: Path, b: Path, *, text: str | None = None, dtype: torch.dtype = to
     result = compare_logits(read_logits(a, dtype, ids, ma), read_logits(b, dtype, ids))
     result.tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# prune
+
+
+def score(path: Path, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+          progress: Progress = no_progress):
+    """``prune.score_layers`` over the checkpoint read one part at a time (all windows in one
+    forward pass, so the checkpoint is read once), in its stored dtype."""
+    from .prune import score_layers
+
+    storage = checkpoint.storage_dtype(path)
+    model = meta_model(path, storage)
+    shards = Shards(path)
+    loader = Loader(model, shards, storage)
+    try:
+        with part_by_part(model, plan(model, layout(model)), lambda p: loader.load(p.scope),
+                          lambda p: loader.free(p.scope)):
+            return score_layers(model, ids, attention_mask, batch_size=len(ids), progress=progress)
+    finally:
+        shards.close()
+
+
+def prune(src, out, layers, *, force: bool = False, record: dict | None = None,
+          max_shard_size: str | int = "5GB", progress: Progress = no_progress) -> dict:
+    """Remove the blocks ``layers`` (``prune.prune_model`` on the meta model: the same checks,
+    renumbering and config), then copy the kept tensors under their new names, part by part,
+    in the stored dtype: nothing is computed, memory stays about one part. ``record`` goes
+    into ``config.normsurgery`` with prune_model's record added under "prune". Returns
+    prune_model's record with ``saved``."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from .prune import prune_model
+
+    path = checkpoint.resolve(src)
+    storage = checkpoint.storage_dtype(path)
+    model = meta_model(path, storage)
+    shards = Shards(path)
+    loader = Loader(model, shards, storage)  # keys found by the names before renumbering
+    names = list(model.state_dict())
+    info = prune_model(model, layers)
+    parts = plan(model, layout(model))
+    try:
+        with checkpoint.staged(out, force, path) as tmp:
+            writer = ShardWriter(tmp, convert_file_size_to_int(max_shard_size),
+                                 sum(2 * (len(n) + 160) for n in names) + 256)
+            for i, part in enumerate(parts):
+                progress("copy", i, len(parts))
+                loader.load(part.scope)
+                for name, t in tensors(model, part.scope).items():
+                    writer.add(name, t)
+                loader.free(part.scope)
+            progress("copy", len(parts), len(parts))
+            writer.close()
+            record = {**(record or {}), "streaming": True}
+            record["prune"] = {**record.get("prune", {}), **info}
+            records = _finish(model, tmp, storage, record, path)
+    finally:
+        shards.close()
+    return {**info, "saved": checkpoint.written(out, records)}

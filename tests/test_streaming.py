@@ -136,3 +136,25 @@ def test_a_missing_tensor_is_an_error(tmp_path):
     save_file(rest, src / f, metadata={"format": "pt"})
     with pytest.raises(ns.SurgeryError, match="up_proj.weight is missing"):
         convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], verify=False, streaming=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_streaming_prune_copies_the_in_memory_result(tmp_path, family):
+    from normsurgery.prune import prune_model, score_layers
+
+    src = checkpoint(tmp_path, family)
+    ids = torch.randint(0, 96, (3, 16), generator=torch.Generator().manual_seed(0))
+    model = ns.load(src)
+    mem_scores = score_layers(model, ids)
+    got_scores = streaming.score(src, ids)
+    assert torch.allclose(got_scores.angular, mem_scores.angular, atol=1e-6)
+    assert torch.allclose(got_scores.influence, mem_scores.influence, atol=1e-6)
+    mem_record = prune_model(model, [1])
+    ns.save(model, tmp_path / "mem", source=src, record={"prune": mem_record})
+    got = streaming.prune(src, tmp_path / "stream", [1], record={"prune": mem_record}, max_shard_size="20KB")
+    assert got["kept"] == mem_record["kept"] == [0, 2]
+    a, b = tensors(tmp_path / "mem"), tensors(tmp_path / "stream")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert T.AutoConfig.from_pretrained(tmp_path / "stream").num_hidden_layers == 2
+    pruned = ns.load(tmp_path / "stream")
+    assert torch.equal(pruned(input_ids=ids).logits, model(input_ids=ids).logits)

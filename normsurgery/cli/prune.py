@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .. import __version__, checkpoint
+from .. import streaming as stream
 from ..calibration import max_length, read_text, split_heldout, tokenize, windows
 from ..errors import SurgeryError
 from ..heal import heal_model, heldout_ce, make_accelerator
@@ -223,6 +224,8 @@ def prune(
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="heal: keep the adapter in OUT/adapter, unmerged"),
     recipe: Optional[Path] = typer.Option(None, help="a TOML recipe with [prune] (and [heal]) tables"),
     force: bool = typer.Option(False, help="replace an existing output"),
+    streaming: bool = typer.Option(False, "--streaming", help="score and copy one block at a time "
+                                   "(models larger than memory; no cross-entropy figures, no --heal)"),
     json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ):
     """Remove the layers that change the residual stream least; optionally heal; save."""
@@ -255,6 +258,9 @@ def prune(
     else:
         held = windows(tokenize(tokenizer, held_text), p["seq_len"], h["eval_samples"]) if held_text else cal
 
+    if streaming:
+        _prune_streaming(src, path, out, n, cal, p["method"], cfg, do_heal, force, plot, json)
+        return
     acc = make_accelerator(h["precision"], h["grad_accum"])  # one process of several, or the only one
     model = checkpoint.load(path).to(acc.device)
     scores = score_layers(model, cal, batch_size=p["batch_size"]) if cal is not None else None
@@ -315,6 +321,30 @@ def prune(
     console.print(f"saved {saved['path']}{tail}; loads with {how}", highlight=False)
     if plot is not None and scores is not None:
         console.print(f"plot: {plot}", highlight=False)
+
+
+def _prune_streaming(src, path, out, n, cal, method, cfg, do_heal, force, plot, json) -> None:
+    """prune --streaming: scores from one pass over the checkpoint, tensors copied part by part."""
+    if do_heal:
+        raise SurgeryError("--heal trains the whole model in memory: prune with --streaming, then heal the result")
+    scores = stream.score(path, cal) if cal is not None else None
+    selection = select_layers(method, n, scores, cfg.num_hidden_layers)
+    meta = {"version": __version__, "source": str(src),
+            "prune": {**selection.as_dict(), "text_tokens": scores.tokens if scores else 0}}
+    record = stream.prune(path, out, selection.layers, force=force, record=meta)
+    saved = record.pop("saved")
+    meta["prune"].update(record)
+    if plot is not None and scores is not None:
+        plot_scores(plot, selection, scores)
+    if json:
+        emit_json({**meta, "streaming": True, "scores": scores.as_dict() if scores else None, "saved": saved})
+        return
+    if scores is not None:
+        console.print(score_table(selection, scores))
+    console.print(f"removed {len(selection.layers)} of {record['layers_before']} layers "
+                  f"({', '.join(map(str, selection.layers))}) by {selection.method}, one block at a time; "
+                  f"{record['layers_after']} remain, renumbered", highlight=False)
+    console.print(f"saved {saved['path']}", highlight=False)
 
 
 @command
