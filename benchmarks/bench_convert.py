@@ -8,7 +8,8 @@ Checkpoints (built once into bench-out/, random weights of realistic scale):
   untied head) in 1 GB shards, pass flashnorm.
 
 Operations, each in a fresh process (time: the operation only, after the imports; peak RSS: the
-process's high-water mark, imports included), all in one run so the ratios share a machine state:
+process's high-water mark, imports included; dirty pages flushed (sync) before each; the best of
+``--best-of`` runs on the GPT-2, one on the Llama), all in one run so the ratios share a machine state:
   copy             copy every shard (read and write the bytes once): the lower bound
   roundtrip        AutoModelForCausalLM.from_pretrained (stored dtype) + save_pretrained
   mem-noverify     normsurgery convert --in-memory --no-verify
@@ -229,22 +230,30 @@ def run_model(name: str, args, log, peers) -> dict:
         spawn(__file__, "build", args.threads, model=name, out=src)
     res = {"params": None, "bytes": folder_bytes(src), "shards": len(list(src.glob("*.safetensors"))),
            "passes": [p for p, _ in spec["passes"]], "ops": {}}
-    for op in OPS:
-        log(f"{name}: {op} ...")
-        out = conv if op == "stream-noverify" else WORK / f"{name}-{op}"
-        try:
-            if op == "peer":
-                if peers[0] is None:
-                    res["ops"][op] = {"error": f"peers not installed: {peers[1]}"}
-                    continue
-                res["ops"][op] = spawn(__file__, "peer", args.threads, python=peers[0], model=name, src=src, out=out)
-                res["parity"] = spawn(__file__, "parity", args.threads, model=name, src=src, ref=conv, out=out)
-            else:
-                res["ops"][op] = spawn(__file__, op, args.threads, model=name, src=src, out=out, ref=conv)
-        except RuntimeError as e:
-            res["ops"][op] = {"error": str(e)}
-        if out != conv and not args.keep:
-            shutil.rmtree(out, ignore_errors=True)
+    runs = args.best_of if name == "gpt2" else 1
+    for r in range(runs):  # the operations alternate, so load from other work hits each alike
+        for op in OPS:
+            log(f"{name}: [{r + 1}/{runs}] {op} ...")
+            out = conv if op == "stream-noverify" else WORK / f"{name}-{op}"
+            os.sync()
+            try:
+                if op == "peer":
+                    if peers[0] is None:
+                        res["ops"][op] = {"error": f"peers not installed: {peers[1]}"}
+                        continue
+                    got = spawn(__file__, "peer", args.threads, python=peers[0], model=name, src=src, out=out)
+                    if "parity" not in res:
+                        res["parity"] = spawn(__file__, "parity", args.threads, model=name, src=src, ref=conv, out=out)
+                else:
+                    got = spawn(__file__, op, args.threads, model=name, src=src, out=out, ref=conv)
+                best = res["ops"].get(op)
+                if best is None or "seconds" not in best or got["seconds"] < best["seconds"]:
+                    best = res["ops"][op] = got  # the fastest run, with its own peak
+                best["runs"] = r + 1
+            except RuntimeError as e:
+                res["ops"][op] = {"error": str(e)}
+            if out != conv and not args.keep:
+                shutil.rmtree(out, ignore_errors=True)
     log(f"{name}: forward ...")
     res["forward"] = spawn(__file__, "forward", args.threads, model=name, src=src, ref=conv, repeats=args.repeats)
     return res
@@ -297,6 +306,8 @@ def print_tables(res: dict) -> None:
         if "parity" in r:
             print("parity (2 x 32 random tokens, float32): relative | centred relative | KL | top-1")
             for k, v in r["parity"].items():
+                if not isinstance(v, dict):
+                    continue
                 print(f"  {k:<18}{v['relative']:>10.1e}{v['centred_relative']:>10.1e}{v['kl']:>10.1e}{v['top1']:>8.3f}")
         f = r["forward"]
         o, c = f["original"], f["converted"]
@@ -314,6 +325,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="timed forward runs per model")
+    p.add_argument("--best-of", type=int, default=2, help="runs of each operation on the GPT-2 (best kept)")
     p.add_argument("--keep", action="store_true", help="keep bench-out/convert (checkpoints of several GB)")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     for k in ("model", "src", "out", "ref"):

@@ -31,11 +31,17 @@ def peak_rss_mb() -> float:
 
 
 def quiet_imports():
-    """torch, transformers and normsurgery, imported before a worker's clock starts."""
+    """torch, transformers, accelerate, normsurgery and the model classes of the benchmarked
+    families, imported before a worker's clock starts (so every operation's time is its own)."""
+    import accelerate  # noqa: F401
     import torch
     import transformers
 
     import normsurgery.convert  # noqa: F401
+    from normsurgery import norms
+
+    norms.kind_of(torch.nn.Identity())  # imports the modeling modules of the RMSNorm families
+    transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM  # noqa: B018
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

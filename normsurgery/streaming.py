@@ -203,10 +203,10 @@ def plan(model, lay: Layout) -> list[Part]:
             front.append(mod)
     first = Part((*front, blocks[0]), (-1, 0))
     last = Part((blocks[-1], *back), (n - 1, n))
+    middle = [Part((b,), (i,)) for i, b in enumerate(blocks)][1:-1]
     if n == 1 or any(len(e) > 1 for e in ends.values()):
-        return [Part(tuple(dict.fromkeys(first.scope + last.scope)), (-1, 0, n - 1, n)),
-                *[Part((b,), (i,)) for i, b in enumerate(blocks)][1:-1]]
-    return [first, *[Part((b,), (i,)) for i, b in enumerate(blocks)][1:-1], last]
+        return [Part(tuple(dict.fromkeys(first.scope + last.scope)), (-1, 0, n - 1, n)), *middle]
+    return [first, *middle, last]
 
 
 class Loader:
@@ -393,13 +393,15 @@ def too_big(paths: list[Path], dtype: torch.dtype, copies: float) -> str | None:
 # convert and verify
 
 
-def check_blockwise(passes: list[tuple[str, dict]]) -> list[tuple[registry.Pass, dict]]:
+def check_blockwise(passes: list[tuple[str, dict]], reason: str) -> list[tuple[registry.Pass, dict]]:
+    """The passes with their options, when every one is blockwise; else why streaming cannot."""
     out = []
     for name, options in passes:
         p = registry.get(name)
         if not p.blockwise:
             raise SurgeryError(f"pass {name} cannot run one block at a time (it needs facts about the whole "
-                               "model, such as which channels any writer writes): convert in memory")
+                               f"model, such as which channels any writer writes), and streaming was chosen: "
+                               f"{reason}; --in-memory loads the whole model")
         out.append((p, registry.check_options(p, options)))
     return out
 
@@ -412,7 +414,7 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
 
     from .convert import Result, _length
 
-    todo = check_blockwise(passes)
+    todo = check_blockwise(passes, reason)
     shards = Shards(path)
     model = meta_model(path, dtype)
     restore = faithful_norms(model) if dtype == torch.float64 else None

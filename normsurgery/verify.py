@@ -63,19 +63,22 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 def compare_logits(ref: torch.Tensor, out: torch.Tensor) -> Comparison:
     """The metrics, computed in float64 one sequence at a time (a batch of vocab-sized float64
-    copies would cost more memory than the model)."""
+    copies would cost more memory than the model). With D = A - B and p = softmax A,
+    KL = sum p D - (logsumexp A - logsumexp B): no log-softmax of either is materialised."""
     if ref.shape != out.shape:
         raise SurgeryError(f"the models' logits differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}")
     max_abs = abs_sum = kl = agree = 0.0
     ref_max = 0.0
     for r, o in zip(ref.reshape(-1, *ref.shape[-2:]), out.reshape(-1, *out.shape[-2:])):
-        r, o = r.double(), o.double()
-        d = (r - o).abs()
-        max_abs, abs_sum = max(max_abs, d.max().item()), abs_sum + d.sum().item()
-        ref_max = max(ref_max, r.abs().max().item())
-        logp, logq = r.log_softmax(-1), o.log_softmax(-1)
-        kl += (logp.exp() * (logp - logq)).sum().item()
         agree += (r.argmax(-1) == o.argmax(-1)).sum().item()
+        ref_max = max(ref_max, r.abs().max().item())
+        r, o = r.to(torch.float64, copy=True), o.to(torch.float64, copy=True)
+        lse_r, lse_o = r.logsumexp(-1), o.logsumexp(-1)
+        p = (r - lse_r[:, None]).exp_()  # softmax A
+        d = r.sub_(o)  # A - B, in r's copy
+        kl += (p.mul_(d).sum(-1) - (lse_r - lse_o)).sum().item()
+        d.abs_()
+        max_abs, abs_sum = max(max_abs, d.max().item()), abs_sum + d.sum().item()
     positions = ref[..., 0].numel()
     return Comparison(max_abs, abs_sum / ref.numel(), max_abs / ref_max, max(kl / positions, 0.0),
                       agree / positions)
