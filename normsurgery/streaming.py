@@ -185,10 +185,12 @@ class Part:
     stages: tuple[int, ...]
 
 
-def plan(model, lay: Layout) -> list[Part]:
+def plan(model, lay: Layout, alone: bool = False) -> list[Part]:
     """The parts: each block; the embeddings (every parameter outside the blocks but those of the
     final norm, its readers and the head) with the first block; the final norm, its readers and
-    the head with the last; all in one part when the two ends share a parameter (a tied head)."""
+    the head with the last; all in one part when the two ends share a parameter (a tied head).
+    ``alone``: the two ends are parts of their own (for reading only: a pass needs every part
+    to hold norms)."""
     n = len(model.get_submodule(lay.layers_path))
     blocks = [f"{lay.layers_path}.{i}" for i in range(n)]
     back = tuple(dict.fromkeys(((lay.final_norm.path, *lay.final_norm.readers) if lay.final_norm else ())
@@ -201,10 +203,15 @@ def plan(model, lay: Layout) -> list[Part]:
         ends[id(p)].add(_inside(mod, back))
         if not _inside(mod, back) and mod not in front:
             front.append(mod)
+    tied = any(len(e) > 1 for e in ends.values())
+    if alone:
+        blocks = [Part((b,), (i,)) for i, b in enumerate(blocks)]
+        ends = [Part((*front, *back), (-1, n))] if tied else [Part(tuple(front), (-1,)), Part(back, (n,))]
+        return ends + blocks
     first = Part((*front, blocks[0]), (-1, 0))
     last = Part((blocks[-1], *back), (n - 1, n))
     middle = [Part((b,), (i,)) for i, b in enumerate(blocks)][1:-1]
-    if n == 1 or any(len(e) > 1 for e in ends.values()):
+    if n == 1 or tied:
         return [Part(tuple(dict.fromkeys(first.scope + last.scope)), (-1, 0, n - 1, n)), *middle]
     return [first, *middle, last]
 
@@ -220,6 +227,7 @@ class Loader:
         from transformers.core_model_loading import revert_weight_conversion
 
         self.model, self.shards, self.dtype = model, shards, dtype
+        _map_large_blocks()
         prefix = getattr(model, "base_model_prefix", "")
         self.keys: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (the parameter, key)
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -268,12 +276,27 @@ class Loader:
         _trim()
 
 
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
 def _trim() -> None:
     """Give freed heap memory back to the system (glibc keeps it otherwise)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _map_large_blocks() -> None:
+    """Ask glibc to serve every allocation of 1 MiB or more by its own mapping (process-wide),
+    so a freed part goes back to the system at once: by default the threshold rises with each
+    large block freed, later tensors come from the heap, and the heap only grows."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
 
 
 def tensors(model, scope: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -348,7 +371,7 @@ def read_logits(path: Path, dtype: torch.dtype, ids: torch.Tensor, model=None) -
     shards = Shards(path)
     loader = Loader(model, shards, dtype)
     try:
-        return logits(model, plan(model, layout(model)), ids, lambda p: loader.load(p.scope),
+        return logits(model, plan(model, layout(model), alone=True), ids, lambda p: loader.load(p.scope),
                       lambda p: loader.free(p.scope))
     finally:
         shards.close()
@@ -532,7 +555,7 @@ def score(path: Path, ids: torch.Tensor, attention_mask: torch.Tensor | None = N
     shards = Shards(path)
     loader = Loader(model, shards, storage)
     try:
-        with part_by_part(model, plan(model, layout(model)), lambda p: loader.load(p.scope),
+        with part_by_part(model, plan(model, layout(model), alone=True), lambda p: loader.load(p.scope),
                           lambda p: loader.free(p.scope)):
             return score_layers(model, ids, attention_mask, batch_size=len(ids), progress=progress)
     finally:
@@ -557,7 +580,7 @@ def prune(src, out, layers, *, force: bool = False, record: dict | None = None,
     loader = Loader(model, shards, storage)  # keys found by the names before renumbering
     names = list(model.state_dict())
     info = prune_model(model, layers)
-    parts = plan(model, layout(model))
+    parts = plan(model, layout(model), alone=True)
     try:
         with checkpoint.staged(out, force, path) as tmp:
             writer = ShardWriter(tmp, convert_file_size_to_int(max_shard_size),
