@@ -1,8 +1,11 @@
 """Model adapters: where each family keeps its embeddings, norms, writers, readers and head.
 
-One function per model shape; each returns the family-specific part of a :class:`Layout`
-(paths and placement). ``families.layout`` adds what is read off the live modules the same way
-for every family (norm kinds, offsets, eps, stream width, objective).
+One function per model shape, called with the model, the prefix of its base model's modules
+(``families.base_prefix``: "model." in ``LlamaForCausalLM``, "" in ``LlamaModel``) and the path
+of its head (None for a base model, whose final norm then has no reader: its output is the
+model's output). Each returns the family-specific part of a :class:`Layout` (paths and
+placement); ``families.layout`` adds what is read off the live modules the same way for every
+family (norm kinds, offsets, eps, stream width, objective, tied head).
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ from .algebra import in_width
 from .layout import AttentionSite, Layout, MlpSite, NormSite
 
 
-def _gpt2(model) -> Layout:
+def _gpt2(model, p: str, head: str | None) -> Layout:
     c = model.config
-    h = "transformer.h"
+    h = f"{p}h"
     norms, writers, attention, mlps = [], [], [], []
     for i in range(c.n_layer):
         b = f"{h}.{i}"
@@ -26,16 +29,15 @@ def _gpt2(model) -> Layout:
                                        qkv=f"{b}.attn.c_attn", qkv_order="blocks",
                                        count_attrs=(("num_heads", "heads"), ("split_size", "width"))))
         mlps.append(MlpSite(f"{b}.mlp.c_fc", f"{b}.mlp.c_proj", f"{b}.mlp.act"))
-    norms.append(NormSite("transformer.ln_f", ("lm_head",), "final"))
-    return Layout("gpt2", "pre", 0, c.n_embd, h, "transformer.wte",
-                  ("transformer.wte", "transformer.wpe"), tuple(writers), tuple(norms),
-                  "lm_head", _tied(model), attention=tuple(attention), mlps=tuple(mlps),
+    norms.append(NormSite(f"{p}ln_f", _readers(head), "final"))
+    return Layout("gpt2", "pre", 0, c.n_embd, h, f"{p}wte", (f"{p}wte", f"{p}wpe"), tuple(writers),
+                  tuple(norms), head, False, attention=tuple(attention), mlps=tuple(mlps),
                   config_widths=(("intermediate", "n_inner"),))
 
 
-def _gpt_neox(model) -> Layout:
+def _gpt_neox(model, p: str, head: str | None) -> Layout:
     c = model.config
-    h = "gpt_neox.layers"
+    h = f"{p}layers"
     norms, writers, attention, mlps = [], [], [], []
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
@@ -47,17 +49,17 @@ def _gpt_neox(model) -> Layout:
         attention.append(AttentionSite(f"{b}.attention", f"{b}.attention.dense", attn.head_size, n, n,
                                        qkv=f"{b}.attention.query_key_value", qkv_order="heads"))
         mlps.append(MlpSite(f"{b}.mlp.dense_h_to_4h", f"{b}.mlp.dense_4h_to_h", f"{b}.mlp.act"))
-    norms.append(NormSite("gpt_neox.final_layer_norm", ("lm_head",), "final"))
+    norms.append(NormSite(f"{p}final_layer_norm", _readers(head), "final"))
     placement = "parallel" if c.use_parallel_residual else "pre"
-    return Layout("gpt_neox", placement, 0, c.hidden_size, h, "gpt_neox.embed_in",
-                  ("gpt_neox.embed_in",), tuple(writers), tuple(norms), "lm_head", _tied(model),
+    return Layout("gpt_neox", placement, 0, c.hidden_size, h, f"{p}embed_in",
+                  (f"{p}embed_in",), tuple(writers), tuple(norms), head, False,
                   attention=tuple(attention), mlps=tuple(mlps),
                   config_widths=(("intermediate", "intermediate_size"),))
 
 
-def _opt(model) -> Layout:
+def _opt(model, p: str, head: str | None) -> Layout:
     c = model.config
-    d = "model.decoder"
+    d = f"{p}decoder"
     h = f"{d}.layers"
     decoder = model.get_submodule(d)
     pre = c.do_layer_norm_before
@@ -78,16 +80,16 @@ def _opt(model) -> Layout:
     if project_in:
         writers.insert(0, f"{d}.project_in")
     if getattr(decoder, "final_layer_norm", None) is not None:
-        reader = f"{d}.project_out" if getattr(decoder, "project_out", None) is not None else "lm_head"
-        norms.append(NormSite(f"{d}.final_layer_norm", (reader,), "final"))
+        out = getattr(decoder, "project_out", None) is not None
+        norms.append(NormSite(f"{d}.final_layer_norm", (f"{d}.project_out",) if out else _readers(head), "final"))
     return Layout("opt", "pre" if pre else "post", 0, c.hidden_size, h, f"{d}.embed_tokens",
-                  embeddings, tuple(writers), tuple(norms), "lm_head", _tied(model),
+                  embeddings, tuple(writers), tuple(norms), head, False,
                   attention=tuple(attention), mlps=tuple(mlps), config_widths=(("intermediate", "ffn_dim"),))
 
 
-def _llama_like(model) -> Layout:
+def _llama_like(model, p: str, head: str | None) -> Layout:
     c = model.config
-    h = "model.layers"
+    h = f"{p}layers"
     norms, writers, qk = [], [], []
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
@@ -97,22 +99,22 @@ def _llama_like(model) -> Layout:
         writers += [f"{b}.self_attn.o_proj", f"{b}.mlp.down_proj"]
         attn_mod = model.get_submodule(f"{b}.self_attn")
         qk += [f"{b}.self_attn.{n}" for n in ("q_norm", "k_norm") if hasattr(attn_mod, n)]
-    norms.append(NormSite("model.norm", ("lm_head",), "final"))
+    norms.append(NormSite(f"{p}norm", _readers(head), "final"))
     attention = tuple(_separate_attention(model, f"{h}.{i}.self_attn", "o_proj")
                       for i in range(c.num_hidden_layers))
     mlps = tuple(MlpSite(f"{h}.{i}.mlp.up_proj", f"{h}.{i}.mlp.down_proj", f"{h}.{i}.mlp.act_fn",
                          gate=f"{h}.{i}.mlp.gate_proj") for i in range(c.num_hidden_layers))
     widths = (("intermediate", "intermediate_size"), ("heads", "num_attention_heads"),
               ("kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"))
-    return Layout(c.model_type, "pre", 0, c.hidden_size, h, "model.embed_tokens",
-                  ("model.embed_tokens",), tuple(writers), tuple(norms), "lm_head", _tied(model),
+    return Layout(c.model_type, "pre", 0, c.hidden_size, h, f"{p}embed_tokens",
+                  (f"{p}embed_tokens",), tuple(writers), tuple(norms), head, False,
                   qk_norms=tuple(qk), attention=attention, mlps=mlps,
                   config_widths=widths)
 
 
-def _phi(model) -> Layout:
+def _phi(model, p: str, head: str | None) -> Layout:
     c = model.config
-    h = "model.layers"
+    h = f"{p}layers"
     norms, writers, qk = [], [], []
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
@@ -121,31 +123,31 @@ def _phi(model) -> Layout:
         writers += [f"{b}.self_attn.dense", f"{b}.mlp.fc2"]
         if c.qk_layernorm:
             qk += [f"{b}.self_attn.q_layernorm", f"{b}.self_attn.k_layernorm"]
-    norms.append(NormSite("model.final_layernorm", ("lm_head",), "final"))
+    norms.append(NormSite(f"{p}final_layernorm", _readers(head), "final"))
     attention = tuple(_separate_attention(model, f"{h}.{i}.self_attn", "dense")
                       for i in range(c.num_hidden_layers))
     mlps = tuple(MlpSite(f"{h}.{i}.mlp.fc1", f"{h}.{i}.mlp.fc2", f"{h}.{i}.mlp.activation_fn")
                  for i in range(c.num_hidden_layers))
-    return Layout("phi", "parallel", 0, c.hidden_size, h, "model.embed_tokens",
-                  ("model.embed_tokens",), tuple(writers), tuple(norms), "lm_head", _tied(model),
+    return Layout("phi", "parallel", 0, c.hidden_size, h, f"{p}embed_tokens",
+                  (f"{p}embed_tokens",), tuple(writers), tuple(norms), head, False,
                   qk_norms=tuple(qk), attention=attention, mlps=mlps,
                   config_widths=(("intermediate", "intermediate_size"),))
 
 
-def _bert(model) -> Layout:
+def _bert(model, p: str, head: str | None) -> Layout:
     c = model.config
-    h = "bert.encoder.layer"
-    norms = [NormSite("bert.embeddings.LayerNorm", (), "embed")]
+    h = f"{p}encoder.layer"
+    norms = [NormSite(f"{p}embeddings.LayerNorm", (), "embed")]
     writers = []
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
         norms += [NormSite(f"{b}.attention.output.LayerNorm", (), "post"),
                   NormSite(f"{b}.output.LayerNorm", (), "post")]
         writers += [f"{b}.attention.output.dense", f"{b}.output.dense"]
-    emb = "bert.embeddings"
+    emb = f"{p}embeddings"
     return Layout("bert", "post", 0, c.hidden_size, h, f"{emb}.word_embeddings",
                   (f"{emb}.word_embeddings", f"{emb}.position_embeddings", f"{emb}.token_type_embeddings"),
-                  tuple(writers), tuple(norms), "cls.predictions.decoder", _tied(model))
+                  tuple(writers), tuple(norms), head, False)
 
 
 def _separate_attention(model, path: str, o: str) -> AttentionSite:
@@ -157,5 +159,6 @@ def _separate_attention(model, path: str, o: str) -> AttentionSite:
                          f"{path}.v_proj", count_attrs=(("num_key_value_groups", "groups"),))
 
 
-def _tied(model) -> bool:
-    return bool(getattr(model.config, "tie_word_embeddings", False))
+def _readers(head: str | None) -> tuple[str, ...]:
+    """What reads the final norm: the head, or nothing when the norm's output is the model's."""
+    return () if head is None else (head,)

@@ -13,6 +13,7 @@ Read-only analysis used by ``inspect`` and by the minimization passes (which rem
   the stream is 0 there. An RMSNorm's output in j is then its bias b_j (0 without one); a
   LayerNorm's is g_j * (0 - mean) / std + b_j, so j is removable only where g_j = 0 (the
   constant b_j then folds into the readers' biases) or every reader's column j is zero.
+  A base model outputs its final norm's every channel: none is removable there.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def channels(model, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     """(dead channels, removable channels) over the stored stream."""
     dead = ~written(model, layout.embeddings + layout.writers)
     removable = dead.clone()
+    if layout.output_norm is not None:  # a base model outputs every channel of its final norm
+        return dead, torch.zeros_like(dead)
     for site in layout.norms:
         if site.kind not in CENTRING:
             continue

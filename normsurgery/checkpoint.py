@@ -5,7 +5,11 @@ module records in ``config.normsurgery["modules"]``, the runtime copied beside t
 ``modeling_normsurgery.py`` and an ``auto_map`` naming it, so ``from_pretrained(...,
 trust_remote_code=True)`` rebuilds it with only transformers installed. Records marked
 ``stock_equivalent`` compute the same function as the stock module on this model (an RMSNorm
-on a zero-mean stream is a LayerNorm): when all are, plain ``from_pretrained`` loads it exactly.
+on a zero-mean stream is a LayerNorm): when all are, plain ``from_pretrained`` may load it, and
+that is claimed only once the written folder, loaded with the stock class, gave the same outputs.
+
+Checkpoints load with the class their ``architectures`` names (causal or masked LM, base model,
+sequence or token classifier: ``families.FAMILIES``) and save with the same class.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import transformers
 
 from . import runtime
-from .families import check_supported, family
+from .families import AUTO_CLASS, check_supported, class_name, head_of, stock_class_of
 from .errors import SurgeryError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -116,8 +121,8 @@ def load_config(path: Path):
 
 
 def stock_class(config):
-    """The stock transformers class for this config with its LM head."""
-    return getattr(transformers, family(config.model_type).lm_class)
+    """The stock transformers class the config's ``architectures`` names (see ``families.class_name``)."""
+    return getattr(transformers, class_name(config))
 
 
 def model_class(config):
@@ -128,17 +133,37 @@ def model_class(config):
     return base
 
 
-def load(src, dtype: torch.dtype | None = None):
-    """Load a checkpoint (rewritten or stock) in ``dtype`` (default: its storage dtype), eval mode."""
+def load(src, dtype: torch.dtype | None = None, *, stock: bool = False):
+    """Load a checkpoint (rewritten or stock) with the class its ``architectures`` names, in
+    ``dtype`` (default: its storage dtype), eval mode. ``stock``: with the plain stock class, as
+    ``from_pretrained`` without normsurgery would. A missing, unexpected or mis-shaped weight is
+    an error naming it (transformers would initialise it at random and only log it)."""
     path = resolve(src)
     cfg = load_config(path)
     weight_files(path)
     dtype = dtype or storage_dtype(path)
+    cls = stock_class(cfg) if stock else model_class(cfg)
     try:
-        model = model_class(cfg).from_pretrained(path, config=cfg, dtype=dtype)
+        model, info = cls.from_pretrained(path, config=cfg, dtype=dtype, output_loading_info=True,
+                                          ignore_mismatched_sizes=True)
     except Exception as e:
         raise SurgeryError(f"cannot load {src}: {_first_line(e)}") from None
+    check_loading(src, cls.__name__, info)
     return model.eval()
+
+
+def check_loading(src, cls: str, info: dict) -> None:
+    """Refuse a load that left weights missing, unexpected or mis-shaped (``output_loading_info``)."""
+    problems = []
+    for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"),
+                      ("mismatched_keys", "mis-shaped")):
+        keys = sorted(k[0] if isinstance(k, tuple) else k for k in info.get(key) or ())
+        if keys:
+            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+            problems.append(f"{what} {', '.join(keys[:5])}{more}")
+    if problems:
+        raise SurgeryError(f"cannot load {src} as {cls}: weights {'; '.join(problems)} "
+                           "(transformers would fill them at random)")
 
 
 def load_tokenizer(src):
@@ -165,7 +190,7 @@ def structure_records(model) -> list[dict]:
     cfg = copy.deepcopy(model.config)
     cfg.normsurgery = None
     with torch.device("meta"):
-        stock = stock_class(cfg)(cfg)
+        stock = stock_class_of(model)(cfg)
     stock_modules = dict(stock.named_modules())
     records = []
     for name, mod in model.named_modules():
@@ -191,17 +216,25 @@ def structure_records(model) -> list[dict]:
 
 
 def save(model, out, *, source=None, force: bool = False, record: dict | None = None,
-         max_shard_size: str | int = "5GB") -> dict:
-    """Write ``model`` to ``out`` atomically (a temporary sibling folder, then one rename).
+         max_shard_size: str | int = "5GB", check: Callable[[torch.nn.Module], Any] | None = None) -> dict:
+    """Write ``model`` to ``out`` atomically (a temporary sibling folder, then one rename), with the
+    same class (and head) it has.
 
     Copies tokenizer, generation config and other non-weight files from ``source``; stores
     ``record`` (what was done) under ``config.normsurgery``. Returns what was written.
+
+    ``check(reloaded)`` compares a model loaded back from the written folder with ``model`` and
+    returns a verify.Comparison. The folder is loaded with the plain stock class first: only if
+    that passes is ``plain_transformers`` claimed; if not, the module records are marked not
+    stock-equivalent and the folder must pass loaded with the runtime (``normsurgery.load``), or
+    nothing is saved. Without ``check`` nothing is claimed (``plain_transformers`` is None).
     """
     with staged(out, force, source) as tmp:
         records = stamp(model, record)
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         finish(tmp, records, source)
-    return written(out, records)
+        reload = None if check is None else _check_reload(model, tmp, records, check)
+    return written(out, records, reload)
 
 
 def stamp(model, record: dict | None) -> list[dict]:
@@ -210,10 +243,11 @@ def stamp(model, record: dict | None) -> list[dict]:
     Reads only classes and shapes (a model on the meta device will do). Returns the records."""
     records = structure_records(model)
     cfg = model.config
-    base = stock_class(cfg)
+    base = stock_class_of(model)
     auto_map = dict(getattr(cfg, "auto_map", None) or {})
-    auto = family(cfg.model_type).auto_class
-    auto_map.pop(auto, None)
+    auto = AUTO_CLASS[head_of(model).objective]
+    for name in AUTO_CLASS.values():
+        auto_map.pop(name, None)
     if records:
         auto_map[auto] = f"{RUNTIME_FILE[:-3]}.NormSurgery{base.__name__}"
     _set_or_drop(cfg, "auto_map", auto_map)
@@ -247,10 +281,36 @@ def finish(tmp: Path, records: list[dict], source=None) -> None:
         _copy_side_files(resolve(source), tmp)
 
 
-def written(out, records: list[dict]) -> dict:
+def written(out, records: list[dict], reload: dict | None = None) -> dict:
+    """What ``save`` returns: without a ``reload`` check nothing is claimed about loading."""
     out = Path(out).expanduser()
-    return {"path": str(out), "files": sorted(p.name for p in out.iterdir()),
-            "custom_modules": len(records), "plain_transformers": all(r.get("stock_equivalent") for r in records)}
+    return {"path": str(out), "files": sorted(p.name for p in out.iterdir()), "custom_modules": len(records),
+            "plain_transformers": None if reload is None else reload["loader"] == "plain transformers",
+            "reload": reload}
+
+
+def _check_reload(model, folder: Path, records: list[dict], check) -> dict:
+    """Load ``folder`` back (plain stock class first, where the records say it computes the same
+    function) and compare it with ``model``; see :func:`save`. Returns what was checked."""
+    plain = None
+    if all(r.get("stock_equivalent") for r in records):
+        plain = check(load(folder, next(model.parameters()).dtype, stock=True))
+        if plain.ok:
+            return {"loader": "plain transformers", "comparison": plain.as_dict()}
+        for r in records:  # the claim was false: say so in the folder and on the modules
+            r["stock_equivalent"] = False
+            model.get_submodule(r["path"]).stock_equivalent = False
+        model.config.save_pretrained(folder)
+    if not records:
+        raise SurgeryError(f"the saved checkpoint does not reload to the same function (relative error "
+                           f"{plain.relative:.2e} > {plain.tolerance:.0e}); nothing was saved")
+    ours = check(load(folder, next(model.parameters()).dtype))
+    if not ours.ok:
+        raise SurgeryError(f"the saved checkpoint, loaded back with normsurgery's runtime, differs from the "
+                           f"rewritten model (relative error {ours.relative:.2e} > {ours.tolerance:.0e}); "
+                           "nothing was saved")
+    return {"loader": "trust_remote_code=True or normsurgery.load", "comparison": ours.as_dict(),
+            "plain_transformers": None if plain is None else plain.as_dict()}
 
 
 def _set_or_drop(cfg, name, value) -> None:

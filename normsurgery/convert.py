@@ -1,14 +1,19 @@
 """Apply registered passes to a model or a checkpoint, check parity, save.
 
 Weights are rewritten in a working dtype (float32, or float64 on request or for float64
-checkpoints; every rewrite does its own algebra in float64) and cast back to the storage dtype
-once, just before saving. Parity is measured per pass against the logits just before it, and
-overall against the unmodified model; the cast to the storage dtype is reported separately.
+checkpoints; every rewrite does its own algebra in float64; half precision is refused) and cast
+back to the storage dtype once, just before saving. Parity is measured on what the model's class
+outputs (logits, or a base model's last hidden state) per pass against the outputs just before
+it, and overall against the last reference, within the working dtype's arithmetic tolerance.
+The cast to the storage dtype is checked against the input's own rounding in that dtype
+(``verify.tolerance_for``); the saved folder is loaded back and compared before any claim about
+how it loads is made (``checkpoint.save``).
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +28,9 @@ from .families import layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
 from .registry import PassContext
-from .verify import TOLERANCE, Comparison, compare_logits, logits, probe_ids
+from .training import heldout_ce, is_main_process, train
+from .verify import (TOLERANCE, Comparison, compare_logits, logits, output_kind, probe_ids,
+                     reload_check, tolerance_for)
 
 
 @dataclass
@@ -47,8 +54,9 @@ class Result:
     storage_dtype: str
     parity: Comparison | None = None  # converted vs the reference (the input, or the model the last
     # reference-changing or trained step left), in the working dtype
-    cast: Comparison | None = None  # converted in the storage dtype vs original
-    cast_baseline: Comparison | None = None  # original in the storage dtype vs original
+    cast: Comparison | None = None  # converted in the storage dtype vs the reference
+    cast_baseline: Comparison | None = None  # original in the storage dtype vs original: the rounding
+    # the cast's tolerance is measured from
     saved: dict | None = None
     source: str | None = None
     streaming: str | None = None  # why it was rewritten one block at a time (None: in memory)
@@ -56,7 +64,7 @@ class Result:
     @property
     def ok(self) -> bool:
         steps_ok = all(s.parity is None or s.parity.ok for s in self.steps if s.kind == "exact")
-        return steps_ok and (self.parity is None or self.parity.ok)
+        return steps_ok and all(c is None or c.ok for c in (self.parity, self.cast))
 
     def as_dict(self) -> dict:
         def c(x):
@@ -113,9 +121,12 @@ def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.
 
 
 def _run_passes(model, passes, ids, tolerance, context, progress, before):
-    """(steps, the logits of the last reference: the input's, or those after the last step
+    """(steps, the outputs of the last reference: the input's, or those after the last step
     that changed the function on purpose)."""
     steps = []
+    reason = None if tolerance is None else _arithmetic(model, tolerance)
+    context.train = context.train or train
+    context.heldout_ce = context.heldout_ce or heldout_ce
     if ids is not None and before is None:
         before = logits(model, ids)
     anchor = before
@@ -125,8 +136,9 @@ def _run_passes(model, passes, ids, tolerance, context, progress, before):
         s = Step(name, kind, opts, report.notes, report.metrics)
         if ids is not None:
             after = logits(model, ids)
-            s.parity = compare_logits(before, after)
-            s.parity.tolerance = tolerance if kind == "exact" else None
+            s.parity = compare_logits(before, after, output_kind(model))
+            if kind == "exact":
+                s.parity.tolerance, s.parity.reason = tolerance, reason
             before = after
             if kind != "exact":
                 anchor = after
@@ -146,7 +158,20 @@ def _run_passes(model, passes, ids, tolerance, context, progress, before):
 
 
 def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    if requested is not None and requested not in TOLERANCE:
+        raise SurgeryError(f"--work-dtype {str(requested).removeprefix('torch.')}: rewrites are done in float32 or "
+                           "float64 (half precision would round every intermediate result, and parity could not "
+                           "be checked); the weights are cast back to their storage dtype once, at the end")
     return requested or (torch.float64 if storage == torch.float64 else torch.float32)
+
+
+def _arithmetic(model, tolerance: float | None) -> str:
+    """Why the per-step tolerance is what it is."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if tolerance is not None and tolerance != TOLERANCE.get(next(model.parameters()).dtype):
+        return "given"
+    why = "checks the algebra" if dtype == "float64" else "its rounding"
+    return f"{dtype} arithmetic (the working dtype): {why}"
 
 
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
@@ -182,17 +207,22 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     ids = probe_ids(model, tokenizer, text, 4, _length(model)) if verify else None
     reference = logits(model, ids) if verify else None
     result = Result([], str(dtype).removeprefix("torch."), str(storage).removeprefix("torch."), source=str(src))
+    kind = output_kind(model)
     if verify and storage != dtype:
-        result.cast_baseline = _in_dtype(model, storage, ids, reference)
+        cast_tol, cast_reason, result.cast_baseline = tolerance_for(model, ids, storage, reference)
     tol = TOLERANCE[dtype] if tolerance is None else tolerance
-    context = PassContext(tokenizer=tokenizer, text=text)
+    workdir = Path(out).parent / f".{Path(out).name}.train-state"  # trained passes' resumable state
+    context = PassContext(tokenizer=tokenizer, text=text, workdir=workdir,
+                          train_progress=lambda done, total, loss: progress("train", done, total))
     result.steps, anchor = _run_passes(model, passes, ids, tol, context, progress, reference)
     if verify:
         progress("verify", 0, 1)
         # with one step its own check is the overall one: no second forward
-        result.parity = (compare_logits(anchor, logits(model, ids)) if len(result.steps) > 1
+        result.parity = (compare_logits(anchor, logits(model, ids), kind) if len(result.steps) > 1
                          else copy.copy(result.steps[0].parity))
-        result.parity.tolerance = tol if any(s.kind == "exact" for s in result.steps) else None
+        exact = any(s.kind == "exact" for s in result.steps)
+        result.parity.tolerance = tol if exact else None
+        result.parity.reason = _arithmetic(model, tol) if exact else None
         progress("verify", 1, 1)
         if not result.ok and not force:
             bad = [s for s in result.steps if s.kind == "exact" and s.parity and not s.parity.ok]
@@ -201,15 +231,22 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
             raise SurgeryError(f"{what} > {tol:.0e}; nothing was saved (--force saves anyway)")
     if restore_norms:
         restore_norms()
+    if not is_main_process():  # one of several training processes: the main one saves
+        return result
     model.to(storage)
     if verify and storage != dtype:
-        result.cast = compare_logits(reference, logits(model, ids))
+        result.cast = compare_logits(anchor, logits(model, ids), kind)
+        result.cast.tolerance, result.cast.reason = cast_tol, cast_reason
+        if not result.cast.ok and not force:
+            raise SurgeryError(f"cast back to {result.storage_dtype}: relative error {result.cast.relative:.2e} > "
+                               f"{cast_tol:.1e} ({cast_reason}); nothing was saved (--force saves anyway)")
     progress("save", 0, 1)
     record = {"version": __version__, "source": str(src), "passes": [
         {"name": s.name, "options": s.options, "notes": s.notes,
          "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
     result.saved = checkpoint.save(model, out, source=path, force=force, record=record,
-                                   max_shard_size=max_shard_size)
+                                   max_shard_size=max_shard_size, check=reload_check(model, ids) if verify else None)
+    shutil.rmtree(workdir, ignore_errors=True)
     progress("save", 1, 1)
     return result
 
@@ -217,18 +254,3 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
 def _length(model) -> int:
     c = model.config
     return min(64, getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", 64))
-
-
-def _in_dtype(model, dtype: torch.dtype, ids, reference) -> Comparison:
-    """The original's own rounding in ``dtype``. Casting up again restores weights read from
-    ``dtype`` exactly; buffers (rotary frequencies) were computed in the working dtype: keep them."""
-    work = next(model.parameters()).dtype
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    model.to(dtype)
-    try:
-        return compare_logits(reference, logits(model, ids))
-    finally:
-        model.to(work)
-        for name, b in buffers.items():
-            model.get_buffer(name).copy_(b)
-

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 #: norm kinds: what a norm computes over its input x (``norms.kind_of`` reads it off the module)
 NORM_KINDS = ("layernorm", "rmsnorm", "crmsnorm", "compensated-layernorm", "other")
-#: what the model's head is trained for
-OBJECTIVES = ("causal-lm", "masked-lm", "none")
+#: what the model's head is trained for ("none": a base model, whose output is its last hidden state)
+OBJECTIVES = ("causal-lm", "masked-lm", "sequence-classification", "token-classification", "none")
+#: objectives with a language-modelling loss (cross-entropy over the vocabulary)
+LM_OBJECTIVES = ("causal-lm", "masked-lm")
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class Layout:
     embeddings: tuple[str, ...]  # embeddings whose rows are added to the stream
     writers: tuple[str, ...]  # linears whose outputs are added to the stream
     norms: tuple[NormSite, ...]  # every stream norm, final norm last
-    head: str | None  # the output head (reads the final norm); None for a base model
+    head: str | None  # the output layer (reads the final norm); None for a base model, whose
+    # final norm then has no reader: its output is the model's output, nothing may be folded out of it
     tied: bool  # head shares its weight with the token embedding
     objective: str = "causal-lm"  # one of OBJECTIVES
     qk_norms: tuple[str, ...] = ()  # per-head norms inside attention: not foldable
@@ -98,6 +101,13 @@ class Layout:
     @property
     def final_norm(self) -> NormSite | None:
         return self.norms[-1] if self.norms and self.norms[-1].role == "final" else None
+
+    @property
+    def output_norm(self) -> NormSite | None:
+        """The final norm when its output is the model's output (a base model): no reader to
+        fold its gain into, and its width is the output's."""
+        final = self.final_norm
+        return final if final is not None and not final.readers else None
 
     @property
     def norm_kinds(self) -> set[str]:

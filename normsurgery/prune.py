@@ -19,6 +19,7 @@ checkpoint of the same architecture.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from contextlib import contextmanager
@@ -110,17 +111,20 @@ def device_of(model) -> torch.device:
     return torch.device("cpu")
 
 
-def _forward_kwargs(model) -> dict:
-    return {"use_cache": False} if layout(model).objective == "causal-lm" else {}
+def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Run the base model only (no head: the scores read hidden states, and a base model or a
+    classifier without a pad token works the same), without a KV cache."""
+    base = model.base_model
+    kw = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
+    base(input_ids=input_ids.to(device_of(model)),
+         attention_mask=None if attention_mask is None else attention_mask.to(device_of(model)), **kw)
 
 
 @torch.no_grad()
 def residual_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
     """h_0..h_L for one batch, in the model's dtype."""
     with residual_capture(model) as states:
-        model(input_ids=input_ids.to(device_of(model)),
-              attention_mask=None if attention_mask is None else attention_mask.to(device_of(model)),
-              **_forward_kwargs(model))
+        _forward(model, input_ids, attention_mask)
     return list(states)
 
 
@@ -167,8 +171,7 @@ def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             for start in range(0, total, batch_size):
                 ids, m = input_ids[start:start + batch_size], mask[start:start + batch_size]
                 progress("score", start, total)
-                dev = device_of(model)
-                model(input_ids=ids.to(dev), attention_mask=m.to(dev), **_forward_kwargs(model))
+                _forward(model, ids, m)
                 _accumulate(states, m, ang, cos_adj)
     finally:
         model.train(was_training)

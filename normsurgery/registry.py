@@ -23,6 +23,7 @@ masks first): the caller runs it first and checks the pass against the model it 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from .errors import SurgeryError
@@ -30,12 +31,18 @@ from .errors import SurgeryError
 
 @dataclass
 class PassContext:
-    """What a pass may need beyond the model: options, tokenizer, text, progress."""
+    """What a pass may need beyond the model: options, tokenizer, text, progress; for trained
+    passes the fine-tuning loop (``training.train``, given by the orchestration), a (step, total,
+    loss) progress callback and a folder for resumable training state."""
 
     options: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None
     text: str | None = None
     progress: Callable[[str], None] = lambda message: None
+    train: Callable[..., Any] | None = None
+    heldout_ce: Callable[..., float] | None = None  # ``training.heldout_ce``, given with ``train``
+    train_progress: Callable[[int, int, float], None] | None = None
+    workdir: Path | None = None
 
 
 @dataclass

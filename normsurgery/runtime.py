@@ -89,7 +89,85 @@ class CompensatedLayerNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-MODULES = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm, "CompensatedLayerNorm": CompensatedLayerNorm}
+class NoNorm(nn.Module):
+    """A removed normalization: y = x. Its constant divisor, gain and bias live in the readers."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.dim = dim
+
+    def spec(self):
+        return {"dim": self.dim}
+
+    def forward(self, x):
+        return x
+
+
+class RepBN(nn.Module):
+    """Re-parameterised BatchNorm (SLAB, Guo et al. 2024): y = BN(x) + eta * x over the last axis.
+
+    BN(x) = gamma * (x - m) / sqrt(v + eps) + beta, per channel. In training mode m, v are the
+    mean and biased variance over the batch's tokens, all leading axes flattened, only those
+    where ``token_mask`` (a bool tensor of the leading shape, set from outside) is true; the
+    running statistics move towards them by ``momentum``. In eval mode m, v are the running
+    statistics, so y = a * x + c with a = gamma / sqrt(v + eps) + eta and
+    c = beta - gamma * m / sqrt(v + eps): no statistic is computed per token.
+    """
+
+    def __init__(self, dim, eps=1e-5, momentum=0.1):
+        super().__init__()
+        self.dim, self.eps, self.momentum = dim, eps, momentum
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eta = nn.Parameter(torch.zeros(()))
+        self.register_buffer("running_mean", torch.zeros(dim))
+        self.register_buffer("running_var", torch.ones(dim))
+        self.token_mask = None
+
+    def spec(self):
+        return {"dim": self.dim, "eps": self.eps, "momentum": self.momentum}
+
+    def affine(self):
+        """(a, c) of the eval-mode map y = a * x + c."""
+        inv = torch.rsqrt(self.running_var + self.eps)
+        return self.weight * inv + self.eta, self.bias - self.weight * self.running_mean * inv
+
+    def forward(self, x):
+        if not self.training:
+            a, c = self.affine()
+            return x * a.to(x.dtype) + c.to(x.dtype)
+        s = x.to(_stats_dtype(x))
+        flat = s.reshape(-1, self.dim)
+        if self.token_mask is not None:
+            flat = flat[self.token_mask.reshape(-1).to(flat.device)]
+        mean = flat.mean(0)
+        var = (flat - mean).pow(2).mean(0)
+        with torch.no_grad():
+            self.running_mean.lerp_(mean.to(self.running_mean.dtype), self.momentum)
+            self.running_var.lerp_(var.to(self.running_var.dtype), self.momentum)
+        y = ((s - mean) * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight + self.bias
+        return y + self.eta * x
+
+
+class ChannelAffine(nn.Module):
+    """y = weight * x + bias per channel: a frozen BatchNorm / RepBN on a Post-LN stream, where no
+    linear reader can absorb it (a multiply-add per channel, no statistics)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.dim = dim
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def spec(self):
+        return {"dim": self.dim}
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+MODULES = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm, "CompensatedLayerNorm": CompensatedLayerNorm, "NoNorm": NoNorm,
+           "RepBN": RepBN, "ChannelAffine": ChannelAffine}
 
 #: size attributes that must follow a resized parameter, by module class
 SIZE_ATTRS = {
@@ -165,5 +243,5 @@ def __getattr__(name):
     cls = globals()[name] = surgery_class(getattr(transformers, base))
     return cls
 
-
-__all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "apply_structure", "resize", "surgery_class"]
+__all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "NoNorm", "RepBN", "ChannelAffine", "apply_structure",
+           "resize", "surgery_class"]

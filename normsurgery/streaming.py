@@ -46,7 +46,7 @@ from .layout import Layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
 from .registry import PassContext
-from .verify import TOLERANCE, Comparison, compare_logits, probe_ids
+from .verify import ROUNDING_FACTOR, TOLERANCE, Comparison, coarsest, compare_logits, probe_ids
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -342,7 +342,8 @@ def part_by_part(model, parts: list[Part], enter: Callable[[Part], None], leave:
                 start(n)
         return hook
 
-    handles = [model.register_forward_pre_hook(lambda m, a: start(-1)),
+    # the base model's forward starts with the embeddings, also when it runs without the head
+    handles = [model.base_model.register_forward_pre_hook(lambda m, a: start(-1)),
                model.register_forward_hook(lambda m, a, o: end(n))]
     for i, b in enumerate(blocks):
         handles += [b.register_forward_pre_hook(before_block(i)), b.register_forward_hook(after_block(i))]
@@ -535,8 +536,21 @@ def verify(a: Path, b: Path, *, text: str | None = None, dtype: torch.dtype = to
     c = ma.config
     length = min(length, getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", length))
     ids = probe_ids(ma, checkpoint.load_tokenizer(a), text, n, length)
-    result = compare_logits(read_logits(a, dtype, ids, ma), read_logits(b, dtype, ids))
-    result.tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
+    if dtype not in TOLERANCE:
+        raise SurgeryError("streaming verify computes in float32 or float64")
+    reference = read_logits(a, dtype, ids, ma)
+    result = compare_logits(reference, read_logits(b, dtype, ids))
+    # as verify.tolerance_for: weights stored coarser than the arithmetic allow the
+    # reference's own rounding in that dtype (one more streamed forward)
+    storage = coarsest(checkpoint.storage_dtype(a), checkpoint.storage_dtype(b))
+    result.tolerance, result.reason = TOLERANCE[dtype], f"{str(dtype)[6:]} arithmetic"
+    if torch.finfo(storage).eps > torch.finfo(dtype).eps:
+        own = compare_logits(reference, read_logits(a, storage, ids))
+        result.tolerance = max(TOLERANCE[dtype], ROUNDING_FACTOR * own.relative)
+        result.reason = (f"weights stored in {str(storage)[6:]}: {ROUNDING_FACTOR} x the reference's own "
+                         f"rounding ({own.relative:.1e}), at least {TOLERANCE[dtype]:.0e}")
+    if tolerance is not None:
+        result.tolerance, result.reason = tolerance, "given"
     return result
 
 
@@ -554,9 +568,10 @@ def score(path: Path, ids: torch.Tensor, attention_mask: torch.Tensor | None = N
     model = meta_model(path, storage)
     shards = Shards(path)
     loader = Loader(model, shards, storage)
+    n = len(model.get_submodule(layout(model).layers_path))
+    parts = [p for p in plan(model, layout(model), alone=True) if p.stages != (n,)]  # no head: states only
     try:
-        with part_by_part(model, plan(model, layout(model), alone=True), lambda p: loader.load(p.scope),
-                          lambda p: loader.free(p.scope)):
+        with part_by_part(model, parts, lambda p: loader.load(p.scope), lambda p: loader.free(p.scope)):
             return score_layers(model, ids, attention_mask, batch_size=len(ids), progress=progress)
     finally:
         shards.close()

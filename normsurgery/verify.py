@@ -1,9 +1,17 @@
-"""Do two models compute the same function? Logit, distribution, top-1 and generation checks.
+"""Do two models compute the same function? Output, distribution, top-1 and generation checks.
 
-For token batches X, with reference logits A and candidate logits B:
+A model is compared on what its class outputs: logits for a head (LM or classifier), the last
+hidden state for a base model. For token batches X, with reference outputs A and candidate B:
 - max |A - B|, mean |A - B| and the relative error max |A - B| / max |A|;
-- KL(softmax A || softmax B) averaged over positions; top-1 agreement of argmax;
-- greedy generation from a few prompts: fraction of generated tokens that agree.
+- logits: KL(softmax A || softmax B) averaged over positions; top-1 agreement of argmax;
+- hidden states: the cosine of the mean-pooled embeddings (mean over tokens), worst sequence;
+- causal LMs: greedy generation from a few prompts: fraction of generated tokens that agree.
+
+Tolerance, by precision. Arithmetic on weights held exactly: float64 checks the algebra (1e-10),
+float32 its rounding (1e-5). Weights stored coarser than the compute dtype (or a half-precision
+compute dtype) cannot do better than that precision allows: the tolerance is then
+``ROUNDING_FACTOR`` times the reference's own rounding, measured by running the reference in
+that dtype (at least the arithmetic's tolerance). Every comparison says which applied and why.
 
 HF's RMSNorm classes compute in float32 whatever the input dtype; ``norms.faithful_norms`` swaps
 them for runtime.RMSNorm (same maths, input dtype kept) so float64 checks are float64 throughout.
@@ -17,11 +25,15 @@ import torch
 
 from . import calibration, checkpoint
 from .errors import SurgeryError
-from .families import layout
+from .families import layout, stock_class_of
 from .norms import faithful_norms
 
-#: relative-error tolerance by compute dtype: float64 checks the algebra, float32 its rounding
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+#: relative-error tolerance of arithmetic in a dtype on weights it holds exactly
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+#: a model stored in a coarser dtype may differ by this many times the reference's own rounding in it
+ROUNDING_FACTOR = 4
+#: norm kinds whose output depends on the stream only through x - mean(x)
+CENTRING = ("layernorm", "compensated-layernorm", "crmsnorm")
 
 
 @dataclass
@@ -29,11 +41,14 @@ class Comparison:
     max_abs: float
     mean_abs: float
     relative: float
-    kl: float
-    top1: float
+    kl: float | None  # logits only
+    top1: float | None  # logits only
+    cosine: float | None = None  # hidden states only: mean-pooled embeddings, worst sequence
+    output: str = "logits"  # "logits" | "last hidden state"
     generation: float | None = None
     tolerance: float | None = None
-    layers: list[float] = field(default_factory=list)
+    reason: str | None = None  # why this tolerance
+    layers: list[dict] = field(default_factory=list)
     streaming: str | None = None  # why the models were read one block at a time (None: in memory)
 
     @property
@@ -42,6 +57,10 @@ class Comparison:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
+
+
+def output_kind(model) -> str:
+    return "logits" if layout(model).head is not None else "last hidden state"
 
 
 def probe_ids(model, tokenizer, text: str | None, n: int = 4, length: int = 64, seed: int = 0) -> torch.Tensor:
@@ -56,32 +75,84 @@ def probe_ids(model, tokenizer, text: str | None, n: int = 4, length: int = 64, 
 
 @torch.no_grad()
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Logits in the model's dtype, at least float32 (compare_logits works in float64 by rows)."""
-    out = model(input_ids=ids.to(model.device)).logits
+    """What the model's class outputs (logits for a head, the last hidden state for a base
+    model) in its dtype, at least float32 (compare_logits works in float64 by rows).
+
+    A sequence classifier without a pad token cannot find each row's last token in a batch:
+    it runs one row at a time."""
+    if len(ids) > 1 and layout(model).objective == "sequence-classification" and model.config.pad_token_id is None:
+        return torch.cat([logits(model, row[None]) for row in ids])
+    out = model(input_ids=ids.to(model.device))
+    out = out.logits if output_kind(model) == "logits" else out.last_hidden_state
     return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
 
-def compare_logits(ref: torch.Tensor, out: torch.Tensor) -> Comparison:
+def compare_logits(ref: torch.Tensor, out: torch.Tensor, output: str = "logits") -> Comparison:
     """The metrics, computed in float64 one sequence at a time (a batch of vocab-sized float64
-    copies would cost more memory than the model). With D = A - B and p = softmax A,
-    KL = sum p D - (logsumexp A - logsumexp B): no log-softmax of either is materialised."""
+    copies would cost more memory than the model)."""
     if ref.shape != out.shape:
-        raise SurgeryError(f"the models' logits differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}")
+        raise SurgeryError(f"the models' {output} differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}")
+    hidden = output != "logits"
     max_abs = abs_sum = kl = agree = 0.0
-    ref_max = 0.0
+    ref_max, cosine = 0.0, 1.0
     for r, o in zip(ref.reshape(-1, *ref.shape[-2:]), out.reshape(-1, *out.shape[-2:])):
-        agree += (r.argmax(-1) == o.argmax(-1)).sum().item()
-        ref_max = max(ref_max, r.abs().max().item())
-        r, o = r.to(torch.float64, copy=True), o.to(torch.float64, copy=True)
-        lse_r, lse_o = r.logsumexp(-1), o.logsumexp(-1)
-        p = (r - lse_r[:, None]).exp_()  # softmax A
-        d = r.sub_(o)  # A - B, in r's copy
-        kl += (p.mul_(d).sum(-1) - (lse_r - lse_o)).sum().item()
-        d.abs_()
+        r, o = r.double(), o.double()
+        d = (r - o).abs()
         max_abs, abs_sum = max(max_abs, d.max().item()), abs_sum + d.sum().item()
+        ref_max = max(ref_max, r.abs().max().item())
+        if hidden:
+            cosine = min(cosine, torch.cosine_similarity(r.mean(0), o.mean(0), dim=0).item())
+        else:
+            logp, logq = r.log_softmax(-1), o.log_softmax(-1)
+            kl += (logp.exp() * (logp - logq)).sum().item()
+            agree += (r.argmax(-1) == o.argmax(-1)).sum().item()
     positions = ref[..., 0].numel()
-    return Comparison(max_abs, abs_sum / ref.numel(), max_abs / ref_max, max(kl / positions, 0.0),
-                      agree / positions)
+    relative = max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else 1.0)
+    if hidden:
+        return Comparison(max_abs, abs_sum / ref.numel(), relative, None, None, cosine, output)
+    return Comparison(max_abs, abs_sum / ref.numel(), relative, max(kl / positions, 0.0), agree / positions)
+
+
+def coarsest(*dtypes: torch.dtype) -> torch.dtype:
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
+def in_dtype(model, dtype: torch.dtype, ids, reference: torch.Tensor) -> Comparison:
+    """``model`` run in ``dtype`` against its ``reference`` outputs in its own dtype. Casting
+    back restores weights exactly when they were read from ``dtype`` (or the cast went up);
+    buffers (rotary frequencies) were computed in the model's dtype: they are kept."""
+    work = next(model.parameters()).dtype
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model.to(dtype)
+    try:
+        return compare_logits(reference, logits(model, ids), output_kind(model))
+    finally:
+        model.to(work)
+        for name, b in buffers.items():
+            model.get_buffer(name).copy_(b)
+
+
+def tolerance_for(model, ids, storage: torch.dtype, reference: torch.Tensor) -> tuple[float, str, Comparison | None]:
+    """(tolerance, why, the reference's own rounding or None) for comparing a model whose weights
+    are stored in ``storage`` against ``model`` (the reference, outputs ``reference``)."""
+    compute = next(model.parameters()).dtype
+    if compute not in TOLERANCE:  # half-precision arithmetic: measured against float32
+        own = in_dtype(model, torch.float32, ids, reference)
+        tol = max(TOLERANCE[torch.float32], ROUNDING_FACTOR * own.relative)
+        return tol, (f"computed in {_name(compute)}: {ROUNDING_FACTOR} x the reference's own {_name(compute)} "
+                     f"rounding against float32 ({own.relative:.1e})"), own
+    if torch.finfo(storage).eps <= torch.finfo(compute).eps:
+        why = "checks the algebra" if compute == torch.float64 else "its rounding"
+        return TOLERANCE[compute], f"{_name(compute)} arithmetic on weights it holds exactly: {why}", None
+    own = in_dtype(model, storage, ids, reference)
+    tol = max(TOLERANCE[compute], ROUNDING_FACTOR * own.relative)
+    return tol, (f"weights stored in {_name(storage)}: {ROUNDING_FACTOR} x the reference's own rounding in "
+                 f"{_name(storage)} ({own.relative:.1e}), at least {TOLERANCE[compute]:.0e} for "
+                 f"{_name(compute)} arithmetic"), own
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @torch.no_grad()
@@ -95,19 +166,55 @@ def greedy_agreement(a, b, prompts: torch.Tensor, new_tokens: int = 16) -> float
 
 
 @torch.no_grad()
-def layer_differences(a, b, ids: torch.Tensor) -> list[float]:
-    """max |h_a - h_b| / max |h_a| per hidden state (NaN where the widths differ)."""
-    ha = a(input_ids=ids, output_hidden_states=True).hidden_states
-    hb = b(input_ids=ids, output_hidden_states=True).hidden_states
-    return [((x - y).abs().max() / x.abs().max()).item() if x.shape == y.shape else float("nan")
-            for x, y in zip(ha, hb)]
+def layer_differences(a, b, ids: torch.Tensor) -> list[dict]:
+    """max |h_a - h_b| / max |h_a| for each residual state h_0..h_L: the input of every block,
+    then the last block's output, which is the final norm's input (the final norm's output is
+    not compared: flashnorm moves its gain into the head, so it differs by design; the head's
+    logits, or a base model's last hidden state, are compared above).
+
+    Compared in a common basis: where the reference's norms all remove the mean (LayerNorm), the
+    function sees only x - mean(x), so both streams are centred (pre-rmsnorm centres the stream
+    and differs from the input only by its mean); a CRMSNorm stream stores d-1 coordinates of
+    a zero-mean d-vector, whose last coordinate -sum(x~) is restored. Streams whose widths differ
+    otherwise (channels removed) have no common basis: no figure, and the row says why."""
+    from .prune import residual_states
+
+    la, lb = layout(a), layout(b)
+    centre = la.placement != "post" and bool(la.norms) and all(s.kind in CENTRING for s in la.norms)
+    ha, hb = residual_states(a, ids), residual_states(b, ids)
+    rows = []
+    for i, (x, y) in enumerate(zip(ha, hb)):
+        what = f"input of block {i}" if i < len(ha) - 1 else "last block's output (the final norm's input)"
+        row = {"state": i, "what": what, "relative": None, "basis": "centred" if centre else "as stored", "note": None}
+        x, y = x.double(), y.double()
+        if y.shape[-1] == x.shape[-1] - 1 and "crmsnorm" in lb.norm_kinds:
+            y = torch.cat([y, -y.sum(-1, keepdim=True)], -1)
+            row["note"] = "CRMSNorm stream: its d-th coordinate -sum(x~) restored"
+        if x.shape != y.shape:
+            row["note"] = (f"stream widths differ ({x.shape[-1]} vs {y.shape[-1]}): channels were removed, "
+                           "so there is no common basis to compare in")
+            rows.append(row)
+            continue
+        if centre:
+            x, y = x - x.mean(-1, keepdim=True), y - y.mean(-1, keepdim=True)
+        row["relative"] = ((x - y).abs().max() / x.abs().max().clamp_min(1e-300)).item()
+        rows.append(row)
+    return rows
 
 
 def compare_models(a, b, ids: torch.Tensor, *, tolerance: float | None = None, generate: int = 16,
-                   per_layer: bool = False) -> Comparison:
-    """Compare model ``b`` against reference ``a`` on ``ids``."""
-    result = compare_logits(logits(a, ids), logits(b, ids))
-    result.tolerance = tolerance
+                   per_layer: bool = False, storage: torch.dtype | None = None) -> Comparison:
+    """Compare model ``b`` against reference ``a`` on ``ids``; without ``tolerance``, the one
+    the precision allows (``storage``: the coarser dtype the two store their weights in)."""
+    if stock_class_of(a) is not stock_class_of(b):
+        raise SurgeryError(f"the models are of different classes ({stock_class_of(a).__name__} and "
+                           f"{stock_class_of(b).__name__}): they do not output the same thing")
+    ref = logits(a, ids)
+    result = compare_logits(ref, logits(b, ids), output_kind(a))
+    if tolerance is None:
+        result.tolerance, result.reason, _ = tolerance_for(a, ids, storage or next(a.parameters()).dtype, ref)
+    else:
+        result.tolerance, result.reason = tolerance, "given"
     if generate and layout(a).objective == "causal-lm":
         result.generation = greedy_agreement(a, b, ids[:, : min(8, ids.shape[1])], generate)
     if per_layer:
@@ -132,13 +239,34 @@ def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
             result = stream.verify(pa, pb, text=text, dtype=dtype, tolerance=tolerance, n=n, length=length)
             result.streaming = why
             return result
-    ma = checkpoint.load(a, dtype) if not isinstance(a, torch.nn.Module) else a
-    mb = checkpoint.load(b, dtype) if not isinstance(b, torch.nn.Module) else b
+    ma, sa = _model(a, dtype)
+    mb, sb = _model(b, dtype)
     if dtype == torch.float64:
         faithful_norms(ma)
         faithful_norms(mb)
     tok = checkpoint.load_tokenizer(a) if not isinstance(a, torch.nn.Module) else None
     length = min(length, getattr(ma.config, "max_position_embeddings", None) or getattr(ma.config, "n_positions", length))
     ids = probe_ids(ma, tok, text, n, length)
-    tol = TOLERANCE[dtype] if tolerance is None else tolerance
-    return compare_models(ma, mb, ids, tolerance=tol, generate=generate, per_layer=per_layer)
+    return compare_models(ma, mb, ids, tolerance=tolerance, generate=generate, per_layer=per_layer,
+                          storage=coarsest(sa, sb))
+
+
+def _model(src, dtype: torch.dtype):
+    """(model in ``dtype``, the dtype its weights are stored in)."""
+    if isinstance(src, torch.nn.Module):
+        return src, next(src.parameters()).dtype
+    return checkpoint.load(src, dtype), checkpoint.storage_dtype(checkpoint.resolve(src))
+
+
+def reload_check(model, ids: torch.Tensor):
+    """A ``checkpoint.save`` check: a model loaded back from the written folder against
+    ``model``'s outputs on ``ids``, within the tolerance of ``model``'s dtype."""
+    ref = logits(model, ids)
+    tol, why, _ = tolerance_for(model, ids, next(model.parameters()).dtype, ref)
+
+    def check(reloaded) -> Comparison:
+        c = compare_logits(ref, logits(reloaded, ids), output_kind(model))
+        c.tolerance, c.reason = tol, why
+        return c
+
+    return check

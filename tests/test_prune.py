@@ -150,11 +150,25 @@ def test_a_layer_that_writes_nothing_is_the_one_removed():
         assert select_layers(method, 1, scores).layers == (1,)
 
 
-def test_low_precision_models_score_without_overflow():
-    model = tiny_model("llama", torch.bfloat16)
-    scores = score_layers(model, token_ids(2, 16))
-    assert torch.isfinite(scores.angular).all() and torch.isfinite(scores.influence).all()
-    assert scores.angular.dtype == torch.float64
+def test_float16_models_with_large_hidden_states_score_without_overflow():
+    """|h|^2 of a float16 stream whose entries are in the hundreds exceeds float16's range
+    (65504): a dot product taken in float16 is inf and the cosine NaN. The scores must equal a
+    float64 computation on the same (float16) states."""
+    model = tiny_model("llama", torch.float16)
+    model.model.embed_tokens.weight.data.mul_(200.0)
+    ids = token_ids(2, 16)
+    states = residual_states(model, ids)
+    assert all(s.dtype == torch.float16 and torch.isfinite(s).all() for s in states)
+    assert torch.isinf((states[0] * states[0]).sum(-1)).any()  # in float16 the dot product overflows
+    u = [s.double().reshape(-1, s.shape[-1]) for s in states]
+    u = [x / x.norm(dim=-1, keepdim=True) for x in u]
+    scores = score_layers(model, ids)
+    for i in range(len(u)):
+        for j in range(len(u)):
+            hand = torch.arccos((u[i] * u[j]).sum(-1).clamp(-1, 1)).mean() / math.pi
+            assert abs(scores.angular[i, j].item() - hand.item()) < 1e-9
+    hand = [1 - (u[l] * u[l + 1]).sum(-1).mean().item() for l in range(len(u) - 1)]
+    assert torch.allclose(scores.influence, torch.tensor(hand, dtype=torch.float64), atol=1e-12, rtol=0)
 
 
 def test_selection_rules():

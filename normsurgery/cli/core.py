@@ -15,6 +15,7 @@ from ..convert import convert as convert_checkpoint, load_recipe, parse_pass
 from ..families import layout
 from ..errors import SurgeryError
 from ..analysis import dead_units
+from ..training import is_main_process
 from ..verify import verify as verify_api
 from .app import command, console, emit_json, fmt, progress_bar
 
@@ -45,11 +46,16 @@ def convert(
     fold: bool = typer.Option(False, "--fold", help="set fold=true on every pass that has the option"),
     force: bool = typer.Option(False, help="replace an existing output; save even if parity breaks"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip the logit checks"),
-    work_dtype: Optional[str] = typer.Option(None, help="float32 (default) or float64 for the rewrite"),
+    work_dtype: Optional[str] = typer.Option(None, help="float32 (default) or float64 for the rewrite (not half)"),
     text: Optional[Path] = typer.Option(None, help="text for the checks (default: bundled Shakespeare)"),
     tol: Optional[float] = typer.Option(None, help="relative logit tolerance for exact passes"),
     max_shard_size: str = typer.Option("5GB", help="largest safetensors shard"),
     streaming: Optional[bool] = typer.Option(None, "--streaming/--in-memory", help=STREAMING_HELP),
+    steps: Optional[int] = typer.Option(None, help="trained passes: optimizer steps"),
+    batch_size: Optional[int] = typer.Option(None, help="trained passes: windows per micro-batch and process"),
+    seq_len: Optional[int] = typer.Option(None, help="trained passes: tokens per window"),
+    lr: Optional[float] = typer.Option(None, help="trained passes: peak learning rate"),
+    resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
     json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ):
     """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
@@ -58,10 +64,15 @@ def convert(
         specs = load_recipe(recipe) + specs
     if fold:
         specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
-    with progress_bar(not json) as progress:
+    given = {k: v for k, v in {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
+                                "resume": resume or None}.items() if v is not None}
+    specs = [(n, {**o, **{k: v for k, v in given.items() if k in registry.get(n).options}}) for n, o in specs]
+    with progress_bar(not json and is_main_process()) as progress:
         result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
                                      work_dtype=parse_dtype(work_dtype), text=read_text(text), tolerance=tol,
                                      max_shard_size=max_shard_size, progress=progress, streaming=streaming)
+    if result.saved is None:  # not the main process
+        return
     if json:
         emit_json(result.as_dict())
         return
@@ -75,20 +86,46 @@ def convert(
                       fmt(p and p.top1), ok)
     console.print(table)
     for s in result.steps:
+        if s.metrics.get("curve"):
+            console.print(curve_table(s.name, s.metrics["curve"]))
+    for s in result.steps:
         for note in s.notes:
             console.print(f"  [bold]{s.name}[/bold]: {note}", highlight=False)
     if result.parity:
-        console.print(f"overall vs input: relative error {fmt(result.parity.relative)}, "
-                      f"top-1 agreement {result.parity.top1:.4f}", highlight=False)
-    if result.cast:
-        console.print(f"cast to {result.storage_dtype}: relative error {fmt(result.cast.relative)} "
-                      f"(the input itself in {result.storage_dtype}: {fmt(result.cast_baseline.relative)})",
+        p = result.parity
+        console.print(f"overall vs the reference ({p.output}): relative error {fmt(p.relative)}"
+                      + (f", top-1 agreement {p.top1:.4f}" if p.top1 is not None else "")
+                      + (f"; tolerance {fmt(p.tolerance)}: {p.reason}" if p.tolerance is not None else ""),
                       highlight=False)
     if result.streaming:
         console.print(f"rewritten one block at a time: {result.streaming}", highlight=False)
-    saved = result.saved
-    how = "plain transformers" if saved["plain_transformers"] else "trust_remote_code=True or normsurgery.load"
-    console.print(f"saved {saved['path']} ({len(saved['files'])} files); loads with {how}", highlight=False)
+    if result.cast:
+        console.print(f"cast to {result.storage_dtype}: relative error {fmt(result.cast.relative)}; tolerance "
+                      f"{fmt(result.cast.tolerance)}: {result.cast.reason}", highlight=False)
+    console.print(f"saved {result.saved['path']} ({len(result.saved['files'])} files); {loads_with(result.saved)}",
+                  highlight=False)
+
+
+def loads_with(saved: dict) -> str:
+    """What was checked about loading the saved folder (``checkpoint.save``)."""
+    reload = saved.get("reload")
+    if reload is None:
+        return "not loaded back: how it loads was not checked"
+    c = reload["comparison"]
+    return (f"loads with {reload['loader']} (checked: loaded back, relative error {fmt(c['relative'])})"
+            + ("; plain transformers loads it with different outputs" if reload.get("plain_transformers") else ""))
+
+
+def curve_table(name: str, curve: list[dict]) -> Table:
+    """A trained pass's evaluations: step, stage, what was removed, training loss, held-out CE."""
+    table = Table(title=f"{name}: training curve (held-out CE never trained on)")
+    keys = ["step", "tokens"] + [k for k in ("stage", "removed") if any(k in r for r in curve)] + ["loss", "heldout_ce"]
+    for k in keys:
+        table.add_column(k.replace("_", " "), justify="left" if k == "stage" else "right")
+    for row in curve:
+        table.add_row(*[(f"{row[k]:.4f}" if isinstance(row.get(k), float) else str(row.get(k, "-")))
+                        if row.get(k) is not None else "-" for k in keys])
+    return table
 
 
 @command
@@ -97,7 +134,7 @@ def verify(
     b: str = typer.Argument(..., help="checkpoint to compare"),
     text: Optional[Path] = typer.Option(None, help="text to tokenize (default: bundled Shakespeare)"),
     dtype: str = typer.Option("float32", help="compute dtype: float64 checks the algebra"),
-    tol: Optional[float] = typer.Option(None, help="relative tolerance (default by dtype)"),
+    tol: Optional[float] = typer.Option(None, help="relative tolerance (default: from the compute and storage dtypes)"),
     samples: int = typer.Option(4, help="number of token windows"),
     seq_len: int = typer.Option(64, help="tokens per window"),
     generate: int = typer.Option(16, help="greedy tokens to compare (0: skip)"),
@@ -105,7 +142,8 @@ def verify(
     streaming: Optional[bool] = typer.Option(None, "--streaming/--in-memory", help=STREAMING_HELP),
     json: bool = typer.Option(False, "--json"),
 ):
-    """Compare two checkpoints' logits; exit 1 when they differ beyond the tolerance."""
+    """Compare two checkpoints' outputs (logits, or a base model's last hidden state); exit 1 when
+    they differ beyond the tolerance (by default the one the stored precision allows)."""
     r = verify_api(a, b, text=read_text(text), dtype=parse_dtype(dtype), tolerance=tol, n=samples,
                    length=seq_len, generate=generate, per_layer=layers, streaming=streaming)
     if json:
@@ -114,16 +152,25 @@ def verify(
         table = Table(title=f"verify {a} vs {b} in {dtype}")
         table.add_column("metric")
         table.add_column("value")
-        rows = [("max |Δlogit|", r.max_abs), ("mean |Δlogit|", r.mean_abs),
-                ("relative error", r.relative), ("tolerance", r.tolerance), ("KL(a||b)", r.kl),
-                ("top-1 agreement", r.top1), ("greedy agreement", r.generation)]
-        rows += [(f"hidden state {i}", d) for i, d in enumerate(r.layers)]
+        d = "Δlogit" if r.output == "logits" else "Δh"
+        rows = [("compared", r.output), (f"max |{d}|", r.max_abs), (f"mean |{d}|", r.mean_abs),
+                ("relative error", r.relative), ("tolerance", r.tolerance), ("why this tolerance", r.reason)]
+        rows += ([("KL(a||b)", r.kl), ("top-1 agreement", r.top1)] if r.output == "logits"
+                 else [("mean-pooled cosine (worst)", r.cosine)])
+        rows += [("greedy agreement", r.generation)] if r.generation is not None else []
+        for row in r.layers:
+            rows.append((f"h_{row['state']}: {row['what']}", fmt(row["relative"]) + f" ({row['basis']})"
+                         + (f"; {row['note']}" if row["note"] else "")))
         for k, v in rows:
             table.add_row(k, fmt(v))
         console.print(table)
         if r.streaming:
             console.print(f"read one block at a time (no generation, no per-layer figures): {r.streaming}",
                           highlight=False)
+        if r.layers:
+            console.print("h_l: the residual stream entering block l (the last row: leaving the last block). The "
+                          "final norm's output is not compared per layer (flashnorm moves its gain into the head); "
+                          f"the {r.output} compared above is what the model outputs", highlight=False, soft_wrap=True)
         console.print("[green]same function[/green]" if r.ok else "[red]DIFFERENT[/red]: relative error above tolerance")
     if not r.ok:
         raise typer.Exit(1)

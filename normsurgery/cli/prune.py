@@ -18,9 +18,13 @@ from .. import __version__, checkpoint
 from .. import streaming as stream
 from ..calibration import max_length, read_text, split_heldout, tokenize, windows
 from ..errors import SurgeryError
-from ..heal import heal_model, heldout_ce, make_accelerator
+from ..families import layout
+from ..heal import heal_model, heldout_ce, make_accelerator, require_lm
+from ..layout import LM_OBJECTIVES
 from ..prune import METHODS, count_layers, prune_model, score_layers, select_layers
+from ..verify import probe_ids, reload_check
 from .app import command, console, emit_json, err
+from .core import loads_with
 
 PRUNE_DEFAULTS = {"layers": None, "fraction": None, "method": "angular", "samples": 32, "seq_len": 128,
                   "batch_size": 8}
@@ -146,7 +150,7 @@ def _run_heal(acc, model, tokenizer, train, held, opts, save_adapter: bool, prog
                             batch_size=opts["batch_size"], rank=opts["rank"], alpha=opts["alpha"],
                             lr=opts["lr"], target_modules=opts["target_modules"],
                             mask_token_id=getattr(tokenizer, "mask_token_id", None), merge=not save_adapter,
-                            seed=opts["seed"], accelerator=acc, progress=progress)
+                            seed=opts["seed"], grad_accum=opts["grad_accum"], accelerator=acc, progress=progress)
 
 
 def save_adapter(peft_model, out: Path, base, *, source=None, force: bool = False) -> None:
@@ -261,16 +265,19 @@ def prune(
     if streaming:
         _prune_streaming(src, path, out, n, cal, p["method"], cfg, do_heal, force, plot, json)
         return
-    acc = make_accelerator(h["precision"], h["grad_accum"])  # one process of several, or the only one
+    acc = make_accelerator(h["precision"])  # one process of several, or the only one
     model = checkpoint.load(path).to(acc.device)
+    lm = layout(model).objective in LM_OBJECTIVES
+    if do_heal or held_text:
+        require_lm(model)  # --heal and --eval-text need a language-modelling head
     scores = score_layers(model, cal, batch_size=p["batch_size"]) if cal is not None else None
     selection = select_layers(p["method"], n, scores, cfg.num_hidden_layers)
     mask_id = getattr(tokenizer, "mask_token_id", None)
     ce = {}
-    if held is not None:
+    if held is not None and lm:
         ce["original"] = heldout_ce(model, held, mask_token_id=mask_id)
     record = prune_model(model, selection.layers)
-    if held is not None:
+    if held is not None and lm:
         ce["pruned"] = heldout_ce(model, held, mask_token_id=mask_id)
     report = None
     if do_heal:
@@ -287,12 +294,15 @@ def prune(
         adapter_tmp = out.parent / f".{out.name}.adapter-{os.getpid()}"
         save_adapter(model, adapter_tmp, Path(out).resolve(), force=True)
         try:
-            saved = checkpoint.save(model.unload(), out, source=path, force=force, record=meta)
+            base = model.unload()
+            saved = checkpoint.save(base, out, source=path, force=force, record=meta,
+                                    check=reload_check(base, held[:4]))
             adapter_tmp.rename(Path(out) / "adapter")
         finally:
             shutil.rmtree(adapter_tmp, ignore_errors=True)
     else:
-        saved = checkpoint.save(model, out, source=path, force=force, record=meta)
+        probe = cal[:4] if cal is not None else probe_ids(model, None, None, 4, p["seq_len"])
+        saved = checkpoint.save(model, out, source=path, force=force, record=meta, check=reload_check(model, probe))
     acc.wait_for_everyone()
     if plot is not None and scores is not None:
         plot_scores(plot, selection, scores)
@@ -310,6 +320,8 @@ def prune(
         where = "held-out text" if held_text or do_heal else "the calibration windows"
         rows = [(k, v) for k, v in ce.items()]
         console.print(_ce_table(f"cross-entropy on {where}", rows, rec))
+    elif not lm:
+        console.print(f"no cross-entropy: {type(model).__name__} has no language-modelling head", highlight=False)
     if report:
         console.print(f"healed: {report.steps} steps, {report.tokens} tokens, "
                       f"{report.tokens_per_second:.0f} tokens/s, LoRA rank {report.rank} on "
@@ -317,8 +329,7 @@ def prune(
         if overfit_note(report):
             err.print(overfit_note(report), highlight=False)
     tail = " (adapter unmerged in adapter/)" if report and save_adapter_ else ""
-    how = "plain transformers" if saved["plain_transformers"] else "trust_remote_code=True or normsurgery.load"
-    console.print(f"saved {saved['path']}{tail}; loads with {how}", highlight=False)
+    console.print(f"saved {saved['path']}{tail}; {loads_with(saved)}", highlight=False)
     if plot is not None and scores is not None:
         console.print(f"plot: {plot}", highlight=False)
 
@@ -385,7 +396,7 @@ def heal(
         raise SurgeryError(f"{src} has no tokenizer to read the text with")
     body = read_text(text)
     train, held = _heal_data(tokenizer, body, read_text(eval_text) if eval_text else None, h)
-    acc = make_accelerator(h["precision"], h["grad_accum"])
+    acc = make_accelerator(h["precision"])
     model = checkpoint.load(path)
     with step_bar(not json and acc.is_main_process, "heal") as bar:
         model, report = _run_heal(acc, model, tokenizer, train, held, h, save_adapter_, bar)
@@ -397,7 +408,7 @@ def heal(
         save_adapter(model, out, path.resolve(), source=path, force=force)
         saved = {"path": str(out), "files": sorted(f.name for f in Path(out).iterdir())}
     else:
-        saved = checkpoint.save(model, out, source=path, force=force, record=meta)
+        saved = checkpoint.save(model, out, source=path, force=force, record=meta, check=reload_check(model, held[:4]))
     acc.wait_for_everyone()
     if json:
         emit_json({**meta, "saved": saved, "losses": report.losses})
@@ -409,8 +420,7 @@ def heal(
                   f"{report.trainable_parameters} trainable parameters", highlight=False)
     if overfit_note(report):
         err.print(overfit_note(report), highlight=False)
-    how = "plain transformers" if saved.get("plain_transformers") else "trust_remote_code=True or normsurgery.load"
-    what = f"adapter (peft; base {path})" if save_adapter_ else f"merged; loads with {how}"
+    what = f"adapter (peft; base {path})" if save_adapter_ else f"merged; {loads_with(saved)}"
     console.print(f"saved {saved['path']}: {what}", highlight=False)
 
 

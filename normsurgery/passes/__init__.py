@@ -1,3 +1,4 @@
 """Built-in passes; importing a module registers its passes."""
 
-from . import compensated_ln, crmsnorm, flashnorm, mask, minimize, pre_rmsnorm  # noqa: F401
+from . import (bn_fold, compensated_ln, crmsnorm, flashnorm, mask, minimize, pre_rmsnorm, prepbn,  # noqa: F401
+               remove_ln)

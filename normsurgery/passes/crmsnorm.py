@@ -48,6 +48,9 @@ def applies(model, layout: Layout) -> str | None:
     reason = refuse_post_ln(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
     if reason:
         return reason
+    if layout.output_norm is not None:
+        return (f"the final norm ({layout.output_norm.path}) gives the model's output (a base model): a "
+                "weightless CRMSNorm has no reader to take its gain, and the output would lose a dimension")
     if layout.norm_kinds == {"layernorm"}:
         return None  # pre-rmsnorm runs first
     mods = [model.get_submodule(s.path) for s in layout.norms]

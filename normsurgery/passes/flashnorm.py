@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..layout import Layout
 from ..registry import PassContext, PassReport, register
-from .norms import fold_into_readers, refuse_norms, refuse_post_ln, untie_if_touched
+from .norms import fold_into_readers, foldable, output_note, refuse_norms, refuse_post_ln, untie_if_touched
 
 
 def applies(model, layout: Layout) -> str | None:
@@ -20,14 +20,16 @@ def applies(model, layout: Layout) -> str | None:
           blockwise=True)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("flashnorm")
-    touched = {r for s in layout.norms for r in s.readers}
+    sites = foldable(layout)
+    touched = {r for s in sites for r in s.readers}
     report.notes += untie_if_touched(model, layout, touched)
-    for site in layout.norms:
+    for site in sites:
         fold_into_readers(model, layout, site)
-    report.notes.append(f"folded {len(layout.norms)} norms into {len(touched)} readers; every norm gain is 1")
+    report.notes.append(f"folded {len(sites)} norms into {len(touched)} readers; their gains are 1")
+    report.notes += output_note(layout)
     if layout.qk_norms:
         report.notes.append(f"left {len(layout.qk_norms)} QK-norms as they are: rotary embeddings mix "
                             "pairs of dimensions after them, so their gains cannot be folded")
-    report.metrics["norms_folded"] = len(layout.norms)
+    report.metrics["norms_folded"] = len(sites)
     report.metrics["qk_norms_left"] = len(layout.qk_norms)
     return report

@@ -65,8 +65,9 @@ def shrink(model, layout: Layout, name: str, blocks: bool) -> PassReport:
         report.notes.append(f"removed {units} MLP units and {heads} attention heads")
     visible = int(dead.sum() - removable.sum())
     report.notes.append(f"removed {stream[0] - stream[1]} of {stream[0]} residual channels"
-                        + (f"; {visible} more are unwritten but a LayerNorm still shows them to its readers"
-                           if visible else "")
+                        + (f"; {visible} more are unwritten but kept: "
+                           + ("the model's output (a base model) has every channel" if layout.output_norm
+                              else "a LayerNorm still shows them to its readers") if visible else "")
                         + (f"; config hidden_size stays {stream[0]} (the norms' divisor), the saved checkpoint "
                            "records the narrower modules and needs the self-contained loader"
                            if stream[1] < stream[0] else ""))

@@ -34,6 +34,8 @@ def fold_into_readers(model, layout: Layout, site: NormSite) -> None:
     A reader without a bias (an LM head, say) cannot take W b: then the norm keeps b / g as its
     only parameter, since W diag(g) (n + b / g) = W (g n + b). Needs g != 0 wherever b != 0.
     """
+    if not site.readers:
+        raise SurgeryError(f"{site.path} has no reader to fold into: its output is the model's output")
     norm = model.get_submodule(site.path)
     readers = [model.get_submodule(r) for r in site.readers]
     offset = site.offset
@@ -48,6 +50,19 @@ def fold_into_readers(model, layout: Layout, site: NormSite) -> None:
         norm.weight.fill_(1.0 - offset)
         if shift is not None:
             norm.bias.copy_((shift / gain if in_norm else torch.zeros_like(shift)).to(norm.bias.dtype))
+
+
+def foldable(layout: Layout) -> tuple[NormSite, ...]:
+    """The norms whose gains can move into readers: all but a base model's final norm, whose
+    output is the model's output."""
+    return tuple(s for s in layout.norms if s is not layout.output_norm)
+
+
+def output_note(layout: Layout) -> list[str]:
+    if layout.output_norm is None:
+        return []
+    return [f"left the final norm ({layout.output_norm.path}) as it is: it gives the model's output "
+            "(a base model), so there is no reader to fold its gain into"]
 
 
 def untie_if_touched(model, layout: Layout, touched: set[str]) -> list[str]:

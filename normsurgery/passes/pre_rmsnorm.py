@@ -10,7 +10,7 @@ from .. import algebra
 from ..layout import Layout
 from ..norms import rmsnorm_like
 from ..registry import PassContext, PassReport, register
-from .norms import fold_into_readers, refuse_norms, refuse_post_ln, untie_if_touched
+from .norms import fold_into_readers, foldable, output_note, refuse_norms, refuse_post_ln, untie_if_touched
 
 
 def applies(model, layout: Layout) -> str | None:
@@ -30,10 +30,12 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     for site in layout.norms:
         # LN on a zero-mean stream is this RMSNorm: the stock class computes it too
         model.set_submodule(site.path, rmsnorm_like(model.get_submodule(site.path), stock_equivalent=True))
-        if ctx.options.get("fold"):
+        if ctx.options.get("fold") and site in foldable(layout):
             fold_into_readers(model, layout, site)
     report.notes.append(f"centred {len(layout.embeddings)} embeddings and {len(layout.writers)} writers; "
                         f"{len(layout.norms)} LayerNorms are now RMSNorm"
                         + ("; gains and biases folded into the readers" if ctx.options.get("fold") else ""))
+    if ctx.options.get("fold"):
+        report.notes += output_note(layout)
     report.metrics["norms_swapped"] = len(layout.norms)
     return report

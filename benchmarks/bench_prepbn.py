@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Forward time of prepbn-folded models against the original (and remove-ln's, when registered).
+
+On the demo checkpoints (normsurgery/demo/gpt2-tiny, llama-tiny; float32, CPU), in memory. The
+timing depends only on the structure, not on how well the model was trained, so each trained
+pass runs a token budget of 2 steps on the bundled sample text: prepbn leaves every norm a
+weightless ChannelAffine (y = x) and its statistics folded into the readers (which gain biases).
+Forward median (no_grad, batch x seq tokens, interleaved runs after a warm-up); ratio = time /
+original's time.
+
+Usage: python benchmarks/bench_prepbn.py [--json FILE|-] [--repeats N] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import normsurgery as ns  # noqa: E402
+from normsurgery import checkpoint, registry  # noqa: E402
+from normsurgery.registry import PassContext  # noqa: E402
+
+DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / "normsurgery/demo/llama-tiny"}
+SAMPLE = ROOT / "normsurgery/data/sample.txt"
+SHORT = {"steps": 2, "batch_size": 2, "seq_len": 32}
+
+
+def forward_ms(models: dict, ids: torch.Tensor, repeats: int) -> dict[str, float]:
+    times = {name: [] for name in models}
+    with torch.no_grad():
+        for m in models.values():
+            m(input_ids=ids)  # warm-up
+        for _ in range(repeats):
+            for name, m in models.items():
+                t = time.perf_counter()
+                m(input_ids=ids)
+                times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def trained(original, path: Path, name: str):
+    """``original`` after the trained pass ``name`` on a token budget that only fixes its structure."""
+    p = registry.get(name)
+    if p.applies(original, ns.layout(original)):
+        return None
+    model = copy.deepcopy(original)
+    options = {k: v for k, v in SHORT.items() if k in p.options}
+    ctx = PassContext(tokenizer=checkpoint.load_tokenizer(path), text=SAMPLE.read_text())
+    ns.apply_passes(model, [(name, options)], context=ctx)
+    return model.eval()
+
+
+def run(demo: str, path: Path, repeats: int, batch: int, seq: int) -> list[dict]:
+    original = ns.load(path, torch.float32)
+    models = {"original": original}
+    for name in ("prepbn", "remove-ln"):
+        if name in {p.name for p in registry.all_passes()}:
+            model = trained(original, path, name)
+            if model is not None:
+                models[name] = model
+    ids = torch.randint(0, original.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    ms = forward_ms(models, ids, repeats)
+    return [{"model": demo, "variant": name, "forward_ms": ms[name], "ratio": ms[name] / ms["original"],
+             "params": sum(p.numel() for p in m.parameters())} for name, m in models.items()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="also write the rows as JSON to FILE (- for stdout)")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [r for demo, path in DEMOS.items() for r in run(demo, path, args.repeats, args.batch, args.seq)]
+    print(f"forward time, batch {args.batch} x {args.seq} tokens, {args.threads} threads, median of {args.repeats}")
+    print(f"{'model':<12} {'variant':<10} {'params':>10} {'forward ms':>11} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['model']:<12} {r['variant']:<10} {r['params']:>10,} {r['forward_ms']:>11.2f} {r['ratio']:>7.3f}")
+    if args.json:
+        text = json.dumps(rows, indent=2)
+        print(text) if args.json == "-" else Path(args.json).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""remove-ln: forward time of the norm-free model against the original, training tokens/s;
+with ``--quality``, held-out CE before/after on the demo models against a plain fine-tune.
+
+Speed (default, ``make bench``): for each demo model, ``--steps`` steps of remove-ln on the
+bundled text (too few to keep quality: this times the loop), then the forward time of B x T
+tokens through the original and the norm-free model (median of 5, one process, 2 threads).
+
+Quality (``--quality TEXT``): the pass with its defaults (or --steps/--lr/--batch) on TEXT, its
+last 10% held out, and a control: the same fine-tune with the norms untouched. Prints the
+per-stage curve and writes JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMOS = {"gpt2-tiny": "normsurgery/demo/gpt2-tiny", "llama-tiny": "normsurgery/demo/llama-tiny"}
+
+
+def forward_seconds(model, ids, repeats: int = 5) -> float:
+    import torch
+
+    times = []
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run_pass(path: str, text: str, options: dict):
+    from normsurgery import checkpoint
+    from normsurgery.convert import apply_passes
+    from normsurgery.registry import PassContext
+
+    model = checkpoint.load(ROOT / path, )
+    ctx = PassContext(tokenizer=checkpoint.load_tokenizer(ROOT / path), text=text)
+    t = time.perf_counter()
+    [step] = apply_passes(model, [("remove-ln", options)], context=ctx)
+    return model, step.metrics, time.perf_counter() - t
+
+
+def control(path: str, text: str, metrics: dict, options: dict) -> dict:
+    """The same fine-tune (steps, batch, lr, schedule, data) with the norms left alone."""
+    from normsurgery import checkpoint, registry
+    from normsurgery.calibration import split_heldout, tokenize, windows
+    from normsurgery.training import TrainConfig, train
+
+    o = registry.check_options(registry.get("remove-ln"), options)
+    model = checkpoint.load(ROOT / path)
+    ids = tokenize(checkpoint.load_tokenizer(ROOT / path), text)
+    tr, held = split_heldout(ids, o["heldout"], o["seq_len"])
+    r = train(model, tr, windows(held, o["seq_len"], o["eval_samples"]),
+              TrainConfig(steps=o["steps"], batch_size=o["batch_size"], seq_len=o["seq_len"], lr=o["lr"],
+                          seed=o["seed"], eval_batch_size=o["batch_size"]))
+    return {"ce_after": r.ce_after, "seconds": r.seconds}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quality", metavar="TEXT", help="measure held-out CE on TEXT (minutes per model)")
+    p.add_argument("--models", default=",".join(DEMOS))
+    p.add_argument("--steps", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--no-control", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="write the results as JSON to FILE")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from normsurgery import checkpoint
+
+    results = []
+    for name in args.models.split(","):
+        path = DEMOS[name]
+        if args.quality:
+            text = Path(args.quality).read_text()
+            opts = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("batch_size", args.batch),
+                                      ("eval_samples", 64)) if v is not None}
+            model, m, wall = run_pass(path, text, opts)
+            row = {"model": name, "options": opts, "wall_seconds": wall, **{k: m[k] for k in (
+                "ce_before", "ce_after", "ce_delta", "steps", "tokens", "seconds", "schedule", "curve",
+                "fold_error_float64", "fold_error_float32")}}
+            if not args.no_control:
+                row["control"] = control(path, text, m, opts)
+            print(f"\n{name}: held-out CE {m['ce_before']:.4f} -> {m['ce_after']:.4f} ({m['ce_delta']:+.4f}) "
+                  f"in {m['steps']} steps, {m['tokens']} tokens, {m['seconds']:.0f} s training "
+                  f"({wall:.0f} s in all); schedule {m['schedule']}")
+            if "control" in row:
+                c = row["control"]["ce_after"]
+                print(f"  control (same fine-tune, norms kept): {c:.4f} ({c - m['ce_before']:+.4f}); "
+                      f"remove-ln vs control {m['ce_after'] - c:+.4f}")
+            print(f"  {'step':>5} {'tokens':>8} {'stage':<11}{'removed':>8} {'loss':>7} {'held-out CE':>12}")
+            for r in m["curve"]:
+                loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
+                print(f"  {r['step']:>5} {r['tokens']:>8} {r.get('stage', '-'):<11}{r.get('removed', '-'):>8} "
+                      f"{loss:>7} {r['heldout_ce']:>12.4f}")
+        else:
+            text = (ROOT / "normsurgery/data/sample.txt").read_text()
+            steps = args.steps or 24
+            original = checkpoint.load(ROOT / path)
+            model, m, wall = run_pass(path, text, {"steps": steps, "batch_size": args.batch or 8,
+                                                   "eval_samples": 2, "save_every": 0})
+            ids = torch.randint(0, original.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(0))
+            t0, t1 = forward_seconds(original, ids), forward_seconds(model.eval(), ids)
+            row = {"model": name, "forward_original_s": t0, "forward_norm_free_s": t1, "ratio": t1 / t0,
+                   "train_tokens_per_second": m["tokens"] / m["seconds"], "steps": steps}
+        results.append(row)
+    if not args.quality:
+        print(f"remove-ln speed, {args.threads} threads: forward of 8 x 128 tokens (median of 5), training loop")
+        print(f"{'model':<12}{'original ms':>12}{'norm-free ms':>13}{'ratio':>7}{'train tokens/s':>16}")
+        for r in results:
+            print(f"{r['model']:<12}{1e3 * r['forward_original_s']:>12.1f}{1e3 * r['forward_norm_free_s']:>13.1f}"
+                  f"{r['ratio']:>7.2f}{r['train_tokens_per_second']:>16.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""remove-ln: remove every normalization by staged fine-tuning (Heimersheim 2024; Baroni et al. 2025).
+
+While a norm is live it is computed exactly and its divisor d(x) = sqrt(var(x) + eps) (LayerNorm)
+or sqrt(mean(x^2) + eps) (RMSNorm), averaged over the tokens of each training batch, is tracked
+as an exponential moving average s (momentum 0.9; evaluation batches do not move it). Removing a
+norm freezes s: LayerNorm becomes the affine map (x - mean(x)) / s * g + b, RMSNorm x / s * g.
+
+Each norm's readers form paths with their own constant: "mlp", "qk" and "v" where a block has
+separate q/k/v projections ("attn" for a fused qkv), "final". The whole model fine-tunes on its
+language-modelling loss (training.train) while the paths freeze on a schedule: the MLP path of
+each block in turn, then the q/k (or fused) paths, then the v paths, then the final norm, a gap
+of steps between removals. Position 0 carries a much larger residual norm (attention sink): a
+frozen path keeps a separate constant for it until the last removal drops that special case.
+
+Then the frozen model is folded exactly: every writer is centred (so mean(x) = 0 on the stream;
+only where a LayerNorm was), the readers take W diag(g / s) and c + W b, and each norm becomes
+runtime.NoNorm, the identity: the saved model computes no statistic of the stream. The fold is
+checked against the frozen-norm model in float64 and float32 before anything is saved.
+
+``export=stock`` instead keeps the stock norm classes with eps = 1e12 and gains g * 1e6 / s (the
+published checkpoints' trick): (x - mean) / sqrt(var + 1e12) * g 1e6 / s = (x - mean) g / s
+up to a relative var / 2e12. Its error against the norm-free model is measured and reported;
+it is refused in fp16/bf16, where gains near 1e6 overflow or lose their precision.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import algebra
+from ..calibration import split_heldout, tokenize, windows
+from ..errors import SurgeryError
+from ..layout import Layout
+from ..registry import PassContext, PassReport, register
+from ..runtime import NoNorm
+from .norms import refuse_norms, refuse_post_ln, untie_if_touched
+
+MOMENTUM = 0.9
+STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance
+PATH_ORDER = ("mlp", "qk", "attn", "v", "final")
+
+
+class RemovableNorm(nn.Module):
+    """A norm whose readers apply it (:meth:`normalise`, through forward pre-hooks), one path
+    each; its own forward only tracks the divisor while some path is live and returns x.
+
+    Buffers (so a training state holds them): ``scale`` [P] and ``scale_first`` [P], the EMA of
+    the divisor over positions >= 1 and at position 0; ``frozen`` [P]; ``special`` (position 0
+    keeps its own constant). Gain and bias are the original norm's parameters.
+    """
+
+    def __init__(self, norm: nn.Module, layernorm: bool, eps: float, offset: float, paths: list[str]):
+        super().__init__()
+        self.layernorm, self.eps, self.offset, self.paths = layernorm, eps, offset, list(paths)
+        self.original = [norm]  # a list: not a submodule
+        self.weight = norm.weight
+        self.bias = getattr(norm, "bias", None)
+        p, dev = len(paths), norm.weight.device
+        self.register_buffer("scale", torch.zeros(p, device=dev))
+        self.register_buffer("scale_first", torch.zeros(p, device=dev))
+        self.register_buffer("frozen", torch.zeros(p, dtype=torch.bool, device=dev))
+        self.register_buffer("special", torch.ones((), dtype=torch.bool, device=dev))
+        self.calibrating = False
+        self.hooks = []
+        self.readers: dict[str, int] = {}  # reader path -> index of its path
+        self._cache: dict = {}  # path -> (input, output) of the current forward
+
+    def stats(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token divisor sqrt(var + eps) (or rms), shape [..., T], at least float32."""
+        s = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        v = torch.var_mean(s, -1, correction=0)[0] if self.layernorm else s.pow(2).mean(-1)
+        return torch.sqrt(v + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._cache = {}
+        if (self.training or self.calibrating) and not bool(self.frozen.all()):
+            with torch.no_grad():
+                d = self.stats(x.detach()).reshape(-1, x.shape[-2])
+                rest = (d[:, 1:] if d.shape[1] > 1 else d).mean().to(self.scale.dtype)
+                first = d[:, 0].mean().to(self.scale.dtype)
+                live = ~self.frozen
+                unseen = live & (self.scale == 0)
+                for buf, v in ((self.scale, rest), (self.scale_first, first)):
+                    buf.copy_(torch.where(unseen, v, torch.where(live, MOMENTUM * buf + (1 - MOMENTUM) * v, buf)))
+        return x
+
+    def normalise(self, x: torch.Tensor, p: int) -> torch.Tensor:
+        """Path ``p``'s output: the exact norm while live, else (x - mean) / s * g + b."""
+        hit = self._cache.get(p)
+        if hit is not None and hit[0] is x:  # another reader of the same path, same input
+            return hit[1]
+        gain = self.weight + self.offset
+        if not bool(self.frozen[p]):
+            s = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            if self.layernorm:
+                y = F.layer_norm(s, s.shape[-1:], eps=self.eps)
+            else:
+                y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + self.eps)
+            y = y.to(x.dtype) * gain
+        else:
+            c = x - x.mean(-1, keepdim=True) if self.layernorm else x
+            if bool(self.special):
+                d = self.scale[p].expand(x.shape[-2]).clone()
+                d[0] = self.scale_first[p]
+                y = c * (gain / d.to(x.dtype)[:, None])
+            else:
+                y = c * (gain / self.scale[p].to(x.dtype))
+        y = y if self.bias is None else y + self.bias
+        self._cache[p] = (x, y)
+        return y
+
+
+def _path_of(reader: str, layout: Layout, role: str, split: bool = True) -> str:
+    if role in ("final", "mlp") or not split:
+        return "mlp" if role == "mlp" else "final" if role == "final" else "attn"
+    for att in layout.attention:
+        if reader in (att.q, att.k):
+            return "qk"
+        if reader == att.v:
+            return "v"
+        if reader == att.qkv:
+            return "attn"
+    for mlp in layout.mlps:
+        if reader in (mlp.up, mlp.gate):
+            return "mlp"
+    return "mlp" if role == "mlp" else "attn"
+
+
+def install(model, layout: Layout, split: bool = True) -> list[RemovableNorm]:
+    """Replace each norm by a RemovableNorm and hook its readers; returns them in layout order.
+    ``split``: separate paths (q/k, v, MLP) where a norm has several kinds of reader; else one."""
+    norms = []
+    for site in layout.norms:
+        mod = model.get_submodule(site.path)
+        paths = {r: _path_of(r, layout, site.role, split) for r in site.readers}
+        order = sorted(set(paths.values()), key=PATH_ORDER.index)
+        rn = RemovableNorm(mod, site.kind == "layernorm", site.eps, site.offset, order)
+        _set(model, site.path, rn)
+        rn.readers = {reader: order.index(path) for reader, path in paths.items()}
+        for reader, p in rn.readers.items():
+            rn.hooks.append(model.get_submodule(reader).register_forward_pre_hook(_hook(rn, p)))
+        norms.append(rn)
+    return norms
+
+
+def _hook(norm: RemovableNorm, p: int):
+    def pre(module, args):
+        if not args:
+            raise SurgeryError(f"remove-ln: {type(module).__name__} was called without a positional input")
+        return (norm.normalise(args[0], p),) + tuple(args[1:])
+
+    return pre
+
+
+def _set(model, path: str, mod: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, mod)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+def schedule(norms: list[RemovableNorm], steps: int, start: int, gap: int,
+             final_gap: int) -> list[tuple[int, str, list[tuple[int, int]]]]:
+    """(step, stage, [(norm index, path index)]): MLP paths block by block, then q/k (fused
+    attention), then v, then the final norm, then position 0's special case (empty list)."""
+    groups: dict[str, list[list[tuple[int, int]]]] = {k: [] for k in ("mlp", "qk", "v", "final")}
+    for i, rn in enumerate(norms):
+        for p, name in enumerate(rn.paths):
+            groups["qk" if name == "attn" else name].append([(i, p)])
+    events, step = [], start
+    for stage in ("mlp", "qk", "v"):
+        for removal in groups[stage]:
+            events.append((step, stage, removal))
+            step += gap
+    if groups["final"]:
+        step += final_gap - gap
+        events.append((step, "final", groups["final"][0]))
+        step += final_gap
+    events.append((step, "position 0", []))
+    if step >= steps:
+        raise SurgeryError(f"remove-ln: the schedule needs {step + 1} steps (start {start}, gap {gap}, final gap "
+                           f"{final_gap} for {len(events)} removals) but steps={steps}; give more steps or "
+                           "smaller gaps")
+    return events
+
+
+def _auto_schedule(n_removals: int, steps: int, start: int, gap: int, final_gap: int) -> tuple[int, int, int]:
+    """Defaults: start after the warm-up (steps // 10); removals spread over the first half of
+    the steps; the final norm and position 0 get twice the gap."""
+    start = steps // 10 if start < 0 else start
+    if gap <= 0:
+        gap = max(1, (steps // 2 - start) // (n_removals + 2))
+    final_gap = 2 * gap if final_gap <= 0 else final_gap
+    return start, gap, final_gap
+
+
+def freeze_until(norms: list[RemovableNorm], events, step: int) -> dict:
+    """Apply every removal scheduled at or before ``step`` (idempotent: a resumed run calls it
+    at its first step only)."""
+    done = [e for e in events if e[0] <= step]
+    for _, stage, removal in done:
+        if not removal:
+            for rn in norms:
+                rn.special.fill_(False)
+        for i, p in removal:
+            norms[i].frozen[p] = True
+    return {"removed": sum(len(r) for _, _, r in done), "stage": done[-1][1] if done else "live"}
+
+
+# ----------------------------------------------------------------------------- fold and export
+
+def fold(model, layout: Layout, norms: list[RemovableNorm]) -> int:
+    """Frozen norms into the weights: centre the writers (when a LayerNorm removes the mean),
+    readers W diag(g / s) and c + W b, each norm replaced by NoNorm. Returns readers folded."""
+    if any(not bool(rn.frozen.all()) or bool(rn.special) for rn in norms):
+        raise SurgeryError("remove-ln: some norm is still live; nothing can be folded")
+    touched = set(layout.embeddings) if any(rn.layernorm for rn in norms) else set()
+    touched |= {r for s in layout.norms for r in s.readers}
+    untie_if_touched(model, layout, touched)
+    if any(rn.layernorm for rn in norms):
+        for path in layout.embeddings + layout.writers:
+            algebra.centre_outputs(model.get_submodule(path))
+    count = 0
+    for site, rn in zip(layout.norms, norms):
+        for h in rn.hooks:
+            h.remove()
+        gain = rn.weight.detach().to(algebra.WORK) + rn.offset
+        shift = None if rn.bias is None else rn.bias.detach().to(algebra.WORK)
+        for reader, p in rn.readers.items():
+            s = rn.scale[p].to(algebra.WORK)
+            algebra.fold_affine_into_reader(model.get_submodule(reader), gain / s, shift)
+            count += 1
+        nonorm = NoNorm(gain.shape[0])
+        _set(model, site.path, nonorm)
+    return count
+
+
+def export_stock(model, layout: Layout, norms: list[RemovableNorm]) -> str:
+    """Put the stock norms back with eps = STOCK_EPS and gains (g + offset) sqrt(eps) / s - offset.
+    Every path of a norm must share one constant: the stock norm computes one output."""
+    keys = _eps_keys(model, norms)
+    for site, rn in zip(layout.norms, norms):
+        for h in rn.hooks:
+            h.remove()
+        if len(rn.paths) != 1:
+            raise SurgeryError(f"export=stock: {site.path} has one constant per path ({', '.join(rn.paths)}), "
+                               "and a stock norm has one output")
+        norm = rn.original[0]
+        with torch.no_grad():
+            g = rn.weight.detach().to(algebra.WORK) + rn.offset
+            norm.weight.copy_((g * math.sqrt(STOCK_EPS) / rn.scale[0].to(algebra.WORK) - rn.offset).to(norm.weight.dtype))
+            if rn.bias is not None:
+                norm.bias.copy_(rn.bias.detach())
+        for name in ("eps", "variance_epsilon"):
+            if hasattr(norm, name):
+                setattr(norm, name, STOCK_EPS)
+        _set(model, site.path, norm)
+    for key in keys:
+        setattr(model.config, key, STOCK_EPS)
+    return ", ".join(keys)
+
+
+def _eps_keys(model, norms: list[RemovableNorm]) -> list[str]:
+    """The config keys the stock classes read the norms' eps from (found by value)."""
+    eps = {rn.eps for rn in norms}
+    keys = [k for k, v in model.config.to_dict().items() if "eps" in k and isinstance(v, float) and v in eps]
+    if len(eps) != 1 or not keys:
+        raise SurgeryError(f"export=stock: no config key sets the norms' epsilon in {model.config.model_type}, "
+                           "so a stock checkpoint cannot carry the large-eps trick; use the default export")
+    return keys
+
+
+def _relative(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return float((ref - out).abs().max() / ref.abs().max())
+
+
+@torch.no_grad()
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids.to(next(model.parameters()).device)).logits.double()
+
+
+def fold_checked(model, layout: Layout, norms: list[RemovableNorm], ids: torch.Tensor) -> dict:
+    """Fold in float64 and check it against the frozen-norm model in float64 and in float32;
+    the model ends in its working dtype. Raises (nothing to save) when a check fails."""
+    from ..verify import TOLERANCE  # the exact passes' tolerances
+
+    work = next(model.parameters()).dtype
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to(torch.float32)
+    frozen32 = _logits(model, ids)
+    model.to(torch.float64)
+    model.load_state_dict(kept)
+    frozen64 = _logits(model, ids)
+    readers = fold(model, layout, norms)
+    folded64 = _logits(model, ids)
+    folded = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to(torch.float32)
+    folded32 = _logits(model, ids)
+    model.to(work)
+    model.load_state_dict(folded)
+    err = {"float64": _relative(frozen64, folded64), "float32": _relative(frozen32, folded32)}
+    for name, dtype in (("float64", torch.float64), ("float32", torch.float32)):
+        if not err[name] <= TOLERANCE[dtype]:
+            raise SurgeryError(f"remove-ln: the folded model differs from the frozen-norm model in {name} "
+                               f"(relative error {err[name]:.2e} > {TOLERANCE[dtype]:.0e}); nothing was saved")
+    return {"readers_folded": readers, "fold_error_float64": err["float64"], "fold_error_float32": err["float32"]}
+
+
+# ----------------------------------------------------------------------------- the pass
+
+def applies(model, layout: Layout) -> str | None:
+    reason = refuse_post_ln(layout)
+    if reason:
+        return reason
+    if layout.qk_norms:
+        return (f"it has {len(layout.qk_norms)} QK-norms (per-head norms inside attention): their divisor "
+                "is not a property of the residual stream, and rotary embeddings follow them")
+    if layout.objective != "causal-lm":
+        return f"it has no causal language-modelling head to train with (objective {layout.objective})"
+    for site in layout.norms:
+        if site.role not in ("attn", "mlp", "attn+mlp", "final"):
+            return f"{site.path} is a {site.role} norm"
+        if site.eps is None:
+            return f"the epsilon of {site.path} is unknown"
+    return refuse_norms(layout, ("layernorm", "rmsnorm"))
+
+
+OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 128, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
+           "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
+           "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
+           "export": "self"}
+
+
+@register("remove-ln", "remove every norm by staged fine-tuning, then fold the frozen divisors: no normalization left",
+          "trained", "Pre-LN and parallel models with LayerNorm or RMSNorm (GPT-2, GPT-NeoX, OPT, Phi, Llama-like)",
+          applies, options=OPTIONS)
+def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
+    o = ctx.options
+    if o["export"] not in ("self", "stock"):
+        raise SurgeryError(f"remove-ln: export={o['export']!r}; choose self or stock")
+    dtype = next(model.parameters()).dtype
+    if o["export"] == "stock" and dtype in (torch.float16, torch.bfloat16):
+        raise SurgeryError(f"remove-ln: export=stock stores gains near {math.sqrt(STOCK_EPS):.0e}, which {dtype} "
+                           "cannot hold accurately; use the default export or a float32 working dtype")
+    if not ctx.text:
+        raise SurgeryError("remove-ln trains the model: give it text (--text FILE)")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and o["seq_len"] > limit:
+        raise SurgeryError(f"remove-ln: seq_len {o['seq_len']} is longer than the model's {limit} positions")
+    ids = tokenize(ctx.tokenizer, ctx.text)
+    train_ids, held_ids = split_heldout(ids, o["heldout"], o["seq_len"])
+    held = windows(held_ids, o["seq_len"], o["eval_samples"], "the held-out part of the text")
+    if ctx.train is None:
+        raise SurgeryError("remove-ln needs the training loop: run it through convert or apply_passes")
+    workdir = ctx.workdir / "remove-ln" if ctx.workdir else None
+    config = {"steps": o["steps"], "batch_size": o["batch_size"], "seq_len": o["seq_len"], "lr": o["lr"],
+              "min_lr": None if o["min_lr"] < 0 else o["min_lr"], "warmup": None if o["warmup"] < 0 else o["warmup"],
+              "weight_decay": o["weight_decay"], "grad_accum": o["grad_accum"], "precision": o["precision"],
+              "seed": o["seed"], "eval_batch_size": o["batch_size"], "resume": o["resume"],
+              "save_every": o["save_every"] if workdir else 0, "state_dir": workdir}
+    device = next(model.parameters()).device
+    norms = install(model, layout, split=o["export"] != "stock")  # a stock norm has one output
+    n_removals = sum(len(rn.paths) for rn in norms) + 1
+    start, gap, final_gap = _auto_schedule(n_removals, o["steps"], o["start"], o["gap"], o["final_gap"])
+    events = schedule(norms, o["steps"], start, gap, final_gap)
+    _calibrate(model, norms, windows(train_ids, o["seq_len"], 8))
+    config["eval_steps"] = tuple(sorted({e[0] for i, e in enumerate(events) if i == 0 or e[1] != events[i - 1][1]}))
+    result = ctx.train(model, train_ids, held, config, objective="causal-lm",
+                       on_step=lambda step, m: freeze_until(norms, events, step), progress=ctx.train_progress)
+    model.to(device)
+    check_ids = held[: min(4, len(held))]
+    report = PassReport("remove-ln")
+    report.metrics.update({"ce_before": result.ce_before, "ce_after": result.ce_after,
+                           "ce_delta": result.ce_after - result.ce_before, "steps": result.steps,
+                           "tokens": result.tokens, "seconds": result.seconds, "processes": result.processes,
+                           "precision": result.precision, "resumed_from": result.resumed_from,
+                           "schedule": {"start": start, "gap": gap, "final_gap": final_gap,
+                                        "last_removal": events[-1][0]},
+                           "curve": result.curve})
+    if o["export"] == "stock":
+        frozen = _logits(model, check_ids)
+        keys = export_stock(model, layout, norms)
+        err = _relative(frozen, _logits(model, check_ids))
+        report.metrics["stock_error"] = err
+        report.notes.append(f"export=stock: stock norms with {keys} = {STOCK_EPS:.0e} and gains scaled by "
+                            f"1e6 / s; relative logit error against the norm-free model {err:.2e}")
+    else:
+        report.metrics.update(fold_checked(model, layout, norms, check_ids))
+        report.notes.append(f"removed {len(norms)} norms: {report.metrics['readers_folded']} readers took g / s "
+                            f"and b; fold checked against the frozen model (relative error "
+                            f"{report.metrics['fold_error_float64']:.1e} in float64, "
+                            f"{report.metrics['fold_error_float32']:.1e} in float32)")
+    report.notes.append(f"trained {result.steps} steps ({result.tokens} tokens, {result.seconds:.0f} s): held-out CE "
+                        f"{result.ce_before:.4f} -> {result.ce_after:.4f} ({result.ce_after - result.ce_before:+.4f})")
+    return report
+
+
+@torch.no_grad()
+def _calibrate(model, norms: list[RemovableNorm], batch: torch.Tensor) -> None:
+    """Start every divisor EMA at its value on a few training windows."""
+    was = model.training
+    model.eval()
+    for rn in norms:
+        rn.calibrating = True
+    try:
+        model(input_ids=batch.to(next(model.parameters()).device))
+    finally:
+        for rn in norms:
+            rn.calibrating = False
+        model.train(was)

@@ -1,0 +1,402 @@
+"""The one fine-tuning loop (heal, remove-ln, prepbn): accelerate, held-out CE, checkpoints.
+
+Objective: the language-modelling loss in nats per predicted token,
+- ``causal-lm``: CE(logits_t, x_{t+1}) averaged over positions;
+- ``masked-lm``: 15% of positions predicted (of those 80% [MASK], 10% a random token, 10%
+  unchanged), CE averaged over the predicted positions.
+
+One optimizer step reads ``batch_size`` windows x ``grad_accum`` micro-batches x processes.
+AdamW (weight decay on matrices only), linear warm-up to ``lr`` over ``warmup`` steps, then
+cosine decay to ``min_lr``; gradients clipped to norm ``clip``. Window ``i`` of micro-batch
+``m`` of step ``s`` on process ``r`` is drawn from a generator seeded by (seed, s, m, r), so a run
+is a function of its configuration alone, and ``resume`` from a state saved at step ``k`` (model,
+optimizer, scheduler, RNG) continues exactly as the uninterrupted run would.
+
+Processes: one CPU, one GPU, or several under ``torchrun`` / ``accelerate launch`` (gloo on
+CPU, each process its own batches, gradients averaged). Only the main process writes state and
+reports progress. bf16 autocast on a GPU that supports it (``precision="auto"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from .errors import SurgeryError
+from .families import layout, stock_class_of
+from .layout import LM_OBJECTIVES
+
+MLM_FRACTION = 0.15
+STATE_FILE = "train-state.pt"
+
+#: (step done, total steps, running training loss), called on the main process only
+StepProgress = Callable[[int, int, float], None]
+#: (step about to run, unwrapped model) -> metrics to log (or None); runs before the step's forwards
+OnStep = Callable[[int, Any], "dict[str, Any] | None"]
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 8  # windows per micro-batch and process
+    seq_len: int = 128
+    lr: float = 1e-4
+    min_lr: float | None = None  # end of the cosine; default lr / 10
+    warmup: int | None = None  # warm-up steps; default steps // 10 (at least 1)
+    weight_decay: float = 0.0
+    grad_accum: int = 1
+    clip: float = 1.0  # gradient-norm clipping (0: none)
+    precision: str = "auto"  # auto | no | bf16 | fp16
+    seed: int = 0
+    eval_every: int = 0  # held-out CE every this many steps (0: before and after only)
+    eval_steps: tuple[int, ...] = ()  # and after these steps
+    eval_batch_size: int = 8
+    save_every: int = 0  # training state every this many steps (0: never)
+    state_dir: Path | None = None
+    resume: bool = False
+
+    def check(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise SurgeryError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise SurgeryError(f"a sequence needs at least 2 tokens, got --seq-len {self.seq_len}")
+        if not self.lr > 0:
+            raise SurgeryError(f"--lr must be positive, got {self.lr:g}")
+        if (self.save_every or self.resume) and self.state_dir is None:
+            raise SurgeryError("saving or resuming training state needs a state directory")
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(1, self.steps // 10) if self.warmup is None else self.warmup
+
+    @property
+    def final_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based)."""
+        w = self.warmup_steps
+        if step < w:
+            return self.lr * (step + 1) / w
+        t = (step - w) / max(1, self.steps - w)
+        return self.final_lr + (self.lr - self.final_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int  # tokens trained on, all processes together
+    seconds: float  # wall time of the steps run in this call (a resumed run: since the resume)
+    processes: int
+    precision: str
+    ce_before: float
+    ce_after: float
+    trainable_parameters: int
+    resumed_from: int | None = None
+    losses: list[float] = field(default_factory=list)  # mean training loss of each step
+    curve: list[dict] = field(default_factory=list)  # one row per evaluation
+
+    @property
+    def tokens_per_second(self) -> float:
+        done = self.steps - (self.resumed_from or 0)
+        return self.tokens * done / self.steps / self.seconds if self.seconds and self.steps else float("nan")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+
+
+# ----------------------------------------------------------------------------- processes
+
+def _requested_cpu_processes() -> int | None:
+    """``accelerate launch --cpu --num_processes N`` (N > 1) starts this script once, with
+    MASTER_ADDR set and no WORLD_SIZE: the count is only on the launcher's command line."""
+    if os.environ.get("WORLD_SIZE") or os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true":
+        return None
+    if not os.environ.get("MASTER_ADDR"):
+        return None
+    try:
+        import psutil
+
+        argv = psutil.Process().parent().cmdline()
+    except Exception:
+        argv = []
+    for i, a in enumerate(argv):
+        for flag in ("--num_processes", "--num-processes"):
+            if a == flag and i + 1 < len(argv):
+                return int(argv[i + 1])
+            if a.startswith(flag + "="):
+                return int(a.split("=", 1)[1])
+    raise SurgeryError("accelerate launch --cpu starts one process whatever --num_processes says, and the count "
+                       "could not be read; use torchrun --nproc_per_node N -m normsurgery ...")
+
+
+def relaunch_cpu_processes() -> None:
+    """Turn a single process started by ``accelerate launch --cpu --num_processes N`` into N
+    processes of one gloo group: run the same command under torch.distributed.run, then exit
+    with its status. Does nothing otherwise."""
+    n = _requested_cpu_processes()
+    if not n or n < 2:
+        return
+    argv = list(getattr(sys, "orig_argv", []))[1:]
+    if not argv or (argv[0].startswith("-") and argv[0] != "-m"):
+        raise SurgeryError("cannot restart this command under torchrun; run torchrun --nproc_per_node "
+                           f"{n} -m normsurgery ... instead")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+           "--master_addr", os.environ["MASTER_ADDR"], "--master_port", os.environ.get("MASTER_PORT", "29500"),
+           *argv]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    raise SystemExit(subprocess.call(cmd, env=env))
+
+
+def is_main_process() -> bool:
+    """False in every process but the first of a distributed group."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+        or torch.distributed.get_rank() == 0
+
+
+def make_accelerator(precision: str = "auto"):
+    """An Accelerator; ``auto`` means bf16 on a GPU that supports it, else full precision.
+    Without a GPU it asks for the CPU, so ``torchrun`` processes join one gloo group."""
+    from accelerate import Accelerator
+
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    if precision not in ("no", "bf16", "fp16"):
+        raise SurgeryError(f"unknown precision {precision!r}; choose auto, no, bf16 or fp16")
+    relaunch_cpu_processes()
+    try:
+        return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+    except ValueError as e:  # accelerate's state is per process: its precision is fixed once set
+        raise SurgeryError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- data and loss
+
+def mask_tokens(ids: torch.Tensor, mask_id: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's masking of ``ids`` [..., T]: (inputs, labels with -100 where nothing is predicted)."""
+    pick = torch.rand(ids.shape, generator=gen) < MLM_FRACTION
+    pick[..., 0] |= ~pick.any(-1)  # predict at least one position per window
+    r = torch.rand(ids.shape, generator=gen)
+    inputs = ids.clone()
+    inputs[pick & (r < 0.8)] = mask_id
+    rand = pick & (r >= 0.8) & (r < 0.9)
+    inputs[rand] = torch.randint(0, vocab, ids.shape, generator=gen)[rand]
+    return inputs, torch.where(pick, ids, torch.full_like(ids, -100))
+
+
+def objective_of(model) -> str:
+    """The Layout's objective of ``model`` (or of the model a peft wrapper holds)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    objective = layout(base).objective
+    if objective not in LM_OBJECTIVES:
+        raise SurgeryError(f"{stock_class_of(base).__name__} has no language-modelling head (objective: "
+                           f"{objective}): cross-entropy and training need a causal or masked LM")
+    return objective
+
+
+def _mlm_spec(objective: str, model, mask_token_id: int | None) -> tuple[int, int] | None:
+    if objective not in LM_OBJECTIVES:
+        raise SurgeryError(f"unknown objective {objective!r}; choose {' or '.join(LM_OBJECTIVES)}")
+    if objective == "causal-lm":
+        return None
+    if mask_token_id is None:
+        raise SurgeryError("a masked language model needs its tokenizer's mask token to train")
+    return mask_token_id, model.config.vocab_size
+
+
+def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token CEs in float32, number of predicted tokens). ``model`` may be wrapped."""
+    logits = model(input_ids=inputs, **({"use_cache": False} if causal else {})).logits
+    if causal:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+    return loss, (labels != -100).sum()
+
+
+def _batch(ids: torch.Tensor, config: TrainConfig, step: int, micro: int, rank: int,
+           mlm: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(((config.seed * 1_000_003 + step) * 1_009 + micro) * 1_013 + rank)
+    starts = torch.randint(0, len(ids) - config.seq_len + 1, (config.batch_size,), generator=gen)
+    w = torch.stack([ids[s:s + config.seq_len] for s in starts.tolist()])
+    return mask_tokens(w, *mlm, gen) if mlm else (w, w)
+
+
+@torch.no_grad()
+def heldout_ce(model, windows: torch.Tensor, batch_size: int = 8, objective: str | None = None, *,
+               mask_token_id: int | None = None, autocast=None) -> float:
+    """Mean CE (nats/token) on ``windows`` [n, T] in eval mode: next-token, or masked-token with
+    masks fixed by seed (every model sees the same ones). ``objective`` defaults to the model's."""
+    objective = objective or objective_of(model)
+    mlm = _mlm_spec(objective, model, mask_token_id)
+    inputs, labels = mask_tokens(windows, *mlm, torch.Generator().manual_seed(0)) if mlm else (windows, windows)
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    try:
+        for s in range(0, len(windows), batch_size):
+            with autocast() if autocast else nullcontext():
+                loss, n = loss_sum(model, inputs[s:s + batch_size].to(device), labels[s:s + batch_size].to(device),
+                                   mlm is None)
+            total, count = total + loss.item(), count + n.item()
+    finally:
+        model.train(was_training)
+    return total / count
+
+
+# ----------------------------------------------------------------------------- state
+
+def _fingerprint(config: TrainConfig, ids: torch.Tensor, objective: str, processes: int) -> str:
+    keys = ("steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "weight_decay", "grad_accum", "clip",
+            "precision", "seed")
+    text = repr(([getattr(config, k) for k in keys], objective, processes, len(ids)))
+    return hashlib.sha256(text.encode() + ids.numpy().tobytes()).hexdigest()[:16]
+
+
+def _save_state(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_state(config: TrainConfig, fingerprint: str) -> dict:
+    path = Path(config.state_dir) / STATE_FILE
+    if not path.is_file():
+        raise SurgeryError(f"nothing to resume: no training state at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("fingerprint") != fingerprint:
+        raise SurgeryError(f"the training state at {path} is from another run (other text, options or process "
+                           "count); resume with the same ones or start afresh without --resume")
+    return state
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainConfig | dict, *,
+          objective: str = "causal-lm", mask_token_id: int | None = None, on_step: OnStep | None = None,
+          params: Iterable[torch.nn.Parameter] | None = None, progress: StepProgress | None = None,
+          accelerator=None) -> TrainResult:
+    """Fine-tune ``model`` in place on random windows of the 1-D token stream ``train_ids``;
+    held-out CE on the fixed windows ``heldout`` [n, T] before, after and on ``config``'s
+    evaluation steps (``config`` may be a dict of TrainConfig's fields). ``params``: what
+    trains (default every parameter that requires grad).
+
+    ``on_step(step, model)`` runs at the start of each optimizer step, before its forwards; it
+    must depend only on ``step`` and the model's state (a resumed run skips the earlier calls);
+    the metrics it returns go into the next curve row.
+    """
+    config = TrainConfig(**config) if isinstance(config, dict) else config
+    config.check()
+    train_ids = torch.as_tensor(train_ids).reshape(-1).cpu()
+    if len(train_ids) < config.seq_len:
+        raise SurgeryError(f"the training text has {len(train_ids)} tokens, fewer than one sequence of "
+                           f"{config.seq_len} (give more text or a smaller --seq-len)")
+    acc = accelerator or make_accelerator(config.precision)
+    mlm = _mlm_spec(objective, model, mask_token_id)
+    model.to(acc.device)
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    chosen = {id(p) for p in params}
+    saved_flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(id(p) in chosen)
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: config.lr_at(s) / config.lr)
+    wrapped, optimizer = acc.prepare(model, optimizer)
+    procs, rank, main = acc.num_processes, acc.process_index, acc.is_main_process
+    evaluate = lambda: heldout_ce(model, heldout, config.eval_batch_size, objective,  # noqa: E731
+                                  mask_token_id=mask_token_id, autocast=acc.autocast)
+    fingerprint = _fingerprint(config, train_ids, objective, procs)
+    state_path = Path(config.state_dir) / STATE_FILE if config.state_dir else None
+    tokens_per_step = config.batch_size * config.grad_accum * procs * config.seq_len
+    eval_at = set(config.eval_steps) | ({s for s in range(config.eval_every, config.steps, config.eval_every)}
+                                       if config.eval_every else set())
+
+    start, losses, curve, resumed = 0, [], [], None
+    if config.resume:
+        state = _load_state(config, fingerprint)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        if torch.cuda.is_available() and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        start = resumed = state["step"]
+        losses, curve, ce_before = state["losses"], state["curve"], state["ce_before"]
+    else:
+        torch.manual_seed(config.seed)
+        ce_before = evaluate()
+        curve.append({"step": 0, "tokens": 0, "loss": None, "heldout_ce": ce_before, "lr": config.lr_at(0)})
+
+    wrapped.train()
+    metrics: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for step in range(start, config.steps):
+        if on_step:
+            metrics.update(on_step(step, model) or {})
+        total = torch.zeros((), device=acc.device)
+        for micro in range(config.grad_accum):
+            inputs, labels = _batch(train_ids, config, step, micro, rank, mlm)
+            sync = micro == config.grad_accum - 1
+            with (nullcontext() if sync else acc.no_sync(wrapped)), acc.autocast():
+                s, n = loss_sum(wrapped, inputs.to(acc.device), labels.to(acc.device), mlm is None)
+                loss = s / n.clamp_min(1) / config.grad_accum
+                acc.backward(loss)
+            total += loss.detach().float()
+        if config.clip:
+            acc.clip_grad_norm_(params, config.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(acc.reduce(total, "mean").item() if procs > 1 else total.item())
+        done = step + 1
+        if done in eval_at or done == config.steps:
+            window = losses[curve[-1]["step"]:]
+            curve.append({"step": done, "tokens": done * tokens_per_step,
+                          "loss": sum(window) / len(window) if window else None, "heldout_ce": evaluate(),
+                          "lr": config.lr_at(step), **metrics})
+            metrics = {}
+            wrapped.train()
+        if config.save_every and done % config.save_every == 0 and done < config.steps:
+            if main:
+                _save_state(state_path, {
+                    "fingerprint": fingerprint, "step": done, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                    "losses": losses, "curve": curve, "ce_before": ce_before})
+            acc.wait_for_everyone()
+        if main and progress:
+            progress(done, config.steps, sum(losses[-10:]) / len(losses[-10:]))
+    seconds = time.perf_counter() - t0
+    for p, flag in saved_flags:
+        p.requires_grad_(flag)
+    model.eval()
+    return TrainResult(config.steps, config.steps * tokens_per_step, seconds, procs, acc.mixed_precision,
+                       ce_before, curve[-1]["heldout_ce"], sum(p.numel() for p in params), resumed, losses, curve)
+
+
+def remove_state(config: TrainConfig) -> None:
+    """Delete the training state once its run's output is saved."""
+    if config.state_dir is not None:
+        path = Path(config.state_dir) / STATE_FILE
+        path.unlink(missing_ok=True)
+        try:
+            Path(config.state_dir).rmdir()
+        except OSError:
+            pass

@@ -1,0 +1,209 @@
+"""remove-ln: exact fold of frozen norms, a saved model with no normalization, resume, quality, refusals."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from typer.testing import CliRunner
+
+import normsurgery
+from normsurgery import checkpoint
+from normsurgery.families import layout
+from normsurgery.norms import kind_of
+from normsurgery.cli import app
+from normsurgery.errors import SurgeryError
+from normsurgery.passes import remove_ln as R
+from normsurgery.registry import PassContext, get
+from normsurgery.training import train
+
+from models import tiny_model, token_ids
+
+GPT2 = "normsurgery/demo/gpt2-tiny"
+SAMPLE = Path("normsurgery/data/sample.txt")
+runner = CliRunner()
+#: aten ops that compute a statistic of a vector (variance, rms, norm) or a norm layer
+STATISTICS = {"var", "var_mean", "std", "std_mean", "native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm",
+              "rsqrt", "sqrt", "linalg_vector_norm", "norm", "native_batch_norm", "native_group_norm"}
+
+
+class Ops(TorchDispatchMode):
+    """Records the name of every aten op a forward runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def statistics_computed(model, ids) -> set[str]:
+    with torch.no_grad(), Ops() as ops:
+        model(input_ids=ids)
+    return ops.names & STATISTICS
+
+
+def frozen_model(family, dtype=torch.float64, seed=0, split=True):
+    """A model with every norm removed (no training): divisors from a batch, then perturbed so a
+    wrong constant shows, every path frozen, position 0's special case dropped."""
+    model = tiny_model(family, dtype, seed=seed)
+    lay = layout(model)
+    norms = R.install(model, lay, split)
+    R._calibrate(model, norms, token_ids(4, 32, seed=3))
+    g = torch.Generator().manual_seed(seed)
+    for rn in norms:
+        rn.scale.mul_(0.5 + torch.rand(rn.scale.shape, generator=g, dtype=torch.float64).to(dtype))
+        R.freeze_until([rn], [(0, "all", [(0, p) for p in range(len(rn.paths))]), (0, "position 0", [])], 0)
+    return model, lay, norms
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "opt", "llama", "phi", "gemma"])
+def test_fold_equals_the_frozen_norm_model_in_float64(family):
+    model, lay, norms = frozen_model(family)
+    ids = token_ids(3, 24)
+    with torch.no_grad():
+        frozen = model(input_ids=ids).logits
+        original = tiny_model(family, torch.float64)(input_ids=ids).logits
+    assert (frozen - original).abs().max() > 1e-2 * original.abs().max()  # the constants matter
+    R.fold(model, lay, norms)
+    with torch.no_grad():
+        folded = model(input_ids=ids).logits
+    assert (folded - frozen).abs().max() <= 1e-10 * frozen.abs().max()
+    assert not [m for m in model.modules() if isinstance(m, R.RemovableNorm) or kind_of(m)[0] != "other"]
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    assert not statistics_computed(model, ids)
+
+
+def test_separate_paths_per_family():
+    paths = {f: [rn.paths for rn in R.install(m, layout(m))][:2]
+             for f, m in ((f, tiny_model(f, torch.float32)) for f in ("gpt2", "llama", "phi"))}
+    assert paths == {"gpt2": [["attn"], ["mlp"]], "llama": [["qk", "v"], ["mlp"]], "phi": [["mlp", "qk", "v"]] * 2}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_saved_model_has_no_norm_and_computes_no_statistic(family, tmp_path):
+    model, lay, norms = frozen_model(family, torch.float32)
+    ids = token_ids(2, 16)
+    assert statistics_computed(tiny_model(family, torch.float32), ids)  # the check sees the original's norms
+    R.fold(model, lay, norms)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    saved = checkpoint.save(model, tmp_path / "out")
+    assert not saved["plain_transformers"]
+    for loaded in (normsurgery.load(tmp_path / "out"),
+                   T.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)):
+        assert not [m for m in loaded.modules() if kind_of(m)[0] != "other"]
+        assert not statistics_computed(loaded, ids)
+        with torch.no_grad():
+            assert torch.allclose(loaded(input_ids=ids).logits, expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_stock_export_imitates_no_norm_and_is_refused_in_half(family, tmp_path):
+    model, lay, norms = frozen_model(family, torch.float32, split=False)
+    ids = token_ids(2, 16)
+    with torch.no_grad():
+        frozen = model(input_ids=ids).logits
+    keys = R.export_stock(model, lay, norms)
+    assert keys in ("layer_norm_epsilon", "rms_norm_eps")
+    checkpoint.save(model, tmp_path / "stock")
+    plain = T.AutoModelForCausalLM.from_pretrained(tmp_path / "stock")  # the stock class, no remote code
+    with torch.no_grad():
+        assert (plain(input_ids=ids).logits - frozen).abs().max() <= 1e-5 * frozen.abs().max()
+    half = tiny_model(family, torch.float16)
+    ctx = PassContext(options={**get("remove-ln").options, "export": "stock"}, text="x")
+    with pytest.raises(SurgeryError, match="export=stock .* cannot hold"):
+        get("remove-ln").apply(half, layout(half), ctx)
+
+
+def small_gpt2(tmp_path=None):
+    """Two blocks of width 32 with the demo tokenizer (6 removals); saved with it to ``tmp_path``."""
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=1024, n_positions=64))
+    if tmp_path is not None:
+        checkpoint.save(model, tmp_path, source=GPT2)
+    return model
+
+
+def run_pass(tmp_path, model=None, interrupt_at=None, **options):
+    model = model or small_gpt2()
+    opts = {**get("remove-ln").options, "steps": 12, "batch_size": 2, "seq_len": 32, "eval_samples": 2,
+            "lr": 1e-3, "save_every": 4, **options}
+
+    def progress(done, total, loss):
+        if done == interrupt_at:
+            raise KeyboardInterrupt
+
+    ctx = PassContext(options=opts, tokenizer=checkpoint.load_tokenizer(GPT2), text=SAMPLE.read_text(),
+                      train=train, workdir=tmp_path, train_progress=progress)
+    report = get("remove-ln").apply(model, layout(model), ctx)
+    return model, report
+
+
+def test_resume_continues_an_interrupted_run_to_the_same_model(tmp_path):
+    whole, ref = run_pass(tmp_path / "a")
+    with pytest.raises(KeyboardInterrupt):
+        run_pass(tmp_path / "b", interrupt_at=10)  # state of step 8 saved
+    resumed, got = run_pass(tmp_path / "b", resume=True)
+    assert got.metrics["resumed_from"] == 8 and got.metrics["curve"] == ref.metrics["curve"]
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_quality_after_a_short_run():
+    """At 60 steps of 8 x 64 tokens gpt2-tiny keeps held-out CE within the bound measured."""
+    model, report = run_pass(None, checkpoint.load(GPT2), steps=60, batch_size=8, seq_len=64, lr=1e-4 * 3, eval_samples=16, save_every=0)
+    m = report.metrics
+    assert m["ce_delta"] < 0.2, m["curve"]
+    assert m["fold_error_float64"] <= 1e-10 and m["fold_error_float32"] <= 1e-5
+
+
+def cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line_error(r, out: Path, match: str) -> None:
+    assert r.exit_code == 1, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and match in r.output, r.output
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
+
+
+@pytest.mark.parametrize("text, match", [
+    (None, "give it text"), ("missing", "no text file"), ("empty", "is empty"),
+    ("short", "fewer than one sequence of 128")])
+def test_bad_text_is_one_line_and_writes_nothing(tmp_path, text, match):
+    files = {"missing": tmp_path / "missing.txt", "empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt"}
+    files["empty"].write_text("")
+    files["short"].write_text(SAMPLE.read_text()[:400])  # enough for the logit check, not for a window
+    out = tmp_path / "out"
+    r = cli("convert", GPT2, out, "--pass", "remove-ln:steps=4", *(["--text", files[text]] if text else []))
+    one_line_error(r, out, match)
+
+
+@pytest.mark.parametrize("family, match", [("bert", "Post-LN"), ("qwen3", "QK-norms")])
+def test_refused_families(tmp_path, family, match):
+    checkpoint.save(tiny_model(family, torch.float32), tmp_path / "in")
+    out = tmp_path / "out"
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln", "--text", SAMPLE)
+    one_line_error(r, out, match)
+
+
+def test_cli_options_reach_the_pass(tmp_path):
+    small_gpt2(tmp_path / "in")
+    out = tmp_path / "out"
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:eval_samples=2,gap=1", "--text", SAMPLE, "--steps", 12,
+            "--batch-size", 2, "--seq-len", 32, "--lr", 1e-3, "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    step = data["steps"][0]
+    assert step["options"]["steps"] == 12 and step["metrics"]["tokens"] == 12 * 2 * 32
+    assert [row.get("stage") for row in step["metrics"]["curve"]][-1] == "position 0"
+    assert not list(tmp_path.glob(".out*"))  # the training state went with the run
+    config = json.loads((out / "config.json").read_text())
+    assert {m["class"] for m in config["normsurgery"]["modules"] if "class" in m} == {"NoNorm"}

@@ -1,0 +1,84 @@
+"""The one fine-tuning loop: schedule, resume, several processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from normsurgery.errors import SurgeryError
+from normsurgery.training import TrainConfig, heldout_ce, train
+
+from models import tiny_model, token_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = "normsurgery/demo/llama-tiny"
+SAMPLE = "normsurgery/data/sample.txt"
+
+
+def data():
+    return token_ids(1, 3000, seed=1)[0], token_ids(4, 32, seed=2)
+
+
+def test_schedule_warms_up_then_decays_to_min_lr():
+    c = TrainConfig(steps=100, lr=1e-3, min_lr=1e-4, warmup=10)
+    lrs = [c.lr_at(s) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(1e-4, rel=1e-2)
+
+
+def test_resume_reaches_the_uninterrupted_result(tmp_path):
+    ids, held = data()
+    config = dict(steps=6, batch_size=2, seq_len=32, lr=1e-3, save_every=2, eval_every=3, state_dir=tmp_path / "s")
+    whole = tiny_model("gpt2", torch.float32)
+    ref = train(whole, ids, held, TrainConfig(**config))
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(step, model):
+        if step == 5:  # the state of step 4 is saved; step 5 never finishes
+            raise Stop
+
+    part = tiny_model("gpt2", torch.float32)
+    with pytest.raises(Stop):
+        train(part, ids, held, TrainConfig(**config), on_step=interrupt)
+    resumed = tiny_model("gpt2", torch.float32)  # a fresh process would load the original again
+    got = train(resumed, ids, held, TrainConfig(**config, resume=True))
+    assert got.resumed_from == 4 and got.losses == ref.losses and got.curve == ref.curve
+    for (n, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert got.ce_after == ref.ce_after == pytest.approx(heldout_ce(resumed, held, objective="causal-lm"))
+    # another configuration cannot pick up this state
+    with pytest.raises(SurgeryError, match="from another run"):
+        train(tiny_model("gpt2", torch.float32), ids, held, TrainConfig(**{**config, "lr": 2e-3}, resume=True))
+
+
+def test_on_step_metrics_and_params_subset():
+    ids, held = data()
+    model = tiny_model("llama", torch.float32)
+    frozen = {n: p.clone() for n, p in model.named_parameters() if "mlp" not in n}
+    mlp = [p for n, p in model.named_parameters() if "mlp" in n]
+    r = train(model, ids, held, TrainConfig(steps=4, batch_size=2, seq_len=32, lr=1e-3, eval_steps=(2,)),
+              params=mlp, on_step=lambda step, m: {"seen": step})
+    assert [row["step"] for row in r.curve] == [0, 2, 4] and [row.get("seen") for row in r.curve] == [None, 1, 3]
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    assert all(p.requires_grad for p in model.parameters())  # flags given back
+    assert r.trainable_parameters == sum(p.numel() for p in mlp) and r.tokens == 4 * 2 * 32
+
+
+def test_two_cpu_processes_form_one_group_and_write_once(tmp_path):
+    """torchrun with two processes: one gloo group, half the batches each, one output."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           "-m", "normsurgery", "heal", LLAMA, str(out), "--text", SAMPLE, "--steps", "2", "--seq-len", "32",
+           "--batch-size", "2", "--eval-samples", "2", "--json"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)  # one JSON document: only the main process printed
+    assert report["heal"]["processes"] == 2 and report["heal"]["tokens"] == 2 * 2 * 2 * 32
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "model.safetensors").is_file()

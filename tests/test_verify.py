@@ -1,0 +1,175 @@
+"""verify and convert judge by the stored precision, say which tolerance applied and why, compare
+like with like per layer and write valid JSON; convert's own checks (a pass's reference, overall
+parity, a layer whose MLP units are all dead)."""
+
+import copy
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import normsurgery as ns
+from normsurgery import registry
+from normsurgery.cli import app
+from normsurgery.norms import faithful_norms
+from normsurgery.registry import PassReport
+from normsurgery.verify import compare_logits, logits
+
+from models import tiny_model, token_ids
+
+runner = CliRunner()
+GPT2 = "normsurgery/demo/gpt2-tiny"
+LLAMA = "normsurgery/demo/llama-tiny"
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def strict_json(text):
+    """json.loads that refuses NaN and Infinity, as every other JSON reader does."""
+    def refuse(name):
+        raise ValueError(f"invalid JSON constant {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def stored(tmp_path, family, dtype, name="src"):
+    path = tmp_path / name
+    tiny_model(family, torch.float32).to(dtype).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("family,spec", [("gpt2", "pre-rmsnorm:fold=true"), ("llama", "flashnorm"),
+                                         ("gpt_neox", "crmsnorm")])
+def test_verify_in_out_passes_after_every_convert(tmp_path, dtype, family, spec):
+    """Before: a correct fp16 (bf16) conversion was DIFFERENT under a default verify (3e-4 and
+    2e-3 relative against 1e-5: the float32 tolerance, whatever the weights were stored in)."""
+    src, out = stored(tmp_path, family, dtype), tmp_path / "out"
+    r = run("convert", src, out, "--pass", spec, "--json")
+    assert r.exit_code == 0, r.output
+    data = strict_json(r.stdout)
+    assert data["ok"] and data["parity"]["reason"].startswith("float32 arithmetic")
+    r = run("verify", src, out, "--json")
+    assert r.exit_code == 0, r.output
+    v = strict_json(r.stdout)
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.float32:
+        assert v["tolerance"] == 1e-5 and "float32 arithmetic" in v["reason"]
+    else:  # the tolerance comes from the input's own rounding in its storage dtype, and says so
+        assert data["cast"]["ok"] and f"stored in {name}" in data["cast"]["reason"]
+        assert f"stored in {name}" in v["reason"] and v["tolerance"] > 1e-5
+        assert v["tolerance"] == pytest.approx(data["cast"]["tolerance"], rel=1e-6)  # convert and verify alike
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stored_precision_tolerance_still_catches_a_different_model(tmp_path, dtype):
+    src = stored(tmp_path, "llama", dtype)
+    model = ns.load(src)
+    for block in model.model.layers:
+        block.mlp.down_proj.weight.data.mul_(3.0)
+    model.save_pretrained(tmp_path / "other")
+    r = run("verify", src, tmp_path / "other")
+    assert r.exit_code == 1 and "DIFFERENT" in r.output
+
+
+def test_float64_verify_of_a_float32_stored_output(tmp_path):
+    """Before: 3e-8 relative against 1e-10, even for an output rewritten in float64."""
+    src = stored(tmp_path, "llama", torch.float32)
+    for work in ("float32", "float64"):
+        out = tmp_path / work
+        assert run("convert", src, out, "--pass", "flashnorm", "--work-dtype", work).exit_code == 0
+        r = run("verify", src, out, "--dtype", "float64", "--generate", "0", "--json")
+        assert r.exit_code == 0, r.output
+        v = strict_json(r.stdout)
+        assert "stored in float32" in v["reason"] and v["relative"] <= v["tolerance"] < 1e-4
+
+
+def test_float64_stored_checkpoints_are_still_checked_to_1e_10(tmp_path):
+    src = stored(tmp_path, "gpt2", torch.float64)
+    out = tmp_path / "out"
+    assert run("convert", src, out, "--pass", "flashnorm").exit_code == 0
+    v = strict_json(run("verify", src, out, "--dtype", "float64", "--json").stdout)
+    assert v["ok"] and v["tolerance"] == 1e-10 and v["relative"] <= 1e-10
+    model = ns.load(out)
+    model.transformer.h[0].mlp.c_fc.weight.data.mul_(1 + 1e-8)
+    model.save_pretrained(tmp_path / "nudged")
+    assert run("verify", src, tmp_path / "nudged", "--dtype", "float64").exit_code == 1
+
+
+@pytest.mark.parametrize("work", ["float16", "bfloat16"])
+def test_half_precision_work_dtype_is_refused(tmp_path, work):
+    out = tmp_path / "out"
+    r = run("convert", GPT2, out, "--pass", "flashnorm", "--work-dtype", work)
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and f"--work-dtype {work}: rewrites are done in float32" in lines[0]
+    assert not out.exists()
+
+
+def test_layers_compare_like_with_like_and_write_valid_json(tmp_path):
+    """Before: NaN for CRMSNorm's d-1 wide stream (invalid JSON), and a large unexplained last-layer
+    difference after flashnorm (the final norm's output, whose gain had moved into the head)."""
+    gpt2, llama = stored(tmp_path, "gpt2", torch.float32, "gpt2"), stored(tmp_path, "llama", torch.float32, "llama")
+    fast = ("--samples", "2", "--seq-len", "16", "--generate", "0", "--json")
+    for spec, src in (("crmsnorm", gpt2), ("flashnorm", llama), ("pre-rmsnorm", gpt2)):
+        out = tmp_path / spec
+        assert run("convert", src, out, "--pass", spec).exit_code == 0
+        r = run("verify", src, out, "--layers", *fast)
+        assert r.exit_code == 0, r.output
+        rows = strict_json(r.stdout)["layers"]
+        assert len(rows) == 4 and rows[-1]["what"].startswith("last block's output")
+        assert all(row["relative"] is not None and row["relative"] <= 1e-5 for row in rows), (spec, rows)
+        assert {row["basis"] for row in rows} == {"as stored" if src == llama else "centred"}
+    out = tmp_path / "narrow"
+    assert run("convert", gpt2, out, "--pass", "compensated-ln:prune_channels=4").exit_code == 0
+    rows = strict_json(run("verify", gpt2, out, "--layers", *fast).stdout)["layers"]
+    assert all(row["relative"] is None and "channels were removed" in row["note"] for row in rows)
+    r = run("verify", gpt2, tmp_path / "crmsnorm", "--layers", *fast[:-1])
+    assert r.exit_code == 0 and "nan" not in r.output.lower()
+    assert "final norm's output is not compared per layer" in r.output
+
+
+def test_minimize_with_every_mlp_unit_of_a_layer_dead():
+    """Before: the unit kept to hold the layer's shape had its constant folded into the down bias
+    as well (8e-3 relative), and apply_passes without ids returned it silently."""
+    for family, up in (("gpt2", "transformer.h.1.mlp.c_fc"), ("opt", "model.decoder.layers.1.fc1")):
+        model = tiny_model(family)
+        faithful_norms(model)
+        mod = model.get_submodule(up)
+        mod.weight.data.zero_()  # every unit outputs the constant act(c_i)
+        new = copy.deepcopy(model)
+        step = ns.apply_passes(new, [("minimize", {})])[0]
+        assert step.metrics["layers"][1]["mlp_units"][1] == 1
+        ids = token_ids()
+        assert compare_logits(logits(model, ids), logits(new, ids)).relative <= 1e-10
+
+
+@pytest.mark.parametrize("option", ["prune_channels=16", "sparsity=0.5"])
+def test_minimize_mask_options_convert_and_save(tmp_path, option):
+    """Before: always refused on parity, measured against the unmasked input."""
+    out = tmp_path / "out"
+    r = run("convert", GPT2, out, "--pass", f"minimize:{option}", "--json")
+    assert r.exit_code == 0, r.output
+    data = strict_json(r.stdout)
+    assert [s["kind"] for s in data["steps"]] == ["reference", "exact"]
+    assert data["steps"][0]["parity"]["relative"] > 1e-3 and data["steps"][1]["parity"]["ok"]
+    assert data["ok"] and data["parity"]["relative"] <= 1e-5  # against the masked model
+    assert (out / "config.json").is_file() and data["saved"]["reload"]["comparison"]["ok"]
+
+
+def test_overall_parity_catches_drift_the_steps_do_not(tmp_path):
+    """Each step within 1e-5 of the one before, together beyond it: not saved. Before: saved."""
+    def nudge(model, lay, ctx):
+        model.get_submodule(lay.final_norm.path).weight.data.mul_(1 + 4e-6)  # logits x (1 + 4e-6)
+        return PassReport("test-nudge")
+
+    registry.register("test-nudge", "scale the logits by 1 + 4e-6", "exact", "tests", lambda m, lay: None)(nudge)
+    try:
+        out = tmp_path / "out"
+        r = run("convert", LLAMA, out, "--pass", "test-nudge", "--pass", "test-nudge", "--pass", "test-nudge")
+        assert r.exit_code == 1 and "drifted" in r.output and not out.exists()
+        result = ns.convert(LLAMA, out, [("test-nudge", {})] * 3, force=True)
+        assert all(s.parity.ok for s in result.steps) and not result.parity.ok and not result.ok
+    finally:
+        registry.PASSES.pop("test-nudge")
