@@ -568,8 +568,7 @@ def score(path: Path, ids: torch.Tensor, attention_mask: torch.Tensor | None = N
     model = meta_model(path, storage)
     shards = Shards(path)
     loader = Loader(model, shards, storage)
-    n = len(model.get_submodule(layout(model).layers_path))
-    parts = [p for p in plan(model, layout(model), alone=True) if p.stages != (n,)]  # no head: states only
+    parts = plan(model, layout(model), alone=True)  # the base model's final norm runs too
     try:
         with part_by_part(model, parts, lambda p: loader.load(p.scope), lambda p: loader.free(p.scope)):
             return score_layers(model, ids, attention_mask, batch_size=len(ids), progress=progress)
