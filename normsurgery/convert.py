@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import __version__, checkpoint, registry
+from . import streaming as streaming_mod
 from .errors import SurgeryError
 from .families import layout
 from .norms import faithful_norms
@@ -58,6 +59,7 @@ class Result:
     # the cast's tolerance is measured from
     saved: dict | None = None
     source: str | None = None
+    streaming: str | None = None  # why it was rewritten one block at a time (None: in memory)
 
     @property
     def ok(self) -> bool:
@@ -70,7 +72,7 @@ class Result:
         return {"source": self.source, "ok": self.ok, "work_dtype": self.work_dtype,
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
                 "parity": c(self.parity), "cast": c(self.cast), "cast_baseline": c(self.cast_baseline),
-                "saved": self.saved}
+                "saved": self.saved, "streaming": self.streaming}
 
 
 def parse_pass(spec: str) -> tuple[str, dict[str, str]]:
@@ -182,17 +184,28 @@ def _arithmetic(model, tolerance: float | None) -> str:
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
             verify: bool = True, work_dtype: torch.dtype | None = None, text: str | None = None,
             tolerance: float | None = None, max_shard_size: str = "5GB",
-            progress: Progress = no_progress) -> Result:
-    """Load ``src``, apply ``passes``, check parity, cast back, save to ``out`` atomically."""
+            progress: Progress = no_progress, streaming: bool | None = None) -> Result:
+    """Load ``src``, apply ``passes``, check parity, cast back, save to ``out`` atomically.
+
+    ``streaming``: True rewrites one block at a time (``streaming.py``; blockwise passes only),
+    False loads the whole model, None streams when the model would not fit in memory (the
+    result's ``streaming`` says why)."""
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
     for name, options in passes:
         registry.check_options(registry.get(name), options)
     path = checkpoint.resolve(src)
     checkpoint.check_output(Path(out), force, path)
-    progress("load", 0, 1)
     storage = checkpoint.storage_dtype(path)
     dtype = work_dtype_for(storage, work_dtype)
+    why = "asked for (--streaming)" if streaming else None
+    if streaming is None:
+        why = streaming_mod.too_big([path], dtype, 1.5)
+    if why:
+        return streaming_mod.convert(src, path, out, passes, storage=storage, dtype=dtype, force=force,
+                                     verify=verify, text=text, tolerance=tolerance,
+                                     max_shard_size=max_shard_size, progress=progress, reason=why)
+    progress("load", 0, 1)
     model = checkpoint.load(path, dtype)
     tokenizer = checkpoint.load_tokenizer(path)
     progress("load", 1, 1)

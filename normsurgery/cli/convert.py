@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import SurgeryError
-from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, command, did_you_mean, dtype_option, emit_json, \
-    positive, progress_bar, read_text, report_stale, say, show, size_option, torch_dtype
+from .app import ALLOW_PICKLE, FORCE, JSON, STREAMING, allow_pickle_option, command, did_you_mean, dtype_option, \
+    emit_json, positive, progress_bar, read_text, report_stale, say, show, size_option, torch_dtype
 
 
 def check_passes(specs) -> None:
@@ -52,6 +52,7 @@ def convert(
     seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="trained passes: tokens per window"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="trained passes: peak learning rate"),
     resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
+    streaming: Optional[bool] = STREAMING,
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
@@ -78,7 +79,8 @@ def convert(
         with progress_bar(not json and is_main_process()) as progress:
             result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
                                          work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
-                                         max_shard_size=max_shard_size, progress=progress)
+                                         max_shard_size=max_shard_size, progress=progress,
+                                         streaming=streaming)
     if result.saved is None:  # not the main process
         return
     if json:
@@ -96,6 +98,8 @@ def convert(
         say(f"overall vs the reference ({p.output}): relative error {fmt(p.relative)}"
             + (f", top-1 agreement {p.top1:.4f}" if p.top1 is not None else "")
             + (f"; tolerance {fmt(p.tolerance)}: {p.reason}" if p.tolerance is not None else ""))
+    if result.streaming:
+        say(f"rewritten one block at a time: {result.streaming}")
     if result.cast:
         say(f"cast to {result.storage_dtype}: relative error {fmt(result.cast.relative)}; tolerance "
             f"{fmt(result.cast.tolerance)}: {result.cast.reason}")

@@ -66,13 +66,13 @@ def applies(model, layout: Layout) -> str | None:
 
 @register("crmsnorm", "Pre-CRMSNorm: after pre-rmsnorm, store the zero-mean stream in d-1 dimensions",
           "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
-          applies)
+          applies, blockwise=True)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("crmsnorm")
     before = _shrink.size(model.parameters())
     if layout.norm_kinds == {"layernorm"}:
         report.notes += pre_rmsnorm.apply(model, layout, PassContext(options={"fold": False})).notes
-        layout = families.layout(model)
+        layout = families.layout(model, layout.scope)
     report.notes += untie_if_touched(model, layout, {layout.token_embedding})
     d = layout.stream_width
     stored = torch.arange(d - 1)

@@ -16,7 +16,8 @@ def applies(model, layout: Layout) -> str | None:
 
 
 @register("flashnorm", "FlashNorm: fold every norm's gain (and bias) into the linears that read it",
-          "exact", "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", applies)
+          "exact", "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", applies,
+          blockwise=True)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("flashnorm")
     sites = foldable(layout)

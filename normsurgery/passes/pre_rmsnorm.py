@@ -21,7 +21,7 @@ def applies(model, layout: Layout) -> str | None:
 
 @register("pre-rmsnorm", "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm",
           "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi)", applies,
-          options={"fold": False})
+          options={"fold": False}, blockwise=True)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("pre-rmsnorm")
     report.notes += untie_if_touched(model, layout, set(layout.embeddings))
