@@ -29,8 +29,8 @@ from .norms import faithful_norms
 from .progress import Progress, no_progress
 from .registry import PassContext
 from .training import heldout_ce, is_main_process, train
-from .verify import (TOLERANCE, Comparison, compare_logits, logits, output_kind, probe_ids,
-                     reload_check, tolerance_for)
+from .verify import (TOLERANCE, Comparison, compare_logits, jittered, logits, needs_rounding_tolerance,
+                     output_kind, probe_ids, reload_check, rounding_tolerance, tolerance_for)
 
 
 @dataclass
@@ -230,6 +230,13 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         exact = any(s.kind == "exact" for s in result.steps)
         result.parity.tolerance = tol if exact else None
         result.parity.reason = _arithmetic(model, tol) if exact else None
+        checks = [s.parity for s in result.steps if s.kind == "exact"] + ([result.parity] if exact else [])
+        if needs_rounding_tolerance(checks, dtype, tolerance):  # a deep model rounds more on its own
+            clean = logits(model, ids)
+            with jittered(model):
+                tol, why = rounding_tolerance(clean, logits(model, ids), dtype, kind)
+            for c in checks:
+                c.tolerance, c.reason = tol, why
         progress("verify", 1, 1)
         if not result.ok and not force:
             bad = [s for s in result.steps if s.kind == "exact" and s.parity and not s.parity.ok]

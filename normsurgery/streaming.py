@@ -30,7 +30,7 @@ import json
 import struct
 import weakref
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -45,7 +45,8 @@ from .layout import Layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
 from .registry import PassContext
-from .verify import ROUNDING_FACTOR, TOLERANCE, Comparison, coarsest, compare_logits, probe_ids
+from .verify import (ROUNDING_FACTOR, TOLERANCE, Comparison, coarsest, compare_logits, jittered,
+                     needs_rounding_tolerance, probe_ids, rounding_tolerance)
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -362,17 +363,18 @@ def logits(model, parts: list[Part], ids: torch.Tensor, enter, leave) -> torch.T
     return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
 
-def read_logits(path: Path, dtype: torch.dtype, ids: torch.Tensor, model=None) -> torch.Tensor:
+def read_logits(path: Path, dtype: torch.dtype, ids: torch.Tensor, model=None, jitter: bool = False) -> torch.Tensor:
     """Logits of the checkpoint at ``path`` in ``dtype`` (``model``: its meta model, when built
-    already), one part in memory at a time."""
+    already), one part in memory at a time; ``jitter``: under ``verify.jittered``."""
     model = meta_model(path, dtype) if model is None else model
     if dtype == torch.float64:
         faithful_norms(model)
     shards = Shards(path)
     loader = Loader(model, shards, dtype)
     try:
-        return logits(model, plan(model, layout(model), alone=True), ids, lambda p: loader.load(p.scope),
-                      lambda p: loader.free(p.scope))
+        with jittered(model) if jitter else nullcontext():
+            return logits(model, plan(model, layout(model), alone=True), ids, lambda p: loader.load(p.scope),
+                          lambda p: loader.free(p.scope))
     finally:
         shards.close()
 
@@ -485,6 +487,9 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
                 after = logits(model, parts, ids, rewrite, write)
                 result.parity = compare_logits(reference, after)
                 result.parity.tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
+                if needs_rounding_tolerance([result.parity], dtype, tolerance):  # one more read of the input
+                    result.parity.tolerance, result.parity.reason = rounding_tolerance(
+                        reference, read_logits(path, dtype, ids, jitter=True), dtype)
             else:
                 for part in parts:
                     rewrite(part)
@@ -552,6 +557,8 @@ def verify(a: Path, b: Path, *, text: str | None = None, dtype: torch.dtype = to
         result.tolerance = max(TOLERANCE[dtype], ROUNDING_FACTOR * own.relative)
         result.reason = (f"weights stored in {str(storage)[6:]}: {ROUNDING_FACTOR} x the reference's own "
                          f"rounding ({own.relative:.1e}), at least {TOLERANCE[dtype]:.0e}")
+    if needs_rounding_tolerance([result], dtype, tolerance) and result.tolerance == TOLERANCE[dtype]:
+        result.tolerance, result.reason = rounding_tolerance(reference, read_logits(a, dtype, ids, jitter=True), dtype)
     if tolerance is not None:
         result.tolerance, result.reason = tolerance, "given"
     return result
