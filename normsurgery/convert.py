@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import shutil
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from .errors import SurgeryError
 from .families import layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
-from .registry import PassContext
+from .registry import PassContext, load_recipe, parse_pass, read_recipe  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
 from .verify import (TOLERANCE, Comparison, compare_logits, logits, output_kind, probe_ids,
                      reload_check, tolerance_for)
@@ -71,40 +70,6 @@ class Result:
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
                 "parity": c(self.parity), "cast": c(self.cast), "cast_baseline": c(self.cast_baseline),
                 "saved": self.saved}
-
-
-def parse_pass(spec: str) -> tuple[str, dict[str, str]]:
-    """``name`` or ``name:key=value,key=value`` -> (name, options)."""
-    name, _, rest = spec.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SurgeryError(f"pass option {item!r} in {spec!r} is not key=value")
-        options[key.strip().replace("-", "_")] = value.strip()
-    return name.strip(), options
-
-
-def read_recipe(path) -> dict[str, Any]:
-    """The tables of a TOML recipe file (``[[pass]]`` for convert, ``[prune]``/``[heal]`` for prune)."""
-    path = Path(path)
-    try:
-        return tomllib.loads(path.read_text())
-    except (FileNotFoundError, IsADirectoryError):
-        raise SurgeryError(f"no recipe at {path}") from None
-    except UnicodeDecodeError:
-        raise SurgeryError(f"recipe {path} is not a text file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SurgeryError(f"recipe {path} is not valid TOML: {e}") from None
-
-
-def load_recipe(path) -> list[tuple[str, dict[str, Any]]]:
-    """A TOML recipe: ``[[pass]]`` tables, each with ``name`` and the pass's options."""
-    data = read_recipe(path)
-    steps = data.get("pass", [])
-    if not steps or not all(isinstance(s, dict) and "name" in s for s in steps):
-        raise SurgeryError(f"recipe {path} needs one or more [[pass]] tables with a name")
-    return [(s["name"], {k: v for k, v in s.items() if k != "name"}) for s in steps]
 
 
 def check_applicable(model, name: str) -> registry.Pass:

@@ -163,10 +163,14 @@ def test_inspect_shows_dead_units_of_a_masked_model(tmp_path):
 
 # ---- behaving like the tools users know ----
 
-def test_help_version_and_usage_errors_load_neither_torch_nor_transformers():
+def test_help_version_passes_and_usage_errors_load_neither_torch_nor_transformers():
+    """The registry knows every pass's name, kind and options without importing its module."""
     code = ("import sys\nfrom normsurgery.cli import app\nfrom typer.testing import CliRunner\n"
-            "for args in (['--help'], ['-h'], ['--version'], ['convert', '-h'], ['verify', 'a', 'b', '--samples', '0']):\n"
-            "    CliRunner().invoke(app, args)\n"
+            "for args in (['--help'], ['-h'], ['--version'], ['convert', '-h'], ['verify', 'a', 'b', '--samples', '0'],\n"
+            "             ['passes'], ['passes', '--json'], ['convert', 'a', 'b', '--pass', 'FlashNorm'],\n"
+            "             ['convert', 'a', 'b', '--pass', 'minimize:sparsity=x']):\n"
+            "    r = CliRunner().invoke(app, args)\n"
+            "    assert r.exit_code == (1 if 'convert' in args and '-h' not in args else 2 if 'verify' in args else 0), (args, r.output)\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -79,15 +79,20 @@ def load_transformers() -> None:
         transformers.utils.logging.set_verbosity_error()
 
 
-def command(fn):
+def command(fn=None, *, preload: bool = True):
     """Register ``fn`` as a command. SurgeryError and OSError (a bad or unwritable path) are one
     line and exit 1; an interrupt exits 130; anything else is a bug of ours: one line saying
-    where to report it, exit 3 (NORMSURGERY_DEBUG=1 shows the traceback)."""
+    where to report it, exit 3 (NORMSURGERY_DEBUG=1 shows the traceback). ``preload=False``:
+    the command calls :func:`load_transformers` itself, after the checks that need neither
+    (``passes`` never does), so those answer at once."""
+    if fn is None:
+        return functools.partial(command, preload=preload)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
-            load_transformers()
+            if preload:
+                load_transformers()
             return fn(*args, **kwargs)
         except SurgeryError as e:
             say_error(str(e))

@@ -9,7 +9,7 @@ import typer
 
 from ..errors import SurgeryError
 from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, command, did_you_mean, dtype_option, emit_json, \
-    positive, progress_bar, read_text, report_stale, say, show, size_option, torch_dtype
+    load_transformers, positive, progress_bar, read_text, report_stale, say, show, size_option, torch_dtype
 
 
 def check_passes(specs) -> None:
@@ -29,7 +29,7 @@ def check_passes(specs) -> None:
         registry.check_options(p, options)
 
 
-@command
+@command(preload=False)
 def convert(
     src: str = typer.Argument(..., metavar="IN", help="input checkpoint: a folder or a cached hub id"),
     out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
@@ -56,16 +56,18 @@ def convert(
     json: bool = JSON,
 ):
     """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
-    from .. import checkpoint
-    from ..convert import convert as convert_checkpoint, load_recipe, parse_pass
+    from .. import registry
 
-    allow_pickle_option(allow_pickle)
-    specs = (load_recipe(recipe) if recipe is not None else []) + [parse_pass(s) for s in passes]
+    specs = (registry.load_recipe(recipe) if recipe is not None else []) + [registry.parse_pass(s) for s in passes]
     if not specs:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE (`normsurgery passes` lists them)")
     check_passes(specs)
-    from .. import registry
+    load_transformers()
+    from .. import checkpoint
+    from ..convert import convert as convert_checkpoint
     from ..training import is_main_process
+
+    allow_pickle_option(allow_pickle)
 
     if fold:
         specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
