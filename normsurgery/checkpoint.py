@@ -110,21 +110,36 @@ def _check_safetensors(f: Path) -> None:
 
 
 def storage_dtype(path: Path) -> torch.dtype:
-    """The floating dtype the checkpoint stores its weights in."""
+    """The floating dtype the checkpoint stores its weights in. Mixed dtypes (tensors kept in
+    float32 beside float16 ones, ``precision``): the config's dtype when it is one of them, as
+    ``from_pretrained`` would load it, else the widest, which holds every tensor exactly."""
     from safetensors import safe_open
 
+    names = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    stored = set()
     for f in weight_files(path):
         if f.suffix != ".safetensors":
             break
         with safe_open(f, "pt") as st:
-            for k in st.keys():
-                dt = st.get_slice(k).get_dtype()
-                if dt in ("F64", "F32", "F16", "BF16"):
-                    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                            "BF16": torch.bfloat16}[dt]
+            stored |= {names[dt] for k in st.keys() if (dt := st.get_slice(k).get_dtype()) in names}
     cfg = transformers.AutoConfig.from_pretrained(path)
     dt = getattr(cfg, "dtype", None) or torch.float32
-    return getattr(torch, dt) if isinstance(dt, str) else dt
+    dt = getattr(torch, dt) if isinstance(dt, str) else dt
+    if len(stored) == 1 or (stored and dt not in stored):
+        return widest(stored)
+    return dt
+
+
+def widest(dtypes) -> torch.dtype:
+    """The floating dtype that holds every value of ``dtypes`` (float32 for float16 with bfloat16)."""
+    dtypes = set(dtypes)
+    best = max(dtypes, key=lambda d: torch.finfo(d).bits)
+    return best if len(dtypes) == 1 or torch.finfo(best).bits > 16 else torch.float32
+
+
+def load_dtype(model) -> torch.dtype:
+    """The dtype ``model`` loads back in: its parameters' (the widest when mixed)."""
+    return widest({p.dtype for p in model.parameters() if p.is_floating_point()})
 
 
 def load_config(path: Path):
@@ -279,6 +294,9 @@ def save_into(model, folder: Path, *, source=None, record: dict | None = None, m
     _set_or_drop(cfg, "normsurgery", {**(record or {}), "modules": records} if (record or records) else None)
     cfg.architectures = [base.__name__]
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if load_dtype(model) != model.dtype:  # mixed (tensors kept in float32): config.dtype is the first tensor's
+        cfg.dtype = str(load_dtype(model)).removeprefix("torch.")
+        cfg.save_pretrained(folder)
     if records:
         shutil.copyfile(runtime.__file__, folder / RUNTIME_FILE)
     reload = None if check is None else _check_reload(model, folder, records, check)
@@ -324,7 +342,7 @@ def _check_reload(model, folder: Path, records: list[dict], check) -> dict:
     function) and compare it with ``model``; see :func:`save`. Returns what was checked."""
     plain = None
     if all(r.get("stock_equivalent") for r in records):
-        plain = check(load(folder, next(model.parameters()).dtype, stock=True))
+        plain = check(load(folder, load_dtype(model), stock=True))
         if plain.ok:
             return {"loader": "plain transformers", "comparison": plain.as_dict()}
         for r in records:  # the claim was false: say so in the folder and on the modules
@@ -334,7 +352,7 @@ def _check_reload(model, folder: Path, records: list[dict], check) -> dict:
     if not records:
         raise SurgeryError(f"the saved checkpoint does not reload to the same function (relative error "
                            f"{plain.relative:.2e} > {plain.tolerance:.0e}); nothing was saved")
-    ours = check(load(folder, next(model.parameters()).dtype))
+    ours = check(load(folder, load_dtype(model)))
     if not ours.ok:
         raise SurgeryError(f"the saved checkpoint, loaded back with normsurgery's runtime, differs from the "
                            f"rewritten model (relative error {ours.relative:.2e} > {ours.tolerance:.0e}); "

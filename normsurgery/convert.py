@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, checkpoint, registry
+from . import __version__, checkpoint, precision, registry
 from .errors import SurgeryError
 from .families import layout
 from .norms import faithful_norms
@@ -57,6 +57,8 @@ class Result:
     # the cast's tolerance is measured from
     saved: dict | None = None
     source: str | None = None
+    kept_float32: list[str] | None = None  # tensors that do not fit the storage dtype, stored in float32
+    warnings: list[str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -69,7 +71,7 @@ class Result:
         return {"source": self.source, "ok": self.ok, "work_dtype": self.work_dtype,
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
                 "parity": c(self.parity), "cast": c(self.cast), "cast_baseline": c(self.cast_baseline),
-                "saved": self.saved}
+                "kept_float32": self.kept_float32, "warnings": self.warnings, "saved": self.saved}
 
 
 def check_applicable(model, name: str) -> registry.Pass:
@@ -147,10 +149,14 @@ def _arithmetic(model, tolerance: float | None) -> str:
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
             verify: bool = True, work_dtype: torch.dtype | None = None, text: str | None = None,
             tolerance: float | None = None, max_shard_size: str = "5GB",
-            progress: Progress = no_progress) -> Result:
-    """Load ``src``, apply ``passes``, check parity, cast back, save to ``out`` atomically."""
+            progress: Progress = no_progress, on_overflow: str = "refuse") -> Result:
+    """Load ``src``, apply ``passes``, check parity, cast back, save to ``out`` atomically.
+    ``on_overflow``: what to do with a rewritten tensor that does not fit a half-precision
+    storage dtype (``precision.cast_back``): refuse, or keep it in float32."""
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
+    if on_overflow not in precision.POLICIES:
+        raise SurgeryError(f"on_overflow={on_overflow!r}: choose one of {', '.join(precision.POLICIES)}")
     for name, options in passes:
         registry.check_options(registry.get(name), options)
     path = checkpoint.resolve(src)
@@ -192,7 +198,10 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         restore_norms()
     if not is_main_process():  # one of several training processes: the main one saves
         return result
-    model.to(storage)
+    kept = precision.cast_back(model, storage, on_overflow)
+    if kept:
+        result.kept_float32 = [k.name for k in kept]
+        result.warnings = [precision.warning(kept, storage)]
     if verify and storage != dtype:
         result.cast = compare_logits(anchor, logits(model, ids), kind)
         result.cast.tolerance, result.cast.reason = cast_tol, cast_reason
@@ -202,9 +211,12 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     progress("save", 0, 1)
     record = {"version": __version__, "source": str(src), "passes": [
         {"name": s.name, "options": s.options, "notes": s.notes,
-         "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
+         "relative_error": s.parity.relative if s.parity else None} for s in result.steps],
+        **({"kept_float32": result.kept_float32} if kept else {})}
+    check = reload_check(model, ids) if verify else None
+    precision.store(model, storage, kept)
     result.saved = checkpoint.save(model, out, source=path, force=force, record=record,
-                                   max_shard_size=max_shard_size, check=reload_check(model, ids) if verify else None)
+                                   max_shard_size=max_shard_size, check=check)
     shutil.rmtree(workdir, ignore_errors=True)
     progress("save", 1, 1)
     return result

@@ -62,6 +62,11 @@ def say_error(message: str) -> None:
     typer.echo(typer.style("error:", fg="red") + " " + message, err=True)
 
 
+def say_warning(message: str) -> None:
+    """One line on stderr: ``warning: message`` (never wrapped: scripts grep it)."""
+    typer.echo(typer.style("warning:", fg="yellow") + " " + message, err=True)
+
+
 def load_transformers() -> None:
     """Import torch and transformers with Ctrl-C and SIGTERM held until both are loaded (a signal
     inside torch's C++ start-up aborts the process instead of raising KeyboardInterrupt); then

@@ -9,7 +9,16 @@ import typer
 
 from ..errors import SurgeryError
 from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, command, did_you_mean, dtype_option, emit_json, \
-    load_transformers, positive, progress_bar, read_text, report_stale, say, show, size_option, torch_dtype
+    load_transformers, positive, progress_bar, read_text, report_stale, say, say_warning, show, size_option, \
+    torch_dtype
+
+ON_OVERFLOW = ("refuse", "keep-float32")  # precision.POLICIES, named here so --help needs no torch
+
+
+def overflow_option(value: str) -> str:
+    if value not in ON_OVERFLOW:
+        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(ON_OVERFLOW)}{did_you_mean(value, ON_OVERFLOW)}")
+    return value
 
 
 def check_passes(specs) -> None:
@@ -52,6 +61,10 @@ def convert(
     seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="trained passes: tokens per window"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="trained passes: peak learning rate"),
     resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
+    on_overflow: str = typer.Option("refuse", metavar="refuse|keep-float32", callback=overflow_option,
+                                    help="a rewritten tensor that does not fit a float16/bfloat16 checkpoint "
+                                         "(overflow, or small values lost): refuse and write nothing, or keep "
+                                         "that tensor in float32 with a warning"),
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
@@ -80,9 +93,11 @@ def convert(
         with progress_bar(not json and is_main_process()) as progress:
             result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
                                          work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
-                                         max_shard_size=max_shard_size, progress=progress)
+                                         max_shard_size=max_shard_size, progress=progress, on_overflow=on_overflow)
     if result.saved is None:  # not the main process
         return
+    for line in result.warnings or ():
+        say_warning(line)
     if json:
         emit_json(result.as_dict())
         return
