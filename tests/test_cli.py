@@ -223,3 +223,20 @@ def test_tables_fit_80_columns_and_minimize_prints_its_sizes(tmp_path):
     assert r.exit_code == 0, r.output
     assert max(map(len, r.stdout.splitlines())) <= 80
     assert "minimize: sizes per layer" in r.stdout and "total" in r.stdout and "bytes" in r.stdout
+
+
+def test_readme_matches_the_cli():
+    """What README promises exists: the bug-report section errors.REPORT_BUGS points at, the
+    flag spellings the CLI takes; its examples need nothing beside the clone (no ../shared)."""
+    from normsurgery.cli.heal import PRECISIONS
+    from normsurgery.errors import REPORT_BUGS
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    assert "README: Reporting bugs" in REPORT_BUGS and "\n### Reporting bugs\n" in readme
+    shown = readme.split("[--precision ")[1].split("]")[0].split("|")
+    assert set(shown) <= set(PRECISIONS) and "fp32" in shown
+    assert "--on-overflow refuse|keep-float32" in readme
+    for f in [root / "README.md", root / "normsurgery/demo/README.md", *root.glob("recipes/*"), *root.glob("scripts/*")]:
+        assert "../shared" not in f.read_text(), f
+    assert "/demo-out/" in (root / ".gitignore").read_text().split()
