@@ -216,7 +216,7 @@ def progress_bar(enabled: bool = True):
         tasks = {}
 
         def update(stage, done, total, note=""):
-            key = stage.split(" ")[0] if stage.startswith("pass") else stage
+            key = "pass" if stage.startswith("pass") else stage  # "pass NAME" i of n, then "passes" n of n
             if key not in tasks:
                 tasks[key] = bar.add_task(stage, total=total, note=note)
             bar.update(tasks[key], completed=done, total=total, description=stage, note=note)
