@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,12 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import peak_rss_mb, result, spawn as spawn_worker  # noqa: E402
+
 DEMOS = {"gpt2-tiny": "normsurgery/demo/gpt2-tiny", "llama-tiny": "normsurgery/demo/llama-tiny"}
 WIDE = "llama-768x12 (random)"
-
-
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def build(name: str, device: str):
@@ -69,7 +64,7 @@ def worker(args) -> dict:
     model = build(args.model, device)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    base = rss_mb()
+    base = peak_rss_mb()  # the peak once loaded
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     out = {"model": args.model, "device": device, "layers": model.config.num_hidden_layers,
@@ -97,21 +92,14 @@ def worker(args) -> dict:
         out.update(tokens=report.tokens, seconds=report.seconds, tokens_per_second=report.tokens_per_second,
                    steps=report.steps, precision=report.mixed_precision,
                    trainable_parameters=report.trainable_parameters)
-    out["peak_rss_mb"] = rss_mb()
+    out["peak_rss_mb"] = peak_rss_mb()
     if device == "cuda":
         out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out
 
 
 def spawn(kind: str, model: str, args, **sizes) -> dict:
-    cmd = [sys.executable, __file__, "--worker", kind, "--model", model, "--threads", str(args.threads)]
-    for k, v in sizes.items():
-        cmd += [f"--{k}", str(v)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"})
-    if r.returncode != 0:
-        raise SystemExit(f"bench_prune: worker {kind} {model} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return spawn_worker(__file__, kind, args.threads, model=model, **sizes)
 
 
 def main(argv=None) -> int:
@@ -125,7 +113,7 @@ def main(argv=None) -> int:
         p.add_argument(f"--{k}", type=int, default=v, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)))
+        result(worker(args))
         return 0
     q = args.quick
     score = [spawn("score", m, args, windows=8 if q else 32, seq=128, batch=8) for m in DEMOS]

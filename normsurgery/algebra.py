@@ -1,4 +1,7 @@
-"""Weight algebra shared by the passes, done in float64 and written back once per call.
+"""Weight algebra shared by the passes, in the precision each result needs: sums (means, W b)
+accumulate in float64 or are corrected to its accuracy; a whole matrix shifted by a mean or
+scaled by a gain is changed in place in its stored dtype (no float64 copy of it), each entry
+rounded once more than an exact result would be.
 
 Every linear is seen as y = W x + c with W of shape [out, in], whatever its storage
 (nn.Linear stores [out, in]; GPT-2's Conv1D stores [in, out]).
@@ -61,28 +64,46 @@ def has_bias(mod: nn.Module) -> bool:
     return getattr(mod, "bias", None) is not None
 
 
+def mean(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """Mean of ``w`` along ``dim`` (kept), to the precision of ``w``'s dtype without a float64
+    copy of ``w``: float64 as is; float32 summed in float32 (torch sums in cascades), then
+    corrected by the mean of the residuals, so the error is far below float32's rounding of the
+    result; half precision through float32."""
+    if w.dtype == torch.float64:
+        return w.mean(dim, keepdim=True)
+    x = w if w.dtype == torch.float32 else w.float()
+    m = x.mean(dim, keepdim=True)
+    return m + (x - m).mean(dim, keepdim=True)
+
+
 def centre_outputs(mod: nn.Module) -> None:
     """Make every vector the module writes zero-mean: W <- W - mean_out(W), c <- c - mean(c).
 
-    For an embedding the rows are the written vectors: each row loses its mean.
+    For an embedding the rows are the written vectors: each row loses its mean. Done in place
+    in the stored layout and dtype.
     """
-    w = weight(mod)
-    if isinstance(mod, nn.Embedding):
-        set_weight(mod, w - w.mean(dim=1, keepdim=True))
-        return
-    set_weight(mod, w - w.mean(dim=0, keepdim=True))
-    c = bias(mod)
-    if c is not None:
-        set_bias(mod, c - c.mean())
+    w = mod.weight
+    # the axis of the stored tensor that runs over a written vector's entries
+    axis = 1 if isinstance(mod, (nn.Embedding, Conv1D)) else 0
+    with torch.no_grad():
+        w.sub_(mean(w, axis).to(w.dtype))
+        c = getattr(mod, "bias", None)
+        if c is not None and not isinstance(mod, nn.Embedding):
+            c.sub_(mean(c, 0).to(c.dtype))
 
 
 def fold_affine_into_reader(reader: nn.Module, gain: torch.Tensor, shift: torch.Tensor | None) -> None:
-    """Reader of z = gain * n + shift becomes a reader of n: W <- W diag(gain), c <- c + W shift."""
-    w = weight(reader)
+    """Reader of z = gain * n + shift becomes a reader of n: W <- W diag(gain), c <- c + W shift.
+
+    W shift is summed in float64; W diag(gain) is scaled in place in the stored dtype."""
+    w = reader.weight
     if shift is not None:
+        ws = (shift.to(WORK) @ w.to(WORK)) if isinstance(reader, Conv1D) else (w.to(WORK) @ shift.to(WORK))
         c = bias(reader)
-        set_bias(reader, (c if c is not None else 0) + w @ shift.to(WORK))
-    set_weight(reader, w * gain.to(WORK))
+        set_bias(reader, (c if c is not None else 0) + ws)
+    g = gain.to(w.dtype)
+    with torch.no_grad():
+        w.mul_(g[:, None] if isinstance(reader, Conv1D) else g)
 
 
 def untie(model) -> bool:

@@ -89,12 +89,14 @@ def weight_files(path: Path) -> list[Path]:
                            "torch.load(weights_only=True)")
     for f in files:
         if f.suffix == ".safetensors":
-            _check_safetensors(f)
+            safetensors_header(f)
     return files
 
 
-def _check_safetensors(f: Path) -> None:
-    """Parse the header and check the data it describes is all there (a truncated file fails)."""
+def safetensors_header(f: Path) -> tuple[dict, int]:
+    """Parse the header and check the data it describes is all there (a truncated file fails).
+
+    Returns (header, offset of the data: where ``data_offsets`` count from)."""
     size = f.stat().st_size
     try:
         with open(f, "rb") as fh:
@@ -107,6 +109,7 @@ def _check_safetensors(f: Path) -> None:
             raise ValueError(f"truncated: {size} bytes, header describes {8 + n + end}")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise SurgeryError(f"{f} is not a valid safetensors file ({e})") from None
+    return header, 8 + n
 
 
 def storage_dtype(path: Path) -> torch.dtype:
@@ -273,14 +276,26 @@ def save(model, out, *, source=None, force: bool = False, record: dict | None = 
     with writing(out, force=force, source=source) as stage:
         info = save_into(model, stage.path, source=source, record=record, max_shard_size=max_shard_size,
                          check=check)
-    return {"path": str(out), "files": sorted(p.name for p in Path(out).expanduser().iterdir()), **info,
-            **({"stale_removed": stage.stale} if stage.stale else {})}
+    return written(out, stage, info)
 
 
 def save_into(model, folder: Path, *, source=None, record: dict | None = None, max_shard_size: str | int = "5GB",
               check: Callable[[torch.nn.Module], Any] | None = None) -> dict:
     """Write ``model`` (weights, config with its record, runtime file, the source's side files)
     into ``folder``, normally a :func:`writing` stage, and check it loads back (see :func:`save`)."""
+    records = stamp(model, record)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if load_dtype(model) != model.dtype:  # mixed (tensors kept in float32): config.dtype is the first tensor's
+        model.config.dtype = str(load_dtype(model)).removeprefix("torch.")
+        model.config.save_pretrained(folder)
+    finish(folder, records, source)
+    return claims(records, None if check is None else _check_reload(model, folder, records, check))
+
+
+def stamp(model, record: dict | None) -> list[dict]:
+    """Write into ``model.config`` what a rewritten checkpoint needs: the module records, the
+    ``auto_map`` naming the runtime when there are any, ``record`` and the stock architecture.
+    Reads only classes and shapes (a model on the meta device will do). Returns the records."""
     records = structure_records(model)
     cfg = model.config
     base = stock_class_of(model)
@@ -293,15 +308,19 @@ def save_into(model, folder: Path, *, source=None, record: dict | None = None, m
     _set_or_drop(cfg, "auto_map", auto_map)
     _set_or_drop(cfg, "normsurgery", {**(record or {}), "modules": records} if (record or records) else None)
     cfg.architectures = [base.__name__]
-    model.save_pretrained(folder, max_shard_size=max_shard_size)
-    if load_dtype(model) != model.dtype:  # mixed (tensors kept in float32): config.dtype is the first tensor's
-        cfg.dtype = str(load_dtype(model)).removeprefix("torch.")
-        cfg.save_pretrained(folder)
+    return records
+
+
+def finish(folder: Path, records: list[dict], source=None) -> None:
+    """The runtime beside the weights when modules were rebuilt; the source's side files."""
     if records:
         shutil.copyfile(runtime.__file__, folder / RUNTIME_FILE)
-    reload = None if check is None else _check_reload(model, folder, records, check)
     if source is not None:
         _copy_side_files(resolve(source), folder)
+
+
+def claims(records: list[dict], reload: dict | None = None) -> dict:
+    """What a save says about loading: without a ``reload`` check nothing is claimed."""
     return {"custom_modules": len(records),
             "plain_transformers": None if reload is None else reload["loader"] == "plain transformers",
             "reload": reload}
@@ -335,6 +354,14 @@ def writing(out, *, force: bool = False, source=None):
         except OSError as e:
             raise SurgeryError(f"cannot write {out}: {e.strerror or e}"
                                + (f" ({e.filename})" if e.filename else "")) from None
+
+
+def written(out, stage: Stage, info: dict) -> dict:
+    """What a save returns once ``stage`` replaced ``out``: the folder, its files, ``info`` (see
+    :func:`claims`) and the leftovers of killed runs that were removed."""
+    out = Path(out).expanduser()
+    return {"path": str(out), "files": sorted(p.name for p in out.iterdir()), **info,
+            **({"stale_removed": stage.stale} if stage.stale else {})}
 
 
 def _check_reload(model, folder: Path, records: list[dict], check) -> dict:

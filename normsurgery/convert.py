@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import __version__, checkpoint, precision, registry
+from . import streaming as streaming_mod
 from .errors import SurgeryError
 from .families import layout
 from .norms import faithful_norms
@@ -57,6 +58,7 @@ class Result:
     # the cast's tolerance is measured from
     saved: dict | None = None
     source: str | None = None
+    streaming: str | None = None  # why it was rewritten one block at a time (None: in memory)
     kept_float32: list[str] | None = None  # tensors that do not fit the storage dtype, stored in float32
     warnings: list[str] | None = None
 
@@ -71,7 +73,8 @@ class Result:
         return {"source": self.source, "ok": self.ok, "work_dtype": self.work_dtype,
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
                 "parity": c(self.parity), "cast": c(self.cast), "cast_baseline": c(self.cast_baseline),
-                "kept_float32": self.kept_float32, "warnings": self.warnings, "saved": self.saved}
+                "saved": self.saved, "streaming": self.streaming, "kept_float32": self.kept_float32,
+                "warnings": self.warnings}
 
 
 def check_applicable(model, name: str) -> registry.Pass:
@@ -149,10 +152,15 @@ def _arithmetic(model, tolerance: float | None) -> str:
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
             verify: bool = True, work_dtype: torch.dtype | None = None, text: str | None = None,
             tolerance: float | None = None, max_shard_size: str = "5GB",
-            progress: Progress = no_progress, on_overflow: str = "refuse") -> Result:
+            progress: Progress = no_progress, streaming: bool | None = None,
+            on_overflow: str = "refuse") -> Result:
     """Load ``src``, apply ``passes``, check parity, cast back, save to ``out`` atomically.
-    ``on_overflow``: what to do with a rewritten tensor that does not fit a half-precision
-    storage dtype (``precision.cast_back``): refuse, or keep it in float32."""
+
+    ``streaming``: True rewrites one block at a time (``streaming.py``; blockwise passes only),
+    False loads the whole model, None streams when the model would not fit in memory (the
+    result's ``streaming`` says why). ``on_overflow``: what to do with a rewritten tensor that
+    does not fit a half-precision storage dtype (``precision.cast_back``): refuse, or keep it
+    in float32."""
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
     if on_overflow not in precision.POLICIES:
@@ -161,9 +169,16 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         registry.check_options(registry.get(name), options)
     path = checkpoint.resolve(src)
     checkpoint.check_output(Path(out), force, path)
-    progress("load", 0, 1)
     storage = checkpoint.storage_dtype(path)
     dtype = work_dtype_for(storage, work_dtype)
+    why = "asked for (--streaming)" if streaming else None
+    if streaming is None:
+        why = streaming_mod.too_big([path], dtype, 1.5)
+    if why:
+        return streaming_mod.convert(src, path, out, passes, storage=storage, dtype=dtype, force=force,
+                                     verify=verify, text=text, tolerance=tolerance,
+                                     max_shard_size=max_shard_size, progress=progress, reason=why)
+    progress("load", 0, 1)
     model = checkpoint.load(path, dtype)
     tokenizer = checkpoint.load_tokenizer(path)
     progress("load", 1, 1)

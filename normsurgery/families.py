@@ -124,15 +124,18 @@ def base_prefix(model) -> str:
     return "" if model.base_model is model else f"{model.base_model_prefix}."
 
 
-def layout(model) -> Layout:
-    """The layout of ``model``, read afresh (passes change modules, so never cache it)."""
+def layout(model, scope: tuple[str, ...] = ()) -> Layout:
+    """The layout of ``model``, read afresh (passes change modules, so never cache it); with
+    ``scope``, restricted to those modules (``Layout.restrict``). Reads only classes, shapes
+    and attributes, so it works on a model whose parameters are on the meta device."""
     head = head_of(model)
-    lay = family(model.config.model_type).adapter(model, base_prefix(model), head.path)
+    lay = family(model.config.model_type).adapter(model, base_prefix(model), head.path).restrict(scope)
     sites = []
     for s in lay.norms:
         mod = model.get_submodule(s.path)
         kind, offset = norms.kind_of(mod)
         sites.append(dataclasses.replace(s, kind=kind, offset=offset, eps=norms.eps_of(mod)))
+    # read inside the scope: elsewhere a part rewritten earlier may have another width
     width = algebra.out_width(model.get_submodule((lay.writers or lay.embeddings)[0]))
     tied = head.path is not None and model.get_submodule(head.path).weight is \
         model.get_submodule(lay.token_embedding).weight

@@ -13,6 +13,7 @@ Placement:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 #: norm kinds: what a norm computes over its input x (``norms.kind_of`` reads it off the module)
@@ -94,6 +95,8 @@ class Layout:
     # (quantity, config key) the stock __init__ builds widths from: "intermediate", "heads",
     # "kv_heads", "head_dim" (only where the stock code reads head_dim from the config)
     config_widths: tuple[tuple[str, str], ...] = ()
+    # module paths this layout is restricted to (``restrict``); () for the whole model
+    scope: tuple[str, ...] = ()
 
     @property
     def final_norm(self) -> NormSite | None:
@@ -109,3 +112,25 @@ class Layout:
     @property
     def norm_kinds(self) -> set[str]:
         return {s.kind for s in self.norms}
+
+    def restrict(self, scope: tuple[str, ...]) -> Layout:
+        """The sites inside the modules ``scope`` (paths and everything under them): what a pass
+        sees when it rewrites one part of a model (streaming). Whole-model facts (family,
+        placement, widths, head, tying, objective) stay; a norm site's readers must lie in the
+        same scope. Empty ``scope``: the whole layout."""
+        if not scope:
+            return self
+
+        def inside(path: str | None) -> bool:
+            return path is not None and any(path == p or path.startswith(p + ".") for p in scope)
+
+        norms = tuple(s for s in self.norms if inside(s.path))
+        outside = [r for s in norms for r in s.readers if not inside(r)]
+        if outside:
+            raise ValueError(f"{outside[0]} reads a norm inside {scope} but lies outside it")
+        return dataclasses.replace(
+            self, embeddings=tuple(p for p in self.embeddings if inside(p)),
+            writers=tuple(p for p in self.writers if inside(p)), norms=norms,
+            qk_norms=tuple(p for p in self.qk_norms if inside(p)),
+            attention=tuple(a for a in self.attention if inside(a.path)),
+            mlps=tuple(m for m in self.mlps if inside(m.down)), scope=tuple(scope))

@@ -102,13 +102,22 @@ def residual_capture(model):
             h.remove()
 
 
+def device_of(model) -> torch.device:
+    """Where the model computes: its first parameter's device, or (a streamed model, whose
+    parameters wait on the meta device until their block runs) its first real buffer's, or CPU."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
 def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     """Run the base model only (no head: the scores read hidden states, and a base model or a
     classifier without a pad token works the same), without a KV cache."""
     base = model.base_model
     kw = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
-    base(input_ids=input_ids.to(model.device),
-         attention_mask=None if attention_mask is None else attention_mask.to(model.device), **kw)
+    base(input_ids=input_ids.to(device_of(model)),
+         attention_mask=None if attention_mask is None else attention_mask.to(device_of(model)), **kw)
 
 
 @torch.no_grad()

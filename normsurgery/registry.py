@@ -10,6 +10,12 @@ the model in place and returns a :class:`PassReport`.
 - ``trained`` passes change it on purpose: they get calibration text and a step budget through
   :class:`PassContext`, and report the quality they keep in ``metrics``.
 
+A ``blockwise`` pass rewrites each part of a model (the embeddings, one block, the final norm
+and head) from that part's tensors alone, so it may run one block at a time on a checkpoint
+larger than memory (``streaming``): ``applies`` and ``apply`` then get a Layout restricted to
+the part (``Layout.restrict``). A pass that needs whole-model facts (which channels any writer
+writes) is not blockwise.
+
 An exact pass may declare its own reference step (``reference``: minimize with a mask option
 masks first): the caller runs it first and checks the pass against the model it leaves.
 
@@ -63,19 +69,22 @@ class Pass:
     apply: Callable[..., PassReport]
     options: dict[str, Any] = field(default_factory=dict)  # option name -> default
     reference: Callable[..., PassReport | None] | None = None  # changes the function first, on purpose
+    blockwise: bool = False  # may run one part of the model at a time (see the module docstring)
 
 
 KINDS = ("exact", "reference", "trained")
 PASSES: dict[str, Pass] = {}
 
 
-def register(name: str, description: str, kind: str, families: str, applies, options=None, reference=None):
+def register(name: str, description: str, kind: str, families: str, applies, options=None, reference=None,
+             blockwise: bool = False):
     """Decorator registering ``apply(model, layout, ctx) -> PassReport`` under ``name``."""
     if kind not in KINDS:
         raise ValueError(kind)
 
     def wrap(apply):
-        PASSES[name] = Pass(name, description, kind, families, applies, apply, dict(options or {}), reference)
+        PASSES[name] = Pass(name, description, kind, families, applies, apply, dict(options or {}), reference,
+                            blockwise)
         return apply
 
     return wrap
@@ -93,13 +102,13 @@ class Lazy:
 
 
 def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
-            reference: bool = False) -> None:
+            reference: bool = False, blockwise: bool = False) -> None:
     """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference`` when said)
     are functions of ``module``, imported on first use."""
     if kind not in KINDS:
         raise ValueError(kind)
     PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"), Lazy(module, "apply"),
-                        dict(options or {}), Lazy(module, "reference") if reference else None)
+                        dict(options or {}), Lazy(module, "reference") if reference else None, blockwise)
 
 
 def get(name: str) -> Pass:

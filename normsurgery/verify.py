@@ -48,6 +48,7 @@ class Comparison:
     tolerance: float | None = None
     reason: str | None = None  # why this tolerance
     layers: list[dict] = field(default_factory=list)
+    streaming: str | None = None  # why the models were read one block at a time (None: in memory)
 
     @property
     def ok(self) -> bool:
@@ -222,8 +223,21 @@ def compare_models(a, b, ids: torch.Tensor, *, tolerance: float | None = None, g
 
 def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
            tolerance: float | None = None, n: int = 4, length: int = 64, generate: int = 16,
-           per_layer: bool = False) -> Comparison:
-    """Load checkpoints (paths) or take models, run both in ``dtype`` and compare."""
+           per_layer: bool = False, streaming: bool | None = None) -> Comparison:
+    """Load checkpoints (paths) or take models, run both in ``dtype`` and compare.
+
+    ``streaming`` (checkpoints only): True reads one block at a time (``streaming.verify``: no
+    generation, no per-layer figures), None does so when both models would not fit in memory;
+    the comparison's ``streaming`` says why."""
+    if not isinstance(a, torch.nn.Module) and not isinstance(b, torch.nn.Module) and streaming is not False:
+        from . import streaming as stream
+
+        pa, pb = checkpoint.resolve(a), checkpoint.resolve(b)
+        why = "asked for (--streaming)" if streaming else stream.too_big([pa, pb], dtype, 1.1)
+        if why:
+            result = stream.verify(pa, pb, text=text, dtype=dtype, tolerance=tolerance, n=n, length=length)
+            result.streaming = why
+            return result
     ma, sa = _model(a, dtype)
     mb, sb = _model(b, dtype)
     if dtype == torch.float64:

@@ -60,7 +60,7 @@ def test_trust_remote_code_loads_the_runtime(tmp_path):
 
 def test_llama_flashnorm_round_trip_sharded(tmp_path):
     out = tmp_path / "out"
-    result = ns.convert(LLAMA, out, [("flashnorm", {})], max_shard_size="1MB")
+    ns.convert(LLAMA, out, [("flashnorm", {})], max_shard_size="1MB")
     assert (out / "model.safetensors.index.json").is_file()
     assert len(list(out.glob("model-*.safetensors"))) > 1
     assert not (out / "modeling_normsurgery.py").exists()

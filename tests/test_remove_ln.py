@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 

@@ -153,6 +153,8 @@ def size_option(value: str) -> str:
 
 FORCE = typer.Option(False, "--force", help="replace OUT if it is a checkpoint (never a folder of other files); "
                                             "convert: save even if parity breaks")
+STREAMING = typer.Option(None, "--streaming/--in-memory", help="read and rewrite one block at a time (default: "
+                         "only when the model does not fit in memory); --in-memory loads it whole")
 JSON = typer.Option(False, "--json", help="print the result as JSON (for scripts)")
 ALLOW_PICKLE = typer.Option(False, "--allow-pickle", help="read pickle (.bin) weights, with "
                                                           "torch.load(weights_only=True); refused otherwise")

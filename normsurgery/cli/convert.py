@@ -8,9 +8,9 @@ from typing import Optional
 import typer
 
 from ..errors import SurgeryError
-from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, command, did_you_mean, dtype_option, emit_json, \
-    load_transformers, positive, progress_bar, read_text, report_stale, say, say_warning, show, size_option, \
-    torch_dtype
+from .app import ALLOW_PICKLE, FORCE, JSON, STREAMING, allow_pickle_option, command, did_you_mean, dtype_option, \
+    emit_json, load_transformers, positive, progress_bar, read_text, report_stale, say, say_warning, show, \
+    size_option, torch_dtype
 
 ON_OVERFLOW = ("refuse", "keep-float32")  # precision.POLICIES, named here so --help needs no torch
 
@@ -61,6 +61,7 @@ def convert(
     seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="trained passes: tokens per window"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="trained passes: peak learning rate"),
     resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
+    streaming: Optional[bool] = STREAMING,
     on_overflow: str = typer.Option("refuse", metavar="refuse|keep-float32", callback=overflow_option,
                                     help="a rewritten tensor that does not fit a float16/bfloat16 checkpoint "
                                          "(overflow, or small values lost): refuse and write nothing, or keep "
@@ -81,7 +82,6 @@ def convert(
     from ..training import is_main_process
 
     allow_pickle_option(allow_pickle)
-
     if fold:
         specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
     given = {k: v for k, v in {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
@@ -93,7 +93,8 @@ def convert(
         with progress_bar(not json and is_main_process()) as progress:
             result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
                                          work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
-                                         max_shard_size=max_shard_size, progress=progress, on_overflow=on_overflow)
+                                         max_shard_size=max_shard_size, progress=progress,
+                                         streaming=streaming, on_overflow=on_overflow)
     if result.saved is None:  # not the main process
         return
     for line in result.warnings or ():
@@ -113,6 +114,8 @@ def convert(
         say(f"overall vs the reference ({p.output}): relative error {fmt(p.relative)}"
             + (f", top-1 agreement {p.top1:.4f}" if p.top1 is not None else "")
             + (f"; tolerance {fmt(p.tolerance)}: {p.reason}" if p.tolerance is not None else ""))
+    if result.streaming:
+        say(f"rewritten one block at a time: {result.streaming}")
     if result.cast:
         say(f"cast to {result.storage_dtype}: relative error {fmt(result.cast.relative)}; tolerance "
             f"{fmt(result.cast.tolerance)}: {result.cast.reason}")

@@ -184,7 +184,7 @@ def heal(
         if save_adapter_:
             with checkpoint.writing(out, force=force, source=path) as stage:
                 save_adapter(model, stage.path, path.resolve(), source=path)
-            saved = {"path": str(out), "files": sorted(f.name for f in Path(out).iterdir())}
+            saved = checkpoint.written(out, stage, {})
         else:
             saved = checkpoint.save(model, out, source=path, force=force, record=meta,
                                     check=reload_check(model, held[:4]))

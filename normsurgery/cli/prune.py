@@ -65,6 +65,8 @@ def prune(
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="heal: keep the adapter in OUT/adapter, unmerged"),
     recipe: Optional[Path] = typer.Option(None, metavar="FILE", help="a TOML recipe with [prune] (and [heal]) tables"),
     force: bool = FORCE,
+    streaming: bool = typer.Option(False, "--streaming", help="score and copy one block at a time (models larger "
+                                   "than memory; no cross-entropy figures, no --heal)"),
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
@@ -92,6 +94,8 @@ def prune(
     cfg = checkpoint.load_config(path)
     with checkpoint.output_lock(out):
         report_stale(checkpoint.check_output(out, force, path))
+        if streaming:
+            return _prune_streaming(path, src, out, cfg, p, do_heal, body, force, plot, json, seq_len)
         result = _prune(path, src, out, cfg, p, h, do_heal, body, held_text, save_adapter_, force, json,
                         seq_len)
     if result is None:
@@ -130,23 +134,15 @@ def prune(
 def _prune(path, src, out, cfg, p, h, do_heal, body, held_text, keep_adapter, force, json, given_seq_len):
     """Score, remove, (heal), save. None on a secondary process of a distributed heal."""
     from .. import checkpoint
-    from ..calibration import bundled_text, tokenize, windows
+    from ..calibration import tokenize, windows
     from ..families import layout
     from ..heal import heldout_ce, require_lm
     from ..layout import LM_OBJECTIVES
-    from ..prune import count_layers, prune_model, score_layers, select_layers
+    from ..prune import prune_model, score_layers, select_layers
     from ..verify import probe_ids, reload_check
 
-    n = count_layers(cfg.num_hidden_layers, p["layers"], p["fraction"])
-    fit_seq_len(cfg, p, given_seq_len)
+    n, tokenizer, body, cal = _calibration(path, src, cfg, p, do_heal, body, given_seq_len)
     fit_seq_len(cfg, h, given_seq_len)
-    tokenizer = checkpoint.load_tokenizer(path)
-    if tokenizer is None and (p["method"] != "last" or do_heal):
-        raise SurgeryError(f"{src} has no tokenizer: --method {p['method']}{' and --heal' if do_heal else ''} "
-                           "need one to read text (--method last alone does not)")
-    if body is None and tokenizer is not None:
-        body = bundled_text()
-    cal = windows(tokenize(tokenizer, body), p["seq_len"], p["samples"]) if tokenizer is not None else None
     if do_heal:
         train, held = heal_data(tokenizer, body, held_text, h)
     else:
@@ -193,3 +189,51 @@ def _prune(path, src, out, cfg, p, h, do_heal, body, held_text, keep_adapter, fo
         saved = checkpoint.save(model, out, source=path, force=force, record=meta, check=reload_check(model, probe))
     acc.wait_for_everyone()
     return meta, ce, scores, selection, record, report, seconds, saved, None if lm else type(model).__name__
+
+
+def _calibration(path, src, cfg, p, do_heal, body, given_seq_len):
+    """How many layers go, the tokenizer, the text (bundled when none is given) and the scoring
+    windows (None for ``--method last`` without a tokenizer)."""
+    from .. import checkpoint
+    from ..calibration import bundled_text, tokenize, windows
+    from ..prune import count_layers
+
+    n = count_layers(cfg.num_hidden_layers, p["layers"], p["fraction"])
+    fit_seq_len(cfg, p, given_seq_len)
+    tokenizer = checkpoint.load_tokenizer(path)
+    if tokenizer is None and (p["method"] != "last" or do_heal):
+        raise SurgeryError(f"{src} has no tokenizer: --method {p['method']}{' and --heal' if do_heal else ''} "
+                           "need one to read text (--method last alone does not)")
+    if body is None and tokenizer is not None:
+        body = bundled_text()
+    cal = windows(tokenize(tokenizer, body), p["seq_len"], p["samples"]) if tokenizer is not None else None
+    return n, tokenizer, body, cal
+
+
+def _prune_streaming(path, src, out, cfg, p, do_heal, body, force, plot, json, given_seq_len) -> None:
+    """prune --streaming: scores from one streamed pass over the checkpoint, tensors copied part by part."""
+    from .. import streaming
+    from ..prune import select_layers
+    from .report import plot_scores, score_table
+
+    if do_heal:
+        raise SurgeryError("--heal trains the whole model in memory: prune with --streaming, then heal the result")
+    n, _, _, cal = _calibration(path, src, cfg, p, do_heal, body, given_seq_len)
+    scores = streaming.score(path, cal) if cal is not None else None
+    selection = select_layers(p["method"], n, scores, cfg.num_hidden_layers)
+    meta = {"version": __version__, "source": str(src),
+            "prune": {**selection.as_dict(), "text_tokens": scores.tokens if scores else 0}}
+    record = streaming.prune(path, out, selection.layers, force=force, record=meta)
+    saved = record.pop("saved")
+    meta["prune"].update(record)
+    if plot is not None and scores is not None:
+        plot_scores(plot, selection, scores)
+    if json:
+        emit_json({**meta, "streaming": True, "scores": scores.as_dict() if scores else None, "saved": saved})
+        return
+    if scores is not None:
+        show(score_table(selection, scores))
+    say(f"removed {len(selection.layers)} of {record['layers_before']} layers "
+        f"({', '.join(map(str, selection.layers))}) by {selection.method}, one block at a time; "
+        f"{record['layers_after']} remain, renumbered")
+    say(f"saved {saved['path']}")

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import FAILED, SurgeryError
-from .app import ALLOW_PICKLE, JSON, allow_pickle_option, command, dtype_option, emit_json, positive, read_text, say, \
-    show, torch_dtype
+from .app import ALLOW_PICKLE, JSON, STREAMING, allow_pickle_option, command, dtype_option, emit_json, positive, \
+    read_text, say, show, torch_dtype
 
 
 def check_comparable(a: str, b: str) -> None:
@@ -38,6 +38,7 @@ def verify(
     seq_len: int = typer.Option(64, min=2, metavar="L", help="tokens per window (at most the model's positions)"),
     generate: int = typer.Option(16, min=0, metavar="N", help="greedy tokens to compare (0: skip)"),
     layers: bool = typer.Option(False, "--layers", help="also compare every hidden state"),
+    streaming: Optional[bool] = STREAMING,
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
@@ -49,13 +50,15 @@ def verify(
     body = read_text(text)
     check_comparable(a, b)
     r = verify_api(a, b, text=body, dtype=torch_dtype(dtype), tolerance=tol, n=samples, length=seq_len,
-                   generate=generate, per_layer=layers)
+                   generate=generate, per_layer=layers, streaming=streaming)
     if json:
         emit_json({"a": a, "b": b, "dtype": dtype, **r.as_dict()})
     else:
         from .report import verify_table
 
         show(verify_table(r, a, b, dtype))
+        if r.streaming:
+            say(f"read one block at a time (no generation, no per-layer figures): {r.streaming}")
         if r.layers:
             say("h_l: the residual stream entering block l (the last row: leaving the last block). The final "
                 "norm's output is not compared per layer (flashnorm moves its gain into the head); the "

@@ -17,11 +17,13 @@ PRE_LN = "Pre-LN and parallel models of every supported family"
 
 for name, module, description, kind, families, extra in [
     ("pre-rmsnorm", "pre_rmsnorm", "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm",
-     "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi)", {"options": {"fold": False}}),
+     "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi)",
+     {"options": {"fold": False}, "blockwise": True}),
     ("flashnorm", "flashnorm", "FlashNorm: fold every norm's gain (and bias) into the linears that read it",
-     "exact", "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", {}),
+     "exact", "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", {"blockwise": True}),
     ("crmsnorm", "crmsnorm", "Pre-CRMSNorm: after pre-rmsnorm, store the zero-mean stream in d-1 dimensions",
-     "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output", {}),
+     "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
+     {"blockwise": True}),
     ("mask", "mask", "Zero weights by a mask file or criterion (changes the function; minimize then shrinks)",
      "reference", PRE_LN, {"options": MASK_OPTIONS}),
     ("minimize", "minimize", "Remove dead MLP units, attention heads and residual channels (exact; optional mask "

@@ -69,7 +69,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     before = _shrink.size(model.parameters())
     if layout.norm_kinds == {"layernorm"}:
         report.notes += pre_rmsnorm.apply(model, layout, PassContext(options={"fold": False})).notes
-        layout = families.layout(model)
+        layout = families.layout(model, layout.scope)
     report.notes += untie_if_touched(model, layout, {layout.token_embedding})
     d = layout.stream_width
     stored = torch.arange(d - 1)

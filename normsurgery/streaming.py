@@ -1,0 +1,619 @@
+"""Checkpoints larger than memory: the same passes and checks, one part of the model at a time.
+
+The model is built on the meta device from its config (no memory for weights) and its Layout
+read from that (classes and shapes only). The model is cut into parts, each holding norms: every
+block, the embeddings joined to the first block, the final norm and head to the last (a head tied
+to the embedding joins all four into one part). Rewriting a part: read its tensors from the input
+shards, cast them to the working dtype, run each registered ``blockwise`` pass's ``applies`` and
+``apply`` on the Layout restricted to the part (``Layout.restrict``), cast back to the storage
+dtype, append the tensors to the output shard, free the part (back to meta). The arithmetic is
+that of the in-memory path, tensor for tensor, so the outputs are bit-identical; memory is about
+one part (the embeddings or head with a block) plus one tensor being read or written.
+
+Checks carry the probe tokens through a model one part at a time: a forward pass over the meta
+model whose hooks load each part before its first module runs and free it after its last (the
+reference read from the input; the rewritten model converted as it runs), so both logits are the
+whole models', compared as in memory. Greedy generation is not compared (each new token would
+read the whole checkpoint again), nor is the cast to the storage dtype.
+
+Input: safetensors headers are parsed once; a tensor is read with one plain read into its own
+buffer, one file open at a time (a memory map would count every page it touched as the process's
+memory until closed). Output: each shard file reserves room for its header and the tensors follow
+as they come; when the shard is full its header is written into that room (padded with spaces,
+as the format allows), then the next shard starts; the index is written at the end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+import weakref
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import __version__, checkpoint, registry
+from .errors import SurgeryError
+from .families import layout
+from .layout import Layout
+from .norms import faithful_norms
+from .progress import Progress, no_progress
+from .registry import PassContext
+from .verify import ROUNDING_FACTOR, TOLERANCE, Comparison, coarsest, compare_logits, probe_ids
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+def _inside(path: str, scope: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in scope)
+
+
+# ---------------------------------------------------------------------------------------------
+# shards in and out
+
+
+class Shards:
+    """The tensors of a safetensors checkpoint, read one at a time (see the module docstring)."""
+
+    def __init__(self, path: Path):
+        self.where: dict[str, tuple[Path, int, int, torch.dtype, list[int]]] = {}
+        for f in checkpoint.weight_files(path):
+            if f.suffix != ".safetensors":
+                raise SurgeryError(f"{f.name}: streaming reads safetensors checkpoints only")
+            header, start = checkpoint.safetensors_header(f)
+            for key, v in header.items():
+                if key == "__metadata__":
+                    continue
+                if v["dtype"] not in DTYPES:
+                    raise SurgeryError(f"{f.name}: tensor {key} has dtype {v['dtype']}, which streaming cannot read")
+                a, b = v["data_offsets"]
+                self.where[key] = (f, start + a, b - a, DTYPES[v["dtype"]], v["shape"])
+        self._file, self._fh = None, None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    @property
+    def numel(self) -> int:
+        return sum(torch.Size(shape).numel() for *_, shape in self.where.values())
+
+    def get(self, key: str) -> torch.Tensor:
+        f, offset, size, dtype, shape = self.where[key]
+        if self._file != f:
+            self.close()
+            self._file, self._fh = f, open(f, "rb", buffering=0)
+        buf = torch.empty(size, dtype=torch.uint8)
+        self._fh.seek(offset)
+        view, done = memoryview(buf.numpy()), 0
+        while done < size:
+            n = self._fh.readinto(view[done:])
+            if not n:
+                raise SurgeryError(f"{f.name} ended inside tensor {key}")
+            done += n
+        return buf.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        self._file, self._fh = None, None
+
+
+class ShardWriter:
+    """Safetensors shards of at most ``max_bytes`` (a larger tensor gets one of its own), written
+    as the tensors come; ``close`` names them as transformers does and writes the index."""
+
+    def __init__(self, folder: Path, max_bytes: int, header_room: int):
+        self.folder, self.max, self.room = Path(folder), max_bytes, -(-header_room // 8) * 8
+        self.done: list[tuple[Path, list[str]]] = []
+        self.fh, self.header, self.used = None, {}, 0
+        self.total, self.params = 0, 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().contiguous().reshape(-1)
+        size = t.numel() * t.element_size()
+        if self.fh is not None and self.used and self.used + size > self.max:
+            self._finish_shard()
+        if self.fh is None:
+            path = self.folder / f".shard-{len(self.done)}"
+            self.fh, self.header, self.used = open(path, "wb"), {}, 0
+            self.fh.seek(8 + self.room)
+        self.fh.write(memoryview(t.view(torch.uint8).numpy()))
+        self.header[name] = {"dtype": CODES[t.dtype], "shape": list(tensor.shape),
+                             "data_offsets": [self.used, self.used + size]}
+        self.used += size
+        self.total += size
+        self.params += t.numel()
+
+    def _finish_shard(self) -> None:
+        head = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+        if len(head) > self.room:
+            raise RuntimeError(f"shard header of {len(head)} bytes overflows the {self.room} reserved")
+        self.fh.seek(0)
+        self.fh.write(struct.pack("<Q", self.room) + head + b" " * (self.room - len(head)))
+        self.fh.close()
+        self.done.append((Path(self.fh.name), list(self.header)))
+        self.fh = None
+
+    def close(self) -> list[str]:
+        """Finish the last shard, name the shards, write the index; returns the file names."""
+        if self.fh is not None:
+            self._finish_shard()
+        n = len(self.done)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for (path, _), name in zip(self.done, names):
+            path.rename(self.folder / name)
+        if n > 1:
+            weight_map = {k: name for (_, keys), name in zip(self.done, names) for k in keys}
+            index = {"metadata": {"total_parameters": self.params, "total_size": self.total},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+# ---------------------------------------------------------------------------------------------
+# the model on the meta device, its parts, loading and freeing them
+
+
+def meta_model(path: Path, dtype: torch.dtype):
+    """The checkpoint's model (rebuilt modules included) with its parameters on the meta device;
+    buffers (rotary frequencies) are real. Eval mode."""
+    from accelerate import init_empty_weights
+
+    cfg = checkpoint.load_config(path)
+    with init_empty_weights():
+        model = checkpoint.model_class(cfg)._from_config(cfg, dtype=dtype)
+    model.tie_weights()  # as from_pretrained does: a tied head is the embedding's parameter
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class Part:
+    """Module paths rewritten together, and the stages of a forward pass they take part in
+    (-1: before the blocks, i: block i, L: after the blocks)."""
+
+    scope: tuple[str, ...]
+    stages: tuple[int, ...]
+
+
+def plan(model, lay: Layout, alone: bool = False) -> list[Part]:
+    """The parts: each block; the embeddings (every parameter outside the blocks but those of the
+    final norm, its readers and the head) with the first block; the final norm, its readers and
+    the head with the last; all in one part when the two ends share a parameter (a tied head).
+    ``alone``: the two ends are parts of their own (for reading only: a pass needs every part
+    to hold norms)."""
+    n = len(model.get_submodule(lay.layers_path))
+    blocks = [f"{lay.layers_path}.{i}" for i in range(n)]
+    back = tuple(dict.fromkeys(((lay.final_norm.path, *lay.final_norm.readers) if lay.final_norm else ())
+                               + ((lay.head,) if lay.head else ())))
+    front, ends = [], defaultdict(set)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        mod = name.rpartition(".")[0]
+        if _inside(name, (lay.layers_path,)):
+            continue
+        ends[id(p)].add(_inside(mod, back))
+        if not _inside(mod, back) and mod not in front:
+            front.append(mod)
+    tied = any(len(e) > 1 for e in ends.values())
+    if alone:
+        blocks = [Part((b,), (i,)) for i, b in enumerate(blocks)]
+        ends = [Part((*front, *back), (-1, n))] if tied else [Part(tuple(front), (-1,)), Part(back, (n,))]
+        return ends + blocks
+    first = Part((*front, blocks[0]), (-1, 0))
+    last = Part((blocks[-1], *back), (n - 1, n))
+    middle = [Part((b,), (i,)) for i, b in enumerate(blocks)][1:-1]
+    if n == 1 or tied:
+        return [Part(tuple(dict.fromkeys(first.scope + last.scope)), (-1, 0, n - 1, n)), *middle]
+    return [first, *middle, last]
+
+
+class Loader:
+    """Puts a part's parameters on the model from the shards (cast to ``dtype``) and frees them.
+
+    Each parameter's tensor in the shards is found once, by the names the model had then, and
+    follows the parameter object (through loading and freeing), so modules may be moved or
+    renumbered afterwards (``prune_model``) and still read the right tensors."""
+
+    def __init__(self, model, shards: Shards, dtype: torch.dtype):
+        from transformers.core_model_loading import revert_weight_conversion
+
+        self.model, self.shards, self.dtype = model, shards, dtype
+        _map_large_blocks()
+        prefix = getattr(model, "base_model_prefix", "")
+        self.keys: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (the parameter, key)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            saved = next(iter(revert_weight_conversion(model, {name: p})))
+            for key in (saved, name, saved.removeprefix(prefix + "."), f"{prefix}.{saved}"):
+                if key in shards:
+                    self.keys[id(p)] = (weakref.ref(p), key)
+                    break
+
+    def key(self, p) -> str | None:
+        entry = self.keys.get(id(p))
+        return entry[1] if entry is not None and entry[0]() is p else None
+
+    def _uses(self, scope):
+        """Distinct parameters inside ``scope``: (parameter, [(module, attribute, full name)])."""
+        uses = {}
+        for path, mod in self.model.named_modules(remove_duplicate=False):
+            for attr, p in mod._parameters.items():
+                if p is not None:
+                    uses.setdefault(id(p), (p, []))[1].append((mod, attr, f"{path}.{attr}" if path else attr))
+        return [(p, u) for p, u in uses.values() if any(_inside(full, scope) for *_, full in u)]
+
+    def _replace(self, old, new, uses) -> None:
+        key = self.key(old)
+        self.keys.pop(id(old), None)
+        if key is not None:
+            self.keys[id(new)] = (weakref.ref(new), key)
+        for mod, attr, _ in uses:
+            mod._parameters[attr] = new
+
+    def load(self, scope: tuple[str, ...]) -> None:
+        for p, uses in self._uses(scope):
+            if p.device.type != "meta":
+                continue
+            key = self.key(p)
+            if key is None:
+                raise SurgeryError(f"{uses[0][2]} is missing from the checkpoint")
+            t = self.shards.get(key)
+            if tuple(t.shape) != tuple(p.shape):
+                raise SurgeryError(f"{key} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(p.shape)}")
+            self._replace(p, nn.Parameter(t.to(self.dtype) if t.is_floating_point() else t, requires_grad=False), uses)
+
+    def free(self, scope: tuple[str, ...]) -> None:
+        for p, uses in self._uses(scope):
+            self._replace(p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False), uses)
+        _trim()
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system (glibc keeps it otherwise)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _map_large_blocks() -> None:
+    """Ask glibc to serve every allocation of 1 MiB or more by its own mapping (process-wide),
+    so a freed part goes back to the system at once: by default the threshold rises with each
+    large block freed, later tensors come from the heap, and the heap only grows."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def tensors(model, scope: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The part's entries of the state dict under the names ``save_pretrained`` writes."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    sd = {k: v for k, v in model.state_dict().items() if _inside(k, scope)}
+    for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        sd.pop(k, None)
+    return revert_weight_conversion(model, remove_tied_weights_from_state_dict(sd, model))
+
+
+@contextmanager
+def part_by_part(model, parts: list[Part], enter: Callable[[Part], None], leave: Callable[[Part], None]):
+    """Hooks that, during a forward pass, ``enter`` each part before its first stage runs and
+    ``leave`` it after its last."""
+    lay = layout(model)
+    blocks = model.get_submodule(lay.layers_path)
+    n = len(blocks)
+    starts = {min(p.stages): p for p in parts}
+    ends = {max(p.stages): p for p in parts}
+
+    def start(stage):
+        if stage in starts:
+            enter(starts[stage])
+
+    def end(stage):
+        if stage in ends:
+            leave(ends[stage])
+
+    def before_block(i):
+        def hook(module, args):
+            if i == 0:
+                end(-1)
+            start(i)
+        return hook
+
+    def after_block(i):
+        def hook(module, args, output):
+            end(i)
+            if i == n - 1:
+                start(n)
+        return hook
+
+    # the base model's forward starts with the embeddings, also when it runs without the head
+    handles = [model.base_model.register_forward_pre_hook(lambda m, a: start(-1)),
+               model.register_forward_hook(lambda m, a, o: end(n))]
+    for i, b in enumerate(blocks):
+        handles += [b.register_forward_pre_hook(before_block(i)), b.register_forward_hook(after_block(i))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def logits(model, parts: list[Part], ids: torch.Tensor, enter, leave) -> torch.Tensor:
+    """The model's logits on ``ids`` with its parts entered and left as the forward goes."""
+    kwargs = {"use_cache": False} if layout(model).objective == "causal-lm" else {}
+    with part_by_part(model, parts, enter, leave):
+        out = model(input_ids=ids, **kwargs).logits
+    return out if out.dtype in (torch.float32, torch.float64) else out.float()
+
+
+def read_logits(path: Path, dtype: torch.dtype, ids: torch.Tensor, model=None) -> torch.Tensor:
+    """Logits of the checkpoint at ``path`` in ``dtype`` (``model``: its meta model, when built
+    already), one part in memory at a time."""
+    model = meta_model(path, dtype) if model is None else model
+    if dtype == torch.float64:
+        faithful_norms(model)
+    shards = Shards(path)
+    loader = Loader(model, shards, dtype)
+    try:
+        return logits(model, plan(model, layout(model), alone=True), ids, lambda p: loader.load(p.scope),
+                      lambda p: loader.free(p.scope))
+    finally:
+        shards.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# when to stream
+
+
+def available_memory() -> int:
+    """Bytes this process may still take: MemAvailable, or less under a cgroup limit."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail or 1 << 62, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail if avail is not None else 1 << 62
+
+
+def too_big(paths: list[Path], dtype: torch.dtype, copies: float) -> str | None:
+    """Why the checkpoints must be streamed (None when ``copies`` of their parameters in ``dtype``
+    fit in the available memory, with a margin of 1 GiB). Pickle checkpoints are never streamed:
+    they can only be loaded whole."""
+    if any(f.suffix != ".safetensors" for p in paths for f in checkpoint.weight_files(p)):
+        return None
+    params = sum(Shards(p).numel for p in paths)
+    need = params * torch.finfo(dtype).bits // 8 * copies + 2**30
+    avail = available_memory()
+    if need <= avail:
+        return None
+    return (f"in memory this needs about {need / 2**30:.1f} GiB ({params / 1e9:.2f}B parameters in "
+            f"{str(dtype).removeprefix('torch.')}), {avail / 2**30:.1f} GiB are available")
+
+
+# ---------------------------------------------------------------------------------------------
+# convert and verify
+
+
+def check_blockwise(passes: list[tuple[str, dict]], reason: str) -> list[tuple[registry.Pass, dict]]:
+    """The passes with their options, when every one is blockwise; else why streaming cannot."""
+    out = []
+    for name, options in passes:
+        p = registry.get(name)
+        if not p.blockwise:
+            raise SurgeryError(f"pass {name} cannot run one block at a time (it needs facts about the whole "
+                               f"model, such as which channels any writer writes), and streaming was chosen: "
+                               f"{reason}; --in-memory loads the whole model")
+        out.append((p, registry.check_options(p, options)))
+    return out
+
+
+def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: torch.dtype, dtype: torch.dtype,
+            force: bool = False, verify: bool = True, text: str | None = None, tolerance: float | None = None,
+            max_shard_size: str | int = "5GB", progress: Progress = no_progress, reason: str = ""):
+    """``convert.convert`` one part at a time (called by it: ``path`` resolved, ``out`` checked)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from .convert import Result, _length
+
+    todo = check_blockwise(passes, reason)
+    shards = Shards(path)
+    model = meta_model(path, dtype)
+    restore = faithful_norms(model) if dtype == torch.float64 else None
+    parts = plan(model, layout(model))
+    loader = Loader(model, shards, dtype)
+    tokenizer = checkpoint.load_tokenizer(path)
+    context = PassContext(tokenizer=tokenizer, text=text)
+    reports = defaultdict(list)
+    names = list(model.state_dict())
+    result = Result([], str(dtype).removeprefix("torch."), str(storage).removeprefix("torch."), source=str(src))
+    result.streaming = reason
+    done = [0]
+
+    def rewrite(part: Part) -> None:
+        progress("rewrite", done[0], len(parts))
+        loader.load(part.scope)
+        for p, opts in todo:
+            lay = layout(model, part.scope)
+            why = p.applies(model, lay)
+            if why:
+                raise SurgeryError(f"pass {p.name} does not apply to this {model.config.model_type} model: {why}")
+            context.options = opts
+            reports[p.name].append(p.apply(model, lay, context))
+
+    def write(part: Part) -> None:
+        for name, t in tensors(model, part.scope).items():
+            writer.add(name, t.to(storage) if t.is_floating_point() else t)
+        loader.free(part.scope)
+        done[0] += 1
+        progress("rewrite", done[0], len(parts))
+
+    try:
+        with checkpoint.writing(out, force=force, source=path) as stage:
+            tmp = stage.path
+            writer = ShardWriter(tmp, convert_file_size_to_int(max_shard_size),
+                                 sum(2 * (len(n) + 160) for n in names) + 256)
+            if verify:
+                ids = probe_ids(model, tokenizer, text, 4, _length(model))
+                progress("reference", 0, 1)
+                reference = read_logits(path, dtype, ids)
+                progress("reference", 1, 1)
+                after = logits(model, parts, ids, rewrite, write)
+                result.parity = compare_logits(reference, after)
+                result.parity.tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
+            else:
+                for part in parts:
+                    rewrite(part)
+                    write(part)
+            files = writer.close()
+            result.steps = [_step(p.name, p.kind, opts, reports[p.name], len(parts)) for p, opts in todo]
+            if len(result.steps) == 1 and result.parity is not None:
+                result.steps[0].parity = result.parity
+            if verify and not result.ok and not force:
+                raise SurgeryError(f"the passes broke parity: relative error {result.parity.relative:.2e} > "
+                                   f"{result.parity.tolerance:.0e}; nothing was saved (--force saves anyway)")
+            if restore:
+                restore()
+            record = {"version": __version__, "source": str(src), "streaming": True, "passes": [
+                {"name": s.name, "options": s.options, "notes": s.notes,
+                 "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
+            records = _finish(model, tmp, storage, record, path)
+        result.saved = {**checkpoint.written(out, stage, checkpoint.claims(records)), "shards": len(files)}
+    finally:
+        shards.close()
+    return result
+
+
+def _finish(model, tmp: Path, storage: torch.dtype, record: dict, source: Path) -> list[dict]:
+    """What ``save_pretrained`` writes beside the weights, from the meta model; the runtime and
+    the side files (``checkpoint.finish``). Returns the module records."""
+    records = checkpoint.stamp(model, record)
+    model.config.dtype = storage
+    model.config.save_pretrained(tmp)
+    if model.can_generate():
+        model.generation_config.save_pretrained(tmp)
+    checkpoint.finish(tmp, records, source)
+    return records
+
+
+def _step(name: str, kind: str, options: dict, reports: list, parts: int):
+    """One step from the reports of every part: distinct notes, integer metrics summed."""
+    from .convert import Step
+
+    notes = list(dict.fromkeys(n for r in reports for n in r.notes))
+    metrics = {}
+    for r in reports:
+        for k, v in r.metrics.items():
+            metrics[k] = metrics.get(k, 0) + v if isinstance(v, int) and not isinstance(v, bool) else v
+    return Step(name, kind, options, [f"rewritten in {parts} parts, one at a time (notes per part)"] + notes, metrics)
+
+
+def verify(a: Path, b: Path, *, text: str | None = None, dtype: torch.dtype = torch.float32,
+           tolerance: float | None = None, n: int = 4, length: int = 64) -> Comparison:
+    """``verify.verify`` on checkpoints one part at a time (no greedy generation, no per-layer)."""
+    ma = meta_model(a, dtype)
+    c = ma.config
+    length = min(length, getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", length))
+    ids = probe_ids(ma, checkpoint.load_tokenizer(a), text, n, length)
+    if dtype not in TOLERANCE:
+        raise SurgeryError("streaming verify computes in float32 or float64")
+    reference = read_logits(a, dtype, ids, ma)
+    result = compare_logits(reference, read_logits(b, dtype, ids))
+    # as verify.tolerance_for: weights stored coarser than the arithmetic allow the
+    # reference's own rounding in that dtype (one more streamed forward)
+    storage = coarsest(checkpoint.storage_dtype(a), checkpoint.storage_dtype(b))
+    result.tolerance, result.reason = TOLERANCE[dtype], f"{str(dtype)[6:]} arithmetic"
+    if torch.finfo(storage).eps > torch.finfo(dtype).eps:
+        own = compare_logits(reference, read_logits(a, storage, ids))
+        result.tolerance = max(TOLERANCE[dtype], ROUNDING_FACTOR * own.relative)
+        result.reason = (f"weights stored in {str(storage)[6:]}: {ROUNDING_FACTOR} x the reference's own "
+                         f"rounding ({own.relative:.1e}), at least {TOLERANCE[dtype]:.0e}")
+    if tolerance is not None:
+        result.tolerance, result.reason = tolerance, "given"
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# prune
+
+
+def score(path: Path, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+          progress: Progress = no_progress):
+    """``prune.score_layers`` over the checkpoint read one part at a time (all windows in one
+    forward pass, so the checkpoint is read once), in its stored dtype."""
+    from .prune import score_layers
+
+    storage = checkpoint.storage_dtype(path)
+    model = meta_model(path, storage)
+    shards = Shards(path)
+    loader = Loader(model, shards, storage)
+    parts = plan(model, layout(model), alone=True)  # the base model's final norm runs too
+    try:
+        with part_by_part(model, parts, lambda p: loader.load(p.scope), lambda p: loader.free(p.scope)):
+            return score_layers(model, ids, attention_mask, batch_size=len(ids), progress=progress)
+    finally:
+        shards.close()
+
+
+def prune(src, out, layers, *, force: bool = False, record: dict | None = None,
+          max_shard_size: str | int = "5GB", progress: Progress = no_progress) -> dict:
+    """Remove the blocks ``layers`` (``prune.prune_model`` on the meta model: the same checks,
+    renumbering and config), then copy the kept tensors under their new names, part by part,
+    in the stored dtype: nothing is computed, memory stays about one part. ``record`` goes
+    into ``config.normsurgery`` with prune_model's record added under "prune". Returns
+    prune_model's record with ``saved``."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from .prune import prune_model
+
+    path = checkpoint.resolve(src)
+    storage = checkpoint.storage_dtype(path)
+    model = meta_model(path, storage)
+    shards = Shards(path)
+    loader = Loader(model, shards, storage)  # keys found by the names before renumbering
+    names = list(model.state_dict())
+    info = prune_model(model, layers)
+    parts = plan(model, layout(model), alone=True)
+    try:
+        with checkpoint.writing(out, force=force, source=path) as stage:
+            tmp = stage.path
+            writer = ShardWriter(tmp, convert_file_size_to_int(max_shard_size),
+                                 sum(2 * (len(n) + 160) for n in names) + 256)
+            for i, part in enumerate(parts):
+                progress("copy", i, len(parts))
+                loader.load(part.scope)
+                for name, t in tensors(model, part.scope).items():
+                    writer.add(name, t)
+                loader.free(part.scope)
+            progress("copy", len(parts), len(parts))
+            writer.close()
+            record = {**(record or {}), "streaming": True}
+            record["prune"] = {**record.get("prune", {}), **info}
+            records = _finish(model, tmp, storage, record, path)
+    finally:
+        shards.close()
+    return {**info, "saved": checkpoint.written(out, stage, checkpoint.claims(records))}
