@@ -177,7 +177,8 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if why:
         return streaming_mod.convert(src, path, out, passes, storage=storage, dtype=dtype, force=force,
                                      verify=verify, text=text, tolerance=tolerance,
-                                     max_shard_size=max_shard_size, progress=progress, reason=why)
+                                     max_shard_size=max_shard_size, progress=progress, reason=why,
+                                     on_overflow=on_overflow)
     progress("load", 0, 1)
     model = checkpoint.load(path, dtype)
     tokenizer = checkpoint.load_tokenizer(path)

@@ -68,22 +68,36 @@ def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLos
     them exactly (float32), rounds every other tensor through ``dtype`` and leaves the model in
     float32, which is what the saved checkpoint loads as (see :func:`store`). Returns the
     tensors kept."""
-    if policy not in POLICIES:
-        raise SurgeryError(f"--on-overflow {policy}: choose one of {', '.join(POLICIES)}")
     lost = cast_losses(model, dtype)
+    check_policy(lost, dtype, policy)
     if not lost:
         model.to(dtype)
         return []
-    where = _dtype_name(dtype)
-    if policy == "refuse":
-        raise SurgeryError(f"{len(lost)} rewritten tensors do not fit {where}: {_names(lost)}; nothing was saved "
-                           "(--on-overflow keep-float32 keeps them in float32)")
     kept = {loss.name for loss in lost}
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.data = p.data.float() if name in kept else p.data.to(dtype).float()
     model.to(torch.float32)  # buffers
     return lost
+
+
+def for_storage(name: str, tensor: torch.Tensor, dtype: torch.dtype, lost: list[CastLoss]) -> torch.Tensor:
+    """``tensor`` as stored in ``dtype`` (one tensor at a time, ``streaming``); one that does not
+    fit stays float32 and is added to ``lost``, for :func:`check_policy` once all are seen."""
+    loss = cast_loss(name, tensor, dtype) if dtype in HALF else None
+    if loss:
+        lost.append(loss)
+        return tensor.float()
+    return tensor.to(dtype)
+
+
+def check_policy(lost: list[CastLoss], dtype: torch.dtype, policy: str) -> None:
+    """Raise :class:`SurgeryError` naming the ``lost`` tensors when ``policy`` is refuse."""
+    if policy not in POLICIES:
+        raise SurgeryError(f"--on-overflow {policy}: choose one of {', '.join(POLICIES)}")
+    if lost and policy == "refuse":
+        raise SurgeryError(f"{len(lost)} rewritten tensors do not fit {_dtype_name(dtype)}: {_names(lost)}; nothing "
+                           "was saved (--on-overflow keep-float32 keeps them in float32)")
 
 
 def store(model, dtype: torch.dtype, kept: list[CastLoss]) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers as T
 from safetensors import safe_open
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from normsurgery import precision
@@ -76,7 +77,7 @@ def overflowing(tmp_path_factory):
 
 
 def test_refused_by_default_nothing_written(overflowing, tmp_path):
-    for extra in ([], ["--no-verify"]):
+    for extra in ([], ["--no-verify"], ["--streaming"]):
         r = run("convert", overflowing, tmp_path / "out", "--pass", "flashnorm", *extra)
         assert r.exit_code == 1, r.output
         assert f"do not fit float16: {Q} (" in r.output and "values overflow" in r.output, r.output
@@ -110,6 +111,16 @@ def test_kept_in_float32_loads_back_and_verifies(overflowing, tmp_path):
 
     r = run("verify", overflowing, out)
     assert r.exit_code == 0, r.output
+
+    # one block at a time: the same tensors, bit for bit, the same config
+    r = run("convert", overflowing, tmp_path / "streamed", "--pass", "flashnorm", "--on-overflow", "keep-float32",
+            "--streaming", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["kept_float32"] == result["kept_float32"]
+    streamed = load_file(tmp_path / "streamed" / "model.safetensors")
+    assert all(torch.equal(t, streamed[k]) and t.dtype == streamed[k].dtype
+               for k, t in load_file(out / "model.safetensors").items())
+    assert json.loads((tmp_path / "streamed" / "config.json").read_text())["dtype"] == "float32"
 
     # the one-line warning on stderr without --json
     r = run("convert", overflowing, tmp_path / "again", "--pass", "flashnorm", "--on-overflow", "keep-float32")
