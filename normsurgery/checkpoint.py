@@ -207,6 +207,10 @@ def check_finite(model, src) -> None:
     bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        kept = (getattr(model.config, "normsurgery", None) or {}).get("kept_float32") or ()
+        if bad[0] in kept:  # loaded in a narrower dtype than the one it was saved to be loaded in
+            raise SurgeryError(f"{src}: {bad[0]}{more} overflow {next(model.parameters()).dtype}: convert kept "
+                               "them in float32 (--on-overflow keep-float32); load the checkpoint in float32")
         raise SurgeryError(f"{src} holds NaN or Inf weights: {bad[0]}{more}")
 
 

@@ -111,6 +111,8 @@ def test_kept_in_float32_loads_back_and_verifies(overflowing, tmp_path):
 
     r = run("verify", overflowing, out)
     assert r.exit_code == 0, r.output
+    r = run("verify", overflowing, out, "--dtype", "float16")  # cast back on loading: says why
+    assert r.exit_code == 1 and f"{Q} (and 2 more) overflow torch.float16" in r.output, r.output
 
     # one block at a time: the same tensors, bit for bit, the same config
     r = run("convert", overflowing, tmp_path / "streamed", "--pass", "flashnorm", "--on-overflow", "keep-float32",
