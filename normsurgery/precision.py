@@ -44,13 +44,15 @@ def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> CastLoss |
     """What casting ``tensor`` to ``dtype`` loses (None: nothing beyond rounding within range)."""
     if not tensor.is_floating_point() or torch.finfo(dtype).bits >= torch.finfo(tensor.dtype).bits:
         return None
-    w = tensor.detach().double()
-    cast = tensor.detach().to(dtype).double()
-    finite = torch.isfinite(w)
-    overflow = int((finite & torch.isinf(cast)).sum())
-    w, cast = w[finite & torch.isfinite(cast)], cast[finite & torch.isfinite(cast)]
-    norm = float(w.norm())
-    relative = float((cast - w).norm()) / norm if norm > 0 else 0.0
+    w = tensor.detach()
+    cast = w.to(dtype)
+    overflow = int((torch.isinf(cast) & torch.isfinite(w)).sum())
+    both = torch.isfinite(w) & torch.isfinite(cast)
+    if not bool(both.all()):
+        w, cast = w[both], cast[both]
+    norm = float(torch.linalg.vector_norm(w, dtype=torch.float64))
+    error = float(torch.linalg.vector_norm(cast.to(w.dtype) - w, dtype=torch.float64))
+    relative = error / norm if norm > 0 else 0.0
     bound = torch.finfo(dtype).eps / 2
     return CastLoss(name, overflow, relative, bound) if overflow or relative > bound else None
 
