@@ -18,7 +18,7 @@ import types  # noqa: E402
 # ``normsurgery --help`` do not pay for torch and transformers.
 _API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": "checkpoint",
         "load_tokenizer": "checkpoint", "save": "checkpoint", "apply_passes": "convert",
-        "convert": "convert", "load_recipe": "convert", "parse_pass": "convert",
+        "convert": "convert", "load_recipe": "registry", "parse_pass": "registry",
         "SurgeryError": "errors", "all_passes": "registry", "register": "registry", "verify": "verify"}
 
 

@@ -113,21 +113,36 @@ def safetensors_header(f: Path) -> tuple[dict, int]:
 
 
 def storage_dtype(path: Path) -> torch.dtype:
-    """The floating dtype the checkpoint stores its weights in."""
+    """The floating dtype the checkpoint stores its weights in. Mixed dtypes (tensors kept in
+    float32 beside float16 ones, ``precision``): the config's dtype when it is one of them, as
+    ``from_pretrained`` would load it, else the widest, which holds every tensor exactly."""
     from safetensors import safe_open
 
+    names = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    stored = set()
     for f in weight_files(path):
         if f.suffix != ".safetensors":
             break
         with safe_open(f, "pt") as st:
-            for k in st.keys():
-                dt = st.get_slice(k).get_dtype()
-                if dt in ("F64", "F32", "F16", "BF16"):
-                    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                            "BF16": torch.bfloat16}[dt]
+            stored |= {names[dt] for k in st.keys() if (dt := st.get_slice(k).get_dtype()) in names}
     cfg = transformers.AutoConfig.from_pretrained(path)
     dt = getattr(cfg, "dtype", None) or torch.float32
-    return getattr(torch, dt) if isinstance(dt, str) else dt
+    dt = getattr(torch, dt) if isinstance(dt, str) else dt
+    if len(stored) == 1 or (stored and dt not in stored):
+        return widest(stored)
+    return dt
+
+
+def widest(dtypes) -> torch.dtype:
+    """The floating dtype that holds every value of ``dtypes`` (float32 for float16 with bfloat16)."""
+    dtypes = set(dtypes)
+    best = max(dtypes, key=lambda d: torch.finfo(d).bits)
+    return best if len(dtypes) == 1 or torch.finfo(best).bits > 16 else torch.float32
+
+
+def load_dtype(model) -> torch.dtype:
+    """The dtype ``model`` loads back in: its parameters' (the widest when mixed)."""
+    return widest({p.dtype for p in model.parameters() if p.is_floating_point()})
 
 
 def load_config(path: Path):
@@ -192,6 +207,10 @@ def check_finite(model, src) -> None:
     bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        kept = (getattr(model.config, "normsurgery", None) or {}).get("kept_float32") or ()
+        if bad[0] in kept:  # loaded in a narrower dtype than the one it was saved to be loaded in
+            raise SurgeryError(f"{src}: {bad[0]}{more} overflow {next(model.parameters()).dtype}: convert kept "
+                               "them in float32 (--on-overflow keep-float32); load the checkpoint in float32")
         raise SurgeryError(f"{src} holds NaN or Inf weights: {bad[0]}{more}")
 
 
@@ -270,6 +289,9 @@ def save_into(model, folder: Path, *, source=None, record: dict | None = None, m
     into ``folder``, normally a :func:`writing` stage, and check it loads back (see :func:`save`)."""
     records = stamp(model, record)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if load_dtype(model) != model.dtype:  # mixed (tensors kept in float32): config.dtype is the first tensor's
+        model.config.dtype = str(load_dtype(model)).removeprefix("torch.")
+        model.config.save_pretrained(folder)
     finish(folder, records, source)
     return claims(records, None if check is None else _check_reload(model, folder, records, check))
 
@@ -351,7 +373,7 @@ def _check_reload(model, folder: Path, records: list[dict], check) -> dict:
     function) and compare it with ``model``; see :func:`save`. Returns what was checked."""
     plain = None
     if all(r.get("stock_equivalent") for r in records):
-        plain = check(load(folder, next(model.parameters()).dtype, stock=True))
+        plain = check(load(folder, load_dtype(model), stock=True))
         if plain.ok:
             return {"loader": "plain transformers", "comparison": plain.as_dict()}
         for r in records:  # the claim was false: say so in the folder and on the modules
@@ -361,7 +383,7 @@ def _check_reload(model, folder: Path, records: list[dict], check) -> dict:
     if not records:
         raise SurgeryError(f"the saved checkpoint does not reload to the same function (relative error "
                            f"{plain.relative:.2e} > {plain.tolerance:.0e}); nothing was saved")
-    ours = check(load(folder, next(model.parameters()).dtype))
+    ours = check(load(folder, load_dtype(model)))
     if not ours.ok:
         raise SurgeryError(f"the saved checkpoint, loaded back with normsurgery's runtime, differs from the "
                            f"rewritten model (relative error {ours.relative:.2e} > {ours.tolerance:.0e}); "

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import copy
 import shutil
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import __version__, checkpoint, registry
+from . import __version__, checkpoint, precision, registry
 from . import streaming as streaming_mod
 from .errors import SurgeryError
 from .families import layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
-from .registry import PassContext
+from .registry import PassContext, load_recipe, parse_pass, read_recipe  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
 from .verify import (TOLERANCE, Comparison, compare_logits, jittered, logits, needs_rounding_tolerance,
                      output_kind, probe_ids, reload_check, rounding_tolerance, tolerance_for)
@@ -60,6 +59,8 @@ class Result:
     saved: dict | None = None
     source: str | None = None
     streaming: str | None = None  # why it was rewritten one block at a time (None: in memory)
+    kept_float32: list[str] | None = None  # tensors that do not fit the storage dtype, stored in float32
+    warnings: list[str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -72,41 +73,8 @@ class Result:
         return {"source": self.source, "ok": self.ok, "work_dtype": self.work_dtype,
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
                 "parity": c(self.parity), "cast": c(self.cast), "cast_baseline": c(self.cast_baseline),
-                "saved": self.saved, "streaming": self.streaming}
-
-
-def parse_pass(spec: str) -> tuple[str, dict[str, str]]:
-    """``name`` or ``name:key=value,key=value`` -> (name, options)."""
-    name, _, rest = spec.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SurgeryError(f"pass option {item!r} in {spec!r} is not key=value")
-        options[key.strip().replace("-", "_")] = value.strip()
-    return name.strip(), options
-
-
-def read_recipe(path) -> dict[str, Any]:
-    """The tables of a TOML recipe file (``[[pass]]`` for convert, ``[prune]``/``[heal]`` for prune)."""
-    path = Path(path)
-    try:
-        return tomllib.loads(path.read_text())
-    except (FileNotFoundError, IsADirectoryError):
-        raise SurgeryError(f"no recipe at {path}") from None
-    except UnicodeDecodeError:
-        raise SurgeryError(f"recipe {path} is not a text file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SurgeryError(f"recipe {path} is not valid TOML: {e}") from None
-
-
-def load_recipe(path) -> list[tuple[str, dict[str, Any]]]:
-    """A TOML recipe: ``[[pass]]`` tables, each with ``name`` and the pass's options."""
-    data = read_recipe(path)
-    steps = data.get("pass", [])
-    if not steps or not all(isinstance(s, dict) and "name" in s for s in steps):
-        raise SurgeryError(f"recipe {path} needs one or more [[pass]] tables with a name")
-    return [(s["name"], {k: v for k, v in s.items() if k != "name"}) for s in steps]
+                "saved": self.saved, "streaming": self.streaming, "kept_float32": self.kept_float32,
+                "warnings": self.warnings}
 
 
 def check_applicable(model, name: str) -> registry.Pass:
@@ -184,14 +152,19 @@ def _arithmetic(model, tolerance: float | None) -> str:
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
             verify: bool = True, work_dtype: torch.dtype | None = None, text: str | None = None,
             tolerance: float | None = None, max_shard_size: str = "5GB",
-            progress: Progress = no_progress, streaming: bool | None = None) -> Result:
+            progress: Progress = no_progress, streaming: bool | None = None,
+            on_overflow: str = "refuse") -> Result:
     """Load ``src``, apply ``passes``, check parity, cast back, save to ``out`` atomically.
 
     ``streaming``: True rewrites one block at a time (``streaming.py``; blockwise passes only),
     False loads the whole model, None streams when the model would not fit in memory (the
-    result's ``streaming`` says why)."""
+    result's ``streaming`` says why). ``on_overflow``: what to do with a rewritten tensor that
+    does not fit a half-precision storage dtype (``precision.cast_back``): refuse, or keep it
+    in float32."""
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
+    if on_overflow not in precision.POLICIES:
+        raise SurgeryError(f"on_overflow={on_overflow!r}: choose one of {', '.join(precision.POLICIES)}")
     for name, options in passes:
         registry.check_options(registry.get(name), options)
     path = checkpoint.resolve(src)
@@ -204,7 +177,8 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if why:
         return streaming_mod.convert(src, path, out, passes, storage=storage, dtype=dtype, force=force,
                                      verify=verify, text=text, tolerance=tolerance,
-                                     max_shard_size=max_shard_size, progress=progress, reason=why)
+                                     max_shard_size=max_shard_size, progress=progress, reason=why,
+                                     on_overflow=on_overflow)
     progress("load", 0, 1)
     model = checkpoint.load(path, dtype)
     tokenizer = checkpoint.load_tokenizer(path)
@@ -247,7 +221,10 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         restore_norms()
     if not is_main_process():  # one of several training processes: the main one saves
         return result
-    model.to(storage)
+    kept = precision.cast_back(model, storage, on_overflow)
+    if kept:
+        result.kept_float32 = [k.name for k in kept]
+        result.warnings = [precision.warning(kept, storage)]
     if verify and storage != dtype:
         result.cast = compare_logits(anchor, logits(model, ids), kind)
         result.cast.tolerance, result.cast.reason = cast_tol, cast_reason
@@ -257,9 +234,12 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     progress("save", 0, 1)
     record = {"version": __version__, "source": str(src), "passes": [
         {"name": s.name, "options": s.options, "notes": s.notes,
-         "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
+         "relative_error": s.parity.relative if s.parity else None} for s in result.steps],
+        **({"kept_float32": result.kept_float32} if kept else {})}
+    check = reload_check(model, ids) if verify else None
+    precision.store(model, storage, kept)
     result.saved = checkpoint.save(model, out, source=path, force=force, record=record,
-                                   max_shard_size=max_shard_size, check=reload_check(model, ids) if verify else None)
+                                   max_shard_size=max_shard_size, check=check)
     shutil.rmtree(workdir, ignore_errors=True)
     progress("save", 1, 1)
     return result

@@ -18,10 +18,17 @@ writes) is not blockwise.
 
 An exact pass may declare its own reference step (``reference``: minimize with a mask option
 masks first): the caller runs it first and checks the pass against the model it leaves.
+
+The built-in passes are registered by :func:`declare` in ``passes/__init__.py``: their metadata
+(name, kind, description, options) is known without importing torch, and their functions are
+imported from their module on first call, so ``normsurgery passes`` and the CLI's argument
+checks answer at once. :func:`register` is the decorator for passes defined in one's own code.
 """
 
 from __future__ import annotations
 
+import importlib
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -83,6 +90,27 @@ def register(name: str, description: str, kind: str, families: str, applies, opt
     return wrap
 
 
+@dataclass(frozen=True)
+class Lazy:
+    """``module.attr``, imported when first called (the built-in passes' functions)."""
+
+    module: str
+    attr: str
+
+    def __call__(self, *args, **kwargs):
+        return getattr(importlib.import_module(self.module), self.attr)(*args, **kwargs)
+
+
+def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
+            reference: bool = False, blockwise: bool = False) -> None:
+    """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference`` when said)
+    are functions of ``module``, imported on first use."""
+    if kind not in KINDS:
+        raise ValueError(kind)
+    PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"), Lazy(module, "apply"),
+                        dict(options or {}), Lazy(module, "reference") if reference else None, blockwise)
+
+
 def get(name: str) -> Pass:
     _load_builtin()
     if name not in PASSES:
@@ -120,3 +148,37 @@ def _coerce(value, default):
 
 def _load_builtin() -> None:
     from . import passes  # noqa: F401  (importing registers the built-in passes)
+
+
+def parse_pass(spec: str) -> tuple[str, dict[str, str]]:
+    """``name`` or ``name:key=value,key=value`` -> (name, options)."""
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SurgeryError(f"pass option {item!r} in {spec!r} is not key=value")
+        options[key.strip().replace("-", "_")] = value.strip()
+    return name.strip(), options
+
+
+def read_recipe(path) -> dict[str, Any]:
+    """The tables of a TOML recipe file (``[[pass]]`` for convert, ``[prune]``/``[heal]`` for prune)."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise SurgeryError(f"no recipe at {path}") from None
+    except UnicodeDecodeError:
+        raise SurgeryError(f"recipe {path} is not a text file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SurgeryError(f"recipe {path} is not valid TOML: {e}") from None
+
+
+def load_recipe(path) -> list[tuple[str, dict[str, Any]]]:
+    """A TOML recipe: ``[[pass]]`` tables, each with ``name`` and the pass's options."""
+    data = read_recipe(path)
+    steps = data.get("pass", [])
+    if not steps or not all(isinstance(s, dict) and "name" in s for s in steps):
+        raise SurgeryError(f"recipe {path} needs one or more [[pass]] tables with a name")
+    return [(s["name"], {k: v for k, v in s.items() if k != "name"}) for s in steps]

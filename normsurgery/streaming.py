@@ -14,7 +14,8 @@ Checks carry the probe tokens through a model one part at a time: a forward pass
 model whose hooks load each part before its first module runs and free it after its last (the
 reference read from the input; the rewritten model converted as it runs), so both logits are the
 whole models', compared as in memory. Greedy generation is not compared (each new token would
-read the whole checkpoint again), nor is the cast to the storage dtype.
+read the whole checkpoint again), nor is the cast to the storage dtype; each tensor is checked for
+overflow and underflow as it is cast (``precision.for_storage``), refused or kept in float32.
 
 Input: safetensors headers are parsed once; a tensor is read with one plain read into its own
 buffer, one file open at a time (a memory map would count every page it touched as the process's
@@ -38,7 +39,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import __version__, checkpoint, registry
+from . import __version__, checkpoint, precision, registry
 from .errors import SurgeryError
 from .families import layout
 from .layout import Layout
@@ -436,8 +437,10 @@ def check_blockwise(passes: list[tuple[str, dict]], reason: str) -> list[tuple[r
 
 def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: torch.dtype, dtype: torch.dtype,
             force: bool = False, verify: bool = True, text: str | None = None, tolerance: float | None = None,
-            max_shard_size: str | int = "5GB", progress: Progress = no_progress, reason: str = ""):
-    """``convert.convert`` one part at a time (called by it: ``path`` resolved, ``out`` checked)."""
+            max_shard_size: str | int = "5GB", progress: Progress = no_progress, reason: str = "",
+            on_overflow: str = "refuse"):
+    """``convert.convert`` one part at a time (called by it: ``path`` resolved, ``out`` checked).
+    Each tensor is checked as it is cast back (``precision.for_storage``)."""
     from transformers.utils.hub import convert_file_size_to_int
 
     from .convert import Result, _length
@@ -455,6 +458,7 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
     result = Result([], str(dtype).removeprefix("torch."), str(storage).removeprefix("torch."), source=str(src))
     result.streaming = reason
     done = [0]
+    lost = []  # tensors that do not fit the storage dtype, written in float32
 
     def rewrite(part: Part) -> None:
         progress("rewrite", done[0], len(parts))
@@ -469,7 +473,7 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
 
     def write(part: Part) -> None:
         for name, t in tensors(model, part.scope).items():
-            writer.add(name, t.to(storage) if t.is_floating_point() else t)
+            writer.add(name, precision.for_storage(name, t, storage, lost) if t.is_floating_point() else t)
         loader.free(part.scope)
         done[0] += 1
         progress("rewrite", done[0], len(parts))
@@ -495,6 +499,10 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
                     rewrite(part)
                     write(part)
             files = writer.close()
+            precision.check_policy(lost, storage, on_overflow)
+            if lost:
+                result.kept_float32 = [x.name for x in lost]
+                result.warnings = [precision.warning(lost, storage)]
             result.steps = [_step(p.name, p.kind, opts, reports[p.name], len(parts)) for p, opts in todo]
             if len(result.steps) == 1 and result.parity is not None:
                 result.steps[0].parity = result.parity
@@ -505,8 +513,9 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
                 restore()
             record = {"version": __version__, "source": str(src), "streaming": True, "passes": [
                 {"name": s.name, "options": s.options, "notes": s.notes,
-                 "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
-            records = _finish(model, tmp, storage, record, path)
+                 "relative_error": s.parity.relative if s.parity else None} for s in result.steps],
+                **({"kept_float32": result.kept_float32} if lost else {})}
+            records = _finish(model, tmp, torch.float32 if lost else storage, record, path)
         result.saved = {**checkpoint.written(out, stage, checkpoint.claims(records)), "shards": len(files)}
     finally:
         shards.close()

@@ -163,10 +163,14 @@ def test_inspect_shows_dead_units_of_a_masked_model(tmp_path):
 
 # ---- behaving like the tools users know ----
 
-def test_help_version_and_usage_errors_load_neither_torch_nor_transformers():
+def test_help_version_passes_and_usage_errors_load_neither_torch_nor_transformers():
+    """The registry knows every pass's name, kind and options without importing its module."""
     code = ("import sys\nfrom normsurgery.cli import app\nfrom typer.testing import CliRunner\n"
-            "for args in (['--help'], ['-h'], ['--version'], ['convert', '-h'], ['verify', 'a', 'b', '--samples', '0']):\n"
-            "    CliRunner().invoke(app, args)\n"
+            "for args in (['--help'], ['-h'], ['--version'], ['convert', '-h'], ['verify', 'a', 'b', '--samples', '0'],\n"
+            "             ['passes'], ['passes', '--json'], ['convert', 'a', 'b', '--pass', 'FlashNorm'],\n"
+            "             ['convert', 'a', 'b', '--pass', 'minimize:sparsity=x']):\n"
+            "    r = CliRunner().invoke(app, args)\n"
+            "    assert r.exit_code == (1 if 'convert' in args and '-h' not in args else 2 if 'verify' in args else 0), (args, r.output)\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
@@ -219,3 +223,20 @@ def test_tables_fit_80_columns_and_minimize_prints_its_sizes(tmp_path):
     assert r.exit_code == 0, r.output
     assert max(map(len, r.stdout.splitlines())) <= 80
     assert "minimize: sizes per layer" in r.stdout and "total" in r.stdout and "bytes" in r.stdout
+
+
+def test_readme_matches_the_cli():
+    """What README promises exists: the bug-report section errors.REPORT_BUGS points at, the
+    flag spellings the CLI takes; its examples need nothing beside the clone (no ../shared)."""
+    from normsurgery.cli.heal import PRECISIONS
+    from normsurgery.errors import REPORT_BUGS
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    assert "README: Reporting bugs" in REPORT_BUGS and "\n### Reporting bugs\n" in readme
+    shown = readme.split("[--precision ")[1].split("]")[0].split("|")
+    assert set(shown) <= set(PRECISIONS) and "fp32" in shown
+    assert "--on-overflow refuse|keep-float32" in readme
+    for f in [root / "README.md", root / "normsurgery/demo/README.md", *root.glob("recipes/*"), *root.glob("scripts/*")]:
+        assert "../shared" not in f.read_text(), f
+    assert "/demo-out/" in (root / ".gitignore").read_text().split()

@@ -62,6 +62,11 @@ def say_error(message: str) -> None:
     typer.echo(typer.style("error:", fg="red") + " " + message, err=True)
 
 
+def say_warning(message: str) -> None:
+    """One line on stderr: ``warning: message`` (never wrapped: scripts grep it)."""
+    typer.echo(typer.style("warning:", fg="yellow") + " " + message, err=True)
+
+
 def load_transformers() -> None:
     """Import torch and transformers with Ctrl-C and SIGTERM held until both are loaded (a signal
     inside torch's C++ start-up aborts the process instead of raising KeyboardInterrupt); then
@@ -79,15 +84,20 @@ def load_transformers() -> None:
         transformers.utils.logging.set_verbosity_error()
 
 
-def command(fn):
+def command(fn=None, *, preload: bool = True):
     """Register ``fn`` as a command. SurgeryError and OSError (a bad or unwritable path) are one
     line and exit 1; an interrupt exits 130; anything else is a bug of ours: one line saying
-    where to report it, exit 3 (NORMSURGERY_DEBUG=1 shows the traceback)."""
+    where to report it, exit 3 (NORMSURGERY_DEBUG=1 shows the traceback). ``preload=False``:
+    the command calls :func:`load_transformers` itself, after the checks that need neither
+    (``passes`` never does), so those answer at once."""
+    if fn is None:
+        return functools.partial(command, preload=preload)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
-            load_transformers()
+            if preload:
+                load_transformers()
             return fn(*args, **kwargs)
         except SurgeryError as e:
             say_error(str(e))
@@ -208,7 +218,7 @@ def progress_bar(enabled: bool = True):
         tasks = {}
 
         def update(stage, done, total, note=""):
-            key = stage.split(" ")[0] if stage.startswith("pass") else stage
+            key = "pass" if stage.startswith("pass") else stage  # "pass NAME" i of n, then "passes" n of n
             if key not in tasks:
                 tasks[key] = bar.add_task(stage, total=total, note=note)
             bar.update(tasks[key], completed=done, total=total, description=stage, note=note)

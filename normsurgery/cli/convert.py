@@ -9,7 +9,16 @@ import typer
 
 from ..errors import SurgeryError
 from .app import ALLOW_PICKLE, FORCE, JSON, STREAMING, allow_pickle_option, command, did_you_mean, dtype_option, \
-    emit_json, positive, progress_bar, read_text, report_stale, say, show, size_option, torch_dtype
+    emit_json, load_transformers, positive, progress_bar, read_text, report_stale, say, say_warning, show, \
+    size_option, torch_dtype
+
+ON_OVERFLOW = ("refuse", "keep-float32")  # precision.POLICIES, named here so --help needs no torch
+
+
+def overflow_option(value: str) -> str:
+    if value not in ON_OVERFLOW:
+        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(ON_OVERFLOW)}{did_you_mean(value, ON_OVERFLOW)}")
+    return value
 
 
 def check_passes(specs) -> None:
@@ -29,7 +38,7 @@ def check_passes(specs) -> None:
         registry.check_options(p, options)
 
 
-@command
+@command(preload=False)
 def convert(
     src: str = typer.Argument(..., metavar="IN", help="input checkpoint: a folder or a cached hub id"),
     out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
@@ -53,21 +62,26 @@ def convert(
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="trained passes: peak learning rate"),
     resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
     streaming: Optional[bool] = STREAMING,
+    on_overflow: str = typer.Option("refuse", metavar="refuse|keep-float32", callback=overflow_option,
+                                    help="a rewritten tensor that does not fit a float16/bfloat16 checkpoint "
+                                         "(overflow, or small values lost): refuse and write nothing, or keep "
+                                         "that tensor in float32 with a warning"),
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
     """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
-    from .. import checkpoint
-    from ..convert import convert as convert_checkpoint, load_recipe, parse_pass
+    from .. import registry
 
-    allow_pickle_option(allow_pickle)
-    specs = (load_recipe(recipe) if recipe is not None else []) + [parse_pass(s) for s in passes]
+    specs = (registry.load_recipe(recipe) if recipe is not None else []) + [registry.parse_pass(s) for s in passes]
     if not specs:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE (`normsurgery passes` lists them)")
     check_passes(specs)
-    from .. import registry
+    load_transformers()
+    from .. import checkpoint
+    from ..convert import convert as convert_checkpoint
     from ..training import is_main_process
 
+    allow_pickle_option(allow_pickle)
     if fold:
         specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
     given = {k: v for k, v in {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
@@ -80,9 +94,11 @@ def convert(
             result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
                                          work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
                                          max_shard_size=max_shard_size, progress=progress,
-                                         streaming=streaming)
+                                         streaming=streaming, on_overflow=on_overflow)
     if result.saved is None:  # not the main process
         return
+    for line in result.warnings or ():
+        say_warning(line)
     if json:
         emit_json(result.as_dict())
         return

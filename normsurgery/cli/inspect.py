@@ -9,7 +9,7 @@ import typer
 from .app import ALLOW_PICKLE, JSON, allow_pickle_option, command, emit_json, show
 
 
-@command
+@command(preload=False)
 def passes(json: bool = JSON):
     """List the registered passes."""
     from .. import registry

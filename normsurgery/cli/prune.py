@@ -22,7 +22,7 @@ PRUNE_DEFAULTS = {"layers": None, "fraction": None, "method": "angular", "sample
 
 def load_prune_recipe(path: Path) -> tuple[dict, dict | None]:
     """A recipe: a ``[prune]`` table and, to heal as well, a ``[heal]`` table of the options."""
-    from ..convert import read_recipe
+    from ..registry import read_recipe
 
     data = read_recipe(path)
     if not isinstance(data.get("prune"), dict):

@@ -192,9 +192,10 @@ def heal_line(report, seconds: float | None = None) -> str:
     if seconds:
         share = (f"; held-out evaluation {max(seconds - report.seconds, 0.0):.1f} s of {seconds:.1f} s "
                  f"({100 * max(seconds - report.seconds, 0.0) / seconds:.0f}%, --eval-samples sets its size)")
+    precision = "fp32" if report.mixed_precision == "no" else report.mixed_precision  # the --precision spelling
     return (f"healed: {report.steps} steps, {report.tokens} tokens in {report.seconds:.1f} s "
             f"({report.tokens_per_second:.0f} tokens/s, {report.processes} process(es), precision "
-            f"{report.mixed_precision}); LoRA rank {report.rank} on {report.target_modules} linears, "
+            f"{precision}); LoRA rank {report.rank} on {report.target_modules} linears, "
             f"{report.trainable_parameters} trainable parameters{share}")
 
 

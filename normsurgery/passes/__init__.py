@@ -1,4 +1,43 @@
-"""Built-in passes; importing a module registers its passes."""
+"""Built-in passes: what each one is (name, kind, description, options), declared here without
+importing torch; its ``applies``, ``apply`` (and ``reference``) live in the module named and are
+imported on first use (``registry.declare``)."""
 
-from . import (bn_fold, compensated_ln, crmsnorm, flashnorm, mask, minimize, pre_rmsnorm, prepbn,  # noqa: F401
-               remove_ln)
+from ..registry import declare
+
+#: options of mask and of the passes that can mask first (minimize, compensated-ln)
+MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0}
+PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 128,
+                  "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
+                  "fold": True, "save_every": 0, "resume": False}
+REMOVE_LN_OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 128, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
+                     "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
+                     "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
+                     "export": "self"}
+PRE_LN = "Pre-LN and parallel models of every supported family"
+
+for name, module, description, kind, families, extra in [
+    ("pre-rmsnorm", "pre_rmsnorm", "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm",
+     "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi)",
+     {"options": {"fold": False}, "blockwise": True}),
+    ("flashnorm", "flashnorm", "FlashNorm: fold every norm's gain (and bias) into the linears that read it",
+     "exact", "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", {"blockwise": True}),
+    ("crmsnorm", "crmsnorm", "Pre-CRMSNorm: after pre-rmsnorm, store the zero-mean stream in d-1 dimensions",
+     "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
+     {"blockwise": True}),
+    ("mask", "mask", "Zero weights by a mask file or criterion (changes the function; minimize then shrinks)",
+     "reference", PRE_LN, {"options": MASK_OPTIONS}),
+    ("minimize", "minimize", "Remove dead MLP units, attention heads and residual channels (exact; optional mask "
+     "first)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True}),
+    ("compensated-ln", "compensated_ln", "Remove dead residual channels, norms keeping the full width's statistics "
+     "(exact)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True}),
+    ("remove-ln", "remove_ln", "remove every norm by staged fine-tuning, then fold the frozen divisors: no "
+     "normalization left", "trained", "Pre-LN and parallel models with LayerNorm or RMSNorm (GPT-2, GPT-NeoX, OPT, "
+     "Phi, Llama-like)", {"options": REMOVE_LN_OPTIONS}),
+    ("bn-fold", "bn_fold", "fold inference-time BatchNorm / RepBN / per-channel affine norms into their readers",
+     "exact", "any model whose stream norms are RepBN, BatchNorm or ChannelAffine (after prepbn); Post-LN norms "
+     "stay as a per-channel affine map", {}),
+    ("prepbn", "prepbn", "PRepBN: LayerNorm/RMSNorm to re-parameterised BatchNorm by progressive fine-tuning, then "
+     "folded (bn-fold): no normalisation statistics at run time", "trained",
+     "Pre-LN and parallel decoders with LayerNorm or RMSNorm", {"options": PREPBN_OPTIONS}),
+]:
+    declare(name, f"{__name__}.{module}", description, kind, families, **extra)

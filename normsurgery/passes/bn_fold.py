@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import algebra
 from ..layout import Layout, NormSite
-from ..registry import PassContext, PassReport, register
+from ..registry import PassContext, PassReport
 from ..runtime import ChannelAffine, NoNorm, RepBN
 from .norms import untie_if_touched
 
@@ -85,9 +85,6 @@ def _bias_flags(model, new_bias: set[str]) -> list[str]:
     return done
 
 
-@register("bn-fold", "fold inference-time BatchNorm / RepBN / per-channel affine norms into their readers",
-          "exact", "any model whose stream norms are RepBN, BatchNorm or ChannelAffine (after prepbn); "
-          "Post-LN norms stay as a per-channel affine map", applies)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("bn-fold")
     sites = foldable(model, layout)

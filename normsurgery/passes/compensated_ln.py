@@ -5,12 +5,10 @@ var = sum(x'^2) / D - mean^2; RMSNorm divides by D). The channel part of ``minim
 from __future__ import annotations
 
 from ..layout import Layout
-from ..registry import PassContext, PassReport, register
-from . import mask, minimize
+from ..registry import PassContext, PassReport
+from . import minimize
+from .minimize import applies, reference  # noqa: F401  (applies and masks first as minimize does)
 
 
-@register("compensated-ln", "Remove dead residual channels, norms keeping the full width's statistics (exact)",
-          "exact", "Pre-LN and parallel models of every supported family", minimize.applies,
-          options=mask.OPTIONS, reference=minimize.reference)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     return minimize.shrink(model, layout, "compensated-ln", blocks=False)

@@ -20,7 +20,7 @@ from torch import nn
 from .. import algebra, families
 from ..layout import Layout
 from ..norms import is_stock_rmsnorm
-from ..registry import PassContext, PassReport, register
+from ..registry import PassContext, PassReport
 from ..runtime import CRMSNorm
 from . import _shrink, pre_rmsnorm
 from .norms import refuse_norms, refuse_post_ln, untie_if_touched
@@ -64,9 +64,6 @@ def applies(model, layout: Layout) -> str | None:
     return None
 
 
-@register("crmsnorm", "Pre-CRMSNorm: after pre-rmsnorm, store the zero-mean stream in d-1 dimensions",
-          "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
-          applies, blockwise=True)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("crmsnorm")
     before = _shrink.size(model.parameters())

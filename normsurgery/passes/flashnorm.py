@@ -7,7 +7,7 @@ the bias folds into the readers' biases (c + W b); the norm keeps its mean remov
 from __future__ import annotations
 
 from ..layout import Layout
-from ..registry import PassContext, PassReport, register
+from ..registry import PassContext, PassReport
 from .norms import fold_into_readers, foldable, output_note, refuse_norms, refuse_post_ln, untie_if_touched
 
 
@@ -15,9 +15,6 @@ def applies(model, layout: Layout) -> str | None:
     return refuse_post_ln(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
 
 
-@register("flashnorm", "FlashNorm: fold every norm's gain (and bias) into the linears that read it",
-          "exact", "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", applies,
-          blockwise=True)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("flashnorm")
     sites = foldable(layout)

@@ -10,10 +10,9 @@ import torch
 
 from .. import masks
 from ..layout import Layout
-from ..registry import PassContext, PassReport, register
+from ..registry import PassContext, PassReport
+from . import MASK_OPTIONS as OPTIONS
 from .norms import refuse_norms, refuse_post_ln
-
-OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0}
 
 
 def applies(model, layout: Layout) -> str | None:
@@ -49,8 +48,6 @@ def make_mask(model, layout: Layout, options: dict) -> tuple[dict, torch.Tensor 
     return params, channels, notes
 
 
-@register("mask", "Zero weights by a mask file or criterion (changes the function; minimize then shrinks)",
-          "reference", "Pre-LN and parallel models of every supported family", applies, options=OPTIONS)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("mask")
     params, channels, report.notes = make_mask(model, layout, ctx.options)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .. import analysis, families
 from ..layout import Layout
-from ..registry import PassContext, PassReport, register
+from ..registry import PassContext, PassReport
 from . import _shrink, mask
 
 
@@ -76,8 +76,5 @@ def shrink(model, layout: Layout, name: str, blocks: bool) -> PassReport:
     return report
 
 
-@register("minimize", "Remove dead MLP units, attention heads and residual channels (exact; optional mask first)",
-          "exact", "Pre-LN and parallel models of every supported family", applies, options=mask.OPTIONS,
-          reference=reference)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     return shrink(model, layout, "minimize", blocks=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from .. import algebra
 from ..layout import Layout
 from ..norms import rmsnorm_like
-from ..registry import PassContext, PassReport, register
+from ..registry import PassContext, PassReport
 from .norms import fold_into_readers, foldable, output_note, refuse_norms, refuse_post_ln, untie_if_touched
 
 
@@ -19,9 +19,6 @@ def applies(model, layout: Layout) -> str | None:
     return refuse_post_ln(layout) or refuse_norms(layout, ("layernorm",))
 
 
-@register("pre-rmsnorm", "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm",
-          "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi)", applies,
-          options={"fold": False}, blockwise=True)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("pre-rmsnorm")
     report.notes += untie_if_touched(model, layout, set(layout.embeddings))

@@ -26,14 +26,10 @@ from .. import calibration
 from ..families import layout as layout_of
 from ..layout import Layout
 from ..errors import SurgeryError
-from ..registry import PassContext, PassReport, register
+from ..registry import PassContext, PassReport
 from ..runtime import RepBN
-from . import bn_fold
+from . import PREPBN_OPTIONS as OPTIONS, bn_fold
 from .norms import refuse_norms, refuse_post_ln
-
-OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 128,
-           "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
-           "fold": True, "save_every": 0, "resume": False}
 
 
 class ProgressiveNorm(nn.Module):
@@ -222,9 +218,6 @@ def _data(ctx: PassContext, opts: dict, max_len: int | None):
             calibration.windows(train_ids, seq, opts["calib_samples"], "the training text"), seq)
 
 
-@register("prepbn", "PRepBN: LayerNorm/RMSNorm to re-parameterised BatchNorm by progressive fine-tuning, "
-          "then folded (bn-fold): no normalisation statistics at run time", "trained",
-          "Pre-LN and parallel decoders with LayerNorm or RMSNorm", applies, options=OPTIONS)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     opts = {**OPTIONS, **ctx.options}
     if ctx.train is None or ctx.heldout_ce is None:

@@ -36,7 +36,7 @@ from ..calibration import split_heldout, tokenize, windows
 from ..algebra import TOLERANCE
 from ..errors import SurgeryError
 from ..layout import Layout
-from ..registry import PassContext, PassReport, register
+from ..registry import PassContext, PassReport
 from ..runtime import NoNorm
 from .norms import refuse_norms, refuse_post_ln, untie_if_touched
 
@@ -330,15 +330,6 @@ def applies(model, layout: Layout) -> str | None:
     return refuse_norms(layout, ("layernorm", "rmsnorm"))
 
 
-OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 128, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
-           "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
-           "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
-           "export": "self"}
-
-
-@register("remove-ln", "remove every norm by staged fine-tuning, then fold the frozen divisors: no normalization left",
-          "trained", "Pre-LN and parallel models with LayerNorm or RMSNorm (GPT-2, GPT-NeoX, OPT, Phi, Llama-like)",
-          applies, options=OPTIONS)
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     o = ctx.options
     if o["export"] not in ("self", "stock"):
