@@ -32,6 +32,7 @@ Usage: python benchmarks/bench_convert.py [--models gpt2,llama] [--json FILE] [-
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -88,7 +89,7 @@ def op_build(args) -> dict:
 def op_measure(args) -> dict:
     """One operation of OPS (but peer), timed after the imports."""
     torch, T = quiet_imports()
-    conv = sys.modules["normsurgery.convert"]
+    conv = importlib.import_module("normsurgery.convert")  # the module (ns.convert is the function)
     from normsurgery.errors import SurgeryError
     from normsurgery.verify import verify
 
