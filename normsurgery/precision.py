@@ -40,20 +40,31 @@ class CastLoss:
         return f"{self.name} (underflow: relative error {self.relative:.1e} > {self.bound:.1e})"
 
 
-def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> CastLoss | None:
-    """What casting ``tensor`` to ``dtype`` loses (None: nothing beyond rounding within range)."""
+#: entries checked at a time: the temporaries stay a few MB whatever the tensor's size
+CHUNK = 1 << 22
+
+
+def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype, cast: torch.Tensor | None = None) -> CastLoss | None:
+    """What casting ``tensor`` to ``dtype`` (``cast``, when done already) loses (None: nothing
+    beyond rounding within range). Only entries below ``dtype``'s smallest normal value can err
+    by more than u, so the error's norm is computed only when the tensor holds some; chunked."""
     if not tensor.is_floating_point() or torch.finfo(dtype).bits >= torch.finfo(tensor.dtype).bits:
         return None
-    w = tensor.detach()
-    cast = w.to(dtype)
-    overflow = int((torch.isinf(cast) & torch.isfinite(w)).sum())
-    both = torch.isfinite(w) & torch.isfinite(cast)
-    if not bool(both.all()):
-        w, cast = w[both], cast[both]
-    norm = float(torch.linalg.vector_norm(w, dtype=torch.float64))
-    error = float(torch.linalg.vector_norm(cast.to(w.dtype) - w, dtype=torch.float64))
-    relative = error / norm if norm > 0 else 0.0
-    bound = torch.finfo(dtype).eps / 2
+    info = torch.finfo(dtype)
+    w = tensor.detach().reshape(-1)
+    c = (w.to(dtype) if cast is None else cast).reshape(-1)
+    chunks = [(w[i:i + CHUNK], c[i:i + CHUNK]) for i in range(0, w.numel(), CHUNK)]
+    overflow = sum(int((torch.isinf(b) & torch.isfinite(a)).sum()) for a, b in chunks if bool(torch.isinf(b).any()))
+    relative, bound = 0.0, info.eps / 2
+    if any(bool(((a.abs() < info.tiny) & (a != 0)).any()) for a, _ in chunks):
+        norm2 = err2 = 0.0
+        for a, b in chunks:
+            keep = torch.isfinite(b)
+            if not bool(keep.all()):
+                a, b = a[keep], b[keep]
+            norm2 += float(torch.linalg.vector_norm(a.double())) ** 2
+            err2 += float(torch.linalg.vector_norm(b.double() - a.double())) ** 2
+        relative = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
     return CastLoss(name, overflow, relative, bound) if overflow or relative > bound else None
 
 
@@ -86,11 +97,12 @@ def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLos
 def for_storage(name: str, tensor: torch.Tensor, dtype: torch.dtype, lost: list[CastLoss]) -> torch.Tensor:
     """``tensor`` as stored in ``dtype`` (one tensor at a time, ``streaming``); one that does not
     fit stays float32 and is added to ``lost``, for :func:`check_policy` once all are seen."""
-    loss = cast_loss(name, tensor, dtype) if dtype in HALF else None
+    cast = tensor.to(dtype)
+    loss = cast_loss(name, tensor, dtype, cast) if dtype in HALF else None
     if loss:
         lost.append(loss)
         return tensor.float()
-    return tensor.to(dtype)
+    return cast
 
 
 def check_policy(lost: list[CastLoss], dtype: torch.dtype, policy: str) -> None:

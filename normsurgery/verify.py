@@ -165,7 +165,7 @@ def jittered(model, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
 
     def hook(module, args, y):
-        signs = torch.randint(0, 2, y.shape, generator=g).to(y.device, y.dtype) * 2 - 1
+        signs = torch.randint(0, 2, y.shape, generator=g, dtype=torch.int8).to(y.device, y.dtype) * 2 - 1
         return y * (1 + torch.finfo(y.dtype).eps * signs)
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Linear, Conv1D))]
