@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import transformers
 
-from . import runtime
+from . import runtime, shards
 from .families import AUTO_CLASS, check_supported, class_name, head_of, stock_class_of
 from .errors import SurgeryError
 
@@ -288,10 +288,8 @@ def save_into(model, folder: Path, *, source=None, record: dict | None = None, m
     """Write ``model`` (weights, config with its record, runtime file, the source's side files)
     into ``folder``, normally a :func:`writing` stage, and check it loads back (see :func:`save`)."""
     records = stamp(model, record)
-    model.save_pretrained(folder, max_shard_size=max_shard_size)
-    if load_dtype(model) != model.dtype:  # mixed (tensors kept in float32): config.dtype is the first tensor's
-        model.config.dtype = str(load_dtype(model)).removeprefix("torch.")
-        model.config.save_pretrained(folder)
+    shards.write_weights(model, folder, max_shard_size)
+    shards.write_config(model, folder, load_dtype(model))  # mixed (tensors kept in float32): float32
     finish(folder, records, source)
     return claims(records, None if check is None else _check_reload(model, folder, records, check))
 

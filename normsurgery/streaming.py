@@ -27,8 +27,6 @@ as the format allows), then the next shard starts; the index is written at the e
 from __future__ import annotations
 
 import ctypes
-import json
-import struct
 import weakref
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -40,6 +38,8 @@ import torch
 from torch import nn
 
 from . import __version__, checkpoint, precision, registry
+from .shards import DTYPES, ShardWriter, header_room, inside as _inside, write_config
+from .shards import saved_tensors as tensors
 from .errors import SurgeryError
 from .families import layout
 from .layout import Layout
@@ -49,14 +49,6 @@ from .registry import PassContext
 from .verify import (ROUNDING_FACTOR, TOLERANCE, Comparison, coarsest, compare_logits, jittered,
                      needs_rounding_tolerance, probe_ids, rounding_tolerance)
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
-CODES = {v: k for k, v in DTYPES.items()}
-
-
-def _inside(path: str, scope: tuple[str, ...]) -> bool:
-    return any(path == p or path.startswith(p + ".") for p in scope)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,58 +99,6 @@ class Shards:
         if self._fh is not None:
             self._fh.close()
         self._file, self._fh = None, None
-
-
-class ShardWriter:
-    """Safetensors shards of at most ``max_bytes`` (a larger tensor gets one of its own), written
-    as the tensors come; ``close`` names them as transformers does and writes the index."""
-
-    def __init__(self, folder: Path, max_bytes: int, header_room: int):
-        self.folder, self.max, self.room = Path(folder), max_bytes, -(-header_room // 8) * 8
-        self.done: list[tuple[Path, list[str]]] = []
-        self.fh, self.header, self.used = None, {}, 0
-        self.total, self.params = 0, 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = tensor.detach().contiguous().reshape(-1)
-        size = t.numel() * t.element_size()
-        if self.fh is not None and self.used and self.used + size > self.max:
-            self._finish_shard()
-        if self.fh is None:
-            path = self.folder / f".shard-{len(self.done)}"
-            self.fh, self.header, self.used = open(path, "wb"), {}, 0
-            self.fh.seek(8 + self.room)
-        self.fh.write(memoryview(t.view(torch.uint8).numpy()))
-        self.header[name] = {"dtype": CODES[t.dtype], "shape": list(tensor.shape),
-                             "data_offsets": [self.used, self.used + size]}
-        self.used += size
-        self.total += size
-        self.params += t.numel()
-
-    def _finish_shard(self) -> None:
-        head = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
-        if len(head) > self.room:
-            raise RuntimeError(f"shard header of {len(head)} bytes overflows the {self.room} reserved")
-        self.fh.seek(0)
-        self.fh.write(struct.pack("<Q", self.room) + head + b" " * (self.room - len(head)))
-        self.fh.close()
-        self.done.append((Path(self.fh.name), list(self.header)))
-        self.fh = None
-
-    def close(self) -> list[str]:
-        """Finish the last shard, name the shards, write the index; returns the file names."""
-        if self.fh is not None:
-            self._finish_shard()
-        n = len(self.done)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for (path, _), name in zip(self.done, names):
-            path.rename(self.folder / name)
-        if n > 1:
-            weight_map = {k: name for (_, keys), name in zip(self.done, names) for k in keys}
-            index = {"metadata": {"total_parameters": self.params, "total_size": self.total},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return names
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,17 +238,6 @@ def _map_large_blocks() -> None:
     libc = _libc()
     if libc is not None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
-def tensors(model, scope: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The part's entries of the state dict under the names ``save_pretrained`` writes."""
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    sd = {k: v for k, v in model.state_dict().items() if _inside(k, scope)}
-    for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
-        sd.pop(k, None)
-    return revert_weight_conversion(model, remove_tied_weights_from_state_dict(sd, model))
 
 
 @contextmanager
@@ -482,7 +411,7 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
         with checkpoint.writing(out, force=force, source=path) as stage:
             tmp = stage.path
             writer = ShardWriter(tmp, convert_file_size_to_int(max_shard_size),
-                                 sum(2 * (len(n) + 160) for n in names) + 256)
+                                 header_room(names))
             if verify:
                 ids = probe_ids(model, tokenizer, text, 4, _length(model))
                 progress("reference", 0, 1)
@@ -526,10 +455,7 @@ def _finish(model, tmp: Path, storage: torch.dtype, record: dict, source: Path) 
     """What ``save_pretrained`` writes beside the weights, from the meta model; the runtime and
     the side files (``checkpoint.finish``). Returns the module records."""
     records = checkpoint.stamp(model, record)
-    model.config.dtype = storage
-    model.config.save_pretrained(tmp)
-    if model.can_generate():
-        model.generation_config.save_pretrained(tmp)
+    write_config(model, tmp, storage)
     checkpoint.finish(tmp, records, source)
     return records
 
@@ -618,7 +544,7 @@ def prune(src, out, layers, *, force: bool = False, record: dict | None = None,
         with checkpoint.writing(out, force=force, source=path) as stage:
             tmp = stage.path
             writer = ShardWriter(tmp, convert_file_size_to_int(max_shard_size),
-                                 sum(2 * (len(n) + 160) for n in names) + 256)
+                                 header_room(names))
             for i, part in enumerate(parts):
                 progress("copy", i, len(parts))
                 loader.load(part.scope)

@@ -117,3 +117,28 @@ def test_hub_id_from_the_local_cache(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout.strip().splitlines()[-1]) <= 1e-5
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("family, dtype", [("gpt2", torch.float32), ("llama", torch.bfloat16), ("bert", torch.float16)])
+def test_our_writer_writes_what_save_pretrained_writes(tmp_path, family, dtype):
+    """checkpoint.save writes shards tensor by tensor (normsurgery/shards.py) instead of
+    save_pretrained: the same file names, index, config dtype and tensors, tied copies dropped."""
+    from safetensors.torch import load_file
+
+    from normsurgery import shards
+
+    model = tiny_model(family, dtype)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    (tmp_path / "ours").mkdir()
+    shards.write_weights(model, tmp_path / "ours", "20KB")
+    shards.write_config(model, tmp_path / "ours", dtype)
+    names = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "ours").iterdir()) and len(names) > 3
+    index = [json.loads((tmp_path / d / "model.safetensors.index.json").read_text())["weight_map"] for d in ("hf", "ours")]
+    assert index[0] == index[1]
+    for name in names:
+        if name.endswith(".safetensors"):
+            a, b = load_file(tmp_path / "hf" / name), load_file(tmp_path / "ours" / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    config = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("hf", "ours")]
+    assert config[0] == config[1]

@@ -91,17 +91,19 @@ def test_output_holding_the_current_folder_is_refused(tmp_path, monkeypatch):
 
 # ---- data safety 3 and hardening: signals, SIGKILL, stale folders, concurrent writers ----
 
-SLOW_SAVE = """import os, sys, time, transformers
+SLOW_SAVE = """import os, sys, time
+from normsurgery import shards
 from normsurgery.cli import main
-save = transformers.PreTrainedModel.save_pretrained
-def slow(self, folder, *a, **k):
-    save(self, folder, *a, **k)
+write = shards.write_weights
+def slow(model, folder, *a, **k):
+    names = write(model, folder, *a, **k)
     open(os.environ["NS_READY"], "w").close()
     for _ in range(600):
         if os.path.exists(os.environ["NS_GO"]):
-            return
+            break
         time.sleep(0.1)
-transformers.PreTrainedModel.save_pretrained = slow
+    return names
+shards.write_weights = slow
 sys.argv = ["normsurgery", *sys.argv[1:]]
 main()
 """
