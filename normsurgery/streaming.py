@@ -290,6 +290,7 @@ def logits(model, parts: list[Part], ids: torch.Tensor, enter, leave) -> torch.T
     kwargs = {"use_cache": False} if layout(model).objective == "causal-lm" else {}
     with part_by_part(model, parts, enter, leave):
         out = model(input_ids=ids, **kwargs).logits
+    _trim()  # the forward's activations, freed after the last part: back to the system
     return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
 
