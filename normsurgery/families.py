@@ -97,6 +97,11 @@ def class_name(config) -> str:
     return names[0]
 
 
+def architecture(config) -> tuple[str, str]:
+    """(family, stock class) the family table reads from a config: what a rewrite keeps."""
+    return config.model_type, class_name(config)
+
+
 def stock_class_of(model) -> type:
     """The stock transformers class of ``model`` (a runtime ``NormSurgery<Class>`` subclass's base)."""
     cls = type(model)

@@ -15,7 +15,7 @@ that dtype (at least the arithmetic's tolerance). Deep float32 models round more
 their own (a 26-block Llama: 2.5e-5 from its float64 value): where a float32 comparison exceeds
 1e-5, the tolerance becomes ``ROUNDING_FACTOR`` times the model's own float32 rounding, measured by
 one more forward with every linear output jittered by one ulp (:func:`jittered`; it tracks the
-distance to float64 within 0.7-1.2x on Llama and GPT-2 of 2 to 26 blocks). Every comparison says
+distance to float64 within 0.7-1.7x on six families of 2 to 26 blocks). Every comparison says
 which tolerance applied and why.
 
 HF's RMSNorm classes compute in float32 whatever the input dtype; ``norms.faithful_norms`` swaps
@@ -34,7 +34,7 @@ from transformers.pytorch_utils import Conv1D
 from . import calibration, checkpoint
 from .algebra import TOLERANCE
 from .errors import SurgeryError
-from .families import layout, stock_class_of
+from .families import architecture, layout, stock_class_of
 from .norms import faithful_norms
 
 #: a model stored in a coarser dtype may differ by this many times the reference's own rounding in it
@@ -271,6 +271,19 @@ def compare_models(a, b, ids: torch.Tensor, *, tolerance: float | None = None, g
     return result
 
 
+def check_comparable(a, b) -> None:
+    """Refuse, before loading, checkpoints whose outputs cannot be compared: of different
+    architectures (family and class, from the family table) or vocabularies."""
+    ca, cb = (checkpoint.load_config(checkpoint.resolve(x)) for x in (a, b))
+    (fa, na), (fb, nb) = architecture(ca), architecture(cb)
+    if (fa, na) != (fb, nb):
+        raise SurgeryError(f"{a} is a {fa} model and {b} a {fb} one ({na} and {nb}): verify compares a checkpoint "
+                           "with its rewrite, of the same architecture")
+    if ca.vocab_size != cb.vocab_size:
+        raise SurgeryError(f"{a} has a vocabulary of {ca.vocab_size} tokens and {b} of {cb.vocab_size}: "
+                           "their logits cannot be compared")
+
+
 def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
            tolerance: float | None = None, n: int = 4, length: int = 64, generate: int = 16,
            per_layer: bool = False, streaming: bool | None = None) -> Comparison:
@@ -279,15 +292,17 @@ def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
     ``streaming`` (checkpoints only): True reads one block at a time (``streaming.verify``: no
     generation, no per-layer figures), None does so when both models would not fit in memory;
     the comparison's ``streaming`` says why."""
-    if not isinstance(a, torch.nn.Module) and not isinstance(b, torch.nn.Module) and streaming is not False:
-        from . import streaming as stream
+    if not isinstance(a, torch.nn.Module) and not isinstance(b, torch.nn.Module):
+        check_comparable(a, b)
+        if streaming is not False:
+            from . import streaming as stream
 
-        pa, pb = checkpoint.resolve(a), checkpoint.resolve(b)
-        why = "asked for (--streaming)" if streaming else stream.too_big([pa, pb], dtype, 1.1)
-        if why:
-            result = stream.verify(pa, pb, text=text, dtype=dtype, tolerance=tolerance, n=n, length=length)
-            result.streaming = why
-            return result
+            pa, pb = checkpoint.resolve(a), checkpoint.resolve(b)
+            why = "asked for (--streaming)" if streaming else stream.too_big([pa, pb], dtype, 1.1)
+            if why:
+                result = stream.verify(pa, pb, text=text, dtype=dtype, tolerance=tolerance, n=n, length=length)
+                result.streaming = why
+                return result
     ma, sa = _model(a, dtype)
     mb, sb = _model(b, dtype)
     if dtype == torch.float64:

@@ -176,10 +176,17 @@ def read_text(path) -> str | None:
     return read(path)
 
 
-def report_stale(done: list[str]) -> None:
-    """Say what was cleared of killed runs' leftovers beside the output."""
-    for line in done:
-        stderr().print(f"note: {line} (left by a run that was killed)", markup=False, highlight=False)
+@contextmanager
+def claimed(src: str, out, force: bool):
+    """For the whole command: ``out`` locked and checked before any work (what killed runs
+    left beside it cleared and reported); yields ``src`` resolved."""
+    from .. import checkpoint
+
+    path = checkpoint.resolve(src)
+    with checkpoint.output_lock(out):
+        for line in checkpoint.check_output(out, force, path):
+            stderr().print(f"note: {line} (left by a run that was killed)", markup=False, highlight=False)
+        yield path
 
 
 def positive(value: float | None) -> float | None:

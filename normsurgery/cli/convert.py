@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import SurgeryError
-from .app import ALLOW_PICKLE, FORCE, JSON, STREAMING, allow_pickle_option, command, did_you_mean, dtype_option, \
-    emit_json, load_transformers, positive, progress_bar, read_text, report_stale, say, say_warning, show, \
+from .app import ALLOW_PICKLE, FORCE, JSON, STREAMING, allow_pickle_option, claimed, command, did_you_mean, \
+    dtype_option, emit_json, load_transformers, positive, progress_bar, read_text, say, say_warning, show, \
     size_option, torch_dtype
 
 ON_OVERFLOW = ("refuse", "keep-float32")  # precision.POLICIES, named here so --help needs no torch
@@ -77,7 +77,6 @@ def convert(
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE (`normsurgery passes` lists them)")
     check_passes(specs)
     load_transformers()
-    from .. import checkpoint
     from ..convert import convert as convert_checkpoint
     from ..training import is_main_process
 
@@ -88,8 +87,7 @@ def convert(
                                 "resume": resume or None}.items() if v is not None}
     specs = [(n, {**o, **{k: v for k, v in given.items() if k in registry.get(n).options}}) for n, o in specs]
     body = read_text(text)
-    with checkpoint.output_lock(out):
-        report_stale(checkpoint.check_output(out, force, checkpoint.resolve(src)))
+    with claimed(src, out, force):
         with progress_bar(not json and is_main_process()) as progress:
             result = convert_checkpoint(src, out, specs, force=force, verify=not no_verify,
                                          work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,

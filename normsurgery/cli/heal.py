@@ -11,8 +11,8 @@ import typer
 
 from .. import __version__
 from ..errors import SurgeryError
-from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, command, emit_json, open_unit, positive, progress_bar, read_text, report_stale, say, \
-    show, stderr
+from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, claimed, command, emit_json, open_unit, positive, \
+    progress_bar, read_text, say, show, stderr
 
 PRECISIONS = {"auto": "auto", "fp32": "no", "no": "no", "bf16": "bf16", "fp16": "fp16"}
 SEQ_LEN = 128  # default tokens per window, or the model's positions when fewer
@@ -163,10 +163,8 @@ def heal(
     check_values(h)
     body = read_text(text)
     held_text = read_text(eval_text)
-    path = checkpoint.resolve(src)
-    cfg = checkpoint.load_config(path)
-    with checkpoint.output_lock(out):
-        report_stale(checkpoint.check_output(out, force, path))
+    with claimed(src, out, force) as path:
+        cfg = checkpoint.load_config(path)
         fit_seq_len(cfg, h, seq_len)
         tokenizer = checkpoint.load_tokenizer(path)
         if tokenizer is None:

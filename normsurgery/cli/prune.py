@@ -10,8 +10,8 @@ import typer
 
 from .. import __version__
 from ..errors import SurgeryError
-from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, command, did_you_mean, emit_json, open_unit, \
-    positive, progress_bar, read_text, report_stale, say, show, stderr
+from .app import ALLOW_PICKLE, FORCE, JSON, allow_pickle_option, claimed, command, did_you_mean, emit_json, open_unit, \
+    positive, progress_bar, read_text, say, show, stderr
 from .heal import HEAL_DEFAULTS, check_values, fit_seq_len, heal_data, heal_summary, make_accelerator, merge, \
     run_heal, save_adapter, split_names
 
@@ -90,10 +90,8 @@ def prune(
         raise SurgeryError(f"--plot {plot} is a folder; give a .png file name")
     body = read_text(text)
     held_text = read_text(eval_text)
-    path = checkpoint.resolve(src)
-    cfg = checkpoint.load_config(path)
-    with checkpoint.output_lock(out):
-        report_stale(checkpoint.check_output(out, force, path))
+    with claimed(src, out, force) as path:
+        cfg = checkpoint.load_config(path)
         if streaming:
             return _prune_streaming(path, src, out, cfg, p, do_heal, body, force, plot, json, seq_len)
         result = _prune(path, src, out, cfg, p, h, do_heal, body, held_text, save_adapter_, force, json,

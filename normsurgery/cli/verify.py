@@ -7,22 +7,9 @@ from typing import Optional
 
 import typer
 
-from ..errors import FAILED, SurgeryError
+from ..errors import FAILED
 from .app import ALLOW_PICKLE, JSON, STREAMING, allow_pickle_option, command, dtype_option, emit_json, positive, \
     read_text, say, show, torch_dtype
-
-
-def check_comparable(a: str, b: str) -> None:
-    """Same family and vocabulary, or the logits cannot be compared: refused before loading."""
-    from .. import checkpoint
-
-    ca, cb = (checkpoint.load_config(checkpoint.resolve(x)) for x in (a, b))
-    if ca.model_type != cb.model_type:
-        raise SurgeryError(f"{a} is a {ca.model_type} model and {b} a {cb.model_type} one: verify compares a "
-                           "checkpoint with its rewrite, of the same architecture")
-    if ca.vocab_size != cb.vocab_size:
-        raise SurgeryError(f"{a} has a vocabulary of {ca.vocab_size} tokens and {b} of {cb.vocab_size}: "
-                           "their logits cannot be compared")
 
 
 @command
@@ -48,7 +35,6 @@ def verify(
 
     allow_pickle_option(allow_pickle)
     body = read_text(text)
-    check_comparable(a, b)
     r = verify_api(a, b, text=body, dtype=torch_dtype(dtype), tolerance=tol, n=samples, length=seq_len,
                    generate=generate, per_layer=layers, streaming=streaming)
     if json:
