@@ -203,8 +203,10 @@ def check_loading(src, cls: str, info: dict) -> None:
 
 
 def check_finite(model, src) -> None:
-    """Refuse weights holding NaN or Inf: every check downstream would compare NaN with NaN."""
-    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    """Refuse weights holding NaN or Inf: every check downstream would compare NaN with NaN.
+    A sum is NaN or infinite when an entry is (or when it overflows: then each entry is tested)."""
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point()
+           and not bool(torch.isfinite(p.detach().sum())) and not bool(torch.isfinite(p).all())]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         kept = (getattr(model.config, "normsurgery", None) or {}).get("kept_float32") or ()

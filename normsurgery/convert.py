@@ -97,7 +97,7 @@ def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.
 
 def _run_passes(model, passes, ids, tolerance, context, progress, before):
     """(steps, the outputs of the last reference: the input's, or those after the last step
-    that changed the function on purpose)."""
+    that changed the function on purpose; the outputs after the last step)."""
     steps = []
     reason = None if tolerance is None else _arithmetic(model, tolerance)
     context.train = context.train or train
@@ -129,7 +129,7 @@ def _run_passes(model, passes, ids, tolerance, context, progress, before):
             step(f"{name} (reference)", "reference", opts, made)
         step(name, p.kind, opts, p.apply(model, layout(model), context))
     progress("passes", len(passes), len(passes))
-    return steps, anchor
+    return steps, anchor, before
 
 
 def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -195,20 +195,19 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     workdir = Path(out).parent / f".{Path(out).name}.train-state"  # trained passes' resumable state
     context = PassContext(tokenizer=tokenizer, text=text, workdir=workdir,
                           train_progress=lambda done, total, loss: progress("train", done, total))
-    result.steps, anchor = _run_passes(model, passes, ids, tol, context, progress, reference)
+    result.steps, anchor, last = _run_passes(model, passes, ids, tol, context, progress, reference)
     if verify:
         progress("verify", 0, 1)
-        # with one step its own check is the overall one: no second forward
-        result.parity = (compare_logits(anchor, logits(model, ids), kind) if len(result.steps) > 1
+        # with one step its own check is the overall one
+        result.parity = (compare_logits(anchor, last, kind) if len(result.steps) > 1
                          else copy.copy(result.steps[0].parity))
         exact = any(s.kind == "exact" for s in result.steps)
         result.parity.tolerance = tol if exact else None
         result.parity.reason = _arithmetic(model, tol) if exact else None
         checks = [s.parity for s in result.steps if s.kind == "exact"] + ([result.parity] if exact else [])
         if needs_rounding_tolerance(checks, dtype, tolerance):  # a deep model rounds more on its own
-            clean = logits(model, ids)
             with jittered(model):
-                tol, why = rounding_tolerance(clean, logits(model, ids), dtype, kind)
+                tol, why = rounding_tolerance(last, logits(model, ids), dtype, kind)
             for c in checks:
                 c.tolerance, c.reason = tol, why
         progress("verify", 1, 1)
@@ -219,14 +218,16 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
             raise SurgeryError(f"{what} > {tol:.0e}; nothing was saved (--force saves anyway)")
     if restore_norms:
         restore_norms()
+        last = None  # the stock norms round differently: the reload check runs the model again
     if not is_main_process():  # one of several training processes: the main one saves
         return result
     kept = precision.cast_back(model, storage, on_overflow)
     if kept:
         result.kept_float32 = [k.name for k in kept]
         result.warnings = [precision.warning(kept, storage)]
-    if verify and storage != dtype:
-        result.cast = compare_logits(anchor, logits(model, ids), kind)
+    if verify and storage != dtype:  # the model's outputs once stored
+        last = logits(model, ids)
+        result.cast = compare_logits(anchor, last, kind)
         result.cast.tolerance, result.cast.reason = cast_tol, cast_reason
         if not result.cast.ok and not force:
             raise SurgeryError(f"cast back to {result.storage_dtype}: relative error {result.cast.relative:.2e} > "
@@ -236,7 +237,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         {"name": s.name, "options": s.options, "notes": s.notes,
          "relative_error": s.parity.relative if s.parity else None} for s in result.steps],
         **({"kept_float32": result.kept_float32} if kept else {})}
-    check = reload_check(model, ids) if verify else None
+    check = reload_check(model, ids, last) if verify else None
     precision.store(model, storage, kept)
     result.saved = checkpoint.save(model, out, source=path, force=force, record=record,
                                    max_shard_size=max_shard_size, check=check)

@@ -17,6 +17,7 @@ mixed dtypes) or the conversion is refused (``--on-overflow``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,56 +41,77 @@ class CastLoss:
         return f"{self.name} (underflow: relative error {self.relative:.1e} > {self.bound:.1e})"
 
 
-#: entries checked at a time: the temporaries stay a few MB whatever the tensor's size
-CHUNK = 1 << 22
+#: entries checked at a time: temporaries of half a MB, which the allocator reuses (larger ones
+#: are mapped afresh, and first touching their pages costs more than the arithmetic)
+CHUNK = 1 << 17
+#: the fast check's sums are float32: valid while u^2 ||w||^2 stays far above float32's smallest
+#: values (squares of tiny errors flush to zero); below it the exact float64 check runs
+SMALLEST_SUM = 1e-20
 
 
 def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype, cast: torch.Tensor | None = None) -> CastLoss | None:
     """What casting ``tensor`` to ``dtype`` (``cast``, when done already) loses (None: nothing
-    beyond rounding within range). Only entries below ``dtype``'s smallest normal value can err
-    by more than u, so the error's norm is computed only when the tensor holds some; chunked."""
+    beyond rounding within range): the relative error ||cast(w) - w|| / ||w|| against u.
+
+    One pass in chunks: d = cast(w) - w is exact in ``w``'s dtype (a value minus its rounding),
+    ||d||^2 and ||w||^2 are summed in float32. An overflow makes the sum infinite; then, and for
+    tensors too small for float32 sums, :func:`_exact_loss` counts in float64."""
     if not tensor.is_floating_point() or torch.finfo(dtype).bits >= torch.finfo(tensor.dtype).bits:
         return None
-    info = torch.finfo(dtype)
     w = tensor.detach().reshape(-1)
     c = (w.to(dtype) if cast is None else cast).reshape(-1)
+    bound = torch.finfo(dtype).eps / 2
+    err2 = norm2 = 0.0
+    for i in range(0, w.numel(), CHUNK):
+        a = w[i:i + CHUNK]
+        d = c[i:i + CHUNK].to(a.dtype).sub_(a)
+        err2 += float(torch.dot(d, d))
+        norm2 += float(torch.dot(a, a))
+    if not (math.isfinite(err2) and math.isfinite(norm2)) or norm2 * bound ** 2 < SMALLEST_SUM:
+        return _exact_loss(name, w, c, dtype)
+    relative = math.sqrt(err2 / norm2)
+    return CastLoss(name, 0, relative, bound) if relative > bound else None
+
+
+def _exact_loss(name: str, w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> CastLoss | None:
+    """:func:`cast_loss` counting overflows, the error over the entries that stay finite summed
+    in float64."""
     chunks = [(w[i:i + CHUNK], c[i:i + CHUNK]) for i in range(0, w.numel(), CHUNK)]
-    overflow = sum(int((torch.isinf(b) & torch.isfinite(a)).sum()) for a, b in chunks if bool(torch.isinf(b).any()))
-    relative, bound = 0.0, info.eps / 2
-    if any(bool(((a.abs() < info.tiny) & (a != 0)).any()) for a, _ in chunks):
-        norm2 = err2 = 0.0
-        for a, b in chunks:
-            keep = torch.isfinite(b)
-            if not bool(keep.all()):
-                a, b = a[keep], b[keep]
-            norm2 += float(torch.linalg.vector_norm(a.double())) ** 2
-            err2 += float(torch.linalg.vector_norm(b.double() - a.double())) ** 2
-        relative = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
+    overflow = sum(int((torch.isinf(b) & torch.isfinite(a)).sum()) for a, b in chunks)
+    norm2 = err2 = 0.0
+    for a, b in chunks:
+        keep = torch.isfinite(b)
+        if not bool(keep.all()):
+            a, b = a[keep], b[keep]
+        norm2 += float(torch.linalg.vector_norm(a.double())) ** 2
+        err2 += float(torch.linalg.vector_norm(b.double() - a.double())) ** 2
+    relative, bound = ((err2 / norm2) ** 0.5 if norm2 > 0 else 0.0), torch.finfo(dtype).eps / 2
     return CastLoss(name, overflow, relative, bound) if overflow or relative > bound else None
 
 
-def cast_losses(model, dtype: torch.dtype) -> list[CastLoss]:
-    """Every parameter of ``model`` that casting to ``dtype`` would damage."""
-    if dtype not in HALF:
-        return []
-    return [loss for name, p in model.named_parameters() if (loss := cast_loss(name, p, dtype))]
-
-
 def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLoss]:
-    """Round ``model``'s weights to the storage ``dtype``, in place. When a tensor would overflow
-    or underflow: ``refuse`` raises :class:`SurgeryError` naming them; ``keep-float32`` keeps
-    them exactly (float32), rounds every other tensor through ``dtype`` and leaves the model in
-    float32, which is what the saved checkpoint loads as (see :func:`store`). Returns the
-    tensors kept."""
-    lost = cast_losses(model, dtype)
-    check_policy(lost, dtype, policy)
-    if not lost:
-        model.to(dtype)
-        return []
-    kept = {loss.name for loss in lost}
+    """Round ``model``'s weights to the storage ``dtype``, in place, each cast once and checked
+    (:func:`cast_loss`). When a tensor would overflow or underflow: ``refuse`` raises
+    :class:`SurgeryError` naming them; ``keep-float32`` keeps them exactly (float32), rounds every
+    other tensor through ``dtype`` and leaves the model in float32, which is what the saved
+    checkpoint loads as (see :func:`store`). Returns the tensors kept."""
+    lost = []
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.data = p.data.float() if name in kept else p.data.to(dtype).float()
+            if p.is_floating_point():
+                cast = p.data.to(dtype)
+                loss = cast_loss(name, p, dtype, cast) if dtype in HALF else None
+                if loss:
+                    lost.append(loss)
+                else:
+                    p.data = cast
+    check_policy(lost, dtype, policy)
+    if not lost:
+        model.to(dtype)  # buffers
+        return []
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.float()
     model.to(torch.float32)  # buffers
     return lost
 

@@ -322,10 +322,11 @@ def _model(src, dtype: torch.dtype):
     return checkpoint.load(src, dtype), checkpoint.storage_dtype(checkpoint.resolve(src))
 
 
-def reload_check(model, ids: torch.Tensor):
+def reload_check(model, ids: torch.Tensor, outputs: torch.Tensor | None = None):
     """A ``checkpoint.save`` check: a model loaded back from the written folder against
-    ``model``'s outputs on ``ids``, within the tolerance of ``model``'s dtype."""
-    ref = logits(model, ids)
+    ``model``'s outputs on ``ids`` (``outputs``: those, when computed already), within the
+    tolerance of ``model``'s dtype."""
+    ref = logits(model, ids) if outputs is None else outputs
     tol, why, _ = tolerance_for(model, ids, next(model.parameters()).dtype, ref)
 
     def check(reloaded) -> Comparison:

@@ -53,6 +53,19 @@ def test_underflow_is_found_by_the_cast_error_exceeding_the_rounding_bound():
     assert precision.cast_loss("w", w * 1e-36, torch.bfloat16) is not None
 
 
+def test_the_float32_sums_agree_with_the_float64_check():
+    """The one-pass check (float32 sums) decides as the float64 one and reports its error."""
+    for scale in (0.02, 2e-5, 3e-6):  # within range; some float16 subnormals; mostly subnormals
+        for src in (torch.float32, torch.float64):
+            w = realistic_weights(scale=scale).to(src)
+            for dtype in (torch.float16, torch.bfloat16):
+                fast = precision.cast_loss("w", w, dtype)
+                exact = precision._exact_loss("w", w.reshape(-1), w.to(dtype).reshape(-1), dtype)
+                assert (fast is None) == (exact is None), (scale, src, dtype)
+                if fast is not None:
+                    assert fast.relative == pytest.approx(exact.relative, rel=1e-4)
+
+
 def test_the_cli_offers_the_policies_precision_has():
     assert ON_OVERFLOW == precision.POLICIES
 
