@@ -59,16 +59,16 @@ def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype, cast: torch.T
     if not tensor.is_floating_point() or torch.finfo(dtype).bits >= torch.finfo(tensor.dtype).bits:
         return None
     w = tensor.detach().reshape(-1)
-    c = (w.to(dtype) if cast is None else cast).reshape(-1)
+    c = None if cast is None else cast.reshape(-1)
     bound = torch.finfo(dtype).eps / 2
     err2 = norm2 = 0.0
     for i in range(0, w.numel(), CHUNK):
         a = w[i:i + CHUNK]
-        d = c[i:i + CHUNK].to(a.dtype).sub_(a)
+        d = (a.to(dtype) if c is None else c[i:i + CHUNK]).to(a.dtype).sub_(a)
         err2 += float(torch.dot(d, d))
         norm2 += float(torch.dot(a, a))
     if not (math.isfinite(err2) and math.isfinite(norm2)) or norm2 * bound ** 2 < SMALLEST_SUM:
-        return _exact_loss(name, w, c, dtype)
+        return _exact_loss(name, w, w.to(dtype) if c is None else c, dtype)
     relative = math.sqrt(err2 / norm2)
     return CastLoss(name, 0, relative, bound) if relative > bound else None
 
@@ -117,14 +117,35 @@ def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLos
 
 
 def for_storage(name: str, tensor: torch.Tensor, dtype: torch.dtype, lost: list[CastLoss]) -> torch.Tensor:
-    """``tensor`` as stored in ``dtype`` (one tensor at a time, ``streaming``); one that does not
-    fit stays float32 and is added to ``lost``, for :func:`check_policy` once all are seen."""
-    cast = tensor.to(dtype)
-    loss = cast_loss(name, tensor, dtype, cast) if dtype in HALF else None
+    """``tensor`` as stored in ``dtype`` (one tensor at a time, ``streaming``), cast in its own
+    storage (:func:`narrow_in_place`): ``tensor`` is spent. One that does not fit stays float32
+    and is added to ``lost``, for :func:`check_policy` once all are seen."""
+    loss = cast_loss(name, tensor, dtype) if dtype in HALF else None
     if loss:
         lost.append(loss)
         return tensor.float()
-    return cast
+    return narrow_in_place(tensor, dtype)
+
+
+def narrow_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` cast to the narrower ``dtype`` inside its own storage, chunk by chunk: no new
+    memory (a fresh tensor's pages cost more to first touch than the cast). Chunk i of n entries,
+    read from bytes [i n b, (i+1) n b) (b bytes per entry), is stored at [i n b', (i+1) n b'),
+    with b' <= b / 2 at or before what is still to be read; the first chunk overlaps its own
+    input and goes through a temporary. ``tensor``'s values are spent; the result is a view of
+    its storage. A tensor that does not own its storage alone is cast to new memory."""
+    t = tensor.detach()
+    ratio = t.element_size() * 8 // torch.finfo(dtype).bits
+    if (not t.is_floating_point() or ratio < 2 or not t.is_contiguous() or t.storage_offset()
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+        return t.to(dtype)
+    flat = t.reshape(-1)
+    out = torch.empty(0, dtype=dtype).set_(t.untyped_storage(), 0, (t.numel(),))
+    with torch.no_grad():
+        for i in range(0, t.numel(), CHUNK):
+            chunk = flat[i:i + CHUNK]
+            out[i:i + CHUNK].copy_(chunk.to(dtype) if i == 0 else chunk)
+    return out.view(t.shape)
 
 
 def check_policy(lost: list[CastLoss], dtype: torch.dtype, policy: str) -> None:

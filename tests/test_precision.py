@@ -148,3 +148,18 @@ def test_on_overflow_is_checked_before_any_work(tmp_path):
     r = run("convert", "normsurgery/demo/llama-tiny", tmp_path / "out", "--pass", "flashnorm",
             "--on-overflow", "keep-fp32")
     assert r.exit_code == 2 and "keep-float32" in r.output and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float64])
+def test_narrowing_in_place_equals_a_cast_and_takes_no_new_memory(src):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if dtype == src:
+            continue
+        for n in (5, precision.CHUNK, 3 * precision.CHUNK + 7):  # within the first chunk; across several
+            w = realistic_weights(n).to(src).reshape(-1, 1)
+            expected, where = w.to(dtype), w.data_ptr()
+            out = precision.narrow_in_place(w, dtype)
+            assert out.dtype == dtype and out.shape == (n, 1) and torch.equal(out, expected)
+            assert out.data_ptr() == where
+    view = realistic_weights(64).to(src)[8:]  # not its storage's own: cast to new memory
+    assert torch.equal(precision.narrow_in_place(view, torch.float16), view.to(torch.float16))

@@ -93,7 +93,8 @@ def test_streaming_holds_one_part_whatever_the_depth(tmp_path, monkeypatch):
 
     def counting(self, scope):
         load(self, scope)
-        held.append(sum(p.numel() for p in self.model.parameters() if p.device.type != "meta"))
+        held.append(sum(p.numel() for p in self.model.parameters() if p.device.type != "meta")
+                    + sum(t.numel() for kept in self.spare.values() for t in kept))  # freed, kept for reuse
 
     monkeypatch.setattr(streaming.Loader, "load", counting)
     peaks, totals = [], []
@@ -105,6 +106,28 @@ def test_streaming_holds_one_part_whatever_the_depth(tmp_path, monkeypatch):
         totals.append(streaming.Shards(src).numel)
     assert totals[1] > 3.5 * totals[0]
     assert peaks[1] == peaks[0] < totals[0] / 2
+
+
+def test_a_freed_part_is_reused_only_when_nothing_holds_it(tmp_path):
+    """The loader reads the next block into the tensors the last one gave back (no new pages),
+    but never into a tensor a view still reads."""
+    src = checkpoint(tmp_path, "llama", torch.bfloat16)
+    stored = tensors(src)
+    model = streaming.meta_model(src, torch.float32)
+    loader = streaming.Loader(model, streaming.Shards(src), torch.float32)
+    q = lambda i: model.model.layers[i].self_attn.q_proj.weight  # noqa: E731
+    loader.load(("model.layers.0",))
+    where = q(0).data_ptr()
+    loader.free(("model.layers.0",))
+    loader.load(("model.layers.1",))
+    assert q(1).data_ptr() == where  # reused
+    assert torch.equal(q(1), stored["model.layers.1.self_attn.q_proj.weight"].float())
+    view = q(1)[:2]  # still read by someone
+    loader.free(("model.layers.1",))
+    loader.load(("model.layers.2",))
+    assert q(2).data_ptr() != where
+    assert torch.equal(view, stored["model.layers.1.self_attn.q_proj.weight"][:2].float())
+    assert torch.equal(q(2), stored["model.layers.2.self_attn.q_proj.weight"].float())
 
 
 def test_streams_when_the_model_does_not_fit(tmp_path, monkeypatch):
