@@ -249,6 +249,11 @@ class Loader:
             out = self.shards.read_into(key, torch.empty(shape, dtype=dtype) if out is None else out)
             self._replace(p, nn.Parameter(out, requires_grad=False), uses)
 
+    def release(self) -> None:
+        """Give the tensors kept for reuse back to the system (no part follows)."""
+        self.spare.clear()
+        _trim()
+
     def free(self, scope: tuple[str, ...]) -> None:
         """Put ``scope``'s parameters back on the meta device. A tensor nothing else holds (no
         view of it is alive) is kept for the next :meth:`load`."""
@@ -470,6 +475,7 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
                 reference = read_logits(path, dtype, ids)
                 progress("reference", 1, 1)
                 after = logits(model, parts, ids, rewrite, write)
+                loader.release()
                 result.parity = compare_logits(reference, after)
                 result.parity.tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
                 if needs_rounding_tolerance([result.parity], dtype, tolerance):  # one more read of the input
@@ -479,6 +485,7 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
                 for part in parts:
                     rewrite(part)
                     write(part)
+                loader.release()
             files = writer.close()
             precision.check_policy(lost, storage, on_overflow)
             if lost:
