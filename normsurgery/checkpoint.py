@@ -382,14 +382,17 @@ def _check_reload(model, folder: Path, records: list[dict], check) -> dict:
         model.config.save_pretrained(folder)
     if not records:
         raise SurgeryError(f"the saved checkpoint does not reload to the same function (relative error "
-                           f"{plain.relative:.2e} > {plain.tolerance:.0e}); nothing was saved")
+                           f"{_beyond(plain)}); nothing was saved")
     ours = check(load(folder, load_dtype(model)))
     if not ours.ok:
-        raise SurgeryError(f"the saved checkpoint, loaded back with normsurgery's runtime, differs from the "
-                           f"rewritten model (relative error {ours.relative:.2e} > {ours.tolerance:.0e}); "
-                           "nothing was saved")
+        raise SurgeryError(f"the saved checkpoint, loaded back with normsurgery's runtime, differs (relative error "
+                           f"{_beyond(ours)}); nothing was saved")
     return {"loader": "trust_remote_code=True or normsurgery.load", "comparison": ours.as_dict(),
             "plain_transformers": None if plain is None else plain.as_dict()}
+
+
+def _beyond(c) -> str:
+    return f"{c.relative:.2e} > {c.tolerance:.1e}" + (f": {c.reason}" if c.reason else "")
 
 
 def _set_or_drop(cfg, name, value) -> None:

@@ -90,21 +90,20 @@ def _exact_loss(name: str, w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype)
 
 
 def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLoss]:
-    """Round ``model``'s weights to the storage ``dtype``, in place, each cast once and checked
-    (:func:`cast_loss`). When a tensor would overflow or underflow: ``refuse`` raises
+    """Round ``model``'s weights to the storage ``dtype``, in place, each checked
+    (:func:`cast_loss`) and cast inside its own memory (:func:`narrow_in_place`). When a tensor would overflow or underflow: ``refuse`` raises
     :class:`SurgeryError` naming them; ``keep-float32`` keeps them exactly (float32), rounds every
     other tensor through ``dtype`` and leaves the model in float32, which is what the saved
     checkpoint loads as (see :func:`store`). Returns the tensors kept."""
     lost = []
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.is_floating_point():
-                cast = p.data.to(dtype)
-                loss = cast_loss(name, p, dtype, cast) if dtype in HALF else None
+            if p.is_floating_point() and p.dtype != dtype:
+                loss = cast_loss(name, p, dtype) if dtype in HALF else None
                 if loss:
                     lost.append(loss)
-                else:
-                    p.data = cast
+                else:  # inside its own memory: the model stays the size it was in float32
+                    p.data = narrow_in_place(p.data, dtype)
     check_policy(lost, dtype, policy)
     if not lost:
         model.to(dtype)  # buffers

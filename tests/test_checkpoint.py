@@ -87,6 +87,37 @@ def test_half_precision_inputs(tmp_path, dtype, family, pass_name):
     assert next(saved.parameters()).dtype == dtype
 
 
+def test_the_cast_is_measured_on_what_was_written(tmp_path, monkeypatch):
+    """A half-precision result is checked loaded back from the folder written, against the
+    reference: a weight damaged on its way to the file is caught though the model in memory is
+    right; nothing is saved, or with force it is saved and the result says the cast failed."""
+    from normsurgery import shards
+
+    src = tmp_path / "src"
+    tiny_model("llama", torch.float32).to(torch.bfloat16).save_pretrained(src)
+    write = shards.write_weights
+
+    def damaging(model, folder, max_shard_size="5GB"):
+        names = write(model, folder, max_shard_size)
+        from safetensors.torch import load_file, save_file
+        f = folder / names[0]
+        sd = load_file(f)
+        sd["model.layers.0.mlp.down_proj.weight"] *= 3
+        save_file(sd, f, metadata={"format": "pt"})
+        return names
+
+    monkeypatch.setattr(shards, "write_weights", damaging)
+    with pytest.raises(ns.SurgeryError, match="nothing was saved"):
+        ns.convert(src, tmp_path / "out", [("flashnorm", {})])
+    assert not (tmp_path / "out").exists()
+    forced = ns.convert(src, tmp_path / "forced", [("flashnorm", {})], force=True)
+    assert not forced.cast.ok and not forced.ok and forced.cast.relative > forced.cast.tolerance
+    assert (tmp_path / "forced" / "config.json").exists()
+    monkeypatch.setattr(shards, "write_weights", write)
+    fine = ns.convert(src, tmp_path / "fine", [("flashnorm", {})])
+    assert fine.cast.ok and fine.ok and "cast back to bfloat16" in fine.cast.reason
+
+
 def test_float64_work_dtype_is_exact(tmp_path):
     src = tmp_path / "src"
     tiny_model("llama", torch.float64).save_pretrained(src)
