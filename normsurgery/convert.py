@@ -253,7 +253,7 @@ def _stored_check(result: Result, reference: torch.Tensor, ids: torch.Tensor, ki
     nothing is saved, unless ``force``: then it is saved and ``result.cast`` says so."""
     def check(reloaded) -> Comparison:
         result.cast = compare_logits(reference, logits(reloaded, ids), kind)
-        result.cast.tolerance, result.cast.reason = tolerance, f"cast back to {result.storage_dtype}: {reason}"
+        result.cast.tolerance, result.cast.reason = tolerance, f"{reason}; measured on the saved folder, loaded back"
         if force and not result.cast.ok:
             return dataclasses.replace(result.cast, tolerance=None)
         return result.cast
