@@ -14,7 +14,7 @@ from .algebra import in_width
 from .layout import AttentionSite, Layout, MlpSite, NormSite
 
 
-def _gpt2(model, p: str, head: str | None) -> Layout:
+def gpt2(model, p: str, head: str | None) -> Layout:
     c = model.config
     h = f"{p}h"
     norms, writers, attention, mlps = [], [], [], []
@@ -35,7 +35,7 @@ def _gpt2(model, p: str, head: str | None) -> Layout:
                   config_widths=(("intermediate", "n_inner"),))
 
 
-def _gpt_neox(model, p: str, head: str | None) -> Layout:
+def gpt_neox(model, p: str, head: str | None) -> Layout:
     c = model.config
     h = f"{p}layers"
     norms, writers, attention, mlps = [], [], [], []
@@ -57,7 +57,7 @@ def _gpt_neox(model, p: str, head: str | None) -> Layout:
                   config_widths=(("intermediate", "intermediate_size"),))
 
 
-def _opt(model, p: str, head: str | None) -> Layout:
+def opt(model, p: str, head: str | None) -> Layout:
     c = model.config
     d = f"{p}decoder"
     h = f"{d}.layers"
@@ -87,7 +87,7 @@ def _opt(model, p: str, head: str | None) -> Layout:
                   attention=tuple(attention), mlps=tuple(mlps), config_widths=(("intermediate", "ffn_dim"),))
 
 
-def _llama_like(model, p: str, head: str | None) -> Layout:
+def llama_like(model, p: str, head: str | None) -> Layout:
     c = model.config
     h = f"{p}layers"
     norms, writers, qk = [], [], []
@@ -112,7 +112,7 @@ def _llama_like(model, p: str, head: str | None) -> Layout:
                   config_widths=widths)
 
 
-def _phi(model, p: str, head: str | None) -> Layout:
+def phi(model, p: str, head: str | None) -> Layout:
     c = model.config
     h = f"{p}layers"
     norms, writers, qk = [], [], []
@@ -134,7 +134,7 @@ def _phi(model, p: str, head: str | None) -> Layout:
                   config_widths=(("intermediate", "intermediate_size"),))
 
 
-def _bert(model, p: str, head: str | None) -> Layout:
+def bert(model, p: str, head: str | None) -> Layout:
     c = model.config
     h = f"{p}encoder.layer"
     norms = [NormSite(f"{p}embeddings.LayerNorm", (), "embed")]
