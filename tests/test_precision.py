@@ -142,6 +142,7 @@ def test_kept_in_float32_loads_back_and_verifies(overflowing, tmp_path):
     assert r.exit_code == 0, r.output
     warning = [line for line in r.output.splitlines() if line.startswith("warning:")]
     assert len(warning) == 1 and Q in warning[0] and "in float32" in warning[0]
+    assert "stored in float16, 3 tensors kept in float32" in " ".join(r.output.split())  # the table's title
 
 
 def test_on_overflow_is_checked_before_any_work(tmp_path):

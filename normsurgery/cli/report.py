@@ -52,8 +52,8 @@ def convert_tables(result, src, out) -> list:
         ok = ("yes" if p.ok else red("NO")) if p is not None and s.kind == "exact" else "-"
         rows.append((s.name, s.kind, fmt(p and p.relative), fmt(p and p.max_abs), fmt(p and p.kl),
                      fmt(p and p.top1), ok))
-    out_tables = [table(f"convert {src} -> {out} (rewritten in {result.work_dtype}, stored in "
-                        f"{result.storage_dtype})", ("pass", "kind", "rel. error", "max |Δ|", "KL",
+    stored = result.storage_dtype + (f", {len(result.kept_float32)} tensors kept in float32" if result.kept_float32 else "")
+    out_tables = [table(f"convert {src} -> {out} (rewritten in {result.work_dtype}, stored in {stored})", ("pass", "kind", "rel. error", "max |Δ|", "KL",
                                                      "top-1", "ok"), rows, no_wrap=True)]
     for s in result.steps:
         if s.metrics.get("curve"):
