@@ -115,15 +115,16 @@ def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLos
     return lost
 
 
-def for_storage(name: str, tensor: torch.Tensor, dtype: torch.dtype, lost: list[CastLoss]) -> torch.Tensor:
-    """``tensor`` as stored in ``dtype`` (one tensor at a time, ``streaming``), cast in its own
-    storage (:func:`narrow_in_place`): ``tensor`` is spent. One that does not fit stays float32
-    and is added to ``lost``, for :func:`check_policy` once all are seen."""
+def for_storage(name: str, tensor: torch.Tensor, dtype: torch.dtype, lost: list[CastLoss],
+                spend: bool = True) -> torch.Tensor:
+    """``tensor`` as stored in ``dtype`` (one tensor at a time, ``streaming``); ``spend``: cast in
+    its own storage (:func:`narrow_in_place`), its values are gone. One that does not fit stays
+    float32 and is added to ``lost``, for :func:`check_policy` once all are seen."""
     loss = cast_loss(name, tensor, dtype) if dtype in HALF else None
     if loss:
         lost.append(loss)
         return tensor.float()
-    return narrow_in_place(tensor, dtype)
+    return narrow_in_place(tensor, dtype) if spend else tensor.to(dtype)
 
 
 def narrow_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

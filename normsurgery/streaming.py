@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -458,9 +458,12 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
             reports[p.name].append(p.apply(model, lay, context))
 
     def write(part: Part) -> None:
-        for name, t in tensors(model, part.scope).items():
-            writer.add(name, precision.for_storage(name, t, storage, lost) if t.is_floating_point() else t)
-        t = None  # no view left: the loader reuses the part's tensors
+        saved = tensors(model, part.scope)
+        users = Counter(t.untyped_storage().data_ptr() for t in saved.values())
+        for name, t in saved.items():  # a storage two names write is cast, not spent
+            spend = users[t.untyped_storage().data_ptr()] == 1
+            writer.add(name, precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t)
+        saved = t = None  # no view left: the loader reuses the part's tensors
         loader.free(part.scope)
         done[0] += 1
         progress("rewrite", done[0], len(parts))

@@ -164,3 +164,12 @@ def test_narrowing_in_place_equals_a_cast_and_takes_no_new_memory(src):
             assert out.data_ptr() == where
     view = realistic_weights(64).to(src)[8:]  # not its storage's own: cast to new memory
     assert torch.equal(precision.narrow_in_place(view, torch.float16), view.to(torch.float16))
+
+
+def test_a_tensor_not_spent_keeps_its_values():
+    w = realistic_weights(3 * precision.CHUNK)
+    kept = w.clone()
+    out = precision.for_storage("w", w, torch.bfloat16, [], spend=False)
+    assert torch.equal(w, kept) and torch.equal(out, kept.to(torch.bfloat16))
+    precision.for_storage("w", w, torch.bfloat16, [])  # spent: cast in its own memory
+    assert not torch.equal(w, kept)

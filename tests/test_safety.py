@@ -170,9 +170,13 @@ def test_killed_between_the_renames_the_previous_output_is_put_back(tmp_path):
 
 
 def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+    # as from a terminal: a harness that runs the suite in the background ignores SIGINT, and a
+    # child inherits that (Python then installs no handler: Ctrl-C would be ignored, rightly)
     proc = subprocess.Popen([sys.executable, "-m", "normsurgery", "convert", GPT2, str(tmp_path / "out"), "--pass",
-                             "flashnorm"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "flashnorm"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(1.5)  # importing torch, inside the command
+    assert proc.poll() is None
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
