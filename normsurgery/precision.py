@@ -49,9 +49,9 @@ CHUNK = 1 << 17
 SMALLEST_SUM = 1e-20
 
 
-def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype, cast: torch.Tensor | None = None) -> CastLoss | None:
-    """What casting ``tensor`` to ``dtype`` (``cast``, when done already) loses (None: nothing
-    beyond rounding within range): the relative error ||cast(w) - w|| / ||w|| against u.
+def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> CastLoss | None:
+    """What casting ``tensor`` to ``dtype`` loses (None: nothing beyond rounding within range):
+    the relative error ||cast(w) - w|| / ||w|| against u.
 
     One pass in chunks: d = cast(w) - w is exact in ``w``'s dtype (a value minus its rounding),
     ||d||^2 and ||w||^2 are summed in float32. An overflow makes the sum infinite; then, and for
@@ -59,16 +59,15 @@ def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype, cast: torch.T
     if not tensor.is_floating_point() or torch.finfo(dtype).bits >= torch.finfo(tensor.dtype).bits:
         return None
     w = tensor.detach().reshape(-1)
-    c = None if cast is None else cast.reshape(-1)
     bound = torch.finfo(dtype).eps / 2
     err2 = norm2 = 0.0
     for i in range(0, w.numel(), CHUNK):
         a = w[i:i + CHUNK]
-        d = (a.to(dtype) if c is None else c[i:i + CHUNK]).to(a.dtype).sub_(a)
+        d = a.to(dtype).to(a.dtype).sub_(a)
         err2 += float(torch.dot(d, d))
         norm2 += float(torch.dot(a, a))
     if not (math.isfinite(err2) and math.isfinite(norm2)) or norm2 * bound ** 2 < SMALLEST_SUM:
-        return _exact_loss(name, w, w.to(dtype) if c is None else c, dtype)
+        return _exact_loss(name, w, w.to(dtype), dtype)
     relative = math.sqrt(err2 / norm2)
     return CastLoss(name, 0, relative, bound) if relative > bound else None
 
@@ -91,10 +90,11 @@ def _exact_loss(name: str, w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype)
 
 def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLoss]:
     """Round ``model``'s weights to the storage ``dtype``, in place, each checked
-    (:func:`cast_loss`) and cast inside its own memory (:func:`narrow_in_place`). When a tensor would overflow or underflow: ``refuse`` raises
-    :class:`SurgeryError` naming them; ``keep-float32`` keeps them exactly (float32), rounds every
-    other tensor through ``dtype`` and leaves the model in float32, which is what the saved
-    checkpoint loads as (see :func:`store`). Returns the tensors kept."""
+    (:func:`cast_loss`) and cast inside its own memory (:func:`narrow_in_place`). When a tensor
+    would overflow or underflow: ``refuse`` raises :class:`SurgeryError` naming them;
+    ``keep-float32`` keeps them exactly (float32), rounds every other tensor through ``dtype``
+    and leaves the model in float32, which is what the saved checkpoint loads as (see
+    :func:`store`). Returns the tensors kept."""
     lost = []
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -57,7 +57,6 @@ from .verify import (ROUNDING_FACTOR, TOLERANCE, Comparison, coarsest, compare_l
 STAGE = 8 << 20
 
 
-
 # ---------------------------------------------------------------------------------------------
 # shards in and out
 
