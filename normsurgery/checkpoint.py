@@ -266,7 +266,8 @@ def structure_records(model) -> list[dict]:
 
 
 def save(model, out, *, source=None, force: bool = False, record: dict | None = None,
-         max_shard_size: str | int = "5GB", check: Callable[[torch.nn.Module], Any] | None = None) -> dict:
+         max_shard_size: str | int = "5GB", check: Callable[[torch.nn.Module], Any] | None = None,
+         release: bool = False) -> dict:
     """Write ``model`` to ``out`` atomically (a temporary sibling folder, then one rename), with the
     same class (and head) it has.
 
@@ -278,20 +279,25 @@ def save(model, out, *, source=None, force: bool = False, record: dict | None = 
     that passes is ``plain_transformers`` claimed; if not, the module records are marked not
     stock-equivalent and the folder must pass loaded with the runtime (``normsurgery.load``), or
     nothing is saved. Without ``check`` nothing is claimed (``plain_transformers`` is None).
+
+    ``release``: ``model``'s weights are freed once written (it is spent; ``check`` compares with
+    outputs computed before), so the model loaded back does not stack on them in memory.
     """
     with writing(out, force=force, source=source) as stage:
         info = save_into(model, stage.path, source=source, record=record, max_shard_size=max_shard_size,
-                         check=check)
+                         check=check, release=release)
     return written(out, stage, info)
 
 
 def save_into(model, folder: Path, *, source=None, record: dict | None = None, max_shard_size: str | int = "5GB",
-              check: Callable[[torch.nn.Module], Any] | None = None) -> dict:
+              check: Callable[[torch.nn.Module], Any] | None = None, release: bool = False) -> dict:
     """Write ``model`` (weights, config with its record, runtime file, the source's side files)
     into ``folder``, normally a :func:`writing` stage, and check it loads back (see :func:`save`)."""
     records = stamp(model, record)
     shards.write_weights(model, folder, max_shard_size)
     shards.write_config(model, folder, load_dtype(model))  # mixed (tensors kept in float32): float32
+    if release:
+        model.to("meta")
     finish(folder, records, source)
     return claims(records, None if check is None else _check_reload(model, folder, records, check))
 

@@ -239,7 +239,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         check = reload_check(model, ids, last)
     precision.store(model, storage, kept)
     result.saved = checkpoint.save(model, out, source=path, force=force, record=record,
-                                   max_shard_size=max_shard_size, check=check)
+                                   max_shard_size=max_shard_size, check=check, release=True)
     shutil.rmtree(workdir, ignore_errors=True)
     progress("save", 1, 1)
     return result

@@ -118,6 +118,24 @@ def test_the_cast_is_measured_on_what_was_written(tmp_path, monkeypatch):
     assert fine.cast.ok and fine.ok and "measured on the saved folder" in fine.cast.reason
 
 
+def test_a_released_model_is_freed_before_the_folder_is_loaded_back(tmp_path):
+    """``save(release=True)``: the weights are gone once written (the model loaded back does not
+    stack on them), and the check still compares with outputs computed before."""
+    from normsurgery.verify import reload_check
+
+    model = tiny_model("llama", torch.float32)
+    check = reload_check(model, token_ids())
+    devices = []
+
+    def checking(reloaded):
+        devices.append(next(model.parameters()).device.type)
+        return check(reloaded)
+
+    saved = ns.checkpoint.save(model, tmp_path / "out", check=checking, release=True)
+    assert devices and set(devices) == {"meta"} and saved["plain_transformers"]
+    assert saved["reload"]["comparison"]["relative"] == 0.0
+
+
 def test_float64_work_dtype_is_exact(tmp_path):
     src = tmp_path / "src"
     tiny_model("llama", torch.float64).save_pretrained(src)
