@@ -25,10 +25,15 @@ def weight(mod: nn.Module) -> torch.Tensor:
     return (w.T if isinstance(mod, Conv1D) else w).to(WORK)
 
 
+def written_axis(mod: nn.Module) -> int:
+    """The axis of the stored weight that runs over a written vector's entries (an embedding's
+    rows and Conv1D's [in, out] run over dim 1)."""
+    return 1 if isinstance(mod, (Conv1D, nn.Embedding)) else 0
+
+
 def out_width(mod: nn.Module) -> int:
     """Entries of each vector the module writes (an embedding: its row width)."""
-    w = mod.weight
-    return w.shape[1] if isinstance(mod, (Conv1D, nn.Embedding)) else w.shape[0]
+    return mod.weight.shape[written_axis(mod)]
 
 
 def in_width(mod: nn.Module) -> int:
@@ -83,10 +88,8 @@ def centre_outputs(mod: nn.Module) -> None:
     in the stored layout and dtype.
     """
     w = mod.weight
-    # the axis of the stored tensor that runs over a written vector's entries
-    axis = 1 if isinstance(mod, (nn.Embedding, Conv1D)) else 0
     with torch.no_grad():
-        w.sub_(mean(w, axis).to(w.dtype))
+        w.sub_(mean(w, written_axis(mod)).to(w.dtype))
         c = getattr(mod, "bias", None)
         if c is not None and not isinstance(mod, nn.Embedding):
             c.sub_(mean(c, 0).to(c.dtype))

@@ -116,15 +116,13 @@ def storage_dtype(path: Path) -> torch.dtype:
     """The floating dtype the checkpoint stores its weights in. Mixed dtypes (tensors kept in
     float32 beside float16 ones, ``precision``): the config's dtype when it is one of them, as
     ``from_pretrained`` would load it, else the widest, which holds every tensor exactly."""
-    from safetensors import safe_open
-
-    names = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     stored = set()
     for f in weight_files(path):
         if f.suffix != ".safetensors":
             break
-        with safe_open(f, "pt") as st:
-            stored |= {names[dt] for k in st.keys() if (dt := st.get_slice(k).get_dtype()) in names}
+        header, _ = safetensors_header(f)
+        stored |= {dt for k, v in header.items() if k != "__metadata__"
+                   and (dt := shards.DTYPES.get(v["dtype"])) is not None and dt.is_floating_point}
     cfg = transformers.AutoConfig.from_pretrained(path)
     dt = getattr(cfg, "dtype", None) or torch.float32
     dt = getattr(torch, dt) if isinstance(dt, str) else dt

@@ -26,12 +26,13 @@ from . import __version__, checkpoint, precision, registry
 from . import streaming as streaming_mod
 from .errors import SurgeryError
 from .families import layout
+from .layout import Layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
 from .registry import PassContext, load_recipe, parse_pass, read_recipe  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
 from .verify import (TOLERANCE, Comparison, compare_logits, jittered, logits, needs_rounding_tolerance,
-                     output_kind, probe_ids, reload_check, rounding_tolerance, tolerance_for)
+                     output_kind, outputs_check, probe_ids, reload_check, rounding_tolerance, tolerance_for)
 
 
 @dataclass
@@ -79,9 +80,10 @@ class Result:
                 "warnings": self.warnings}
 
 
-def check_applicable(model, name: str) -> registry.Pass:
+def check_applicable(model, name: str, lay: Layout | None = None) -> registry.Pass:
+    """The pass ``name``, when it applies to ``model`` (``lay``: its layout, or a part's)."""
     p = registry.get(name)
-    reason = p.applies(model, layout(model))
+    reason = p.applies(model, layout(model) if lay is None else lay)
     if reason:
         raise SurgeryError(f"pass {name} does not apply to this {model.config.model_type} model: {reason}")
     return p
@@ -251,9 +253,10 @@ def _stored_check(result: Result, reference: torch.Tensor, ids: torch.Tensor, ki
     loaded back from it against the reference, within the cast's tolerance: the cast and the
     reload measured in one forward, on what was written (``result.cast``). Out of tolerance,
     nothing is saved, unless ``force``: then it is saved and ``result.cast`` says so."""
+    cast = outputs_check(reference, ids, kind, tolerance, f"{reason}; measured on the saved folder, loaded back")
+
     def check(reloaded) -> Comparison:
-        result.cast = compare_logits(reference, logits(reloaded, ids), kind)
-        result.cast.tolerance, result.cast.reason = tolerance, f"{reason}; measured on the saved folder, loaded back"
+        result.cast = cast(reloaded)
         if force and not result.cast.ok:
             return dataclasses.replace(result.cast, tolerance=None)
         return result.cast

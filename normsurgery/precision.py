@@ -98,12 +98,8 @@ def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLos
     lost = []
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.is_floating_point() and p.dtype != dtype:
-                loss = cast_loss(name, p, dtype) if dtype in HALF else None
-                if loss:
-                    lost.append(loss)
-                else:  # inside its own memory: the model stays the size it was in float32
-                    p.data = narrow_in_place(p.data, dtype)
+            if p.is_floating_point() and p.dtype != dtype:  # the model stays the size it was in float32
+                p.data = for_storage(name, p.data, dtype, lost)
     check_policy(lost, dtype, policy)
     if not lost:
         model.to(dtype)  # buffers
@@ -117,9 +113,9 @@ def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLos
 
 def for_storage(name: str, tensor: torch.Tensor, dtype: torch.dtype, lost: list[CastLoss],
                 spend: bool = True) -> torch.Tensor:
-    """``tensor`` as stored in ``dtype`` (one tensor at a time, ``streaming``); ``spend``: cast in
-    its own storage (:func:`narrow_in_place`), its values are gone. One that does not fit stays
-    float32 and is added to ``lost``, for :func:`check_policy` once all are seen."""
+    """``tensor`` as stored in ``dtype``; ``spend``: cast in its own storage
+    (:func:`narrow_in_place`), its values are gone. One that does not fit stays float32 and is
+    added to ``lost``, for :func:`check_policy` once all are seen."""
     loss = cast_loss(name, tensor, dtype) if dtype in HALF else None
     if loss:
         lost.append(loss)
@@ -135,9 +131,7 @@ def narrow_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     input and goes through a temporary. ``tensor``'s values are spent; the result is a view of
     its storage. A tensor that does not own its storage alone is cast to new memory."""
     t = tensor.detach()
-    ratio = t.element_size() * 8 // torch.finfo(dtype).bits
-    if (not t.is_floating_point() or ratio < 2 or not t.is_contiguous() or t.storage_offset()
-            or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+    if not t.is_floating_point() or t.element_size() * 8 < 2 * torch.finfo(dtype).bits or not spans_storage(t):
         return t.to(dtype)
     flat = t.reshape(-1)
     out = torch.empty(0, dtype=dtype).set_(t.untyped_storage(), 0, (t.numel(),))
@@ -146,6 +140,12 @@ def narrow_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             chunk = flat[i:i + CHUNK]
             out[i:i + CHUNK].copy_(chunk.to(dtype) if i == 0 else chunk)
     return out.view(t.shape)
+
+
+def spans_storage(t: torch.Tensor) -> bool:
+    """True when ``t`` is its storage, contiguous, from its first byte to its last."""
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def check_policy(lost: list[CastLoss], dtype: torch.dtype, policy: str) -> None:

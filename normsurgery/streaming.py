@@ -50,8 +50,8 @@ from .layout import Layout
 from .norms import faithful_norms
 from .progress import Progress, no_progress
 from .registry import PassContext
-from .verify import (ROUNDING_FACTOR, TOLERANCE, Comparison, coarsest, compare_logits, jittered,
-                     needs_rounding_tolerance, probe_ids, rounding_tolerance)
+from .verify import (TOLERANCE, Comparison, coarsest, compare_logits, jittered, needs_rounding_tolerance,
+                     probe_ids, rounding_tolerance, storage_tolerance)
 
 #: bytes read at a time when a tensor is cast as it is read
 STAGE = 8 << 20
@@ -267,9 +267,7 @@ def _owned(p: torch.Tensor) -> bool:
     """True when ``p`` alone holds its storage, all of it: no view of it is alive anywhere (the
     storage's use count is ``p``'s and the one taken to ask)."""
     count = getattr(torch._C, "_storage_Use_Count", None)
-    store = p.untyped_storage()
-    return (count is not None and p.is_contiguous() and p.storage_offset() == 0
-            and store.nbytes() == p.numel() * p.element_size() and count(store._cdata) == 2)
+    return count is not None and precision.spans_storage(p) and count(p.untyped_storage()._cdata) == 2
 
 
 def _libc():
@@ -428,7 +426,7 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
     Each tensor is checked as it is cast back (``precision.for_storage``)."""
     from transformers.utils.hub import convert_file_size_to_int
 
-    from .convert import Result, _length
+    from .convert import Result, _length, check_applicable
 
     todo = check_blockwise(passes, reason)
     shards = Shards(path)
@@ -450,9 +448,7 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
         loader.load(part.scope)
         for p, opts in todo:
             lay = layout(model, part.scope)
-            why = p.applies(model, lay)
-            if why:
-                raise SurgeryError(f"pass {p.name} does not apply to this {model.config.model_type} model: {why}")
+            check_applicable(model, p.name, lay)
             context.options = opts
             reports[p.name].append(p.apply(model, lay, context))
 
@@ -477,17 +473,17 @@ def convert(src, path: Path, out, passes: list[tuple[str, dict]], *, storage: to
                 reference = read_logits(path, dtype, ids)
                 progress("reference", 1, 1)
                 after = logits(model, parts, ids, rewrite, write)
-                loader.release()
+            else:
+                for part in parts:
+                    rewrite(part)
+                    write(part)
+            loader.release()
+            if verify:
                 result.parity = compare_logits(reference, after)
                 result.parity.tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
                 if needs_rounding_tolerance([result.parity], dtype, tolerance):  # one more read of the input
                     result.parity.tolerance, result.parity.reason = rounding_tolerance(
                         reference, read_logits(path, dtype, ids, jitter=True), dtype)
-            else:
-                for part in parts:
-                    rewrite(part)
-                    write(part)
-                loader.release()
             files = writer.close()
             precision.check_policy(lost, storage, on_overflow)
             if lost:
@@ -544,15 +540,11 @@ def verify(a: Path, b: Path, *, text: str | None = None, dtype: torch.dtype = to
         raise SurgeryError("streaming verify computes in float32 or float64")
     reference = read_logits(a, dtype, ids, ma)
     result = compare_logits(reference, read_logits(b, dtype, ids))
-    # as verify.tolerance_for: weights stored coarser than the arithmetic allow the
-    # reference's own rounding in that dtype (one more streamed forward)
+    # weights stored coarser than the arithmetic allow the reference's own rounding in that
+    # dtype (one more streamed forward)
     storage = coarsest(checkpoint.storage_dtype(a), checkpoint.storage_dtype(b))
-    result.tolerance, result.reason = TOLERANCE[dtype], f"{str(dtype)[6:]} arithmetic"
-    if torch.finfo(storage).eps > torch.finfo(dtype).eps:
-        own = compare_logits(reference, read_logits(a, storage, ids))
-        result.tolerance = max(TOLERANCE[dtype], ROUNDING_FACTOR * own.relative)
-        result.reason = (f"weights stored in {str(storage)[6:]}: {ROUNDING_FACTOR} x the reference's own "
-                         f"rounding ({own.relative:.1e}), at least {TOLERANCE[dtype]:.0e}")
+    result.tolerance, result.reason, _ = storage_tolerance(
+        dtype, storage, lambda d: compare_logits(reference, read_logits(a, d, ids)))
     if needs_rounding_tolerance([result], dtype, tolerance) and result.tolerance == TOLERANCE[dtype]:
         result.tolerance, result.reason = rounding_tolerance(reference, read_logits(a, dtype, ids, jitter=True), dtype)
     if tolerance is not None:

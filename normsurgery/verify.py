@@ -25,6 +25,7 @@ them for runtime.RMSNorm (same maths, input dtype kept) so float64 checks are fl
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -148,10 +149,18 @@ def tolerance_for(model, ids, storage: torch.dtype, reference: torch.Tensor) -> 
         tol = max(TOLERANCE[torch.float32], ROUNDING_FACTOR * own.relative)
         return tol, (f"computed in {_name(compute)}: {ROUNDING_FACTOR} x the reference's own {_name(compute)} "
                      f"rounding against float32 ({own.relative:.1e})"), own
+    return storage_tolerance(compute, storage, lambda dtype: in_dtype(model, dtype, ids, reference))
+
+
+def storage_tolerance(compute: torch.dtype, storage: torch.dtype,
+                      own_rounding: Callable[[torch.dtype], Comparison]) -> tuple[float, str, Comparison | None]:
+    """(tolerance, why, the reference's own rounding or None) for ``compute`` arithmetic on
+    weights stored in ``storage``; ``own_rounding(dtype)``: the reference run in ``dtype`` against
+    its own outputs, measured only when ``storage`` is the coarser (in memory or streamed)."""
     if torch.finfo(storage).eps <= torch.finfo(compute).eps:
         why = "checks the algebra" if compute == torch.float64 else "its rounding"
         return TOLERANCE[compute], f"{_name(compute)} arithmetic on weights it holds exactly: {why}", None
-    own = in_dtype(model, storage, ids, reference)
+    own = own_rounding(storage)
     tol = max(TOLERANCE[compute], ROUNDING_FACTOR * own.relative)
     return tol, (f"weights stored in {_name(storage)}: {ROUNDING_FACTOR} x the reference's own rounding in "
                  f"{_name(storage)} ({own.relative:.1e}), at least {TOLERANCE[compute]:.0e} for "
@@ -328,10 +337,15 @@ def reload_check(model, ids: torch.Tensor, outputs: torch.Tensor | None = None):
     tolerance of ``model``'s dtype."""
     ref = logits(model, ids) if outputs is None else outputs
     tol, why, _ = tolerance_for(model, ids, next(model.parameters()).dtype, ref)
+    return outputs_check(ref, ids, output_kind(model), tol, why)
 
-    def check(reloaded) -> Comparison:
-        c = compare_logits(ref, logits(reloaded, ids), output_kind(model))
-        c.tolerance, c.reason = tol, why
+
+def outputs_check(reference: torch.Tensor, ids: torch.Tensor, output: str, tolerance: float,
+                  reason: str) -> Callable[[torch.nn.Module], Comparison]:
+    """A check of a model's outputs on ``ids`` against ``reference``, within ``tolerance``."""
+    def check(model) -> Comparison:
+        c = compare_logits(reference, logits(model, ids), output)
+        c.tolerance, c.reason = tolerance, reason
         return c
 
     return check
