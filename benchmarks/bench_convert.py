@@ -174,23 +174,23 @@ def op_parity(args) -> dict:
     """Logits (float32) of the original, ours and the peer's, one model in memory at a time."""
     torch, T = quiet_imports()
     from normsurgery import checkpoint
-    from normsurgery.verify import compare_logits
+    from normsurgery.parity import compare
 
     ids = probe(args)
 
-    def logits(path):
+    def outputs(path):
         model = checkpoint.load(path, torch.float32)
         with torch.no_grad():
             out = model(input_ids=ids).logits
         del model
         return out
 
-    orig, ours = logits(args.src), logits(args.ref)
-    peer = torch.load(Path(args.out) / "logits.pt") if args.model == "gpt2" else logits(args.out)
+    orig, ours = outputs(args.src), outputs(args.ref)
+    peer = torch.load(Path(args.out) / "logits.pt") if args.model == "gpt2" else outputs(args.out)
 
     def cmp(a, b):
-        c = compare_logits(a, b)
-        cen = compare_logits(a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True))
+        c = compare(a, b)
+        cen = compare(a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True))
         return {"relative": c.relative, "centred_relative": cen.relative, "kl": c.kl, "top1": c.top1}
 
     return {"peer_vs_original": cmp(orig, peer), "peer_vs_ours": cmp(ours, peer), "ours_vs_original": cmp(orig, ours)}

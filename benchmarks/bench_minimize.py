@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from timing import forward_ms  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
-from normsurgery.verify import compare_logits, logits  # noqa: E402
+from normsurgery.parity import compare, outputs  # noqa: E402
 
 DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / "normsurgery/demo/llama-tiny"}
 
@@ -65,7 +65,7 @@ def run(demo: str, path: Path, k: int, repeats: int, batch: int, seq: int) -> li
         steps = ns.apply_passes(model, passes) if passes else []
         n, b = sum(p.numel() for p in model.parameters()), sum(p.numel() * p.element_size() for p in model.parameters())
         row = {"model": demo, "variant": name, "params": n, "bytes": b, "disk": disk_bytes(model),
-               "relative": compare_logits(logits(reference, ids[:2]), logits(model, ids[:2])).relative}
+               "relative": compare(outputs(reference, ids[:2]), outputs(model, ids[:2])).relative}
         m = steps[-1].metrics if steps else {}
         if "layers" in m:
             row["units"] = sum(w["mlp_units"][0] - w["mlp_units"][1] for w in m["layers"])

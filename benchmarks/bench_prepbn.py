@@ -44,7 +44,7 @@ def trained(original, path: Path, name: str):
         return None
     model = copy.deepcopy(original)
     options = {k: v for k, v in SHORT[name].items() if k in p.options}
-    ctx = PassContext(tokenizer=checkpoint.load_tokenizer(path), text=SAMPLE.read_text())
+    ctx = PassContext(tokenizer=checkpoint.Source.open(path).tokenizer, text=SAMPLE.read_text())
     ns.apply_passes(model, [(name, options)], context=ctx)
     return model.eval()
 

@@ -43,7 +43,7 @@ def run_pass(path: str, text: str, options: dict):
     from normsurgery.registry import PassContext
 
     model = checkpoint.load(ROOT / path, )
-    ctx = PassContext(tokenizer=checkpoint.load_tokenizer(ROOT / path), text=text)
+    ctx = PassContext(tokenizer=checkpoint.Source.open(ROOT / path).tokenizer, text=text)
     t = time.perf_counter()
     [step] = apply_passes(model, [("remove-ln", options)], context=ctx)
     return model, step.metrics, time.perf_counter() - t
@@ -57,7 +57,7 @@ def control(path: str, text: str, metrics: dict, options: dict) -> dict:
 
     o = registry.check_options(registry.get("remove-ln"), options)
     model = checkpoint.load(ROOT / path)
-    ids = tokenize(checkpoint.load_tokenizer(ROOT / path), text)
+    ids = tokenize(checkpoint.Source.open(ROOT / path).tokenizer, text)
     tr, held = split_heldout(ids, o["heldout"], o["seq_len"])
     r = train(model, tr, windows(held, o["seq_len"], o["eval_samples"]),
               TrainConfig(steps=o["steps"], batch_size=o["batch_size"], seq_len=o["seq_len"], lr=o["lr"],

@@ -6,6 +6,9 @@ Python API (the CLI is a thin layer over it)::
     result = ns.convert("in/", "out/", [("pre-rmsnorm", {"fold": True})])
     model = ns.load("out/")
     ns.verify("in/", "out/").relative
+    ns.prune("in/", "pruned/", {"layers": 2}, heal={"steps": 100}, text=open("train.txt").read())
+    ns.heal("pruned/", "healed/", open("train.txt").read())
+    [p.name for p in ns.passes()]
 """
 
 __version__ = "0.1.0"
@@ -17,9 +20,9 @@ import types  # noqa: E402
 # The API is imported on first use (PEP 562), so ``import normsurgery.cli`` and
 # ``normsurgery --help`` do not pay for torch and transformers.
 _API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": "checkpoint",
-        "load_tokenizer": "checkpoint", "save": "checkpoint", "apply_passes": "convert",
-        "convert": "convert", "load_recipe": "registry", "parse_pass": "registry",
-        "SurgeryError": "errors", "all_passes": "registry", "register": "registry", "verify": "verify"}
+        "Source": "checkpoint", "save": "pipeline", "convert": "convert", "apply_passes": "convert", "load_recipe": "registry",
+        "parse_pass": "registry", "SurgeryError": "errors", "passes": "passes", "register": "registry",
+        "verify": "verify", "prune": "prune", "heal": "heal", "PruneOptions": "prune", "HealOptions": "heal"}
 
 
 class _Package(types.ModuleType):
@@ -40,5 +43,5 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-__all__ = ["Layout", "NormSite", "SurgeryError", "all_passes", "apply_passes", "convert", "layout",
-           "load", "load_recipe", "load_tokenizer", "parse_pass", "register", "save", "verify"]
+__all__ = ["HealOptions", "Layout", "NormSite", "PruneOptions", "Source", "SurgeryError", "apply_passes", "convert", "heal",
+           "layout", "load", "load_recipe", "parse_pass", "passes", "prune", "register", "save", "verify"]

@@ -25,6 +25,18 @@ def weight(mod: nn.Module) -> torch.Tensor:
     return (w.T if isinstance(mod, Conv1D) else w).to(WORK)
 
 
+def is_linear(mod: nn.Module) -> bool:
+    """nn.Linear or GPT-2's Conv1D: y = W x + c."""
+    return isinstance(mod, (nn.Linear, Conv1D))
+
+
+def written_matrix(mod: nn.Module) -> torch.Tensor:
+    """The weight in float64 with one row per entry of the vectors the module writes: a linear's
+    W [out, in]; an embedding's table transposed, [d, rows]."""
+    w = weight(mod)
+    return w.T if isinstance(mod, nn.Embedding) else w
+
+
 def written_axis(mod: nn.Module) -> int:
     """The axis of the stored weight that runs over a written vector's entries (an embedding's
     rows and Conv1D's [in, out] run over dim 1)."""
@@ -109,12 +121,12 @@ def fold_affine_into_reader(reader: nn.Module, gain: torch.Tensor, shift: torch.
         w.mul_(g[:, None] if isinstance(reader, Conv1D) else g)
 
 
-def untie(model) -> bool:
-    """Give the LM head its own copy of the tied embedding; True when it was tied."""
-    if not getattr(model.config, "tie_word_embeddings", False):
+def untie(model, layout) -> bool:
+    """Give the head its own copy of the embedding it is tied to (``layout.tied``); True when it was."""
+    if not layout.tied:
         return False
-    head = model.get_output_embeddings()
-    head.weight = nn.Parameter(head.weight.detach().clone())
+    head = model.get_submodule(layout.head)
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
     model.config.tie_word_embeddings = False
     text = model.config.get_text_config()
     if text is not model.config:

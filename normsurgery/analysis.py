@@ -1,6 +1,7 @@
-"""Dead units of a masked (zero-filled) model: MLP units, attention heads, residual channels.
+"""Read-only analysis of a model: its dead units, and its residual states on given tokens.
 
-Read-only analysis used by ``inspect`` and by the minimization passes (which remove what it finds):
+Dead units of a masked (zero-filled) model, used by ``inspect`` and by the minimization passes
+(which remove what they find):
 - MLP hidden unit i: down's column i is zero (nothing leaves it); or, ungated, up's row i is zero,
   so the unit outputs the constant act(c_i), foldable into down's bias; or, gated, gate's row
   and bias are zero (act(0) = 0) or up's row and bias are zero.
@@ -18,12 +19,15 @@ Read-only analysis used by ``inspect`` and by the minimization passes (which rem
 
 from __future__ import annotations
 
+import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from . import algebra
+from .families import layout
 from .layout import AttentionSite, Layout, MlpSite
 
 #: norm kinds whose output in an unwritten channel depends on the other channels
@@ -140,11 +144,8 @@ def written(model, paths) -> torch.Tensor:
     written = None
     for path in paths:
         mod = model.get_submodule(path)
-        w = algebra.weight(mod)
-        if isinstance(mod, nn.Embedding):
-            col = (w != 0).any(0)
-        else:
-            col = (w != 0).any(1) | (bias_or_zeros(mod, w.shape[0]) != 0)
+        w = algebra.written_matrix(mod)
+        col = (w != 0).any(1) | (bias_or_zeros(mod, w.shape[0]) != 0)
         written = col.cpu() if written is None else written | col.cpu()
     return written
 
@@ -184,3 +185,59 @@ def dead_units(model, layout: Layout) -> DeadReport:
     return report
 
 
+# ---------------------------------------------------------------------------------------------
+# residual states: h_l is the input of block l (l = 0..L-1) and h_L the last block's output, the
+# final norm's input (never ``output_hidden_states[-1]``: that one is already normalised)
+
+
+def blocks_of(model) -> nn.ModuleList:
+    return model.get_submodule(layout(model).layers_path)
+
+
+@contextmanager
+def residual_capture(model):
+    """Yields a list that every forward pass fills with the L+1 residual states h_0..h_L."""
+    blocks = blocks_of(model)
+    states: list[torch.Tensor | None] = [None] * (len(blocks) + 1)
+
+    def pre(i):
+        def hook(module, args, kwargs):
+            states[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def post(module, args, output):
+        states[-1] = output[0] if isinstance(output, tuple) else output
+
+    handles = [b.register_forward_pre_hook(pre(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles.append(blocks[-1].register_forward_hook(post))
+    try:
+        yield states
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def device_of(model) -> torch.device:
+    """Where the model computes: its first parameter's device, or (a streamed model, whose
+    parameters wait on the meta device until their block runs) its first real buffer's, or CPU."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def forward_base(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Run the base model only (no head: the scores read hidden states, and a base model or a
+    classifier without a pad token works the same), without a KV cache."""
+    base = model.base_model
+    kw = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
+    base(input_ids=input_ids.to(device_of(model)),
+         attention_mask=None if attention_mask is None else attention_mask.to(device_of(model)), **kw)
+
+
+@torch.no_grad()
+def residual_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """h_0..h_L for one batch, in the model's dtype."""
+    with residual_capture(model) as states:
+        forward_base(model, input_ids, attention_mask)
+    return list(states)

@@ -42,11 +42,6 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
 
 
-def max_length(config) -> int | None:
-    """The longest sequence the model's positions allow (None: no limit known)."""
-    return getattr(config, "max_position_embeddings", None)
-
-
 def check_length(ids: torch.Tensor, length: int, what: str = "the text") -> None:
     if length < 2:
         raise SurgeryError(f"a sequence needs at least 2 tokens, got --seq-len {length}")

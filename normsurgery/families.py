@@ -1,22 +1,34 @@
-"""The one family table: for each supported ``model_type`` its adapter and every stock class it
-loads and saves, each with its head (the module path of the output layer, relative to the
-class) and that head's objective. :func:`layout` reads a model into a :class:`Layout`.
+"""The one family table: for each supported ``model_type`` its adapter, every stock class it
+loads and saves (each with its head: the module path of the output layer, relative to the class,
+and that head's objective), and the facts about its config and modules that passes and pruning
+need: its RMSNorm class and gain offset, the config keys of its positions and its norms' eps,
+the flags that give its linears biases, and the per-layer config entries pruning must follow.
+:func:`layout` reads a model into a :class:`Layout`.
 
 A checkpoint is loaded with the class its config's ``architectures`` names and saved with the
 same class: a base model (``LlamaModel``) has no head and its output is the last hidden state;
 a classifier keeps its classifier.
+
+What a norm module computes is read from its class (exact type matches only: a subclass may
+compute something else): its kind (one of ``layout.NORM_KINDS``) and gain offset (the gain is
+offset + weight: Gemma's RMSNorm scales by 1 + w). A class not in the table is kind "other"
+with an unknown offset, so no pass folds it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from torch import nn
 
-from . import adapters, algebra, norms
+from . import adapters, algebra
 from .errors import SurgeryError
 from .layout import Layout
+from .runtime import CompensatedLayerNorm, CRMSNorm, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -32,10 +44,28 @@ AUTO_CLASS = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMas
 
 
 @dataclass(frozen=True)
+class Pruning:
+    """What removing layers must change in a config besides ``num_hidden_layers``."""
+
+    lists: tuple[str, ...] = ()  # keys holding one entry per layer: kept entries only
+    counted: tuple[str, ...] = ()  # keys counting the first layers of a kind (Qwen2's max_window_layers)
+    index_flags: tuple[str, ...] = ()  # flags under which a layer's index enters what it computes
+
+
+@dataclass(frozen=True)
 class Family:
     adapter: Callable[..., Layout]
     lm_class: str  # the class a config without ``architectures`` gets, e.g. "LlamaForCausalLM"
     classes: dict[str, Head]  # every class normsurgery loads and saves for this family
+    rmsnorm: tuple[str, float] | None = None  # the family's RMSNorm class in its modeling module, gain offset
+    positions_key: str = "max_position_embeddings"
+    eps_keys: tuple[str, ...] = ()  # config keys the stock norms read their eps from
+    bias_flags: tuple[str, ...] = ()  # config flags that give the stock linears biases
+    pruning: Pruning = Pruning()
+
+    def positions(self, config) -> int | None:
+        """The longest sequence the model's positions allow (None: no limit known)."""
+        return getattr(config, self.positions_key, None)
 
 
 def _classes(lm: str, base: str, *, lm_head: str = "lm_head", objective: str = "causal-lm",
@@ -56,21 +86,33 @@ def _decoder(prefix: str, lm: str | None = None, tok_head: str = "score") -> dic
                     tok=(f"{prefix}ForTokenClassification", tok_head))
 
 
+LN_EPS, RMS_EPS = ("layer_norm_eps",), ("rms_norm_eps",)
+SLIDING = Pruning(lists=("layer_types",), counted=("max_window_layers",))
+
 FAMILIES = {
-    "gpt2": Family(adapters.gpt2, "GPT2LMHeadModel", _decoder("GPT2", "GPT2LMHeadModel", "classifier")),
-    "gpt_neox": Family(adapters.gpt_neox, "GPTNeoXForCausalLM", _decoder("GPTNeoX", tok_head="classifier")),
+    "gpt2": Family(adapters.gpt2, "GPT2LMHeadModel", _decoder("GPT2", "GPT2LMHeadModel", "classifier"),
+                   positions_key="n_positions", eps_keys=("layer_norm_epsilon",),
+                   pruning=Pruning(index_flags=("scale_attn_by_inverse_layer_idx",))),
+    "gpt_neox": Family(adapters.gpt_neox, "GPTNeoXForCausalLM", _decoder("GPTNeoX", tok_head="classifier"),
+                       eps_keys=LN_EPS, bias_flags=("attention_bias",)),
     "opt": Family(adapters.opt, "OPTForCausalLM",
-                  _classes("OPTForCausalLM", "OPTModel", seq=("OPTForSequenceClassification", "score"))),
-    "llama": Family(adapters.llama_like, "LlamaForCausalLM", _decoder("Llama")),
-    "mistral": Family(adapters.llama_like, "MistralForCausalLM", _decoder("Mistral")),
-    "qwen2": Family(adapters.llama_like, "Qwen2ForCausalLM", _decoder("Qwen2")),
-    "qwen3": Family(adapters.llama_like, "Qwen3ForCausalLM", _decoder("Qwen3")),
-    "gemma": Family(adapters.llama_like, "GemmaForCausalLM", _decoder("Gemma")),
-    "phi": Family(adapters.phi, "PhiForCausalLM", _decoder("Phi")),
+                  _classes("OPTForCausalLM", "OPTModel", seq=("OPTForSequenceClassification", "score")),
+                  bias_flags=("enable_bias",)),
+    "llama": Family(adapters.llama_like, "LlamaForCausalLM", _decoder("Llama"), rmsnorm=("LlamaRMSNorm", 0.0),
+                    eps_keys=RMS_EPS, bias_flags=("attention_bias", "mlp_bias")),
+    "mistral": Family(adapters.llama_like, "MistralForCausalLM", _decoder("Mistral"),
+                      rmsnorm=("MistralRMSNorm", 0.0), eps_keys=RMS_EPS, pruning=Pruning(lists=("layer_types",))),
+    "qwen2": Family(adapters.llama_like, "Qwen2ForCausalLM", _decoder("Qwen2"), rmsnorm=("Qwen2RMSNorm", 0.0),
+                    eps_keys=RMS_EPS, pruning=SLIDING),
+    "qwen3": Family(adapters.llama_like, "Qwen3ForCausalLM", _decoder("Qwen3"), rmsnorm=("Qwen3RMSNorm", 0.0),
+                    eps_keys=RMS_EPS, bias_flags=("attention_bias",), pruning=SLIDING),
+    "gemma": Family(adapters.llama_like, "GemmaForCausalLM", _decoder("Gemma"), rmsnorm=("GemmaRMSNorm", 1.0),
+                    eps_keys=RMS_EPS, bias_flags=("attention_bias",)),
+    "phi": Family(adapters.phi, "PhiForCausalLM", _decoder("Phi"), eps_keys=LN_EPS),
     "bert": Family(adapters.bert, "BertForMaskedLM",
                    _classes("BertForMaskedLM", "BertModel", lm_head="cls.predictions.decoder",
                             objective="masked-lm", seq=("BertForSequenceClassification", "classifier"),
-                            tok=("BertForTokenClassification", "classifier"))),
+                            tok=("BertForTokenClassification", "classifier")), eps_keys=LN_EPS),
 }
 
 
@@ -80,8 +122,9 @@ def family(model_type: str) -> Family:
     return FAMILIES[model_type]
 
 
-def check_supported(model_type: str) -> None:
-    family(model_type)
+def positions(config) -> int | None:
+    """The longest sequence the model's positions allow (None: no limit known)."""
+    return family(config.model_type).positions(config)
 
 
 def class_name(config) -> str:
@@ -138,10 +181,42 @@ def layout(model, scope: tuple[str, ...] = ()) -> Layout:
     sites = []
     for s in lay.norms:
         mod = model.get_submodule(s.path)
-        kind, offset = norms.kind_of(mod)
-        sites.append(dataclasses.replace(s, kind=kind, offset=offset, eps=norms.eps_of(mod)))
+        kind, offset = norm_kind(mod)
+        sites.append(dataclasses.replace(s, kind=kind, offset=offset, eps=norm_eps(mod)))
     # read inside the scope: elsewhere a part rewritten earlier may have another width
     width = algebra.out_width(model.get_submodule((lay.writers or lay.embeddings)[0]))
     tied = head.path is not None and model.get_submodule(head.path).weight is \
         model.get_submodule(lay.token_embedding).weight
-    return dataclasses.replace(lay, norms=tuple(sites), stream_width=width, objective=head.objective, tied=tied)
+    fam = family(model.config.model_type)
+    return dataclasses.replace(lay, norms=tuple(sites), stream_width=width, objective=head.objective, tied=tied,
+                               eps_keys=fam.eps_keys, bias_flags=fam.bias_flags)
+
+
+@functools.cache
+def _norm_table() -> dict[type, tuple[str, Callable[[nn.Module], float]]]:
+    """Norm classes -> (kind, gain offset of a module): torch's, the runtime's, every family's RMSNorm."""
+    table = {
+        nn.LayerNorm: ("layernorm", lambda m: 0.0),
+        RMSNorm: ("rmsnorm", lambda m: m.offset),
+        CRMSNorm: ("crmsnorm", lambda m: 0.0),
+        CompensatedLayerNorm: ("compensated-layernorm", lambda m: 0.0),
+    }
+    for name, fam in FAMILIES.items():
+        if fam.rmsnorm:
+            cls, offset = fam.rmsnorm
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            table[getattr(module, cls)] = ("rmsnorm", lambda m, o=offset: o)
+    return table
+
+
+def norm_kind(mod: nn.Module) -> tuple[str, float | None]:
+    """(kind, gain offset) of a norm module; ("other", None) for a class not in the table."""
+    entry = _norm_table().get(type(mod))
+    return (entry[0], entry[1](mod)) if entry else ("other", None)
+
+
+def norm_eps(mod: nn.Module) -> float | None:
+    for name in ("eps", "variance_epsilon"):
+        if hasattr(mod, name):
+            return float(getattr(mod, name))
+    return None

@@ -11,23 +11,105 @@ Merging writes W + (alpha / r) B A back into W: a plain checkpoint of the same a
 
 Training is :func:`normsurgery.training.train` (accelerate, several processes, gradient
 accumulation, bf16 autocast where the device has it); only the adapters train.
+
+:func:`heal` is the whole command (``normsurgery heal``; ``prune --heal`` runs it on the pruned
+model): the text split into training and held-out windows, the checkpoint read whole (the
+one-part plan of ``pipeline``), LoRA trained and merged, and the result saved and checked
+through ``pipeline.save`` (or the adapter saved unmerged).
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
-from torch import nn
 
+from . import __version__, algebra
+from .calibration import split_heldout, tokenize, windows
 from .errors import SurgeryError
+from .checkpoint import Source
 from .families import layout
+from .output import check_output, writing, written
+from .pipeline import Work, save
+from .progress import no_progress
 from .training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
 
-__all__ = ["HealReport", "heal_model", "heldout_ce", "linear_targets", "make_accelerator", "require_lm",
-           "target_pattern"]
+__all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
+           "make_accelerator", "require_lm", "target_pattern"]
+
+#: --precision spellings -> accelerate's mixed precision
+PRECISIONS = {"auto": "auto", "fp32": "no", "no": "no", "bf16": "bf16", "fp16": "fp16"}
+#: default tokens per window, or the model's positions when fewer
+SEQ_LEN = 128
+
+
+@dataclass
+class HealOptions:
+    steps: int = 200
+    rank: int = 8
+    alpha: float | None = None  # default 2 x rank
+    lr: float = 2e-3
+    target_modules: list[str] | None = None  # linears to adapt, by name (default: every linear in the blocks)
+    batch_size: int = 8  # windows per micro-batch and process
+    seq_len: int | None = None  # default: SEQ_LEN, or the model's positions when fewer
+    grad_accum: int = 1
+    precision: str = "auto"  # PRECISIONS
+    eval_fraction: float = 0.1  # share of the text held out (when no held-out text is given)
+    eval_samples: int = 64  # held-out windows at most
+    seed: int = 0
+
+    def check(self) -> None:
+        """The ranges the command line enforces, for values that came from a recipe or the API too."""
+        check_values(asdict(self))
+
+
+#: option ranges shared by heal and prune (``check_values``)
+AT_LEAST = {"samples": 1, "batch_size": 1, "eval_samples": 1, "steps": 1, "rank": 1, "grad_accum": 1,
+            "layers": 1, "seq_len": 2, "seed": 0}
+BETWEEN_0_1 = ("fraction", "eval_fraction")
+POSITIVE = ("lr", "alpha")
+
+
+def check_values(opts: dict) -> None:
+    """Each option's range (a whole number of at least N, a fraction, a positive number)."""
+    for k, v in opts.items():
+        flag = f"--{k.replace('_', '-')}"
+        if v is None:
+            continue
+        if k in AT_LEAST and (not isinstance(v, int) or isinstance(v, bool) or v < AT_LEAST[k]):
+            raise SurgeryError(f"{flag} must be a whole number of at least {AT_LEAST[k]}, got {v!r}")
+        if k in BETWEEN_0_1 and (not isinstance(v, (int, float)) or not 0 < v < 1):
+            raise SurgeryError(f"{flag} must be between 0 and 1 (exclusive), got {v!r}")
+        if k in POSITIVE and (not isinstance(v, (int, float)) or v <= 0):
+            raise SurgeryError(f"{flag} must be positive, got {v!r}")
+    if opts.get("precision") is not None and opts["precision"] not in PRECISIONS:
+        raise SurgeryError(f"--precision {opts['precision']!r}: choose one of auto, fp32, bf16, fp16")
+
+
+def fit_seq_len(positions: int | None, seq_len: int | None, what: str = "--seq-len") -> int:
+    """The default window fits the model (min(SEQ_LEN, positions)); a longer explicit one is refused."""
+    if seq_len is None:
+        return min(SEQ_LEN, positions or SEQ_LEN)
+    if positions is not None and seq_len > positions:
+        raise SurgeryError(f"{what} {seq_len} is longer than the model's {positions} positions")
+    return seq_len
+
+
+def heal_data(tokenizer, text: str, eval_text: str | None, opts: HealOptions):
+    """(training ids, held-out windows): the end of ``text`` held out unless ``eval_text``."""
+    ids = tokenize(tokenizer, text)
+    if eval_text is None:
+        train_ids, held = split_heldout(ids, opts.eval_fraction, opts.seq_len)
+    else:
+        train_ids, held = ids, tokenize(tokenizer, eval_text)
+    windows(train_ids, opts.seq_len, 1, "the training text")
+    n_eval = min(opts.eval_samples, max(1, len(held) // opts.seq_len))
+    return train_ids, windows(held, opts.seq_len, n_eval, "the held-out text")
 
 
 @dataclass
@@ -59,11 +141,8 @@ class HealReport:
 
 def linear_targets(model) -> list[str]:
     """Names of every linear layer (nn.Linear or GPT-2's Conv1D) inside the blocks."""
-    from transformers.pytorch_utils import Conv1D
-
     prefix = layout(model).layers_path + "."
-    return [n for n, m in model.named_modules()
-            if n.startswith(prefix) and isinstance(m, (nn.Linear, Conv1D))]
+    return [n for n, m in model.named_modules() if n.startswith(prefix) and algebra.is_linear(m)]
 
 
 def target_pattern(model, names: list[str] | None = None) -> str:
@@ -123,3 +202,76 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
                         result.tokens / len(train_ids), result.seconds, rank, alpha, lr,
                         result.trainable_parameters, targets, result.precision, result.processes, result.losses)
     return (peft_model.merge_and_unload() if merge else peft_model), report
+
+
+@dataclass
+class HealResult:
+    report: HealReport
+    seconds: float  # the whole heal's wall time, held-out evaluation included
+    saved: dict | None  # None on a secondary process of a distributed run
+    record: dict  # what the saved config records under "normsurgery"
+
+
+def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = True, accelerator=None,
+        progress=no_progress):
+    """:func:`heal_model` with ``opts``, reporting its steps to ``progress`` (stage "heal", the
+    running loss and when it evaluates as the note); returns (model, report, wall seconds)."""
+    progress("heal", 0, opts.steps, "evaluating held-out CE")
+
+    def step(done, total, loss):
+        progress("heal", done, total, f"loss {loss:.4f}" + ("; evaluating held-out CE" if done == total else ""))
+
+    t0 = time.perf_counter()
+    model, report = heal_model(model, train_ids, held, steps=opts.steps, seq_len=opts.seq_len,
+                               batch_size=opts.batch_size, rank=opts.rank, alpha=opts.alpha, lr=opts.lr,
+                               target_modules=opts.target_modules,
+                               mask_token_id=getattr(tokenizer, "mask_token_id", None), merge=merge, seed=opts.seed,
+                               grad_accum=opts.grad_accum, accelerator=accelerator, progress=step)
+    return model, report, time.perf_counter() - t0
+
+
+def summary(report: HealReport) -> dict:
+    return {k: v for k, v in report.as_dict().items() if k != "losses"}
+
+
+def write_adapter(peft_model, folder: Path, base, source: Source | None = None) -> None:
+    """Write the peft adapter into ``folder``; ``base`` is what adapter_config.json names;
+    ``source``'s tokenizer files are copied."""
+    peft_model.peft_config["default"].base_model_name_or_path = str(base)
+    peft_model.save_pretrained(folder, save_embedding_layers=False)  # LoRA never touches embeddings
+    if source is not None:
+        for f in source.path.glob("*token*"):
+            shutil.copy2(f, Path(folder) / f.name)
+
+
+def heal(src, out, text: str, *, eval_text: str | None = None, options: HealOptions | dict | None = None,
+         save_adapter: bool = False, force: bool = False, progress=no_progress,
+         allow_pickle: bool = False) -> HealResult:
+    """LoRA on the remaining linears of ``src`` (LM loss; MLM for BERT) on ``text`` (its end held
+    out unless ``eval_text``), merged and saved to ``out`` as a plain checkpoint (or, with
+    ``save_adapter``, the adapter alone, base ``src``)."""
+    opts = options if isinstance(options, HealOptions) else HealOptions(**(options or {}))
+    opts.check()
+    source = Source.open(src, allow_pickle)
+    check_output(Path(out), force, source.path)
+    opts.seq_len = fit_seq_len(source.positions, opts.seq_len)
+    if source.tokenizer is None:
+        raise SurgeryError(f"{source.name} has no tokenizer to read the text with")
+    train_ids, held = heal_data(source.tokenizer, text, eval_text, opts)
+    acc = make_accelerator(PRECISIONS[opts.precision])
+    work = Work(source, source.storage)
+    model = work.load_all()
+    require_lm(model)
+    model, report, seconds = run(model, source.tokenizer, train_ids, held, opts, merge=not save_adapter,
+                                 accelerator=acc, progress=progress if acc.is_main_process else no_progress)
+    record = {"version": __version__, "source": source.name, "heal": summary(report)}
+    saved = None
+    if acc.is_main_process:
+        if save_adapter:
+            with writing(out, force=force, source=source.path) as stage:
+                write_adapter(model, stage.path, source.path.resolve(), source)
+            saved = written(out, stage, {})
+        else:
+            saved = save(model, out, record=record, ids=held[:4], source=source, force=force)
+    acc.wait_for_everyone()
+    return HealResult(report, seconds, saved, record)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-#: norm kinds: what a norm computes over its input x (``norms.kind_of`` reads it off the module)
+#: norm kinds: what a norm computes over its input x (``families.norm_kind`` reads it off the module)
 NORM_KINDS = ("layernorm", "rmsnorm", "crmsnorm", "compensated-layernorm", "other")
 #: what the model's head is trained for ("none": a base model, whose output is its last hidden state)
 OBJECTIVES = ("causal-lm", "masked-lm", "sequence-classification", "token-classification", "none")
@@ -97,6 +97,8 @@ class Layout:
     config_widths: tuple[tuple[str, str], ...] = ()
     # module paths this layout is restricted to (``restrict``); () for the whole model
     scope: tuple[str, ...] = ()
+    eps_keys: tuple[str, ...] = ()  # config keys the stock norms read their eps from
+    bias_flags: tuple[str, ...] = ()  # config flags that give the stock linears biases
 
     @property
     def final_norm(self) -> NormSite | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from . import algebra
 from .errors import SurgeryError
@@ -29,7 +28,7 @@ def block_weights(model, layout: Layout) -> dict[str, nn.Parameter]:
     """The weight matrices of every linear inside the blocks (embeddings and head excluded)."""
     out = {}
     for name, mod in model.get_submodule(layout.layers_path).named_modules():
-        if isinstance(mod, (nn.Linear, Conv1D)):
+        if algebra.is_linear(mod):
             out[f"{layout.layers_path}.{name}.weight"] = mod.weight
     return out
 
@@ -53,10 +52,9 @@ def channel_scores(model, layout: Layout) -> torch.Tensor:
     score = torch.zeros(layout.stream_width, dtype=torch.float64)
     for path in layout.embeddings + layout.writers:
         mod = model.get_submodule(path)
-        w = algebra.weight(mod).cpu()
-        score += w.pow(2).sum(0) if isinstance(mod, nn.Embedding) else w.pow(2).sum(1)
+        score += algebra.written_matrix(mod).cpu().pow(2).sum(1)
         c = algebra.bias(mod)
-        if c is not None and not isinstance(mod, nn.Embedding):
+        if c is not None:
             score += c.cpu().pow(2)
     return score
 
@@ -104,14 +102,8 @@ def apply(model, layout: Layout, params: dict[str, torch.Tensor] | None = None,
         dropped = len(gone)
         for path in layout.embeddings + layout.writers:
             mod = model.get_submodule(path)
-            if isinstance(mod, nn.Embedding):
-                mod.weight[:, gone.to(mod.weight.device)] = 0
-                continue
             rows = gone.to(mod.weight.device)
-            if isinstance(mod, Conv1D):
-                mod.weight[:, rows] = 0
-            else:
-                mod.weight[rows] = 0
+            mod.weight.index_fill_(algebra.written_axis(mod), rows, 0)
             if getattr(mod, "bias", None) is not None:
                 mod.bias[rows] = 0
         for site in layout.norms:

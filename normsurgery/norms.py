@@ -1,69 +1,31 @@
-"""What a norm module computes: its kind, gain offset and eps, read from a table of known classes.
+"""Norm modules made from others: a runtime RMSNorm like a stock norm, and a model whose
+transformers RMSNorms are swapped for ones that keep the input dtype (float64 checks).
 
-A module's class decides its kind (one of ``layout.NORM_KINDS``) and its gain offset (the gain
-is offset + weight: Gemma's RMSNorm scales by 1 + w). A class not in the table is kind
-"other" with an unknown offset, so no pass folds it. Exact type matches only: a subclass may
-compute something else.
+What a norm computes (kind, gain offset, eps) is read from the family table
+(``families.norm_kind``, ``families.norm_eps``).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from torch import nn
 
 from .errors import SurgeryError
-from .runtime import CompensatedLayerNorm, CRMSNorm, RMSNorm
-
-#: transformers' RMSNorm classes (module, class) with their gain offset
-_HF_RMSNORMS = {
-    ("llama", "LlamaRMSNorm"): 0.0,
-    ("mistral", "MistralRMSNorm"): 0.0,
-    ("qwen2", "Qwen2RMSNorm"): 0.0,
-    ("qwen3", "Qwen3RMSNorm"): 0.0,
-    ("gemma", "GemmaRMSNorm"): 1.0,
-}
-_TABLE: dict[type, tuple[str, Callable[[nn.Module], float]]] = {}
-
-
-def _table() -> dict[type, tuple[str, Callable[[nn.Module], float]]]:
-    if not _TABLE:
-        _TABLE.update({
-            nn.LayerNorm: ("layernorm", lambda m: 0.0),
-            RMSNorm: ("rmsnorm", lambda m: m.offset),
-            CRMSNorm: ("crmsnorm", lambda m: 0.0),
-            CompensatedLayerNorm: ("compensated-layernorm", lambda m: 0.0),
-        })
-        for (family, name), offset in _HF_RMSNORMS.items():
-            mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-            _TABLE[getattr(mod, name)] = ("rmsnorm", lambda m, o=offset: o)
-    return _TABLE
-
-
-def kind_of(mod: nn.Module) -> tuple[str, float | None]:
-    """(kind, gain offset) of a norm module; ("other", None) for a class not in the table."""
-    entry = _table().get(type(mod))
-    return (entry[0], entry[1](mod)) if entry else ("other", None)
-
-
-def eps_of(mod: nn.Module) -> float | None:
-    for name in ("eps", "variance_epsilon"):
-        if hasattr(mod, name):
-            return float(getattr(mod, name))
-    return None
+from .families import norm_eps, norm_kind
+from .runtime import RMSNorm
 
 
 def is_stock_rmsnorm(mod: nn.Module) -> bool:
     """A transformers RMSNorm class (which computes in float32 whatever its input dtype)."""
-    return kind_of(mod)[0] == "rmsnorm" and not isinstance(mod, RMSNorm)
+    return norm_kind(mod)[0] == "rmsnorm" and not isinstance(mod, RMSNorm)
 
 
 def rmsnorm_like(mod: nn.Module, *, bias: bool | None = None, stock_equivalent: bool = False) -> RMSNorm:
     """A runtime RMSNorm with ``mod``'s width, eps, offset, device and dtype (weights copied
     where ``mod`` has them)."""
-    kind, offset = kind_of(mod)
-    eps = eps_of(mod)
+    kind, offset = norm_kind(mod)
+    eps = norm_eps(mod)
     if eps is None or offset is None:
         raise SurgeryError(f"cannot read the eps and gain offset of {type(mod).__name__}")
     has_bias = getattr(mod, "bias", None) is not None if bias is None else bias

@@ -13,6 +13,8 @@ float16, 2^-8 in bfloat16), so a cast within range has ||cast(w) - w|| <= u ||w|
 cast errs more has lost its small values to underflow; half-precision weights cast back
 unchanged lose nothing. Each tensor so hit is either kept in float32 (the safetensors file holds
 mixed dtypes) or the conversion is refused (``--on-overflow``).
+
+:func:`reround` makes the error storing in a dtype costs, for the checks' tolerance (``parity``).
 """
 
 from __future__ import annotations
@@ -88,29 +90,6 @@ def _exact_loss(name: str, w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype)
     return CastLoss(name, overflow, relative, bound) if overflow or relative > bound else None
 
 
-def cast_back(model, dtype: torch.dtype, policy: str = "refuse") -> list[CastLoss]:
-    """Round ``model``'s weights to the storage ``dtype``, in place, each checked
-    (:func:`cast_loss`) and cast inside its own memory (:func:`narrow_in_place`). When a tensor
-    would overflow or underflow: ``refuse`` raises :class:`SurgeryError` naming them;
-    ``keep-float32`` keeps them exactly (float32), rounds every other tensor through ``dtype``
-    and leaves the model in float32, which is what the saved checkpoint loads as (see
-    :func:`store`). Returns the tensors kept."""
-    lost = []
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.is_floating_point() and p.dtype != dtype:  # the model stays the size it was in float32
-                p.data = for_storage(name, p.data, dtype, lost)
-    check_policy(lost, dtype, policy)
-    if not lost:
-        model.to(dtype)  # buffers
-        return []
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.float()
-    model.to(torch.float32)  # buffers
-    return lost
-
-
 def for_storage(name: str, tensor: torch.Tensor, dtype: torch.dtype, lost: list[CastLoss],
                 spend: bool = True) -> torch.Tensor:
     """``tensor`` as stored in ``dtype``; ``spend``: cast in its own storage
@@ -142,6 +121,23 @@ def narrow_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.view(t.shape)
 
 
+def reround(t: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
+    """In place: each nonzero entry of ``t`` (a value ``dtype`` holds, kept in a wider dtype)
+    moved by half the spacing of ``dtype`` there, up or down at random (``seed``): an error as
+    large as rounding into ``dtype`` makes, what storing a rewritten weight in it costs. The
+    spacing in [2^(e-1), 2^e) is eps 2^(e-1), and eps tiny below the smallest normal value tiny;
+    t + its half is exact in float32 (float16/bfloat16 keep 11/8 significant bits)."""
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(seed)
+    flat = t.detach().view(-1)
+    with torch.no_grad():
+        for i in range(0, flat.numel(), CHUNK):
+            x = flat[i:i + CHUNK]
+            half = torch.ldexp(torch.full_like(x, info.eps), torch.frexp(x).exponent - 2)
+            half.clamp_(min=info.eps * info.tiny / 2).mul_(torch.randint(0, 2, x.shape, generator=g) * 2 - 1)
+            x.add_(half.masked_fill_(x == 0, 0))
+
+
 def spans_storage(t: torch.Tensor) -> bool:
     """True when ``t`` is its storage, contiguous, from its first byte to its last."""
     return (t.is_contiguous() and t.storage_offset() == 0
@@ -155,15 +151,6 @@ def check_policy(lost: list[CastLoss], dtype: torch.dtype, policy: str) -> None:
     if lost and policy == "refuse":
         raise SurgeryError(f"{len(lost)} rewritten tensors do not fit {_dtype_name(dtype)}: {_names(lost)}; nothing "
                            "was saved (--on-overflow keep-float32 keeps them in float32)")
-
-
-def store(model, dtype: torch.dtype, kept: list[CastLoss]) -> None:
-    """After :func:`cast_back` kept tensors: every other parameter back to ``dtype`` (exact, it
-    was rounded there), so that the safetensors file holds them in ``dtype``."""
-    names = {loss.name for loss in kept}
-    for name, p in model.named_parameters():
-        if name not in names:
-            p.data = p.data.to(dtype)
 
 
 def warning(kept: list[CastLoss], dtype: torch.dtype) -> str:

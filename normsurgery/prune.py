@@ -19,19 +19,30 @@ checkpoint of the same architecture.
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from .families import layout
-from .progress import Progress, no_progress
+from . import __version__
+from .analysis import blocks_of, forward_base, residual_capture
+from .calibration import bundled_text, tokenize, windows
+from .checkpoint import Source
 from .errors import SurgeryError
+from .families import family, layout
+from .heal import (PRECISIONS, HealOptions, HealReport, check_values, fit_seq_len, heal_data, make_accelerator,
+                   summary, write_adapter)
+from .heal import run as heal_run
+from .layout import LM_OBJECTIVES
+from .output import check_output
+from .parity import output_kind, probe_ids
+from .pipeline import Tolerances, Work, anchor, save, save_work
+from .progress import Progress, no_progress
+from .training import heldout_ce
 
 METHODS = ("angular", "block-influence", "last")
 
@@ -73,59 +84,6 @@ class Selection:
         return {"method": self.method, "n": self.n, "layers": list(self.layers),
                 "candidates": self.candidates, "scores": self.scores,
                 "chosen": [self.candidates[i] for i in self.chosen]}
-
-
-def blocks_of(model) -> nn.ModuleList:
-    return model.get_submodule(layout(model).layers_path)
-
-
-@contextmanager
-def residual_capture(model):
-    """Yields a list that every forward pass fills with the L+1 residual states h_0..h_L."""
-    blocks = blocks_of(model)
-    states: list[torch.Tensor | None] = [None] * (len(blocks) + 1)
-
-    def pre(i):
-        def hook(module, args, kwargs):
-            states[i] = args[0] if args else kwargs["hidden_states"]
-        return hook
-
-    def post(module, args, output):
-        states[-1] = output[0] if isinstance(output, tuple) else output
-
-    handles = [b.register_forward_pre_hook(pre(i), with_kwargs=True) for i, b in enumerate(blocks)]
-    handles.append(blocks[-1].register_forward_hook(post))
-    try:
-        yield states
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def device_of(model) -> torch.device:
-    """Where the model computes: its first parameter's device, or (a streamed model, whose
-    parameters wait on the meta device until their block runs) its first real buffer's, or CPU."""
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "meta":
-            return t.device
-    return torch.device("cpu")
-
-
-def _forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-    """Run the base model only (no head: the scores read hidden states, and a base model or a
-    classifier without a pad token works the same), without a KV cache."""
-    base = model.base_model
-    kw = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
-    base(input_ids=input_ids.to(device_of(model)),
-         attention_mask=None if attention_mask is None else attention_mask.to(device_of(model)), **kw)
-
-
-@torch.no_grad()
-def residual_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """h_0..h_L for one batch, in the model's dtype."""
-    with residual_capture(model) as states:
-        _forward(model, input_ids, attention_mask)
-    return list(states)
 
 
 def _accumulate(states: list[torch.Tensor], weight: torch.Tensor, ang: torch.Tensor, cos_adj: torch.Tensor) -> None:
@@ -171,7 +129,7 @@ def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             for start in range(0, total, batch_size):
                 ids, m = input_ids[start:start + batch_size], mask[start:start + batch_size]
                 progress("score", start, total)
-                _forward(model, ids, m)
+                forward_base(model, ids, m)
                 _accumulate(states, m, ang, cos_adj)
     finally:
         model.train(was_training)
@@ -246,11 +204,15 @@ def prune_model(model, layers: Iterable[int]) -> dict:
     if not keep:
         raise SurgeryError(f"cannot remove all {L} layers")
     cfg = model.config
-    if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) and any(k != j for j, k in enumerate(keep)):
-        raise SurgeryError("this model scales each layer's attention by 1/(layer index + 1) "
-                           "(scale_attn_by_inverse_layer_idx): renumbering its layers would change them")
-    per_layer = [k for k, v in vars(cfg).items()
-                 if "layer" in k and isinstance(v, (list, tuple)) and len(v) == L]
+    rules = family(cfg.model_type).pruning
+    for flag in rules.index_flags:
+        if getattr(cfg, flag, False) and any(k != j for j, k in enumerate(keep)):
+            raise SurgeryError(f"this model's layers compute with their own index ({flag}): renumbering "
+                               "them would change what they compute")
+    per_layer = [k for k in rules.lists if isinstance(getattr(cfg, k, None), (list, tuple))]
+    for k in per_layer:
+        if len(getattr(cfg, k)) != L:
+            raise SurgeryError(f"config {k} has {len(getattr(cfg, k))} entries for {L} layers")
     new = nn.ModuleList([blocks[i] for i in keep])
     for j, block in enumerate(new):
         for mod in block.modules():
@@ -261,8 +223,139 @@ def prune_model(model, layers: Iterable[int]) -> dict:
     for k in per_layer:
         old = getattr(cfg, k)
         setattr(cfg, k, type(old)(old[i] for i in keep))
-    mwl = getattr(cfg, "max_window_layers", None)
-    if isinstance(mwl, int) and mwl < L:  # Qwen2: layers at index >= this may use sliding windows
-        cfg.max_window_layers = sum(1 for i in keep if i < mwl)
+    for k in rules.counted:  # the first n layers are of a kind (Qwen2: layers >= n may slide)
+        n = getattr(cfg, k, None)
+        if isinstance(n, int) and n < L:
+            setattr(cfg, k, sum(1 for i in keep if i < n))
     return {"removed": remove, "kept": keep, "layers_before": L, "layers_after": len(keep),
             "config_lists": per_layer}
+
+
+# ---------------------------------------------------------------------------------------------
+# the command: score, remove, (heal), save
+
+
+@dataclass
+class PruneOptions:
+    layers: int | None = None  # how many layers to remove (or fraction)
+    fraction: float | None = None
+    method: str = "angular"  # METHODS
+    samples: int = 32  # calibration windows
+    seq_len: int | None = None  # tokens per window (default 128, or the model's positions when fewer)
+    batch_size: int = 8  # windows per forward pass (and per heal micro-batch)
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise SurgeryError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        check_values(asdict(self))
+
+
+@dataclass
+class PruneResult:
+    selection: Selection
+    scores: LayerScores | None
+    removed: dict  # prune_model's record
+    ce: dict[str, float]  # cross-entropy of the original, pruned (and healed) model on the held-out windows
+    ce_on: str | None  # what the CE was measured on ("held-out text" | "the calibration windows"), None: not
+    no_lm_head: str | None  # the class, when it has no language-modelling head (no CE)
+    heal: HealReport | None
+    heal_seconds: float | None
+    record: dict  # what the saved config records under "normsurgery"
+    saved: dict | None  # None on a secondary process of a distributed heal
+    streaming: str | None
+
+
+def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | None = None,
+          eval_text: str | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
+          streaming: bool = False, force: bool = False, progress: Progress = no_progress,
+          allow_pickle: bool = False) -> PruneResult:
+    """Score the layers of ``src`` on ``text`` (default: the bundled sample), remove the chosen
+    ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``streaming``:
+    scored and copied one part at a time (no cross-entropy, no healing)."""
+    opts = options if isinstance(options, PruneOptions) else PruneOptions(**(options or {}))
+    opts.check()
+    hopts = heal if isinstance(heal, HealOptions) or heal is None else HealOptions(**heal)
+    if hopts is not None:
+        hopts.check()
+        if streaming:
+            raise SurgeryError("--heal trains the whole model in memory: prune with --streaming, then heal the result")
+    source = Source.open(src, allow_pickle)
+    check_output(Path(out), force, source.path)
+    layers = source.config.num_hidden_layers
+    n = count_layers(layers, opts.layers, opts.fraction)
+    opts.seq_len = fit_seq_len(source.positions, opts.seq_len, "--seq-len" if opts.seq_len else "the seq_len")
+    tok = source.tokenizer
+    if tok is None and (opts.method != "last" or hopts is not None):
+        raise SurgeryError(f"{source.name} has no tokenizer: --method {opts.method}"
+                           f"{' and --heal' if hopts else ''} need one to read text (--method last alone does not)")
+    if text is None and tok is not None:
+        text = bundled_text()
+    cal = windows(tokenize(tok, text), opts.seq_len, opts.samples) if tok is not None else None
+    if hopts is not None:
+        hopts.seq_len = fit_seq_len(source.positions, hopts.seq_len or opts.seq_len)
+        hopts.batch_size = opts.batch_size
+        train_ids, held = heal_data(tok, text, eval_text, hopts)
+    else:
+        held = windows(tokenize(tok, eval_text), opts.seq_len, HealOptions.eval_samples) if eval_text else cal
+    why = "asked for (--streaming)" if streaming else None
+    work = Work(source, source.storage, streamed=streaming, alone=True)
+    acc = make_accelerator(PRECISIONS[hopts.precision]) if hopts is not None else None
+    lm = source.head.objective in LM_OBJECTIVES
+    if (hopts is not None or eval_text is not None) and not lm:
+        raise SurgeryError(f"{source.class_name} has no language-modelling head: cross-entropy and healing need "
+                           "a causal or masked LM")
+    scores = None
+    if cal is not None:
+        with work.running():
+            scores = score_layers(work.model, cal, batch_size=len(cal) if streaming else opts.batch_size,
+                                  progress=progress)
+    selection = select_layers(opts.method, n, scores, layers)
+    ce = {}
+    measure = held is not None and lm and not streaming
+    if measure:
+        progress("held-out CE", 0, 2)
+        ce["original"] = heldout_ce(work.load_all(), held, mask_token_id=getattr(tok, "mask_token_id", None))
+    removed = prune_model(work.model, selection.layers)
+    work.replan()
+    if measure:
+        ce["pruned"] = heldout_ce(work.model, held, mask_token_id=getattr(tok, "mask_token_id", None))
+        progress("held-out CE", 2, 2)
+    record = {"version": __version__, "source": source.name,
+              "prune": {**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0},
+              **({"streaming": True} if streaming else {})}
+    probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
+    report = seconds = None
+    if hopts is not None:
+        model, report, seconds = heal_run(work.load_all().to(acc.device), tok, train_ids, held, hopts,
+                                          merge=not save_adapter, accelerator=acc,
+                                          progress=progress if acc.is_main_process else no_progress)
+        ce["healed"] = report.ce_after
+        record["heal"] = summary(report)
+    saved = None
+    if acc is None or acc.is_main_process:
+        saved = _save_pruned(work, out, record, probe, report, save_adapter, force, progress)
+    if acc is not None:
+        acc.wait_for_everyone()
+    on = None if not ce else ("held-out text" if eval_text is not None or hopts is not None else "the calibration windows")
+    return PruneResult(selection, scores, removed, ce, on, None if lm else source.class_name, report, seconds,
+                       record, saved, why)
+
+
+def _save_pruned(work: Work, out, record: dict, probe: torch.Tensor, healed, keep_adapter: bool, force: bool,
+                 progress: Progress) -> dict:
+    """The pruned (healed) model written and checked; with ``keep_adapter`` the healed model is the
+    pruned base (adapter unloaded) plus the adapter in ``adapter/``."""
+    if healed is None:  # the pruned model read from the source, part by part or whole
+        reference = anchor(work, probe)
+        t = Tolerances(None, probe, work.dtype, None, output=output_kind(work.model), streamed=work.streamed)
+        return save_work(work, out, storage=work.dtype, record=lambda: record, tolerances=t, anchor=reference,
+                    force=force, progress=progress).info
+    model = work.model
+    extra = None
+    if keep_adapter:
+        base = model.unload()
+        dest = Path(out).expanduser().resolve()
+        extra = lambda folder: write_adapter(model, folder / "adapter", dest)  # noqa: E731
+        model = base
+    return save(model, out, record=record, ids=probe, source=work.source, force=force, extra=extra,
+                progress=progress)

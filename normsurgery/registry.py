@@ -19,10 +19,12 @@ writes) is not blockwise.
 An exact pass may declare its own reference step (``reference``: minimize with a mask option
 masks first): the caller runs it first and checks the pass against the model it leaves.
 
-The built-in passes are registered by :func:`declare` in ``passes/__init__.py``: their metadata
-(name, kind, description, options) is known without importing torch, and their functions are
-imported from their module on first call, so ``normsurgery passes`` and the CLI's argument
-checks answer at once. :func:`register` is the decorator for passes defined in one's own code.
+The built-in passes are registered by :func:`declare` in ``passes/__init__.py`` (imported by
+whoever runs passes: the orchestration and the CLI; the registry never imports them): their
+metadata (name, kind, description, options) is known without importing torch, and their
+functions are imported from their module on first call, so ``normsurgery passes`` and the CLI's
+argument checks answer at once. :func:`register` is the decorator for passes defined in one's
+own code.
 """
 
 from __future__ import annotations
@@ -112,14 +114,12 @@ def declare(name: str, module: str, description: str, kind: str, families: str, 
 
 
 def get(name: str) -> Pass:
-    _load_builtin()
     if name not in PASSES:
         raise SurgeryError(f"unknown pass {name!r}; registered: {', '.join(sorted(PASSES))}")
     return PASSES[name]
 
 
 def all_passes() -> list[Pass]:
-    _load_builtin()
     return [PASSES[n] for n in sorted(PASSES)]
 
 
@@ -144,10 +144,6 @@ def _coerce(value, default):
         return type(default)(value)
     except ValueError:
         raise SurgeryError(f"option value {value!r} is not a {type(default).__name__}") from None
-
-
-def _load_builtin() -> None:
-    from . import passes  # noqa: F401  (importing registers the built-in passes)
 
 
 def parse_pass(spec: str) -> tuple[str, dict[str, str]]:

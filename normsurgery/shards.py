@@ -1,28 +1,206 @@
-"""Safetensors checkpoints written as transformers writes them, tensor by tensor.
+"""Checkpoint tensors on disk, read and written one tensor at a time.
 
-``save_pretrained`` first gathers the whole state dict and its transformations (0.46 GB
-GPT-2: 1.2-1.6 s against 0.43 s for ``safetensors.save_file`` of the same tensors); here each
-tensor goes to the current shard as it comes: the same files, names, index and config, memory
-bounded by one tensor, and the same writer serves the whole model (``checkpoint.save``) and one
-part at a time (``streaming``).
+Reading: an :class:`Index` parses each weight file's header once (a malformed or truncated file
+is refused there) and knows every tensor's file, offset, dtype and shape. A :class:`Reader`
+copies one tensor at a time into a tensor it is given, with plain reads, one file open at a time
+(a memory map would count every page it touched as the process's memory until closed): straight
+into it when the dtypes agree, else through one small buffer, cast as it reads. Pickle weights
+(``pytorch_model*.bin``, read only when allowed) are indexed through ``torch.load(mmap=True,
+weights_only=True)``.
+
+Writing: ``save_pretrained`` first gathers the whole state dict (0.46 GB GPT-2: 1.2-1.6 s
+against 0.43 s for ``safetensors.save_file`` of the same tensors); a :class:`ShardWriter` writes
+each tensor into the current shard as it comes (a file reserves room for its header, the header
+is written into it when the shard is full, padded with spaces as the format allows), names the
+shards and writes the index as transformers does: the same files, memory bounded by one tensor.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .errors import SurgeryError
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 CODES = {v: k for k, v in DTYPES.items()}
+#: bytes read at a time when a tensor is cast as it is read
+STAGE = 8 << 20
 
 
 def inside(path: str, scope: tuple[str, ...]) -> bool:
+    """True when ``path`` is one of the module paths ``scope`` or lies under one."""
     return any(path == p or path.startswith(p + ".") for p in scope)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def read_header(f: Path) -> tuple[dict, int]:
+    """A safetensors file's header, checked: the data it describes must all be there.
+
+    Returns (header without ``__metadata__``, offset of the data: where ``data_offsets`` count from)."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("bad header length")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        end = max((v["data_offsets"][1] for v in header.values()), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"truncated: {size} bytes, header describes {8 + n + end}")
+        for key, v in header.items():
+            if v["dtype"] not in DTYPES:
+                raise ValueError(f"tensor {key} has dtype {v['dtype']}, which normsurgery cannot read")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise SurgeryError(f"{f} is not a valid safetensors file ({e})") from None
+    return header, 8 + n
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor lies: its file and bytes (safetensors), or the tensor itself (pickle)."""
+
+    file: Path
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    tensor: torch.Tensor | None = None  # pickle weights: the memory-mapped tensor
+
+    @property
+    def numel(self) -> int:
+        return torch.Size(self.shape).numel()
+
+
+class Index:
+    """Every tensor of a checkpoint's weight files, by key."""
+
+    def __init__(self, files: list[Path]):
+        self.files = list(files)
+        self.entries: dict[str, Entry] = {}
+        for f in self.files:
+            if f.suffix == ".safetensors":
+                header, start = read_header(f)
+                for key, v in header.items():
+                    self.entries[key] = Entry(f, start + v["data_offsets"][0], DTYPES[v["dtype"]], tuple(v["shape"]))
+            else:
+                for key, t in _pickled(f).items():
+                    self.entries[key] = Entry(f, 0, t.dtype, tuple(t.shape), t)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def __getitem__(self, key: str) -> Entry:
+        return self.entries[key]
+
+    def keys(self):
+        return self.entries.keys()
+
+    @property
+    def numel(self) -> int:
+        return sum(e.numel for e in self.entries.values())
+
+    def floating_dtypes(self) -> set[torch.dtype]:
+        return {e.dtype for e in self.entries.values() if e.dtype.is_floating_point}
+
+
+def _pickled(f: Path) -> dict[str, torch.Tensor]:
+    try:
+        sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise SurgeryError(f"{f} is not a readable PyTorch weights file ({type(e).__name__})") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise SurgeryError(f"{f} does not hold a state dict of tensors")
+    return sd
+
+
+class Reader:
+    """Reads tensors of an :class:`Index` into given tensors (see the module docstring)."""
+
+    def __init__(self, index: Index):
+        self.index = index
+        self._file, self._fh = None, None
+        self._stage: torch.Tensor | None = None
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """``key``'s values into ``out`` (contiguous, its shape), cast to ``out``'s dtype."""
+        e = self.index[key]
+        if e.tensor is not None:
+            return out.copy_(e.tensor)
+        self._seek(e, 0)
+        if e.dtype == out.dtype:
+            self._read(memoryview(out.view(-1).view(torch.uint8).numpy()), key)
+            return out
+        flat, step = out.view(-1), STAGE // e.dtype.itemsize
+        if self._stage is None:  # one buffer for every cast (fresh pages cost more than the cast)
+            self._stage = torch.empty(STAGE, dtype=torch.uint8)
+        for i in range(0, flat.numel(), step):
+            n = min(step, flat.numel() - i)
+            self._read(memoryview(self._stage.numpy())[:n * e.dtype.itemsize], key)
+            flat[i:i + n].copy_(self._stage[:n * e.dtype.itemsize].view(e.dtype))
+        return out
+
+    def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``key`` as a new tensor (in ``dtype``, default as stored)."""
+        e = self.index[key]
+        return self.read_into(key, torch.empty(e.shape, dtype=dtype or e.dtype))
+
+    def read_rows(self, key: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``rows`` (indices into the first axis) of a 2-D tensor, in ``dtype``: only those bytes read."""
+        e = self.index[key]
+        if e.tensor is not None:
+            return e.tensor[rows].to(dtype)
+        width = e.shape[1]
+        out = torch.empty(len(rows), width, dtype=dtype)
+        row = torch.empty(width, dtype=e.dtype)
+        for i, r in enumerate(rows.tolist()):
+            self._seek(e, r * width * e.dtype.itemsize)
+            self._read(memoryview(row.view(torch.uint8).numpy()), key)
+            out[i].copy_(row)
+        return out
+
+    def read_slab(self, key: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor (its first axis), in ``dtype``."""
+        e = self.index[key]
+        if e.tensor is not None:
+            return e.tensor[start:stop].to(dtype)
+        row = torch.Size(e.shape[1:]).numel()
+        raw = torch.empty((stop - start) * row, dtype=e.dtype)
+        self._seek(e, start * row * e.dtype.itemsize)
+        self._read(memoryview(raw.view(torch.uint8).numpy()), key)
+        return raw.view(stop - start, *e.shape[1:]).to(dtype)
+
+    def _seek(self, e: Entry, at: int) -> None:
+        if self._file != e.file:
+            self.close()
+            self._file, self._fh = e.file, open(e.file, "rb", buffering=0)
+        self._fh.seek(e.offset + at)
+
+    def _read(self, view: memoryview, key: str) -> None:
+        done = 0
+        while done < len(view):
+            n = self._fh.readinto(view[done:])
+            if not n:
+                raise SurgeryError(f"{self._file.name} ended inside tensor {key}")
+            done += n
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        self._file, self._fh = None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
 
 
 class ShardWriter:
@@ -77,6 +255,11 @@ class ShardWriter:
         return names
 
 
+def header_room(names) -> int:
+    """Bytes reserved for a shard's header holding ``names`` (dtype, shape, offsets each)."""
+    return sum(2 * (len(n) + 160) for n in names) + 256
+
+
 def saved_tensors(model, scope: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """The state dict (``scope``: only entries under those module paths) under the names
     ``save_pretrained`` writes: tied copies and ignored keys dropped, weight conversions reverted."""
@@ -87,23 +270,6 @@ def saved_tensors(model, scope: tuple[str, ...] | None = None) -> dict[str, torc
     for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
         sd.pop(k, None)
     return revert_weight_conversion(model, remove_tied_weights_from_state_dict(sd, model))
-
-
-def header_room(names) -> int:
-    """Bytes reserved for a shard's header holding ``names`` (dtype, shape, offsets each)."""
-    return sum(2 * (len(n) + 160) for n in names) + 256
-
-
-def write_weights(model, folder: Path, max_shard_size: str | int = "5GB") -> list[str]:
-    """``model``'s weights into ``folder`` as shards of at most ``max_shard_size``, with the
-    index when there are several. Returns the file names."""
-    from transformers.utils.hub import convert_file_size_to_int
-
-    sd = saved_tensors(model)
-    writer = ShardWriter(folder, convert_file_size_to_int(max_shard_size), header_room(sd))
-    for name, t in sd.items():
-        writer.add(name, t)
-    return writer.close()
 
 
 def write_config(model, folder: Path, dtype: torch.dtype) -> None:

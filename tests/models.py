@@ -6,7 +6,7 @@ import torch
 import transformers as T
 
 from normsurgery.synthetic import make_realistic
-from normsurgery.verify import compare_logits, logits
+from normsurgery.parity import compare, outputs
 
 VOCAB = 96
 
@@ -80,4 +80,4 @@ def remote_logits(folders, ids, tmp_path) -> dict:
 def rel(a, b, ids=None) -> float:
     """max |logits_a - logits_b| / max |logits_a| on ``ids`` (default: ``token_ids()``)."""
     ids = token_ids() if ids is None else ids
-    return compare_logits(logits(a, ids), logits(b, ids)).relative
+    return compare(outputs(a, ids), outputs(b, ids)).relative

@@ -11,7 +11,7 @@ from normsurgery.families import layout
 from normsurgery.errors import SurgeryError
 from normsurgery.runtime import ChannelAffine, NoNorm, RepBN
 from normsurgery.norms import faithful_norms
-from normsurgery.verify import compare_logits, logits
+from normsurgery.parity import compare, outputs
 
 from models import tiny_model, token_ids
 
@@ -51,7 +51,7 @@ def test_bn_fold_exact_float64(family):
     model = with_repbn(tiny_model(family))
     new, step = folded(model)
     ids = token_ids()
-    assert compare_logits(logits(model, ids), logits(new, ids)).relative <= 1e-10
+    assert compare(outputs(model, ids), outputs(new, ids)).relative <= 1e-10
     for site in layout(new).norms:
         mod = new.get_submodule(site.path)
         assert isinstance(mod, NoNorm) and not list(mod.parameters())
@@ -75,11 +75,11 @@ def test_llama_readers_get_biases_through_the_config():
 def test_saved_folded_model_round_trips(family, tmp_path):
     model = with_repbn(tiny_model(family))
     new, _ = folded(model)
-    checkpoint.save(new, tmp_path / "out")
+    ns.save(new, tmp_path / "out")
     loaded = ns.load(tmp_path / "out", torch.float64)
     faithful_norms(loaded)
     ids = token_ids()
-    assert compare_logits(logits(model, ids), logits(loaded, ids)).relative <= 1e-10
+    assert compare(outputs(model, ids), outputs(loaded, ids)).relative <= 1e-10
     assert not any(isinstance(m, RepBN) for m in loaded.modules())
 
 
@@ -87,7 +87,7 @@ def test_post_ln_norms_become_their_affine_map():
     model = with_repbn(tiny_model("bert"))
     new, step = folded(model)
     ids = token_ids()
-    assert compare_logits(logits(model, ids), logits(new, ids)).relative <= 1e-10
+    assert compare(outputs(model, ids), outputs(new, ids)).relative <= 1e-10
     assert all(isinstance(new.get_submodule(s.path), ChannelAffine) for s in layout(new).norms)
     assert step.metrics["norms_kept_affine"] == len(layout(new).norms)
     assert any("Post-LN" in n for n in step.notes)

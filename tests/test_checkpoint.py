@@ -131,7 +131,7 @@ def test_a_released_model_is_freed_before_the_folder_is_loaded_back(tmp_path):
         devices.append(next(model.parameters()).device.type)
         return check(reloaded)
 
-    saved = ns.checkpoint.save(model, tmp_path / "out", check=checking, release=True)
+    saved = ns.save(model, tmp_path / "out", check=checking, release=True)
     assert devices and set(devices) == {"meta"} and saved["plain_transformers"]
     assert saved["reload"]["comparison"]["relative"] == 0.0
 

@@ -8,7 +8,7 @@ import torch
 import normsurgery as ns
 from normsurgery.families import layout
 from normsurgery.runtime import CRMSNorm, RMSNorm
-from normsurgery.verify import logits
+from normsurgery.parity import outputs
 
 from models import LAYERNORM, rel, remote_logits, tiny_model, token_ids
 
@@ -92,5 +92,5 @@ def test_saved_output_loads_both_ways(tmp_path):
     remote = remote_logits([tmp_path / f for f in outs], ids, tmp_path)
     for family, model in outs.items():
         head, theirs = remote[tmp_path / family]
-        mine = logits(model, ids)
+        mine = outputs(model, ids)
         assert head == "Linear" and ((theirs - mine).abs().max() / mine.abs().max()).item() <= 1e-10

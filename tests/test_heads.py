@@ -16,11 +16,10 @@ from typer.testing import CliRunner
 
 import normsurgery as ns
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
-from normsurgery import checkpoint
 from normsurgery.cli import app
 from normsurgery.families import FAMILIES, layout
 from normsurgery.prune import prune_model, score_layers
-from normsurgery.verify import compare_logits, logits, output_kind
+from normsurgery.parity import compare, outputs, output_kind
 
 from models import CONFIGS, make_realistic, token_ids
 
@@ -51,7 +50,7 @@ def plain(path):
 
 
 def rel(a, b, ids):
-    return compare_logits(logits(a, ids), logits(b, ids), output_kind(a)).relative
+    return compare(outputs(a, ids), outputs(b, ids), output_kind(a)).relative
 
 
 CASES = [  # family, class, pass, objective, head
@@ -88,7 +87,7 @@ def test_convert_keeps_the_class_and_head(tmp_path, family, cls, spec, objective
     ids = token_ids(3, 16)
     original = plain(src)
     assert rel(original, loaded, ids) <= 1e-5
-    assert logits(loaded, ids).shape == logits(original, ids).shape
+    assert outputs(loaded, ids).shape == outputs(original, ids).shape
     if head is None:  # the final norm's gain stayed in it: there is nothing to fold it into
         assert not torch.all(loaded.get_submodule(lay.final_norm.path).weight == 1)
     else:  # the head took the final norm's gain
@@ -186,7 +185,7 @@ def test_plain_transformers_is_claimed_only_when_checked(tmp_path):
     ours, stock = ns.load(out), T.AutoModelForCausalLM.from_pretrained(out)
     assert rel(ours, stock, ids) > 1e-4  # the claim would have been false
     again = tmp_path / "again"  # a re-save keeps the honest mark
-    checkpoint.save(ours, again)
+    ns.save(ours, again)
     assert not any(r.get("stock_equivalent") for r in json.loads((again / "config.json").read_text())
                    ["normsurgery"]["modules"])
 
@@ -212,4 +211,4 @@ def test_a_rewritten_classifier_loads_with_trust_remote_code(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     name, remote = torch.load(tmp_path / "o.pt")
     assert name == "NormSurgeryGPTNeoXForTokenClassification"
-    assert compare_logits(logits(plain(src), ids), remote).relative <= 1e-5
+    assert compare(outputs(plain(src), ids), remote).relative <= 1e-5

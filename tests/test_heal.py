@@ -9,8 +9,8 @@ import transformers as T
 from peft import PeftModel
 from typer.testing import CliRunner
 
+import normsurgery as ns
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
-from normsurgery import checkpoint
 from normsurgery.cli import app
 from normsurgery.heal import heal_model, heldout_ce, linear_targets, target_pattern
 
@@ -41,7 +41,7 @@ def test_merged_adapters_are_a_plain_checkpoint_with_ties_kept(family, tmp_path)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     changed = {n for n, p in merged.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all(".layer." in n or ".h." in n for n in changed)  # only linears in the blocks
-    checkpoint.save(merged, tmp_path / "out")
+    ns.save(merged, tmp_path / "out")
     auto = T.AutoModelForMaskedLM if family == "bert" else T.AutoModelForCausalLM
     plain = auto.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():

@@ -13,7 +13,7 @@ from normsurgery.families import layout
 from normsurgery.analysis import dead_units
 from normsurgery.runtime import CompensatedLayerNorm, RMSNorm
 from normsurgery.norms import faithful_norms
-from normsurgery.verify import logits
+from normsurgery.parity import outputs
 
 from models import CAUSAL, rel, remote_logits, tiny_model, token_ids
 
@@ -285,7 +285,7 @@ def test_saved_outputs_load_both_ways(tmp_path):
     remote = remote_logits([o for _, o in outs.values()], ids, tmp_path)
     for family, (new, out) in outs.items():
         theirs = remote[out][1]
-        mine = logits(new, ids)
+        mine = outputs(new, ids)
         assert ((theirs - mine).abs().max() / mine.abs().max()).item() <= 1e-12
 
 

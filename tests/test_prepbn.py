@@ -164,7 +164,7 @@ def run_pass(model, workdir=None, interrupt_at=None, **options):
         if done == interrupt_at:
             raise KeyboardInterrupt
 
-    ctx = PassContext(options=opts, tokenizer=checkpoint.load_tokenizer(GPT2), text=SAMPLE.read_text(),
+    ctx = PassContext(options=opts, tokenizer=checkpoint.Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
                       train=train, heldout_ce=heldout_ce, workdir=workdir, train_progress=progress)
     return get("prepbn").apply(model, layout(model), ctx)
 
@@ -194,7 +194,7 @@ def test_quality_and_no_statistics_after_a_short_run(tmp_path):
     assert abs(m["ce_folded"] - m["ce_after"]) < 1e-4
     assert m["fold"]["norms_folded"] == len(layout(model).norms)
     ids = token_ids(2, 16)
-    checkpoint.save(model, tmp_path / "out")
+    ns.save(model, tmp_path / "out")
     loaded = checkpoint.load(tmp_path / "out", torch.float32)
     for m in (model, loaded):
         ran, stats = run_modules(m, ids)

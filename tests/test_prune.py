@@ -10,11 +10,12 @@ import torch
 import transformers as T
 from typer.testing import CliRunner
 
+import normsurgery as ns
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
-from normsurgery import checkpoint
 from normsurgery.families import layout
 from normsurgery.cli import app
-from normsurgery.prune import count_layers, prune_model, residual_states, score_layers, select_layers
+from normsurgery.analysis import residual_states
+from normsurgery.prune import count_layers, prune_model, score_layers, select_layers
 
 from models import CAUSAL, CONFIGS, tiny_model, token_ids
 
@@ -58,12 +59,12 @@ def test_pruned_checkpoint_equals_the_model_with_those_layers_skipped(family, tm
     ids = token_ids(2, 16)
     model = tiny_model(family)
     # loading recomputes some buffers (Gemma's embedding scale) in float32: compare like with like
-    checkpoint.save(model, tmp_path / "original")
+    ns.save(model, tmp_path / "original")
     original = auto_class(family).from_pretrained(tmp_path / "original", dtype=torch.float64).eval()
     reference = {"memory": skipped_logits(model, removed, ids), "plain": skipped_logits(original, removed, ids)}
     record = prune_model(model, removed)
     assert record["kept"] == [0, 2] and model.config.num_hidden_layers == 2
-    checkpoint.save(model, tmp_path / "out")
+    ns.save(model, tmp_path / "out")
     plain = auto_class(family).from_pretrained(tmp_path / "out", dtype=torch.float64).eval()
     assert type(plain) is type(model) and len(blocks(plain)) == 2
     assert plain.config.num_hidden_layers == 2
@@ -85,7 +86,7 @@ def test_generation_with_kv_cache_equals_generation_without_after_pruning(family
     prompts = token_ids(2, 5, seed=3)
     kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
     prune_model(model, [0])
-    checkpoint.save(model, tmp_path / "out")
+    ns.save(model, tmp_path / "out")
     plain = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     for m in (model, plain):
         assert torch.equal(m.generate(prompts, use_cache=True, **kw), m.generate(prompts, use_cache=False, **kw))

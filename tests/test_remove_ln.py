@@ -10,9 +10,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 import normsurgery
+import normsurgery as ns
 from normsurgery import checkpoint
 from normsurgery.families import layout
-from normsurgery.norms import kind_of
+from normsurgery.families import norm_kind as kind_of
 from normsurgery.cli import app
 from normsurgery.errors import SurgeryError
 from normsurgery.passes import remove_ln as R
@@ -92,7 +93,7 @@ def test_saved_model_has_no_norm_and_computes_no_statistic(family, tmp_path):
     R.fold(model, lay, norms)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-    saved = checkpoint.save(model, tmp_path / "out")
+    saved = ns.save(model, tmp_path / "out")
     assert not saved["plain_transformers"]
     for loaded in (normsurgery.load(tmp_path / "out"),
                    T.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)):
@@ -110,7 +111,7 @@ def test_stock_export_imitates_no_norm_and_is_refused_in_half(family, tmp_path):
         frozen = model(input_ids=ids).logits
     keys = R.export_stock(model, lay, norms)
     assert keys in ("layer_norm_epsilon", "rms_norm_eps")
-    checkpoint.save(model, tmp_path / "stock")
+    ns.save(model, tmp_path / "stock")
     plain = T.AutoModelForCausalLM.from_pretrained(tmp_path / "stock")  # the stock class, no remote code
     with torch.no_grad():
         assert (plain(input_ids=ids).logits - frozen).abs().max() <= 1e-5 * frozen.abs().max()
@@ -125,7 +126,7 @@ def small_gpt2(tmp_path=None):
     torch.manual_seed(0)
     model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=1024, n_positions=64))
     if tmp_path is not None:
-        checkpoint.save(model, tmp_path, source=GPT2)
+        ns.save(model, tmp_path, source=GPT2)
     return model
 
 
@@ -138,7 +139,7 @@ def run_pass(tmp_path, model=None, interrupt_at=None, **options):
         if done == interrupt_at:
             raise KeyboardInterrupt
 
-    ctx = PassContext(options=opts, tokenizer=checkpoint.load_tokenizer(GPT2), text=SAMPLE.read_text(),
+    ctx = PassContext(options=opts, tokenizer=checkpoint.Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
                       train=train, workdir=tmp_path, train_progress=progress)
     report = get("remove-ln").apply(model, layout(model), ctx)
     return model, report
@@ -190,7 +191,7 @@ def test_bad_text_is_one_line_and_writes_nothing(tmp_path, text, match):
 
 @pytest.mark.parametrize("family, match", [("bert", "Post-LN"), ("qwen3", "QK-norms")])
 def test_refused_families(tmp_path, family, match):
-    checkpoint.save(tiny_model(family, torch.float32), tmp_path / "in")
+    ns.save(tiny_model(family, torch.float32), tmp_path / "in")
     out = tmp_path / "out"
     r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln", "--text", SAMPLE)
     one_line_error(r, out, match)

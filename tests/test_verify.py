@@ -14,7 +14,7 @@ from normsurgery import registry
 from normsurgery.cli import app
 from normsurgery.norms import faithful_norms
 from normsurgery.registry import PassReport
-from normsurgery.verify import compare_logits, logits
+from normsurgery.parity import compare, outputs
 
 from models import tiny_model, token_ids
 
@@ -141,7 +141,7 @@ def test_minimize_with_every_mlp_unit_of_a_layer_dead():
         step = ns.apply_passes(new, [("minimize", {})])[0]
         assert step.metrics["layers"][1]["mlp_units"][1] == 1
         ids = token_ids()
-        assert compare_logits(logits(model, ids), logits(new, ids)).relative <= 1e-10
+        assert compare(outputs(model, ids), outputs(new, ids)).relative <= 1e-10
 
 
 @pytest.mark.parametrize("option", ["prune_channels=16", "sparsity=0.5"])
@@ -194,13 +194,13 @@ def deep_model(family: str, layers: int):
 
 @pytest.mark.parametrize("family, layers", [("llama", 24), ("qwen2", 24), ("gpt_neox", 12)])
 def test_jitter_tracks_the_float32_rounding_measured_against_float64(family, layers):
-    from normsurgery.verify import jittered
+    from normsurgery.parity import jittered
 
     model, ids = deep_model(family, layers), token_ids(2, 32)
-    f32 = logits(model, ids)
+    f32 = outputs(model, ids)
     with jittered(model):
-        jitter = compare_logits(f32, logits(model, ids)).relative
-    truth = compare_logits(logits(copy.deepcopy(model).double(), ids), f32).relative
+        jitter = compare(f32, outputs(model, ids)).relative
+    truth = compare(outputs(copy.deepcopy(model).double(), ids), f32).relative
     assert truth / 3 <= jitter <= 3 * truth, (jitter, truth)
 
 
@@ -209,7 +209,7 @@ def test_deep_float32_model_converts_and_verifies_with_its_own_rounding(tmp_path
     refused exact rewrites of it; the tolerance now comes from its measured rounding."""
     model = deep_model("llama", 24)
     ids = token_ids(2, 32)
-    assert compare_logits(logits(copy.deepcopy(model).double(), ids), logits(model, ids)).relative > 1e-5
+    assert compare(outputs(copy.deepcopy(model).double(), ids), outputs(model, ids)).relative > 1e-5
     src = tmp_path / "in"
     model.save_pretrained(src)
     r = ns.convert(src, tmp_path / "out", [("flashnorm", {})])

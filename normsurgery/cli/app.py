@@ -156,15 +156,8 @@ FORCE = typer.Option(False, "--force", help="replace OUT if it is a checkpoint (
 STREAMING = typer.Option(None, "--streaming/--in-memory", help="read and rewrite one block at a time (default: "
                          "only when the model does not fit in memory); --in-memory loads it whole")
 JSON = typer.Option(False, "--json", help="print the result as JSON (for scripts)")
-ALLOW_PICKLE = typer.Option(False, "--allow-pickle", help="read pickle (.bin) weights, with "
-                                                          "torch.load(weights_only=True); refused otherwise")
-
-
-def allow_pickle_option(value: bool) -> None:
-    """--allow-pickle for this command (or NORMSURGERY_ALLOW_PICKLE=1)."""
-    from .. import checkpoint
-
-    checkpoint.ALLOW_PICKLE = value or os.environ.get("NORMSURGERY_ALLOW_PICKLE") == "1"
+ALLOW_PICKLE = typer.Option(False, "--allow-pickle", envvar="NORMSURGERY_ALLOW_PICKLE",
+                            help="read pickle (.bin) weights, with torch.load(weights_only=True); refused otherwise")
 
 
 def read_text(path) -> str | None:
@@ -177,16 +170,28 @@ def read_text(path) -> str | None:
 
 
 @contextmanager
-def claimed(src: str, out, force: bool):
+def claimed(src: str, out, force: bool, allow_pickle: bool = False):
     """For the whole command: ``out`` locked and checked before any work (what killed runs
-    left beside it cleared and reported); yields ``src`` resolved."""
-    from .. import checkpoint
+    left beside it cleared and reported); yields ``src`` read (``checkpoint.Source``)."""
+    from ..checkpoint import Source
+    from ..output import check_output, output_lock
 
-    path = checkpoint.resolve(src)
-    with checkpoint.output_lock(out):
-        for line in checkpoint.check_output(out, force, path):
+    source = Source.open(src, allow_pickle)
+    with output_lock(out):
+        for line in check_output(out, force, source.path):
             stderr().print(f"note: {line} (left by a run that was killed)", markup=False, highlight=False)
-        yield path
+        yield source
+
+
+def merge(defaults: dict, recipe: dict | None, given: dict) -> dict:
+    """Options given on the command line win over the recipe, which wins over the defaults."""
+    return {k: given[k] if given.get(k) is not None else (recipe or {}).get(k, v) for k, v in defaults.items()}
+
+
+def split_names(names: list[str] | None) -> list[str] | None:
+    """``--target-modules q_proj,v_proj --target-modules o_proj`` -> [q_proj, v_proj, o_proj]."""
+    out = [n.strip() for item in names or [] for n in item.split(",") if n.strip()]
+    return out or None
 
 
 def positive(value: float | None) -> float | None:

@@ -6,13 +6,13 @@ from dataclasses import asdict
 
 import typer
 
-from .app import ALLOW_PICKLE, JSON, allow_pickle_option, command, emit_json, show
+from .app import ALLOW_PICKLE, JSON, command, emit_json, show
 
 
 @command(preload=False)
 def passes(json: bool = JSON):
     """List the registered passes."""
-    from .. import registry
+    from .. import passes as _passes, registry  # noqa: F401  (the built-in passes)
 
     ps = registry.all_passes()
     if json:
@@ -28,12 +28,11 @@ def passes(json: bool = JSON):
 def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder or cached hub id"),
             allow_pickle: bool = ALLOW_PICKLE, json: bool = JSON):
     """Architecture, norm layout, dead units, and which passes apply (and why not)."""
-    from .. import checkpoint, registry
+    from .. import checkpoint, passes as _passes, registry  # noqa: F401  (the built-in passes)
     from ..analysis import dead_units
     from ..families import layout
 
-    allow_pickle_option(allow_pickle)
-    model = checkpoint.load(src)
+    model = checkpoint.load(src, allow_pickle=allow_pickle)
     lay = layout(model)
     info = {
         "architecture": type(model).__name__, "family": lay.family, "placement": lay.placement,

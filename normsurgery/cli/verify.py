@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import FAILED
-from .app import ALLOW_PICKLE, JSON, STREAMING, allow_pickle_option, command, dtype_option, emit_json, positive, \
+from .app import ALLOW_PICKLE, JSON, STREAMING, command, dtype_option, emit_json, positive, \
     read_text, say, show, torch_dtype
 
 
@@ -22,7 +22,8 @@ def verify(
     tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
                                         help="relative tolerance (default: from the compute and storage dtypes)"),
     samples: int = typer.Option(4, min=1, metavar="K", help="number of token windows"),
-    seq_len: int = typer.Option(64, min=2, metavar="L", help="tokens per window (at most the model's positions)"),
+    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="tokens per window (default: 64, or the "
+                                                                          "model's positions when fewer)"),
     generate: int = typer.Option(16, min=0, metavar="N", help="greedy tokens to compare (0: skip)"),
     layers: bool = typer.Option(False, "--layers", help="also compare every hidden state"),
     streaming: Optional[bool] = STREAMING,
@@ -33,10 +34,9 @@ def verify(
     they differ beyond the tolerance (by default the one the stored precision allows)."""
     from ..verify import verify as verify_api
 
-    allow_pickle_option(allow_pickle)
     body = read_text(text)
     r = verify_api(a, b, text=body, dtype=torch_dtype(dtype), tolerance=tol, n=samples, length=seq_len,
-                   generate=generate, per_layer=layers, streaming=streaming)
+                   generate=generate, per_layer=layers, streaming=streaming, allow_pickle=allow_pickle)
     if json:
         emit_json({"a": a, "b": b, "dtype": dtype, **r.as_dict()})
     else:

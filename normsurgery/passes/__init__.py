@@ -2,7 +2,7 @@
 importing torch; its ``applies``, ``apply`` (and ``reference``) live in the module named and are
 imported on first use (``registry.declare``)."""
 
-from ..registry import declare
+from ..registry import all_passes, declare
 
 #: options of mask and of the passes that can mask first (minimize, compensated-ln)
 MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0}
@@ -41,3 +41,8 @@ for name, module, description, kind, families, extra in [
      "Pre-LN and parallel decoders with LayerNorm or RMSNorm", {"options": PREPBN_OPTIONS}),
 ]:
     declare(name, f"{__name__}.{module}", description, kind, families, **extra)
+
+
+def passes():
+    """The registered passes (the built-in ones and any registered since), by name."""
+    return all_passes()

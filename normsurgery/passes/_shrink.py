@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from .. import algebra, analysis
 from ..layout import AttentionSite, Layout, MlpSite, NormSite
 from ..runtime import SIZE_ATTRS, CompensatedLayerNorm, RMSNorm
-
-
-def is_linear(mod: nn.Module) -> bool:
-    return isinstance(mod, (nn.Linear, Conv1D))
 
 
 def set_matrix(mod: nn.Module, w: torch.Tensor, c: torch.Tensor | None = None) -> None:

@@ -3,8 +3,8 @@
 With frozen statistics such a norm is y = a * x + c per channel (RepBN: a = gamma / sqrt(v + eps)
 + eta, c = beta - gamma * m / sqrt(v + eps)). A reader W y + b becomes (W diag(a)) x + (b + W c),
 and the norm site computes nothing (NoNorm, y = x). Readers without a bias get
-one: through the family's config flag where the stock architecture has one (Llama's
-``attention_bias`` / ``mlp_bias``, which also give o_proj / down_proj a bias: those stay zero),
+one: through the family's config flag where the stock architecture has one (``Layout.bias_flags``:
+Llama's ``attention_bias`` / ``mlp_bias``, which also give o_proj / down_proj a bias: those stay zero),
 else as a recorded parameter of the self-contained checkpoint. The final norm folds into the
 LM head (untied first when tied).
 
@@ -22,14 +22,11 @@ import torch
 from torch import nn
 
 from .. import algebra
+from ..families import stock_class_of
 from ..layout import Layout, NormSite
 from ..registry import PassContext, PassReport
 from ..runtime import ChannelAffine, NoNorm, RepBN
 from .norms import untie_if_touched
-
-#: config flags that give the stock architecture biases on linear layers
-BIAS_FLAGS = ("attention_bias", "mlp_bias")
-
 
 def affine_of(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(a, c) in float64 when ``mod`` is a per-channel affine map at inference, else None."""
@@ -58,19 +55,17 @@ def applies(model, layout: Layout) -> str | None:
     return None
 
 
-def _bias_flags(model, new_bias: set[str]) -> list[str]:
+def _bias_flags(model, layout: Layout, new_bias: set[str]) -> list[str]:
     """Turn on each config flag under which the stock architecture gives some of ``new_bias``
     a bias; every other linear the flag gives a bias gets zeros. Returns the flags set."""
-    from ..checkpoint import stock_class
-
     done = []
-    for flag in BIAS_FLAGS:
+    for flag in layout.bias_flags:
         if getattr(model.config, flag, True) is not False:
             continue
         cfg = copy.deepcopy(model.config)
         setattr(cfg, flag, True)
         with torch.device("meta"):
-            stock = stock_class(cfg)(cfg)
+            stock = stock_class_of(model)(cfg)
         gains = {n for n, m in stock.named_modules()
                  if getattr(m, "bias", None) is not None and not algebra.has_bias(model.get_submodule(n))}
         gains |= {n for n in new_bias if algebra.has_bias(stock.get_submodule(n))}
@@ -107,7 +102,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                 new.bias.copy_(c)
         model.set_submodule(site.path, new)
     new_bias = touched - had_bias
-    flags = _bias_flags(model, new_bias) if new_bias else []
+    flags = _bias_flags(model, layout, new_bias) if new_bias else []
     report.notes.append(f"folded {len(into_readers)} norms into {len(touched)} readers; they compute nothing now")
     if new_bias:
         report.notes.append(f"{len(new_bias)} reader(s) got a bias" + (

@@ -15,7 +15,6 @@ the d-1 shapes).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .. import algebra, families
 from ..layout import Layout
@@ -32,10 +31,10 @@ CENTRED = 1e-6
 def _centred(model, layout: Layout) -> bool:
     for path in layout.embeddings + layout.writers:
         mod = model.get_submodule(path)
-        w = algebra.weight(mod)
-        means = w.mean(1) if isinstance(mod, nn.Embedding) else w.mean(0)
+        w = algebra.written_matrix(mod)
+        means = w.mean(0)
         c = algebra.bias(mod)
-        if c is not None and not isinstance(mod, nn.Embedding):
+        if c is not None:
             means = torch.cat([means, c.mean().view(1)])
         if means.abs().max() > CENTRED * max(w.abs().max().item(), 1e-30):
             return False

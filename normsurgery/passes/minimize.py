@@ -14,7 +14,7 @@ function on purpose, and the masked model becomes the reference this pass must e
 
 from __future__ import annotations
 
-from .. import analysis, families
+from .. import algebra, analysis, families
 from ..layout import Layout
 from ..registry import PassContext, PassReport
 from . import _shrink, mask
@@ -26,7 +26,7 @@ def applies(model, layout: Layout) -> str | None:
         return reason
     for site in layout.norms:
         for r in site.readers:
-            if not _shrink.is_linear(model.get_submodule(r)):
+            if not algebra.is_linear(model.get_submodule(r)):
                 return f"{r} is a {type(model.get_submodule(r)).__name__}, not a linear layer"
     return None
 

@@ -68,7 +68,7 @@ def output_note(layout: Layout) -> list[str]:
 def untie_if_touched(model, layout: Layout, touched: set[str]) -> list[str]:
     """Untie a tied head when a pass rewrites the head or the token embedding."""
     if layout.tied and (layout.head in touched or layout.token_embedding in touched):
-        algebra.untie(model)
+        algebra.untie(model, layout)
         return [f"untied {layout.head} from {layout.token_embedding}: the rewrite changes one of "
                 "them, and a shared tensor would change the other (the output stores both)"]
     return []

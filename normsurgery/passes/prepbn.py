@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import calibration
-from ..families import layout as layout_of
+from ..families import layout as layout_of, positions
 from ..layout import Layout
 from ..errors import SurgeryError
 from ..registry import PassContext, PassReport
@@ -223,7 +223,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     if ctx.train is None or ctx.heldout_ce is None:
         raise SurgeryError("prepbn needs the training loop: run it through convert or apply_passes")
     warmup, decay = schedule(opts["steps"], opts["warmup"], opts["decay"])
-    train_ids, held, calib, seq = _data(ctx, opts, calibration.max_length(model.config))
+    train_ids, held, calib, seq = _data(ctx, opts, positions(model.config))
     device = next(model.parameters()).device
     progs = install(model, layout, opts["momentum"])
     repbns = [p.repbn for p in progs]

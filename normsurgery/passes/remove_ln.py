@@ -243,7 +243,7 @@ def fold(model, layout: Layout, norms: list[RemovableNorm]) -> int:
 def export_stock(model, layout: Layout, norms: list[RemovableNorm]) -> str:
     """Put the stock norms back with eps = STOCK_EPS and gains (g + offset) sqrt(eps) / s - offset.
     Every path of a norm must share one constant: the stock norm computes one output."""
-    keys = _eps_keys(model, norms)
+    keys = _eps_keys(model, layout, norms)
     for site, rn in zip(layout.norms, norms):
         for h in rn.hooks:
             h.remove()
@@ -265,12 +265,13 @@ def export_stock(model, layout: Layout, norms: list[RemovableNorm]) -> str:
     return ", ".join(keys)
 
 
-def _eps_keys(model, norms: list[RemovableNorm]) -> list[str]:
-    """The config keys the stock classes read the norms' eps from (found by value)."""
+def _eps_keys(model, layout: Layout, norms: list[RemovableNorm]) -> list[str]:
+    """The config keys the stock classes read the norms' eps from (``Layout.eps_keys``), when every
+    norm has the one eps they hold."""
     eps = {rn.eps for rn in norms}
-    keys = [k for k, v in model.config.to_dict().items() if "eps" in k and isinstance(v, float) and v in eps]
+    keys = [k for k in layout.eps_keys if getattr(model.config, k, None) in eps]
     if len(eps) != 1 or not keys:
-        raise SurgeryError(f"export=stock: no config key sets the norms' epsilon in {model.config.model_type}, "
+        raise SurgeryError(f"export=stock: no config key sets the norms' epsilon in {layout.family}, "
                            "so a stock checkpoint cannot carry the large-eps trick; use the default export")
     return keys
 

@@ -1,0 +1,63 @@
+"""Memory the process may take, and giving freed memory back to the system (glibc)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from .precision import spans_storage
+
+
+def available() -> int:
+    """Bytes this process may still take: MemAvailable, or less under a cgroup limit."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail or 1 << 62, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail if avail is not None else 1 << 62
+
+
+def owned(t: torch.Tensor) -> bool:
+    """True when ``t`` alone holds its storage, all of it: no view of it is alive anywhere (the
+    storage's use count is ``t``'s and the one taken to ask). Rests on a private torch API;
+    without it, False (nothing is reused: slower, still correct)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and spans_storage(t) and count(t.untyped_storage()._cdata) == 2
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+def trim() -> None:
+    """Give freed heap memory back to the system (glibc keeps it otherwise)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def map_large_blocks(threshold: int = 1 << 20) -> None:
+    """Ask glibc to serve every allocation of ``threshold`` bytes or more by its own mapping, so a
+    freed tensor goes back to the system at once (by default the threshold rises with each large
+    block freed, later tensors come from the heap, and the heap only grows). Process-wide, for the
+    rest of the process: called by the operations that bound their memory (streamed plans)."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD

@@ -1,0 +1,219 @@
+"""The output folder: written atomically, locked, never losing data.
+
+A run fills a temporary sibling folder ``.OUT.tmp-PID`` (:func:`writing`) that replaces ``OUT`` in
+one rename once everything is written and checked; on any error, Ctrl-C or SIGTERM it is removed
+and ``OUT`` is as it was. Before any work, an output that would lose data is refused
+(:func:`check_output`), what killed runs left beside it is cleared (:func:`remove_stale`), and the
+output path is locked against a second run writing it (:func:`output_lock`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import signal
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import SurgeryError
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+#: folders a checkpoint may hold that ``--force`` may replace with it (ours: an unmerged adapter)
+CHECKPOINT_FOLDERS = {"adapter", ".cache"}
+
+
+@dataclass
+class Stage:
+    path: Path  # the temporary folder to fill
+    stale: list[str] = field(default_factory=list)  # leftovers of killed runs, removed
+
+
+@contextmanager
+def writing(out, *, force: bool = False, source: Path | None = None):
+    """Yields a :class:`Stage`: a temporary sibling folder ``.OUT.tmp-PID`` to fill. When the
+    block ends without an exception the folder replaces ``out`` (see :func:`_replace`); on any
+    exception, Ctrl-C or SIGTERM (the CLI turns it into an exception) it is removed, and ``out``
+    is as it was. Holds :func:`output_lock` throughout; first removes what killed runs left."""
+    out = Path(out).expanduser()
+    with output_lock(out):
+        stale = check_output(out, force, source)
+        try:
+            stage = Stage(out.parent / f".{out.name}.tmp-{os.getpid()}", stale)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(stage.path, ignore_errors=True)
+            stage.path.mkdir()
+            try:
+                yield stage
+                _replace(stage.path, out)
+            finally:
+                shutil.rmtree(stage.path, ignore_errors=True)
+        except OSError as e:
+            raise SurgeryError(f"cannot write {out}: {e.strerror or e}"
+                               + (f" ({e.filename})" if e.filename else "")) from None
+
+
+def written(out, stage: Stage, info: dict) -> dict:
+    """What a save returns once ``stage`` replaced ``out``: the folder, its files, ``info`` (see
+    ``checkpoint.claims``) and the leftovers of killed runs that were removed."""
+    out = Path(out).expanduser()
+    return {"path": str(out), "files": sorted(p.name for p in out.iterdir()), **info,
+            **({"stale_removed": stage.stale} if stage.stale else {})}
+
+
+def check_output(out: Path, force: bool, source: Path | None = None) -> list[str]:
+    """Refuse, before any work, an output that would lose data or cannot be written: the input
+    folder ``source`` itself, a folder inside it or holding it, the current folder (or one holding it), an existing
+    folder without ``force``, and with ``force`` anything but a checkpoint (config.json and
+    weights; no folders of the user's); an unwritable location. First clears what killed runs
+    left beside ``out`` (:func:`remove_stale`) and returns what that did."""
+    out = Path(out).expanduser()
+    target = out.resolve()
+    stale = remove_stale(out)
+    if source is not None:
+        src = Path(source).resolve()
+        if target == src:
+            raise SurgeryError(f"output {out} is the input checkpoint; choose another folder")
+        if src in target.parents:
+            raise SurgeryError(f"output {out} is inside the input checkpoint {source}; choose a folder outside it")
+        if target in src.parents:
+            raise SurgeryError(f"output {out} holds the input checkpoint {source}: replacing it would delete "
+                               "the input; choose another folder")
+    cwd = Path.cwd().resolve()
+    if target == cwd or target in cwd.parents:
+        raise SurgeryError(f"output {out} is the current folder or holds it; run from elsewhere or name "
+                           "another folder")
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise SurgeryError(f"output {out} exists and is not a folder")
+        if not force:
+            raise SurgeryError(f"output {out} already exists; pass --force to replace it")
+        why = _not_a_checkpoint(out)
+        if why:
+            raise SurgeryError(f"--force replaces only a checkpoint folder, and {out} {why}; move what you "
+                               "keep there or choose another output")
+    _check_writable(target.parent)
+    return stale
+
+
+def _not_a_checkpoint(folder: Path) -> str | None:
+    """Why ``--force`` may not replace ``folder`` (None: an empty folder, or a checkpoint)."""
+    entries = list(folder.iterdir())
+    if not entries:
+        return None
+    if not (folder / "config.json").is_file():
+        return "has no config.json (it is not a checkpoint)"
+    if not any(f.is_file() and f.name.endswith(WEIGHT_SUFFIXES) for f in entries):
+        return "holds no weights (it is not a checkpoint)"
+    other = sorted(f.name for f in entries if f.is_dir() and f.name not in CHECKPOINT_FOLDERS)
+    if other:
+        return f"holds folders a checkpoint does not have ({', '.join(other[:3])})"
+    return None
+
+
+def _check_writable(folder: Path) -> None:
+    """The nearest existing ancestor of ``folder`` must take a new folder: probed, then removed."""
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise SurgeryError(f"cannot write there: {folder} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".normsurgery-probe-", dir=folder))
+    except OSError as e:
+        raise SurgeryError(f"cannot write to {folder}: {e.strerror or e}") from None
+
+
+STALE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)")
+
+
+def remove_stale(out: Path) -> list[str]:
+    """Remove the ``.OUT.tmp-PID`` / ``.OUT.old-PID`` folders of killed runs (PID no longer
+    alive); an ``.old`` one with no ``out`` beside it (killed between the two renames of
+    :func:`_replace`) is the previous output: it is put back. Returns what was done."""
+    done = []
+    if not out.parent.is_dir():
+        return done
+    for f in out.parent.iterdir():
+        m = STALE.fullmatch(f.name)
+        if not m or m["name"] != out.name or not f.is_dir() or _alive(int(m["pid"])):
+            continue
+        if m["kind"] == "old" and not out.exists():
+            f.rename(out)
+            done.append(f"restored {out} from {f.name}")
+        else:
+            shutil.rmtree(f, ignore_errors=True)
+            done.append(f"removed {f.name}")
+    return done
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_HELD: dict[str, int] = {}
+
+
+@contextmanager
+def output_lock(out):
+    """An exclusive lock on the output path for this process (re-entrant), so two runs writing
+    the same output at once cannot mix: the second fails at once, naming the first's PID.
+    The lock file lives in the temporary directory, never beside the output."""
+    key = str(Path(out).expanduser().resolve())
+    if os.environ.get("RANK", "0") != "0":  # a secondary process of a distributed run: rank 0 writes
+        yield
+        return
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
+    folder = Path(tempfile.gettempdir()) / "normsurgery-locks"
+    folder.mkdir(exist_ok=True)
+    fd = os.open(folder / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SurgeryError(f"another normsurgery run (PID {owner}) is writing {out}; wait for it to finish "
+                           "or choose another output") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[key] = 1
+    try:
+        yield
+    finally:
+        del _HELD[key]
+        os.close(fd)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move ``tmp`` to ``out``; an old ``out`` is only removed once the new one is in place.
+    Ctrl-C and SIGTERM wait for the two renames; a SIGKILL between them leaves the previous
+    output as ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`)."""
+    old = None
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        if out.exists() or out.is_symlink():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+        tmp.rename(out)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+

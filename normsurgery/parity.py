@@ -1,0 +1,277 @@
+"""Do two models compute the same function? What a model outputs, the comparison, the tolerance.
+
+A model is compared on what its class outputs (:func:`outputs`): logits for a head (LM or
+classifier), the last hidden state for a base model. For token batches X, with reference outputs
+A and candidate B (:func:`compare`, in float64, a slice of the last axis at a time):
+- max |A - B|, mean |A - B| and the relative error max |A - B| / max |A|;
+- logits: KL(softmax A || softmax B) averaged over positions; top-1 agreement of argmax;
+- hidden states: the cosine of the mean-pooled embeddings (mean over tokens), worst sequence;
+- causal LMs: greedy generation from a few prompts, the fraction of tokens that agree.
+
+Tolerance (every comparison says which applied and why):
+- arithmetic on weights held exactly: float64 checks the algebra (1e-10), float32 its rounding
+  (1e-5). Deep float32 models round more than 1e-5 on their own (a 26-block Llama: 2.5e-5 from
+  its float64 value): where a float32 comparison exceeds 1e-5, the tolerance becomes
+  ``ROUNDING_FACTOR`` times the model's own float32 rounding, measured by one more forward with
+  every linear output jittered by one ulp (:func:`jittered`; it tracks the distance to float64
+  within 0.7-1.7x on six families of 2 to 26 blocks);
+- weights stored coarser than the arithmetic (float16 or bfloat16 computed in float32, float32 in
+  float64): ``ROUNDING_FACTOR`` times what storing in that dtype costs the reference: its outputs
+  with every weight re-rounded by a random half-ulp of the storage dtype
+  (``precision.reround``), measured in the same arithmetic;
+- half-precision arithmetic (``verify --dtype bfloat16``): ``ROUNDING_FACTOR`` times the
+  reference's own rounding in that arithmetic against float32.
+
+HF's RMSNorm classes compute in float32 whatever the input dtype; ``norms.faithful_norms`` swaps
+them for runtime.RMSNorm (same maths, input dtype kept) so float64 checks are float64 throughout.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from . import algebra, calibration
+from .analysis import residual_states
+from .errors import SurgeryError
+from .families import layout
+
+#: relative-error tolerance of arithmetic in a dtype on weights it holds exactly
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+#: a model may differ by this many times the reference's own rounding (or storage cost)
+ROUNDING_FACTOR = 4
+#: norm kinds whose output depends on the stream only through x - mean(x)
+CENTRING = ("layernorm", "compensated-layernorm", "crmsnorm")
+#: entries of the last axis compared at a time (float64 temporaries of a few MB per row)
+SLICE = 1 << 15
+
+
+@dataclass
+class Comparison:
+    max_abs: float
+    mean_abs: float
+    relative: float
+    kl: float | None  # logits only
+    top1: float | None  # logits only
+    cosine: float | None = None  # hidden states only: mean-pooled embeddings, worst sequence
+    output: str = "logits"  # "logits" | "last hidden state"
+    generation: float | None = None
+    tolerance: float | None = None
+    reason: str | None = None  # why this tolerance
+    layers: list[dict] = field(default_factory=list)
+    streaming: str | None = None  # why the models were read one part at a time (None: in memory)
+
+    @property
+    def ok(self) -> bool:
+        return self.tolerance is None or self.relative <= self.tolerance
+
+    def judged(self, tolerance: float | None, reason: str | None) -> Comparison:
+        self.tolerance, self.reason = tolerance, reason
+        return self
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def output_kind(model) -> str:
+    return "logits" if layout(model).head is not None else "last hidden state"
+
+
+def probe_ids(tokenizer, vocab_size: int, text: str | None, n: int = 4, length: int = 64,
+              seed: int = 0) -> torch.Tensor:
+    """n evenly spaced windows of ``length`` tokens of ``text`` (default: the bundled held-out
+    sample); random ids when the checkpoint has no tokenizer."""
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab_size, (n, length), generator=g)
+    ids = calibration.tokenize(tokenizer, text if text is not None else calibration.bundled_text())
+    return calibration.windows(ids, length, n)
+
+
+@torch.no_grad()
+def outputs(model, ids: torch.Tensor) -> torch.Tensor:
+    """What the model's class outputs on ``ids`` (logits for a head, the last hidden state for a
+    base model) in its dtype, at least float32; one forward pass.
+
+    A sequence classifier reads each row's last token that is not padding; without a pad token
+    transformers refuses batches. The probe has no padding, so a pad id no row holds (-1) makes
+    it read every row's last token, as each row alone would."""
+    lay = layout(model)
+    kwargs = {"use_cache": False} if lay.objective == "causal-lm" else {}
+    text = model.config.get_text_config()
+    unpadded = lay.objective == "sequence-classification" and text.pad_token_id is None
+    with _pad_id(text, -1) if unpadded else nullcontext():
+        out = model(input_ids=ids.to(_device(model)), **kwargs)
+    out = out.logits if lay.head is not None else out.last_hidden_state
+    return out if out.dtype in (torch.float32, torch.float64) else out.float()
+
+
+@contextmanager
+def _pad_id(config, pad: int):
+    config.pad_token_id = pad
+    try:
+        yield
+    finally:
+        config.pad_token_id = None
+
+
+def _device(model) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def compare(ref: torch.Tensor, out: torch.Tensor, output: str = "logits") -> Comparison:
+    """The metrics, in float64, one sequence and one slice of the last axis at a time (a batch of
+    vocabulary-sized float64 copies would cost more memory than the model).
+
+    KL per position: sum_v p_v (a_v - b_v) + lse(b) - lse(a), p = softmax(a)."""
+    if ref.shape != out.shape:
+        raise SurgeryError(f"the models' {output} differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}")
+    hidden = output != "logits"
+    width = ref.shape[-1]
+    max_abs = abs_sum = kl = agree = ref_max = 0.0
+    cosine = 1.0
+    for r, o in zip(ref.reshape(-1, *ref.shape[-2:]), out.reshape(-1, *out.shape[-2:])):
+        if hidden:
+            cosine = min(cosine, torch.cosine_similarity(r.double().mean(0), o.double().mean(0), dim=0).item())
+        else:
+            lse_r, lse_o = _logsumexp(r), _logsumexp(o)
+            cross = torch.zeros(r.shape[0], dtype=torch.float64)
+            agree += (r.argmax(-1) == o.argmax(-1)).sum().item()
+        for i in range(0, width, SLICE):
+            a, b = r[:, i:i + SLICE].double(), o[:, i:i + SLICE].double()
+            d = (a - b).abs()
+            max_abs, abs_sum = max(max_abs, d.max().item()), abs_sum + d.sum().item()
+            ref_max = max(ref_max, a.abs().max().item())
+            if not hidden:
+                cross += ((a - lse_r[:, None]).exp() * (a - b)).sum(-1)
+        if not hidden:
+            kl += (cross + lse_o - lse_r).sum().item()
+    relative = max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else 1.0)
+    if hidden:
+        return Comparison(max_abs, abs_sum / ref.numel(), relative, None, None, cosine, output)
+    positions = ref[..., 0].numel()
+    return Comparison(max_abs, abs_sum / ref.numel(), relative, max(kl / positions, 0.0), agree / positions)
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last axis in float64, a slice at a time."""
+    m = x.max(-1).values.double()
+    s = torch.zeros_like(m)
+    for i in range(0, x.shape[-1], SLICE):
+        s += (x[:, i:i + SLICE].double() - m[:, None]).exp().sum(-1)
+    return m + s.log()
+
+
+def coarsest(*dtypes: torch.dtype) -> torch.dtype:
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tolerance(compute: torch.dtype, storage: torch.dtype, baseline: Callable[[], Comparison] | None
+              ) -> tuple[float, str, Comparison | None]:
+    """(tolerance, why, the baseline measured or None) for ``compute`` arithmetic on weights stored
+    in ``storage``. ``baseline()``: the reference against itself with its weights re-rounded in
+    ``storage`` (or, for half-precision arithmetic, run in float32); measured only when needed."""
+    if compute not in TOLERANCE:
+        own = baseline()
+        return (max(TOLERANCE[torch.float32], ROUNDING_FACTOR * own.relative),
+                f"computed in {dtype_name(compute)}: {ROUNDING_FACTOR} x the reference's own {dtype_name(compute)} rounding "
+                f"against float32 ({own.relative:.1e})", own)
+    if torch.finfo(storage).eps <= torch.finfo(compute).eps:
+        why = "checks the algebra" if compute == torch.float64 else "its rounding"
+        return TOLERANCE[compute], f"{dtype_name(compute)} arithmetic on weights it holds exactly: {why}", None
+    own = baseline()
+    return (max(TOLERANCE[compute], ROUNDING_FACTOR * own.relative),
+            f"weights stored in {dtype_name(storage)}: {ROUNDING_FACTOR} x what storing in {dtype_name(storage)} costs the "
+            f"reference (its weights re-rounded by a random half-ulp: {own.relative:.1e}), at least "
+            f"{TOLERANCE[compute]:.0e} for {dtype_name(compute)} arithmetic", own)
+
+
+@contextmanager
+def jittered(model, seed: int = 0):
+    """While active, every linear's output y becomes y (1 ± eps) (random signs, eps of y's dtype):
+    one rounding error per output, so the model's outputs move by about its own rounding."""
+    g = torch.Generator().manual_seed(seed)
+
+    def hook(module, args, y):  # in place, one temporary: factors 1 - eps or 1 + eps
+        eps = torch.finfo(y.dtype).eps
+        factor = torch.randint(0, 2, y.shape, generator=g, dtype=y.dtype).to(y.device)
+        return y.mul_(factor.mul_(2 * eps).add_(1 - eps))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if algebra.is_linear(m)]
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def rounding_tolerance(reference: torch.Tensor, jitter: torch.Tensor, dtype: torch.dtype,
+                       output: str = "logits") -> tuple[float, str]:
+    """(tolerance, why) from ``jitter``, the reference model's outputs under :func:`jittered`:
+    ``ROUNDING_FACTOR`` times that rounding, at least the dtype's fixed tolerance."""
+    noise = compare(reference, jitter, output).relative
+    return (max(TOLERANCE[dtype], ROUNDING_FACTOR * noise),
+            f"{dtype_name(dtype)} arithmetic: {ROUNDING_FACTOR} x the model's own {dtype_name(dtype)} rounding ({noise:.1e}, "
+            f"every linear output jittered by one ulp), at least {TOLERANCE[dtype]:.0e}")
+
+
+def needs_rounding_tolerance(comparisons, dtype: torch.dtype, given: float | None) -> bool:
+    """True when a float32 check with the fixed tolerance failed and none was given: the model
+    may round more than that on its own (deep models), so measure it."""
+    return given is None and dtype == torch.float32 and any(
+        c is not None and c.tolerance == TOLERANCE[dtype] and not c.ok for c in comparisons)
+
+
+@torch.no_grad()
+def greedy_agreement(a, b, prompts: torch.Tensor, new_tokens: int = 16) -> float:
+    """Fraction of greedily generated tokens (after the prompts) on which the models agree."""
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
+              pad_token_id=0, eos_token_id=None)
+    ga = a.generate(prompts.to(a.device), **kw)[:, prompts.shape[1]:]
+    gb = b.generate(prompts.to(b.device), **kw)[:, prompts.shape[1]:]
+    return (ga.cpu() == gb.cpu()).double().mean().item()
+
+
+@torch.no_grad()
+def layer_differences(a, b, ids: torch.Tensor) -> list[dict]:
+    """max |h_a - h_b| / max |h_a| for each residual state h_0..h_L: the input of every block,
+    then the last block's output, which is the final norm's input (the final norm's output is
+    not compared: flashnorm moves its gain into the head, so it differs by design; the head's
+    logits, or a base model's last hidden state, are compared above).
+
+    Compared in a common basis: where the reference's norms all remove the mean (LayerNorm), the
+    function sees only x - mean(x), so both streams are centred (pre-rmsnorm centres the stream
+    and differs from the input only by its mean); a CRMSNorm stream stores d-1 coordinates of
+    a zero-mean d-vector, whose last coordinate -sum(x~) is restored. Streams whose widths differ
+    otherwise (channels removed) have no common basis: no figure, and the row says why."""
+    la, lb = layout(a), layout(b)
+    centre = la.placement != "post" and bool(la.norms) and all(s.kind in CENTRING for s in la.norms)
+    ha, hb = residual_states(a, ids), residual_states(b, ids)
+    rows = []
+    for i, (x, y) in enumerate(zip(ha, hb)):
+        what = f"input of block {i}" if i < len(ha) - 1 else "last block's output (the final norm's input)"
+        row = {"state": i, "what": what, "relative": None, "basis": "centred" if centre else "as stored", "note": None}
+        x, y = x.double(), y.double()
+        if y.shape[-1] == x.shape[-1] - 1 and "crmsnorm" in lb.norm_kinds:
+            y = torch.cat([y, -y.sum(-1, keepdim=True)], -1)
+            row["note"] = "CRMSNorm stream: its d-th coordinate -sum(x~) restored"
+        if x.shape != y.shape:
+            row["note"] = (f"stream widths differ ({x.shape[-1]} vs {y.shape[-1]}): channels were removed, "
+                           "so there is no common basis to compare in")
+            rows.append(row)
+            continue
+        if centre:
+            x, y = x - x.mean(-1, keepdim=True), y - y.mean(-1, keepdim=True)
+        row["relative"] = ((x - y).abs().max() / x.abs().max().clamp_min(1e-300)).item()
+        rows.append(row)
+    return rows

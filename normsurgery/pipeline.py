@@ -1,0 +1,527 @@
+"""One executor over parts: every model convert, verify, prune and heal read, rewrite, check and
+write goes through it, whether the whole model is in memory or one part at a time.
+
+A :class:`Work` is a model of a checkpoint (``checkpoint.Source``) built on the meta device (no
+memory for weights) and cut into parts (:func:`plan`): every block; the embeddings with the
+first block; the final norm and head with the last (all four in one part when a tied head shares
+the embedding). "In memory" is the plan of one part holding the whole model, loaded once and
+kept (``resident``). A part is *entered* (its tensors read from the files, cast to the working
+dtype, then brought to a level: the first ``level`` rewrite steps applied to it with the Layout
+restricted to it) and *left* (freed, unless resident). So:
+
+- outputs (:meth:`Work.outputs`): a forward pass whose hooks enter each part before its first
+  module runs and leave it after its last; the outputs are the whole model's;
+- writing (:meth:`Work.write`): each part entered at the last level, its tensors cast to the
+  storage dtype (``precision.for_storage``: checked for overflow and underflow) and appended to
+  the output shards, then freed;
+- the written folder is checked as any checkpoint is read: a :class:`Work` over it, with the
+  stock class where loading with plain transformers is claimed (:func:`save_work`).
+
+The arithmetic of a part is the same in either plan, tensor for tensor, so both write the same
+tensors. Memory is about one part plus one tensor being read or written when streaming.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections import Counter, defaultdict
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import memory, precision, registry
+from .checkpoint import Loader, Source, claims, finish, load_dtype, mark_not_stock, stamp
+from .errors import SurgeryError
+from .families import layout, positions
+from .layout import Layout
+from .norms import faithful_norms
+from .output import writing, written
+from .parity import (TOLERANCE, Comparison, compare, dtype_name, jittered, needs_rounding_tolerance, output_kind, probe_ids, outputs, rounding_tolerance, tolerance)
+from .progress import Progress, no_progress
+from .registry import PassContext, PassReport
+from .shards import ShardWriter, header_room, inside, saved_tensors, write_config
+
+
+@dataclass(frozen=True)
+class Part:
+    """Module paths entered together (() : the whole model), and the stages of a forward pass
+    they take part in (-1: before the blocks, i: block i, L: after the blocks)."""
+
+    scope: tuple[str, ...]
+    stages: tuple[int, ...]
+
+
+def plan(model, lay: Layout, streamed: bool, alone: bool = False) -> list[Part]:
+    """The parts (see the module docstring); not ``streamed``: one part, the whole model.
+    ``alone``: the two ends are parts of their own (reading only: a pass needs every part to hold
+    norms)."""
+    n = len(model.get_submodule(lay.layers_path))
+    if not streamed:
+        return [Part((), tuple(range(-1, n + 1)))]
+    blocks = [f"{lay.layers_path}.{i}" for i in range(n)]
+    back = tuple(dict.fromkeys(((lay.final_norm.path, *lay.final_norm.readers) if lay.final_norm else ())
+                               + ((lay.head,) if lay.head else ())))
+    front, ends = [], defaultdict(set)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        mod = name.rpartition(".")[0]
+        if inside(name, (lay.layers_path,)):
+            continue
+        ends[id(p)].add(inside(mod, back))
+        if not inside(mod, back) and mod not in front:
+            front.append(mod)
+    tied = any(len(e) > 1 for e in ends.values())
+    if alone:
+        blocks = [Part((b,), (i,)) for i, b in enumerate(blocks)]
+        ends = [Part((*front, *back), (-1, n))] if tied else [Part(tuple(front), (-1,)), Part(back, (n,))]
+        return ends + blocks
+    first = Part((*front, blocks[0]), (-1, 0))
+    last = Part((blocks[-1], *back), (n - 1, n))
+    middle = [Part((b,), (i,)) for i, b in enumerate(blocks)][1:-1]
+    if n == 1 or tied:
+        return [Part(tuple(dict.fromkeys(first.scope + last.scope)), (-1, 0, n - 1, n)), *middle]
+    return [first, *middle, last]
+
+
+@dataclass
+class StepSpec:
+    """A rewrite step: a pass's ``apply`` (or its ``reference``, a mask first)."""
+
+    name: str
+    kind: str  # registry.KINDS
+    options: dict[str, Any]
+    run: Callable[..., PassReport | None]
+    blockwise: bool
+
+
+class Work:
+    """A model whose parts are read from the checkpoint ``source`` as they are entered (see the
+    module docstring). Given ``model``: a model already in memory (one resident part; ``source``,
+    if any, is where it came from: its side files are copied on saving)."""
+
+    def __init__(self, source: Source | None, dtype: torch.dtype | None = None, *, streamed: bool = False,
+                 alone: bool = False, stock: bool = False, model=None, on_load: Callable | None = None):
+        self.source, self.streamed = source, streamed
+        read = model is None
+        self.model = source.meta_model(dtype, stock) if read else model
+        self.dtype = dtype or next(self.model.parameters()).dtype
+        self.restore = faithful_norms(self.model) if read and self.dtype == torch.float64 else None
+        self.loader = Loader(self.model, source, self.dtype) if read else None
+        self.alone = alone
+        self.parts = plan(self.model, layout(self.model), streamed, alone)
+        self.resident = not streamed
+        self.steps: list[StepSpec] = []
+        self.context = PassContext()
+        self.reports: dict[int, dict[Part, PassReport]] = defaultdict(dict)  # step -> part -> its report
+        self.on_load = on_load
+        self.level: dict[Part, int] = {}  # parts held, and how many steps they went through
+        self.rewritten: set[Part] = set()  # parts freed after a step rewrote them
+        if self.loader is None:
+            self.level = {p: 0 for p in self.parts}
+        if streamed:
+            memory.map_large_blocks()  # freed parts go back to the system at once
+
+    # -- parts -----------------------------------------------------------------------------
+
+    def replan(self) -> None:
+        """The parts again, after the model's blocks changed (``prune_model``); parts held are kept
+        (a one-part plan) or must have been left."""
+        held = {part.scope: level for part, level in self.level.items()}
+        self.parts = plan(self.model, layout(self.model), self.streamed, self.alone)
+        self.level = {p: held[p.scope] for p in self.parts if p.scope in held}
+
+    def fresh(self) -> Work:
+        """A new work over the same checkpoint, plan and steps, nothing read yet: a rewritten part
+        (its modules changed) cannot be read again into the same model."""
+        work = Work(self.source, self.dtype, streamed=self.streamed)
+        work.steps, work.context = self.steps, self.context
+        return work
+
+    def enter(self, part: Part, level: int = 0) -> None:
+        """Read ``part`` (unless held) and apply steps up to ``level`` to it."""
+        if part in self.rewritten:
+            raise SurgeryError(f"internal: part {part.scope[:1]} was rewritten and freed: it cannot be read again")
+        if part not in self.level:
+            self.loader.load(part.scope)
+            self.level[part] = 0
+            if self.on_load is not None:
+                self.on_load(self.model, part)
+        if self.level[part] > level:
+            raise SurgeryError(f"internal: part {part.scope[:1]} is at step {self.level[part]}, past {level}")
+        for i in range(self.level[part], level):
+            step = self.steps[i]
+            lay = layout(self.model, part.scope)
+            if step.kind != "reference":
+                check_applies(self.model, step.name, lay)
+            self.context.options = step.options
+            report = step.run(self.model, lay, self.context)
+            if report is not None:  # a part rewritten again (read again) reports again
+                self.reports[i][part] = report
+            self.level[part] = i + 1
+
+    def leave(self, part: Part, force: bool = False) -> None:
+        """Free ``part`` (a resident part only when ``force``)."""
+        if part in self.level and (force or not self.resident) and self.loader is not None:
+            self.loader.free(part.scope)
+            if self.level.pop(part):
+                self.rewritten.add(part)
+
+    def close(self) -> None:
+        """Free every part; the loader gives its spare tensors back and closes the files (a part
+        entered later reads them again)."""
+        for part in list(self.level):
+            self.leave(part, force=True)
+        if self.loader is not None:
+            self.loader.close()
+
+    @contextmanager
+    def running(self, level: int = 0):
+        """While active, a forward pass enters each part (at ``level``) before it runs and leaves
+        it after (hooks on the base model, the blocks and the model)."""
+        with part_by_part(self.model, self.parts, lambda p: self.enter(p, level), self.leave):
+            yield self.model
+
+    def outputs(self, ids: torch.Tensor, level: int = 0, jitter: bool = False) -> torch.Tensor:
+        """What the model outputs on ``ids`` with steps up to ``level`` applied (``jitter``: under
+        ``parity.jittered``), entering and leaving each part as the forward goes."""
+        with self.running(level), jittered(self.model) if jitter else nullcontext():
+            out = outputs(self.model, ids)
+        memory.trim()  # the forward's activations, freed after the last part: back to the system
+        return out
+
+    def load_all(self, level: int = 0):
+        """The whole model in memory at ``level`` (one-part plans: the model to train or mask)."""
+        if self.streamed:
+            raise SurgeryError("internal: load_all on a streamed plan")
+        self.enter(self.parts[0], level)
+        return self.model
+
+    def write(self, writer: ShardWriter, storage: torch.dtype, level: int, lost: list,
+              progress: Progress = no_progress) -> None:
+        """Every part at ``level``, cast to ``storage`` (each tensor checked: ``lost`` collects
+        those that do not fit), appended to ``writer``, then freed: the model is spent."""
+        for i, part in enumerate(self.parts):
+            progress("write", i, len(self.parts))
+            self.enter(part, level)
+            saved = saved_tensors(self.model, part.scope or None)
+            users = Counter(t.untyped_storage().data_ptr() for t in saved.values())
+            for name, t in saved.items():  # a storage two names write is cast, not spent
+                spend = users[t.untyped_storage().data_ptr()] == 1
+                writer.add(name, precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t)
+            saved = t = None  # no view left: the loader reuses the part's tensors
+            if self.loader is not None:
+                self.leave(part, force=True)
+            else:
+                self.model.to("meta")
+            progress("write", i + 1, len(self.parts))
+
+    def step_reports(self, i: int) -> tuple[list[str], dict]:
+        """Step ``i``'s notes (distinct) and metrics (integers summed over parts)."""
+        reports = list(self.reports[i].values())
+        notes = list(dict.fromkeys(n for r in reports for n in r.notes))
+        metrics = {}
+        for r in reports:
+            for k, v in r.metrics.items():
+                metrics[k] = metrics.get(k, 0) + v if isinstance(v, int) and not isinstance(v, bool) else v
+        if len(self.parts) > 1:
+            notes.insert(0, f"rewritten in {len(self.parts)} parts, one at a time (notes per part)")
+        return notes, metrics
+
+
+@contextmanager
+def part_by_part(model, parts: list[Part], enter: Callable[[Part], None], leave: Callable[[Part], None]):
+    """Hooks that, during a forward pass, ``enter`` each part before its first stage runs and
+    ``leave`` it after its last."""
+    lay = layout(model)
+    blocks = model.get_submodule(lay.layers_path)
+    n = len(blocks)
+    starts = {min(p.stages): p for p in parts}
+    ends = {max(p.stages): p for p in parts}
+
+    def start(stage):
+        if stage in starts:
+            enter(starts[stage])
+
+    def end(stage):
+        if stage in ends:
+            leave(ends[stage])
+
+    def before_block(i):
+        def hook(module, args):
+            if i == 0:
+                end(-1)
+            start(i)
+        return hook
+
+    def after_block(i):
+        def hook(module, args, output):
+            end(i)
+            if i == n - 1:
+                start(n)
+        return hook
+
+    # the base model's forward starts with the embeddings, also when it runs without the head
+    handles = [model.base_model.register_forward_pre_hook(lambda m, a: start(-1)),
+               model.register_forward_hook(lambda m, a, o: end(n))]
+    for i, b in enumerate(blocks):
+        handles += [b.register_forward_pre_hook(before_block(i)), b.register_forward_hook(after_block(i))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def check_applies(model, name: str, lay: Layout | None = None) -> registry.Pass:
+    """The pass ``name``, when it applies to ``model`` (``lay``: its layout, or a part's)."""
+    p = registry.get(name)
+    reason = p.applies(model, layout(model) if lay is None else lay)
+    if reason:
+        raise SurgeryError(f"pass {name} does not apply to this {layout(model).family} model: {reason}")
+    return p
+
+
+def steps_of(passes: list[tuple[str, dict]]) -> list[StepSpec]:
+    """The passes as steps, each pass's reference step (a mask first) before it."""
+    steps = []
+    for name, options in passes:
+        p = registry.get(name)
+        opts = registry.check_options(p, options)
+        if p.reference is not None:
+            steps.append(StepSpec(f"{name} (reference)", "reference", opts, p.reference, p.blockwise))
+        steps.append(StepSpec(name, p.kind, opts, p.apply, p.blockwise))
+    return steps
+
+
+# ---------------------------------------------------------------------------------------------
+# checks: the reference, the tolerance, the written folder
+
+
+Reader = Callable[..., torch.Tensor]  # (dtype=, jitter=, on_load=) -> a reference's outputs on the probe
+
+
+class Tolerances:
+    """Judges comparisons with a reference's outputs on ``ids`` in ``dtype`` arithmetic (``parity``'s
+    rules). What a tolerance needs beyond the arithmetic's own is measured only when a comparison
+    exceeds that (then once), by ``read``: the reference read again (:func:`source_reader`, or
+    :func:`model_reader` for a model in memory), since the model that gave the outputs compared
+    may be rewritten or spent by then.
+
+    - weights stored coarser than the arithmetic: ``ROUNDING_FACTOR`` x what storing in that dtype
+      costs the reference (its weights re-rounded by a random half-ulp, ``precision.reround``);
+    - a float32 comparison beyond 1e-5: ``ROUNDING_FACTOR`` x the reference's own rounding (every
+      linear output jittered by one ulp);
+    - half-precision arithmetic: ``ROUNDING_FACTOR`` x its own rounding against float32."""
+
+    def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype, reference: torch.Tensor | None = None,
+                 given: float | None = None, output: str = "logits", streamed: bool = False):
+        self.read, self.ids, self.dtype, self.streamed = read, ids, dtype, streamed
+        self._reference, self.given, self.output = reference, given, output
+        self.measured: dict[Any, Any] = {}
+
+    @property
+    def reference(self) -> torch.Tensor:
+        if self._reference is None:
+            self._reference = self.read()
+        return self._reference
+
+    def baseline(self, storage: torch.dtype) -> Comparison:
+        """The reference against itself stored in ``storage`` (half arithmetic: run in float32)."""
+        if storage not in self.measured:
+            half = self.dtype not in TOLERANCE
+            other = self.read(dtype=torch.float32) if half else self.read(on_load=_rerounding(storage))
+            self.measured[storage] = compare(self.reference, other, self.output)
+        return self.measured[storage]
+
+    def judge(self, c: Comparison, storage: torch.dtype | None = None) -> Comparison:
+        """``c``, a comparison with the reference of weights stored in ``storage`` (default: the
+        arithmetic's dtype), with its tolerance and the reason for it."""
+        if self.given is not None:
+            return c.judged(self.given, "given")
+        storage = storage or self.dtype
+        floor = TOLERANCE.get(self.dtype)
+        if c.relative == 0:
+            return c.judged(floor or 0.0, f"{dtype_name(self.dtype)} arithmetic: identical outputs")
+        if floor is not None and c.relative <= floor:
+            why = "checks the algebra" if self.dtype == torch.float64 else "its rounding"
+            coarser = torch.finfo(storage).eps > torch.finfo(self.dtype).eps
+            return c.judged(floor, f"{dtype_name(self.dtype)} arithmetic: {why}" + (
+                f" (within it: what storing in {dtype_name(storage)} costs was not needed)" if coarser else
+                " on weights it holds exactly"))
+        if self.read is None:  # nothing to measure more with: the arithmetic's own (none for half)
+            return c.judged(floor or 0.0, f"{dtype_name(self.dtype)} arithmetic (no reference to measure more with)")
+        c.judged(*tolerance(self.dtype, storage, lambda: self.baseline(storage))[:2])
+        if needs_rounding_tolerance([c], self.dtype, None):  # a deep model rounds more on its own
+            if "jitter" not in self.measured:
+                self.measured["jitter"] = rounding_tolerance(self.reference, self.read(jitter=True), self.dtype,
+                                                             self.output)
+            c.judged(*self.measured["jitter"])
+        return c
+
+
+def anchor(work: Work, ids: torch.Tensor, level: int = 0) -> Callable[[], torch.Tensor]:
+    """The outputs at ``level`` a written folder is compared with: computed now when the model is
+    held in memory (writing spends it), else read once the parts are written."""
+    if work.resident:
+        out = work.outputs(ids, level)
+        return lambda: out
+    return lambda: work.outputs(ids, level)
+
+
+def source_reader(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool) -> Reader:
+    def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
+        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load)
+    return read
+
+
+def model_reader(model, ids: torch.Tensor) -> Reader:
+    """Reads a model held in memory (a copy of it, where its weights change)."""
+    def read(dtype: torch.dtype | None = None, jitter: bool = False, on_load: Callable | None = None):
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise SurgeryError("internal: the model was written (spent) before its tolerance was measured")
+        m = model if dtype is None and on_load is None else copy.deepcopy(model).to(dtype or model.dtype)
+        if on_load is not None:
+            on_load(m, Part((), ()))
+        with jittered(m) if jitter else nullcontext():
+            return outputs(m, ids)
+    return read
+
+
+def _rerounding(storage: torch.dtype) -> Callable:
+    """An ``on_load``: every floating parameter of the part entered moved by a random half-ulp of
+    ``storage`` (``precision.reround``), seeded by its name, so every plan draws the same."""
+    def reround(model, part: Part) -> None:
+        for name, p in model.named_parameters():
+            if p.device.type != "meta" and p.is_floating_point() and (not part.scope or inside(name, part.scope)):
+                precision.reround(p.data, storage, zlib.crc32(name.encode()))
+    return reround
+
+
+def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool, *, stock: bool = False,
+                 jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
+    """``source``'s outputs on ``ids`` in ``dtype``, read part by part (or whole)."""
+    work = Work(source, dtype, streamed=streamed, stock=stock, on_load=on_load)
+    try:
+        return work.outputs(ids, jitter=jitter)
+    finally:
+        work.close()
+
+
+def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anchor: torch.Tensor,
+                  storage: torch.dtype, model, force: bool = False,
+                  failure: Callable[[Comparison], str] | None = None) -> dict:
+    """Load ``folder`` back (with the plain stock class first, where every record says it computes
+    the same function) and compare its outputs with ``anchor`` (weights stored in ``storage``). A
+    false plain claim is corrected in the folder; a folder that does not compute the anchor's
+    function is an error, unless ``force``: then it stays and its comparison says so. Returns what
+    was checked."""
+    t = tolerances
+
+    def check(stock: bool) -> Comparison:
+        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock)
+        return t.judge(compare(anchor, out, t.output), storage)
+
+    plain = None
+    if all(r.get("stock_equivalent") for r in records):
+        plain = check(stock=True)
+        if plain.ok or (force and not records):
+            return {"loader": "plain transformers", "comparison": plain.as_dict()}
+        mark_not_stock(model, records, folder)
+    if not records:
+        raise SurgeryError(failure(plain) if failure else f"the saved checkpoint does not compute what was checked "
+                           f"before saving (relative error {_beyond(plain)}); nothing was saved")
+    ours = check(stock=False)
+    if not ours.ok and not force:
+        raise SurgeryError(failure(ours) if failure else f"the saved checkpoint, loaded back with normsurgery's "
+                           f"runtime, does not compute what was checked before saving (relative error "
+                           f"{_beyond(ours)}); nothing was saved")
+    return {"loader": "trust_remote_code=True or normsurgery.load", "comparison": ours.as_dict(),
+            "plain_transformers": None if plain is None else plain.as_dict()}
+
+
+def _beyond(c: Comparison) -> str:
+    return f"{c.relative:.2e} > {c.tolerance:.1e}" + (f": {c.reason}" if c.reason else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# saving
+
+
+@dataclass
+class Saved:
+    """What :func:`save_work` wrote and checked."""
+
+    info: dict  # the folder, its files, claims
+    comparison: Comparison | None  # the written folder against the anchor
+    kept_float32: list[str]
+    warning: str | None
+
+
+def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dict], level: int | None = None,
+         tolerances: Tolerances | None = None, anchor: Callable[[], torch.Tensor] | None = None,
+         before_check: Callable[[], None] | None = None, failure: Callable[[Comparison], str] | None = None,
+         force: bool = False, on_overflow: str = "refuse", max_shard_size: str | int = "5GB",
+         progress: Progress = no_progress, extra: Callable[[Path], None] | None = None) -> Saved:
+    """Write ``work`` (at ``level``, default its last) to ``out`` atomically: the weights cast to
+    ``storage`` (a tensor that does not fit it is refused or kept in float32, ``on_overflow``),
+    the config with ``record()`` and the module records, the runtime where modules were rebuilt,
+    the source's side files (``extra(folder)`` adds more); then the folder read back and its
+    outputs compared with ``anchor()`` (called once the parts are written) by ``tolerances``:
+    nothing is claimed without them. ``before_check`` runs between the two (the steps' own
+    checks); ``failure(comparison)`` words the error when the folder differs. The work is spent."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    level = len(work.steps) if level is None else level
+    with writing(out, force=force, source=work.source.path if work.source is not None else None) as stage:
+        lost = []
+        writer = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size),
+                             header_room(work.model.state_dict()))
+        work.write(writer, storage, level, lost, progress)
+        files = writer.close()
+        precision.check_policy(lost, storage, on_overflow)
+        kept = [x.name for x in lost]
+        reference = anchor() if anchor is not None else None
+        if before_check is not None:
+            before_check()
+        if work.restore:
+            work.restore()
+        loads_as = torch.float32 if kept else storage
+        records = stamp(work.model, {"kept_float32": kept} if kept else None)
+        write_config(work.model, stage.path, loads_as)
+        finish(stage.path, records, work.source)
+        if extra is not None:
+            extra(stage.path)
+        work.close()
+        reload = None
+        if reference is not None:
+            progress("check", 0, 1)
+            reload = check_written(stage.path, records, tolerances, reference, loads_as, work.model, force, failure)
+            progress("check", 1, 1)
+        stamp(work.model, {**record(), **({"kept_float32": kept} if kept else {})})
+        work.model.config.save_pretrained(stage.path)
+    info = written(out, stage, {**claims(records, reload), "shards": len(files)})
+    comparison = None
+    if reload is not None:
+        comparison = Comparison(**{k: v for k, v in reload["comparison"].items() if k != "ok"})
+    return Saved(info, comparison, kept, precision.warning(lost, storage) if lost else None)
+
+
+def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
+         force: bool = False, max_shard_size: str | int = "5GB", extra: Callable[[Path], None] | None = None,
+         progress: Progress = no_progress) -> dict:
+    """Save a model held in memory (rewritten, pruned, healed) to ``out`` with :func:`save_work`,
+    checked: the folder read back against the model's outputs on ``ids`` (default: random
+    tokens); ``source`` (a checkpoint): where it came from, whose side files are copied. The model
+    is spent. Returns what was written (the folder, its files, how it loads)."""
+    source = None if source is None else Source.open(source)
+    if ids is None:
+        ids = probe_ids(None, model.config.vocab_size, None, 2, min(32, positions(model.config) or 32))
+    reference = outputs(model, ids)
+    tolerances = Tolerances(model_reader(model, ids), ids, next(model.parameters()).dtype, reference,
+                            output=output_kind(model))
+    return save_work(Work(source, model=model), out, storage=load_dtype(model), record=lambda: record or {},
+                     tolerances=tolerances, anchor=lambda: reference, force=force, max_shard_size=max_shard_size,
+                     extra=extra, progress=progress).info

@@ -1,0 +1,245 @@
+"""The one executor: the in-memory plan (one part) and the streamed plan (one part at a time) write
+the same tensors, check the written folder the same way, and hold one part at a time."""
+
+import importlib
+import json
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
+
+import normsurgery as ns
+from normsurgery import checkpoint, memory
+from normsurgery.checkpoint import Source
+from normsurgery.families import FAMILIES
+
+from models import CONFIGS, tiny_model
+
+convert_mod = importlib.import_module("normsurgery.convert")  # the module, not ns.convert
+
+
+def checkpoint_at(tmp_path, family, dtype=torch.float32, layers=None, name="in", cls=None):
+    cfg = CONFIGS[family]()
+    if layers is not None:  # a deeper model of the same family
+        cfg.num_hidden_layers = layers
+    if cls is None:
+        model = tiny_model(family, dtype) if layers is None else T.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    else:
+        torch.manual_seed(0)
+        model = getattr(T, cls)(cfg).to(dtype)
+        from normsurgery.synthetic import make_realistic
+        make_realistic(model, 0)
+    path = tmp_path / name
+    model.eval().save_pretrained(path, max_shard_size="20KB")  # many shards: blocks cross files
+    return path
+
+
+def tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("family,passes,verify", [
+    ("gpt2", [("pre-rmsnorm", {"fold": True})], True),  # tied head: untied in the first part
+    ("llama", [("flashnorm", {})], False),
+    ("gpt_neox", [("crmsnorm", {})], True),  # the stream shrinks to d-1: parts change widths
+    ("phi", [("pre-rmsnorm", {}), ("flashnorm", {})], True),
+])
+def test_both_plans_write_the_same_tensors_and_check_the_folder(tmp_path, family, passes, verify):
+    src = checkpoint_at(tmp_path, family)
+    mem = convert_mod.convert(src, tmp_path / "mem", passes, verify=verify, streaming=False)
+    out = tmp_path / "stream"
+    res = convert_mod.convert(src, out, passes, verify=verify, streaming=True, max_shard_size="20KB")
+    assert res.streaming and mem.streaming is None
+    a, b = tensors(tmp_path / "mem"), tensors(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    # a valid index: every tensor in the file it names, every shard named
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert res.saved["shards"] > 1 and len(set(index["weight_map"].values())) == res.saved["shards"]
+    for k, f in index["weight_map"].items():
+        assert k in load_file(out / f)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in b.values())
+    # the same config, and transformers loads the result (its runtime where modules were rebuilt)
+    ca, cb = (json.loads((p / "config.json").read_text()) for p in (tmp_path / "mem", out))
+    ca.pop("normsurgery"), cb.pop("normsurgery")
+    assert ca == cb
+    loaded = T.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    sd, mine = loaded.state_dict(), ns.load(tmp_path / "mem").state_dict()
+    assert all(torch.equal(sd[k], mine[k]) for k in sd)
+    if verify:  # both read the written folder back and compared it with the reference
+        for r in (mem, res):
+            assert r.saved["reload"] is not None and r.parity.relative == r.saved["reload"]["comparison"]["relative"]
+        assert res.parity.relative == pytest.approx(mem.parity.relative, rel=1e-6, abs=1e-12)
+        assert res.ok and mem.ok
+        assert res.saved["plain_transformers"] == mem.saved["plain_transformers"]
+        if len(passes) > 1:  # per-pass parity for recipes of several passes, in both plans
+            assert all(s.parity is not None for s in res.steps + mem.steps)
+
+
+CLASSES = [("llama", "LlamaModel"), ("llama", "LlamaForSequenceClassification"),
+           ("gpt_neox", "GPTNeoXForTokenClassification"), ("bert", "BertForMaskedLM"), ("gpt2", "GPT2Model")]
+
+
+@pytest.mark.parametrize("family,cls", CLASSES)
+def test_every_head_converts_and_verifies_in_both_plans(tmp_path, family, cls):
+    """Before: a streamed convert or verify of a base model, or of a sequence classifier without
+    a pad token, crashed (exit 3): the streamed path read ``.logits`` and ran batches unpadded."""
+    src = checkpoint_at(tmp_path, family, cls=cls)
+    assert Source.open(src).config.pad_token_id is None or "Sequence" not in cls
+    spec = [("bn-fold", {})] if family == "bert" else [("flashnorm", {})]
+    if family == "bert":  # Post-LN: nothing to fold, so a pass that applies to every model
+        spec = []
+    results = {}
+    for streaming in (False, True):
+        if spec:
+            r = convert_mod.convert(src, tmp_path / f"out{streaming}", spec, streaming=streaming)
+            assert r.ok and r.saved["reload"] is not None
+            results[streaming] = r.parity
+        v = ns.verify(src, src if not spec else tmp_path / f"out{streaming}", generate=0, streaming=streaming)
+        assert v.ok and (v.streaming is not None) == streaming
+        assert v.output == ("last hidden state" if FAMILIES[family].classes[cls].path is None else "logits")
+        results[("verify", streaming)] = v
+    a, b = results[("verify", False)], results[("verify", True)]
+    assert b.relative == pytest.approx(a.relative, rel=1e-6, abs=1e-12) and a.top1 == b.top1
+    if spec:
+        assert results[True].relative == pytest.approx(results[False].relative, rel=1e-6, abs=1e-12)
+
+
+def test_a_sequence_classifier_reads_each_rows_last_token(tmp_path):
+    """The probe is unpadded: every row's last token, as one row at a time gives."""
+    from normsurgery.parity import outputs
+
+    model = ns.load(checkpoint_at(tmp_path, "llama", cls="LlamaForSequenceClassification"))
+    ids = torch.randint(0, 96, (3, 16), generator=torch.Generator().manual_seed(0))
+    batch = outputs(model, ids)
+    rows = torch.cat([model(input_ids=r[None]).logits for r in ids])
+    assert torch.allclose(batch, rows, atol=1e-6) and model.config.pad_token_id is None
+
+
+def test_streaming_verify_agrees_with_in_memory(tmp_path):
+    src = checkpoint_at(tmp_path, "llama", torch.float64)
+    convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], verify=False, streaming=True)
+    for dtype in (torch.float64, torch.float32):
+        mem = ns.verify(src, tmp_path / "out", dtype=dtype, generate=0, streaming=False)
+        got = ns.verify(src, tmp_path / "out", dtype=dtype, streaming=True)
+        assert got.streaming and mem.streaming is None
+        assert got.relative == pytest.approx(mem.relative, rel=1e-6, abs=1e-15)
+        assert got.top1 == mem.top1 and got.ok
+    assert got.relative <= 1e-5 and mem.relative > 0
+    # a model that differs is told apart
+    m = ns.load(src)
+    with torch.no_grad():
+        m.model.norm.weight.mul_(1.5)
+    m.save_pretrained(tmp_path / "other", max_shard_size="20KB")
+    assert not ns.verify(src, tmp_path / "other", dtype=torch.float64, streaming=True).ok
+
+
+def test_streaming_holds_one_part_whatever_the_depth(tmp_path, monkeypatch):
+    """The parameters held at once stay those of about one part as the model grows 4x."""
+    held = []
+    load = checkpoint.Loader.load
+
+    def counting(self, scope):
+        load(self, scope)
+        held.append(sum(p.numel() for p in self.model.parameters() if p.device.type != "meta")
+                    + sum(t.numel() for kept in self.spare.values() for t in kept))  # freed, kept for reuse
+
+    monkeypatch.setattr(checkpoint.Loader, "load", counting)
+    peaks, totals = [], []
+    for layers in (4, 16):
+        src = checkpoint_at(tmp_path, "llama", layers=layers, name=f"in{layers}")
+        held.clear()
+        convert_mod.convert(src, tmp_path / f"out{layers}", [("flashnorm", {})], streaming=True)
+        peaks.append(max(held))
+        totals.append(Source.open(src).index.numel)
+    assert totals[1] > 3.5 * totals[0]
+    assert peaks[1] == peaks[0] < totals[0] / 2
+
+
+def test_a_freed_part_is_reused_only_when_nothing_holds_it(tmp_path):
+    """The loader reads the next block into the tensors the last one gave back (no new pages),
+    but never into a tensor a view still reads."""
+    src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+    stored = tensors(src)
+    source = Source.open(src)
+    model = source.meta_model(torch.float32)
+    loader = checkpoint.Loader(model, source, torch.float32)
+    q = lambda i: model.model.layers[i].self_attn.q_proj.weight  # noqa: E731
+    loader.load(("model.layers.0",))
+    where = q(0).data_ptr()
+    loader.free(("model.layers.0",))
+    loader.load(("model.layers.1",))
+    assert q(1).data_ptr() == where  # reused
+    assert torch.equal(q(1), stored["model.layers.1.self_attn.q_proj.weight"].float())
+    view = q(1)[:2]  # still read by someone
+    loader.free(("model.layers.1",))
+    loader.load(("model.layers.2",))
+    assert q(2).data_ptr() != where
+    assert torch.equal(view, stored["model.layers.1.self_attn.q_proj.weight"][:2].float())
+    assert torch.equal(q(2), stored["model.layers.2.self_attn.q_proj.weight"].float())
+
+
+def test_a_whole_model_pass_is_refused_when_the_model_does_not_fit(tmp_path, monkeypatch):
+    src = checkpoint_at(tmp_path, "gpt2")
+    monkeypatch.setattr(memory, "available", lambda: 2**20)
+    with pytest.raises(ns.SurgeryError, match="GiB are available; --in-memory loads the whole model"):
+        convert_mod.convert(src, tmp_path / "out", [("minimize", {})])
+    res = convert_mod.convert(src, tmp_path / "out", [("pre-rmsnorm", {})])  # blockwise: streamed
+    assert res.streaming and res.ok
+
+
+@pytest.mark.parametrize("family,passes,match", [
+    ("gpt2", [("minimize", {})], "cannot run one block at a time"),
+    ("llama", [("pre-rmsnorm", {})], "already RMSNorm"),
+])
+def test_streaming_refuses_and_writes_nothing(tmp_path, family, passes, match):
+    src = checkpoint_at(tmp_path, family)
+    with pytest.raises(ns.SurgeryError, match=match):
+        convert_mod.convert(src, tmp_path / "out", passes, streaming=True)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["in"]  # no temporary folder left either
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_missing_tensor_is_an_error(tmp_path, streaming):
+    src = checkpoint_at(tmp_path, "llama")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    f = index["weight_map"].pop("model.layers.1.mlp.up_proj.weight")
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    rest = {k: v for k, v in load_file(src / f).items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(rest, src / f, metadata={"format": "pt"})
+    with pytest.raises(ns.SurgeryError, match=r"weights missing model\.layers\.1\.mlp\.up_proj\.weight"):
+        convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], verify=False, streaming=streaming)
+
+
+@pytest.mark.parametrize("demo", ["llama-tiny", "gpt2-tiny"])
+def test_streaming_prune_copies_the_in_memory_result(tmp_path, demo):
+    import shutil
+
+    from normsurgery.prune import prune_model, score_layers
+
+    src = tmp_path / "in"  # the demo model (it has a tokenizer) in many shards
+    ns.load(f"normsurgery/demo/{demo}").save_pretrained(src, max_shard_size="200KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(f"normsurgery/demo/{demo}/{f}", src / f)
+    mem = ns.prune(src, tmp_path / "mem", {"layers": 1, "seq_len": 16, "samples": 3})
+    got = ns.prune(src, tmp_path / "stream", {"layers": 1, "seq_len": 16, "samples": 3}, streaming=True)
+    assert torch.allclose(got.scores.angular, mem.scores.angular, atol=1e-6)
+    assert torch.allclose(got.scores.influence, mem.scores.influence, atol=1e-6)
+    assert got.removed["kept"] == mem.removed["kept"] and got.streaming and not mem.streaming
+    a, b = tensors(tmp_path / "mem"), tensors(tmp_path / "stream")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert T.AutoConfig.from_pretrained(tmp_path / "stream").num_hidden_layers == mem.removed["layers_before"] - 1
+    for r in (mem, got):  # both read the folder back: the pruned model's outputs, exactly
+        assert r.saved["plain_transformers"] and r.saved["reload"]["comparison"]["relative"] == 0.0
+    ids = torch.randint(0, 96, (3, 16), generator=torch.Generator().manual_seed(0))
+    model = ns.load(src)  # scored and pruned in memory by the functions themselves
+    assert score_layers(model, ids).angular.shape == got.scores.angular.shape
+    prune_model(model, got.selection.layers)
+    pruned = ns.load(tmp_path / "stream")
+    assert torch.equal(pruned(input_ids=ids).logits, model(input_ids=ids).logits)
