@@ -246,7 +246,7 @@ class Loader:
         ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
         unexpected = sorted(k for k in source.index.keys() if k not in used and not k.endswith(STALE_BUFFERS)
                             and not any(p.search(k) for p in ignore))
-        shapes = [f"{key}" for p, key in self._entries() if tuple(p.shape) != source.index[key].shape]
+        shapes = sorted(key for p, key in self._entries() if tuple(p.shape) != source.index[key].shape)
         problems = [f"{what} {_few(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected),
                                                                ("mis-shaped", shapes)) if keys]
         if problems:

@@ -142,7 +142,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     outs: dict[int, torch.Tensor] = {}
     if work.resident:
         work.load_all()
-        check_applies(work.model, steps[0].name)
+        check_applies(work.model, steps[0].pass_name)
         if verify:
             outs = _step_outputs(work, ids, progress)
         work.enter(work.parts[0], len(steps))  # every step runs here, in every process
@@ -220,6 +220,8 @@ def steps_with(work: Work, parities: dict[int, Comparison]) -> list[Step]:
     """Each step of ``work`` with its notes, metrics and parity (where measured)."""
     out = []
     for i, s in enumerate(work.steps):
+        if s.kind == "reference" and not work.reports[i]:  # a pass's reference step that did nothing
+            continue
         notes, metrics = work.step_reports(i)
         out.append(Step(s.name, s.kind, s.options, notes, metrics, parities.get(i)))
     return out
@@ -238,12 +240,12 @@ def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.
     work.context = context or PassContext()
     work.context.train = work.context.train or train
     work.context.heldout_ce = work.context.heldout_ce or heldout_ce
-    check_applies(model, work.steps[0].name)
+    check_applies(model, work.steps[0].pass_name)
     before, parities = None if ids is None else work.outputs(ids), {}
     for i, step in enumerate(work.steps):
         progress("passes", i, len(work.steps))
         work.enter(work.parts[0], i + 1)
-        if ids is not None:
+        if ids is not None and (step.kind != "reference" or work.reports[i]):
             after = work.outputs(ids, i + 1)
             parities[i] = compare(before, after, output_kind(model))
             if step.kind == "exact":

@@ -90,11 +90,12 @@ def plan(model, lay: Layout, streamed: bool, alone: bool = False) -> list[Part]:
 class StepSpec:
     """A rewrite step: a pass's ``apply`` (or its ``reference``, a mask first)."""
 
-    name: str
+    name: str  # as reported: "minimize", "minimize (reference)"
     kind: str  # registry.KINDS
     options: dict[str, Any]
     run: Callable[..., PassReport | None]
     blockwise: bool
+    pass_name: str  # the registered pass
 
 
 class Work:
@@ -154,8 +155,7 @@ class Work:
         for i in range(self.level[part], level):
             step = self.steps[i]
             lay = layout(self.model, part.scope)
-            if step.kind != "reference":
-                check_applies(self.model, step.name, lay)
+            check_applies(self.model, step.pass_name, lay)
             self.context.options = step.options
             report = step.run(self.model, lay, self.context)
             if report is not None:  # a part rewritten again (read again) reports again
@@ -202,20 +202,19 @@ class Work:
     def write(self, writer: ShardWriter, storage: torch.dtype, level: int, lost: list,
               progress: Progress = no_progress) -> None:
         """Every part at ``level``, cast to ``storage`` (each tensor checked: ``lost`` collects
-        those that do not fit), appended to ``writer``, then freed: the model is spent."""
+        those that do not fit), appended to ``writer``, then freed: a model read is spent (a model
+        given in memory is left as it was, its tensors cast to new memory where they are)."""
         for i, part in enumerate(self.parts):
             progress("write", i, len(self.parts))
             self.enter(part, level)
             saved = saved_tensors(self.model, part.scope or None)
             users = Counter(t.untyped_storage().data_ptr() for t in saved.values())
             for name, t in saved.items():  # a storage two names write is cast, not spent
-                spend = users[t.untyped_storage().data_ptr()] == 1
+                spend = self.loader is not None and users[t.untyped_storage().data_ptr()] == 1
                 writer.add(name, precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t)
             saved = t = None  # no view left: the loader reuses the part's tensors
-            if self.loader is not None:
+            if self.loader is not None:  # a model given in memory stays as it was
                 self.leave(part, force=True)
-            else:
-                self.model.to("meta")
             progress("write", i + 1, len(self.parts))
 
     def step_reports(self, i: int) -> tuple[list[str], dict]:
@@ -263,8 +262,10 @@ def part_by_part(model, parts: list[Part], enter: Callable[[Part], None], leave:
                 start(n)
         return hook
 
-    # the base model's forward starts with the embeddings, also when it runs without the head
-    handles = [model.base_model.register_forward_pre_hook(lambda m, a: start(-1)),
+    # the embeddings come first, whether the model runs whole (OPT's calls its decoder, not its
+    # base model) or its base model alone (scoring)
+    handles = [model.register_forward_pre_hook(lambda m, a: start(-1)),
+               model.base_model.register_forward_pre_hook(lambda m, a: start(-1)),
                model.register_forward_hook(lambda m, a, o: end(n))]
     for i, b in enumerate(blocks):
         handles += [b.register_forward_pre_hook(before_block(i)), b.register_forward_hook(after_block(i))]
@@ -291,8 +292,8 @@ def steps_of(passes: list[tuple[str, dict]]) -> list[StepSpec]:
         p = registry.get(name)
         opts = registry.check_options(p, options)
         if p.reference is not None:
-            steps.append(StepSpec(f"{name} (reference)", "reference", opts, p.reference, p.blockwise))
-        steps.append(StepSpec(name, p.kind, opts, p.apply, p.blockwise))
+            steps.append(StepSpec(f"{name} (reference)", "reference", opts, p.reference, p.blockwise, name))
+        steps.append(StepSpec(name, p.kind, opts, p.apply, p.blockwise, name))
     return steps
 
 
@@ -519,9 +520,12 @@ def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = N
     source = None if source is None else Source.open(source)
     if ids is None:
         ids = probe_ids(None, model.config.vocab_size, None, 2, min(32, positions(model.config) or 32))
+    dtype = next(model.parameters()).dtype
+    restore = faithful_norms(model) if dtype == torch.float64 else None  # as the folder is read back
     reference = outputs(model, ids)
-    tolerances = Tolerances(model_reader(model, ids), ids, next(model.parameters()).dtype, reference,
-                            output=output_kind(model))
+    if restore:
+        restore()
+    tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model))
     return save_work(Work(source, model=model), out, storage=load_dtype(model), record=lambda: record or {},
                      tolerances=tolerances, anchor=lambda: reference, force=force, max_shard_size=max_shard_size,
                      extra=extra, progress=progress).info

@@ -46,7 +46,7 @@ def tiny_model(family: str, dtype=torch.float64, seed: int = 0, realistic: bool 
     torch.manual_seed(seed)
     cfg = CONFIGS[family]()
     auto = T.AutoModelForMaskedLM if family == "bert" else T.AutoModelForCausalLM
-    model = auto.from_config(cfg).to(dtype).eval()
+    model = auto.from_config(cfg, dtype=dtype).eval()  # buffers computed in dtype, as a loader does
     if realistic:
         make_realistic(model, seed)
     return model
