@@ -249,6 +249,11 @@ class Loader:
         shapes = sorted(key for p, key in self._entries() if tuple(p.shape) != source.index[key].shape)
         problems = [f"{what} {_few(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected),
                                                                ("mis-shaped", shapes)) if keys]
+        kept = (getattr(source.config, "normsurgery", None) or {}).get("kept_float32") or ()
+        if kept and dtype.is_floating_point and torch.finfo(dtype).bits < 32:
+            more = f" (and {len(kept) - 1} more)" if len(kept) > 1 else ""
+            raise SurgeryError(f"{source.name}: {kept[0]}{more} overflow {dtype}: convert kept them in float32 "
+                               "(--on-overflow keep-float32); load the checkpoint in float32")
         if problems:
             raise SurgeryError(f"cannot load {source.name} as {type(model).__name__.removeprefix('NormSurgery')}: "
                                f"weights {'; '.join(problems)} (transformers would fill them at random)")
@@ -346,10 +351,6 @@ def _check_finite(t: torch.Tensor, key: str, source: Source) -> None:
     or infinite when an entry is (or when it overflows: then each entry is tested)."""
     if not t.is_floating_point() or bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()):
         return
-    kept = (getattr(source.config, "normsurgery", None) or {}).get("kept_float32") or ()
-    if key in kept:  # read in a narrower dtype than the one it was saved to be loaded in
-        raise SurgeryError(f"{source.name}: {key} overflows {_dtype_name(t.dtype)}: convert kept it in float32 "
-                           "(--on-overflow keep-float32); load the checkpoint in float32")
     raise SurgeryError(f"{source.name} holds NaN or Inf weights: {key}")
 
 
@@ -445,10 +446,6 @@ def _set_or_drop(cfg, name, value) -> None:
         setattr(cfg, name, value)
     elif hasattr(cfg, name):
         delattr(cfg, name)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _first_line(e: BaseException) -> str:

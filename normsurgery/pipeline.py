@@ -186,7 +186,10 @@ class Work:
 
     def outputs(self, ids: torch.Tensor, level: int = 0, jitter: bool = False) -> torch.Tensor:
         """What the model outputs on ``ids`` with steps up to ``level`` applied (``jitter``: under
-        ``parity.jittered``), entering and leaving each part as the forward goes."""
+        ``parity.jittered``), entering and leaving each part as the forward goes. A resident model is
+        brought to ``level`` first: a step may run forward passes of its own (training)."""
+        if self.resident:
+            self.enter(self.parts[0], level)
         with self.running(level), jittered(self.model) if jitter else nullcontext():
             out = outputs(self.model, ids)
         memory.trim()  # the forward's activations, freed after the last part: back to the system
@@ -499,7 +502,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
         reload = None
         if reference is not None:
             progress("check", 0, 1)
-            reload = check_written(stage.path, records, tolerances, reference, loads_as, work.model, force, failure)
+            reload = check_written(stage.path, records, tolerances, reference, storage, work.model, force, failure)
             progress("check", 1, 1)
         stamp(work.model, {**record(), **({"kept_float32": kept} if kept else {})})
         work.model.config.save_pretrained(stage.path)

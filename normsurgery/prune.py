@@ -324,7 +324,7 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
               "prune": {**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0},
               **({"streaming": True} if streaming else {})}
     probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
-    report = seconds = None
+    report = seconds = model = None
     if hopts is not None:
         model, report, seconds = heal_run(work.load_all().to(acc.device), tok, train_ids, held, hopts,
                                           merge=not save_adapter, accelerator=acc,
@@ -333,7 +333,7 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
         record["heal"] = summary(report)
     saved = None
     if acc is None or acc.is_main_process:
-        saved = _save_pruned(work, out, record, probe, report, save_adapter, force, progress)
+        saved = _save_pruned(work, model if report else None, out, record, probe, save_adapter, force, progress)
     if acc is not None:
         acc.wait_for_everyone()
     on = None if not ce else ("held-out text" if eval_text is not None or hopts is not None else "the calibration windows")
@@ -341,21 +341,20 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
                        record, saved, why)
 
 
-def _save_pruned(work: Work, out, record: dict, probe: torch.Tensor, healed, keep_adapter: bool, force: bool,
+def _save_pruned(work: Work, healed, out, record: dict, probe: torch.Tensor, keep_adapter: bool, force: bool,
                  progress: Progress) -> dict:
-    """The pruned (healed) model written and checked; with ``keep_adapter`` the healed model is the
+    """The pruned model written and checked, or the ``healed`` one; with ``keep_adapter`` that is the
     pruned base (adapter unloaded) plus the adapter in ``adapter/``."""
     if healed is None:  # the pruned model read from the source, part by part or whole
         reference = anchor(work, probe)
         t = Tolerances(None, probe, work.dtype, None, output=output_kind(work.model), streamed=work.streamed)
         return save_work(work, out, storage=work.dtype, record=lambda: record, tolerances=t, anchor=reference,
                     force=force, progress=progress).info
-    model = work.model
+    model = healed
     extra = None
     if keep_adapter:
-        base = model.unload()
+        peft_model, model = model, model.unload()
         dest = Path(out).expanduser().resolve()
-        extra = lambda folder: write_adapter(model, folder / "adapter", dest)  # noqa: E731
-        model = base
+        extra = lambda folder: write_adapter(peft_model, folder / "adapter", dest)  # noqa: E731
     return save(model, out, record=record, ids=probe, source=work.source, force=force, extra=extra,
                 progress=progress)

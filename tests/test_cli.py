@@ -228,7 +228,7 @@ def test_tables_fit_80_columns_and_minimize_prints_its_sizes(tmp_path):
 def test_readme_matches_the_cli():
     """What README promises exists: the bug-report section errors.REPORT_BUGS points at, the
     flag spellings the CLI takes; its examples need nothing beside the clone (no ../shared)."""
-    from normsurgery.cli.heal import PRECISIONS
+    from normsurgery.heal import PRECISIONS
     from normsurgery.errors import REPORT_BUGS
 
     root = Path(__file__).resolve().parent.parent

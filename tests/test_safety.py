@@ -18,7 +18,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from normsurgery import checkpoint
+from normsurgery import output
 from normsurgery.cli import app
 
 from models import tiny_model
@@ -94,16 +94,16 @@ def test_output_holding_the_current_folder_is_refused(tmp_path, monkeypatch):
 SLOW_SAVE = """import os, sys, time
 from normsurgery import shards
 from normsurgery.cli import main
-write = shards.write_weights
-def slow(model, folder, *a, **k):
-    names = write(model, folder, *a, **k)
+close = shards.ShardWriter.close
+def slow(writer):
+    names = close(writer)
     open(os.environ["NS_READY"], "w").close()
     for _ in range(600):
         if os.path.exists(os.environ["NS_GO"]):
             break
         time.sleep(0.1)
     return names
-shards.write_weights = slow
+shards.ShardWriter.close = slow
 sys.argv = ["normsurgery", *sys.argv[1:]]
 main()
 """
@@ -164,7 +164,7 @@ def test_killed_between_the_renames_the_previous_output_is_put_back(tmp_path):
     old = tmp_path / f".out.old-{dead_pid()}"
     shutil.copytree(GPT2, old)
     before = digest(old)
-    done = checkpoint.check_output(out, force=True)
+    done = output.check_output(out, force=True)
     assert done == [f"restored {out} from {old.name}"]
     assert digest(out) == before and not leftovers(out)
 
