@@ -11,7 +11,7 @@ Python API (the CLI is a thin layer over it)::
     [p.name for p in ns.passes()]
 """
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402, F401
 
 import importlib  # noqa: E402
 import sys  # noqa: E402
@@ -20,9 +20,9 @@ import types  # noqa: E402
 # The API is imported on first use (PEP 562), so ``import normsurgery.cli`` and
 # ``normsurgery --help`` do not pay for torch and transformers.
 _API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": "checkpoint",
-        "Source": "checkpoint", "save": "pipeline", "convert": "convert", "apply_passes": "convert", "load_recipe": "registry",
-        "parse_pass": "registry", "SurgeryError": "errors", "passes": "passes", "register": "registry",
-        "verify": "verify", "prune": "prune", "heal": "heal", "PruneOptions": "prune", "HealOptions": "heal"}
+        "Source": "checkpoint", "save": "pipeline", "convert": "convert", "apply_passes": "convert",
+        "load_recipe": "registry", "parse_pass": "registry", "SurgeryError": "errors", "passes": "passes",
+        "register": "registry", "verify": "verify", "prune": "prune", "heal": "heal", "PruneOptions": "prune", "HealOptions": "heal"}
 
 
 class _Package(types.ModuleType):
@@ -43,5 +43,5 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-__all__ = ["HealOptions", "Layout", "NormSite", "PruneOptions", "Source", "SurgeryError", "apply_passes", "convert", "heal",
-           "layout", "load", "load_recipe", "parse_pass", "passes", "prune", "register", "save", "verify"]
+__all__ = ["HealOptions", "Layout", "NormSite", "PruneOptions", "Source", "SurgeryError", "apply_passes", "convert",
+           "heal", "layout", "load", "load_recipe", "parse_pass", "passes", "prune", "register", "save", "verify"]

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from . import __version__, memory, passes as _passes, precision  # noqa: F401  (passes: the built-in passes)
+from .version import __version__
+from . import memory, passes as _passes, precision  # noqa: F401  (passes: the built-in passes)
 from .checkpoint import Source
 from .errors import SurgeryError
 from .output import check_output
@@ -133,10 +134,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     why = choose_plan(source, steps, dtype, streaming)
     work = Work(source, dtype, streamed=why is not None)
     workdir = Path(out).parent / f".{Path(out).name}.train-state"  # trained passes' resumable state
-    work.steps = steps
-    work.context = PassContext(tokenizer=source.tokenizer, text=text, workdir=workdir, train=train,
-                               heldout_ce=heldout_ce,
-                               train_progress=lambda done, total, loss: progress("train", done, total))
+    work.steps, work.context = steps, PassContext(
+        tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
+        train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=str(src), streaming=why)
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, _length(source)) if verify else None
     outs: dict[int, torch.Tensor] = {}
@@ -156,20 +156,10 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
             outs.update(_step_outputs(work, ids, progress))
         return outs[_anchor_level(steps)]
 
-    def record() -> dict:
-        return {"version": __version__, "source": str(src), **({"streaming": True} if why else {}),
-                "passes": [{"name": s.name, "options": s.options, "notes": s.notes,
-                            "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
-
-    def failure(c: Comparison) -> str:
-        one = len(steps) == 1 and steps[0].kind == "exact"
-        what = (f"pass {steps[0].name} broke parity" if one else "the passes together drifted from the reference")
-        return (f"{what}: relative error {c.relative:.2e} > {c.tolerance:.1e} ({c.reason}); nothing was saved "
-                "(--force saves anyway)")
-
-    saved = save_work(work, out, storage=source.storage, record=record, tolerances=t, anchor=anchor if verify else None,
-                 before_check=lambda: _judge_steps(result, work, outs, t, force), failure=failure,
-                 force=force, on_overflow=on_overflow, max_shard_size=max_shard_size, progress=progress)
+    saved = save_work(work, out, storage=source.storage, record=lambda: _record(result), tolerances=t,
+                      anchor=anchor if verify else None, failure=lambda c: _failure(steps, c),
+                      before_check=lambda: _judge_steps(result, work, outs, t, force), force=force,
+                      on_overflow=on_overflow, max_shard_size=max_shard_size, progress=progress)
     shutil.rmtree(workdir, ignore_errors=True)
     result.saved, result.parity = saved.info, saved.comparison
     if len(result.steps) == 1 and result.steps[0].kind == "exact" and result.parity is not None:
@@ -178,6 +168,21 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if saved.kept_float32:
         result.kept_float32, result.warnings = saved.kept_float32, [saved.warning]
     return result
+
+
+def _record(result: Result) -> dict:
+    """What the saved config records under "normsurgery"."""
+    return {"version": __version__, "source": result.source, **({"streaming": True} if result.streaming else {}),
+            "passes": [{"name": s.name, "options": s.options, "notes": s.notes,
+                        "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
+
+
+def _failure(steps: list[StepSpec], c: Comparison) -> str:
+    """Why nothing was saved: the written folder does not compute the reference's function."""
+    one = len(steps) == 1 and steps[0].kind == "exact"
+    what = f"pass {steps[0].name} broke parity" if one else "the passes together drifted from the reference"
+    return (f"{what}: relative error {c.relative:.2e} > {c.tolerance:.1e} ({c.reason}); nothing was saved "
+            "(--force saves anyway)")
 
 
 def _step_outputs(work: Work, ids: torch.Tensor, progress: Progress) -> dict[int, torch.Tensor]:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, algebra
+from .version import __version__
+from . import algebra
 from .calibration import split_heldout, tokenize, windows
 from .errors import SurgeryError
 from .checkpoint import Source

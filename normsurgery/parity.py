@@ -184,14 +184,16 @@ def tolerance(compute: torch.dtype, storage: torch.dtype, baseline: Callable[[],
     if compute not in TOLERANCE:
         own = baseline()
         return (max(TOLERANCE[torch.float32], ROUNDING_FACTOR * own.relative),
-                f"computed in {dtype_name(compute)}: {ROUNDING_FACTOR} x the reference's own {dtype_name(compute)} rounding "
+                f"computed in {dtype_name(compute)}: {ROUNDING_FACTOR} x the reference's own "
+                f"{dtype_name(compute)} rounding "
                 f"against float32 ({own.relative:.1e})", own)
     if torch.finfo(storage).eps <= torch.finfo(compute).eps:
         why = "checks the algebra" if compute == torch.float64 else "its rounding"
         return TOLERANCE[compute], f"{dtype_name(compute)} arithmetic on weights it holds exactly: {why}", None
     own = baseline()
     return (max(TOLERANCE[compute], ROUNDING_FACTOR * own.relative),
-            f"weights stored in {dtype_name(storage)}: {ROUNDING_FACTOR} x what storing in {dtype_name(storage)} costs the "
+            f"weights stored in {dtype_name(storage)}: {ROUNDING_FACTOR} x what storing in {dtype_name(storage)} "
+            f"costs the "
             f"reference (its weights re-rounded by a random half-ulp: {own.relative:.1e}), at least "
             f"{TOLERANCE[compute]:.0e} for {dtype_name(compute)} arithmetic", own)
 
@@ -221,7 +223,8 @@ def rounding_tolerance(reference: torch.Tensor, jitter: torch.Tensor, dtype: tor
     ``ROUNDING_FACTOR`` times that rounding, at least the dtype's fixed tolerance."""
     noise = compare(reference, jitter, output).relative
     return (max(TOLERANCE[dtype], ROUNDING_FACTOR * noise),
-            f"{dtype_name(dtype)} arithmetic: {ROUNDING_FACTOR} x the model's own {dtype_name(dtype)} rounding ({noise:.1e}, "
+            f"{dtype_name(dtype)} arithmetic: {ROUNDING_FACTOR} x the model's own {dtype_name(dtype)} rounding "
+            f"({noise:.1e}, "
             f"every linear output jittered by one ulp), at least {TOLERANCE[dtype]:.0e}")
 
 

@@ -40,7 +40,8 @@ from .families import layout, positions
 from .layout import Layout
 from .norms import faithful_norms
 from .output import writing, written
-from .parity import (TOLERANCE, Comparison, compare, dtype_name, jittered, needs_rounding_tolerance, output_kind, probe_ids, outputs, rounding_tolerance, tolerance)
+from .parity import (TOLERANCE, Comparison, compare, dtype_name, jittered, needs_rounding_tolerance, output_kind,
+                     outputs, probe_ids, rounding_tolerance, tolerance)
 from .progress import Progress, no_progress
 from .registry import PassContext, PassReport
 from .shards import ShardWriter, header_room, inside, saved_tensors, write_config
@@ -320,8 +321,9 @@ class Tolerances:
       linear output jittered by one ulp);
     - half-precision arithmetic: ``ROUNDING_FACTOR`` x its own rounding against float32."""
 
-    def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype, reference: torch.Tensor | None = None,
-                 given: float | None = None, output: str = "logits", streamed: bool = False):
+    def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype,
+                 reference: torch.Tensor | None = None, given: float | None = None, output: str = "logits",
+                 streamed: bool = False):
         self.read, self.ids, self.dtype, self.streamed = read, ids, dtype, streamed
         self._reference, self.given, self.output = reference, given, output
         self.measured: dict[Any, Any] = {}

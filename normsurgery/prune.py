@@ -28,7 +28,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from . import __version__
+from .version import __version__
 from .analysis import blocks_of, forward_base, residual_capture
 from .calibration import bundled_text, tokenize, windows
 from .checkpoint import Source
@@ -283,20 +283,8 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
     check_output(Path(out), force, source.path)
     layers = source.config.num_hidden_layers
     n = count_layers(layers, opts.layers, opts.fraction)
-    opts.seq_len = fit_seq_len(source.positions, opts.seq_len, "--seq-len" if opts.seq_len else "the seq_len")
     tok = source.tokenizer
-    if tok is None and (opts.method != "last" or hopts is not None):
-        raise SurgeryError(f"{source.name} has no tokenizer: --method {opts.method}"
-                           f"{' and --heal' if hopts else ''} need one to read text (--method last alone does not)")
-    if text is None and tok is not None:
-        text = bundled_text()
-    cal = windows(tokenize(tok, text), opts.seq_len, opts.samples) if tok is not None else None
-    if hopts is not None:
-        hopts.seq_len = fit_seq_len(source.positions, hopts.seq_len or opts.seq_len)
-        hopts.batch_size = opts.batch_size
-        train_ids, held = heal_data(tok, text, eval_text, hopts)
-    else:
-        held = windows(tokenize(tok, eval_text), opts.seq_len, HealOptions.eval_samples) if eval_text else cal
+    cal, train_ids, held = _windows(source, opts, hopts, text, eval_text)
     why = "asked for (--streaming)" if streaming else None
     work = Work(source, source.storage, streamed=streaming, alone=True)
     acc = make_accelerator(PRECISIONS[hopts.precision]) if hopts is not None else None
@@ -310,19 +298,16 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
             scores = score_layers(work.model, cal, batch_size=len(cal) if streaming else opts.batch_size,
                                   progress=progress)
     selection = select_layers(opts.method, n, scores, layers)
-    ce = {}
+    ce, mask_id = {}, getattr(tok, "mask_token_id", None)
     measure = held is not None and lm and not streaming
     if measure:
-        progress("held-out CE", 0, 2)
-        ce["original"] = heldout_ce(work.load_all(), held, mask_token_id=getattr(tok, "mask_token_id", None))
+        ce["original"] = heldout_ce(work.load_all(), held, mask_token_id=mask_id)
     removed = prune_model(work.model, selection.layers)
     work.replan()
     if measure:
-        ce["pruned"] = heldout_ce(work.model, held, mask_token_id=getattr(tok, "mask_token_id", None))
-        progress("held-out CE", 2, 2)
-    record = {"version": __version__, "source": source.name,
-              "prune": {**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0},
-              **({"streaming": True} if streaming else {})}
+        ce["pruned"] = heldout_ce(work.model, held, mask_token_id=mask_id)
+    record = {"version": __version__, "source": source.name, **({"streaming": True} if streaming else {}),
+              "prune": {**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0}}
     probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
     report = seconds = model = None
     if hopts is not None:
@@ -333,12 +318,32 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
         record["heal"] = summary(report)
     saved = None
     if acc is None or acc.is_main_process:
-        saved = _save_pruned(work, model if report else None, out, record, probe, save_adapter, force, progress)
+        saved = _save_pruned(work, model, out, record, probe, save_adapter, force, progress)
     if acc is not None:
         acc.wait_for_everyone()
-    on = None if not ce else ("held-out text" if eval_text is not None or hopts is not None else "the calibration windows")
+    on = ("held-out text" if eval_text is not None or hopts is not None else "the calibration windows") if ce else None
     return PruneResult(selection, scores, removed, ce, on, None if lm else source.class_name, report, seconds,
                        record, saved, why)
+
+
+def _windows(source: Source, opts: PruneOptions, hopts: HealOptions | None, text: str | None,
+             eval_text: str | None):
+    """(calibration windows, or None for ``--method last`` without a tokenizer; healing's training
+    ids; held-out windows: the end of the text when healing, ``eval_text``, or the calibration ones)."""
+    opts.seq_len = fit_seq_len(source.positions, opts.seq_len)
+    tok = source.tokenizer
+    if tok is None and (opts.method != "last" or hopts is not None):
+        raise SurgeryError(f"{source.name} has no tokenizer: --method {opts.method}"
+                           f"{' and --heal' if hopts else ''} need one to read text (--method last alone does not)")
+    if text is None and tok is not None:
+        text = bundled_text()
+    cal = windows(tokenize(tok, text), opts.seq_len, opts.samples) if tok is not None else None
+    if hopts is None:
+        held = windows(tokenize(tok, eval_text), opts.seq_len, HealOptions.eval_samples) if eval_text else cal
+        return cal, None, held
+    hopts.seq_len = fit_seq_len(source.positions, hopts.seq_len or opts.seq_len)
+    hopts.batch_size = opts.batch_size
+    return (cal, *heal_data(tok, text, eval_text, hopts))
 
 
 def _save_pruned(work: Work, healed, out, record: dict, probe: torch.Tensor, keep_adapter: bool, force: bool,
