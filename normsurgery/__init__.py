@@ -22,7 +22,8 @@ import types  # noqa: E402
 _API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": "checkpoint",
         "Source": "checkpoint", "save": "pipeline", "convert": "convert", "apply_passes": "convert",
         "load_recipe": "registry", "parse_pass": "registry", "SurgeryError": "errors", "passes": "passes",
-        "register": "registry", "verify": "verify", "prune": "prune", "heal": "heal", "PruneOptions": "prune", "HealOptions": "heal"}
+        "register": "registry", "verify": "verify", "prune": "prune", "heal": "heal", "PruneOptions": "prune",
+        "HealOptions": "heal"}
 
 
 class _Package(types.ModuleType):
