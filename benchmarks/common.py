@@ -38,9 +38,9 @@ def quiet_imports():
     import transformers
 
     import normsurgery.convert  # noqa: F401
-    from normsurgery import norms
+    from normsurgery.families import norm_kind
 
-    norms.kind_of(torch.nn.Identity())  # imports the modeling modules of the RMSNorm families
+    norm_kind(torch.nn.Identity())  # imports the modeling modules of the RMSNorm families
     transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM  # noqa: B018
 
     transformers.utils.logging.set_verbosity_error()

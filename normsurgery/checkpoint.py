@@ -96,13 +96,49 @@ def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
 
 
 def load_config(path: Path):
-    """The config, of a family and class normsurgery handles (else a SurgeryError saying so)."""
+    """The config, of a family and class normsurgery handles (else a SurgeryError saying so). A
+    checkpoint that needs the runtime names its family ``normsurgery_<family>`` (see
+    :func:`save_config`): read with the stock family's config class."""
+    file = path / "config.json"
     try:
-        cfg = transformers.AutoConfig.from_pretrained(path)
+        data = json.loads(file.read_text())
+        stock = runtime.stock_model_type(data.get("model_type"))
+        if stock is None:
+            cfg = transformers.AutoConfig.from_pretrained(path)
+        else:
+            data["model_type"] = stock
+            data["auto_map"] = {k: v for k, v in data.get("auto_map", {}).items() if k != "AutoConfig"}
+            cfg = transformers.CONFIG_MAPPING[stock].from_dict(data)
     except Exception as e:
-        raise SurgeryError(f"cannot read {path / 'config.json'}: {_first_line(e)}") from None
+        raise SurgeryError(f"cannot read {file}: {_first_line(e)}") from None
     class_name(cfg)
     return cfg
+
+
+def save_config(config, folder: Path) -> None:
+    """``config.json``. A checkpoint whose recorded modules do not all compute the stock function
+    names its family ``normsurgery_<family>``, which stock transformers does not know, and maps
+    ``AutoConfig`` to the runtime: a plain ``from_pretrained`` then fails loudly (asking for
+    ``trust_remote_code=True``) instead of loading the stock class with weights missing or
+    ignored, and ``trust_remote_code=True`` or :func:`load` load it."""
+    config.save_pretrained(folder)
+    modules = (getattr(config, "normsurgery", None) or {}).get("modules") or []
+    if all(r.get("stock_equivalent") for r in modules):
+        return
+    file = folder / "config.json"
+    data = json.loads(file.read_text())
+    data["model_type"] = runtime.RUNTIME_TYPE + data["model_type"]
+    data.setdefault("auto_map", {})["AutoConfig"] = f"{RUNTIME_FILE[:-3]}.NormSurgery{type(config).__name__}"
+    file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_config(model, folder: Path, dtype: torch.dtype) -> None:
+    """config.json (stating ``dtype``, what the weights load as; :func:`save_config`) and, for a
+    model that generates, generation_config.json."""
+    model.config.dtype = dtype
+    save_config(model.config, folder)
+    if model.can_generate():
+        model.generation_config.save_pretrained(folder)
 
 
 def widest(dtypes) -> torch.dtype:
@@ -404,7 +440,7 @@ def stamp(model, record: dict | None) -> list[dict]:
     cfg = model.config
     base = stock_class_of(model)
     auto_map = dict(getattr(cfg, "auto_map", None) or {})
-    for name in AUTO_CLASS.values():
+    for name in (*AUTO_CLASS.values(), "AutoConfig"):
         auto_map.pop(name, None)
     if records:
         auto_map[AUTO_CLASS[head_of(model).objective]] = f"{RUNTIME_FILE[:-3]}.NormSurgery{base.__name__}"
@@ -431,7 +467,7 @@ def mark_not_stock(model, records: list[dict], folder: Path) -> None:
     for r in records:
         r["stock_equivalent"] = False
         model.get_submodule(r["path"]).stock_equivalent = False
-    model.config.save_pretrained(folder)
+    save_config(model.config, folder)
 
 
 def claims(records: list[dict], reload: dict | None = None) -> dict:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from . import memory, precision, registry
-from .checkpoint import Loader, Source, claims, finish, load_dtype, mark_not_stock, stamp
+from .checkpoint import Loader, Source, claims, finish, load_dtype, mark_not_stock, save_config, stamp, write_config
 from .errors import SurgeryError
 from .families import layout, positions
 from .layout import Layout
@@ -44,7 +44,7 @@ from .parity import (TOLERANCE, Comparison, compare, dtype_name, jittered, needs
                      outputs, probe_ids, rounding_tolerance, tolerance)
 from .progress import Progress, no_progress
 from .registry import PassContext, PassReport
-from .shards import ShardWriter, header_room, inside, saved_tensors, write_config
+from .shards import ShardWriter, header_room, inside, saved_tensors
 
 
 @dataclass(frozen=True)
@@ -507,7 +507,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
             reload = check_written(stage.path, records, tolerances, reference, storage, work.model, force, failure)
             progress("check", 1, 1)
         stamp(work.model, {**record(), **({"kept_float32": kept} if kept else {})})
-        work.model.config.save_pretrained(stage.path)
+        save_config(work.model.config, stage.path)
     info = written(out, stage, {**claims(records, reload), "shards": len(files)})
     comparison = None
     if reload is not None:

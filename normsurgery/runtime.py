@@ -11,6 +11,9 @@ import transformers
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+#: prefix of the model type of a checkpoint that needs this runtime
+RUNTIME_TYPE = "normsurgery_"
+
 
 def _stats_dtype(x):
     """Half-precision statistics overflow: take them in float32; keep float32/float64 as is."""
@@ -212,13 +215,15 @@ def apply_structure(model, records):
 
 
 def surgery_class(base):
-    """A subclass of a stock model class that rebuilds the recorded modules after __init__."""
+    """A subclass of a stock model class that rebuilds the recorded modules after __init__; its
+    config class is the family's :func:`surgery_config`."""
 
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
         apply_structure(self, (getattr(config, "normsurgery", None) or {}).get("modules", []))
 
-    cls = type("NormSurgery" + base.__name__, (base,), {"__init__": __init__})
+    config_class = surgery_config(base.config_class)
+    cls = type("NormSurgery" + base.__name__, (base,), {"__init__": __init__, "config_class": config_class})
     _inherit_weight_renames(base.__name__, cls.__name__)
     return cls
 
@@ -235,12 +240,33 @@ def _inherit_weight_renames(base_name, name):
         cm.register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
 
 
+def surgery_config(base):
+    """The stock config class ``base`` under the model type ``normsurgery_<family>``, which stock
+    transformers does not know: a checkpoint that needs this runtime names it, so loading it
+    without ``trust_remote_code=True`` fails instead of building the stock modules."""
+    name = "NormSurgery" + base.__name__
+    if name not in globals():
+        globals()[name] = type(name, (base,), {"model_type": RUNTIME_TYPE + base.model_type})
+    return globals()[name]
+
+
+def stock_model_type(model_type):
+    """The stock family of a ``normsurgery_<family>`` model type (None for any other)."""
+    if isinstance(model_type, str) and model_type.startswith(RUNTIME_TYPE):
+        return model_type[len(RUNTIME_TYPE):]
+    return None
+
+
 def __getattr__(name):
-    """``NormSurgery<StockClass>``, made on first use (``auto_map`` names one of these)."""
+    """``NormSurgery<StockClass>`` (a model or config class), made on first use (``auto_map``
+    names these)."""
     base = name.removeprefix("NormSurgery")
     if base == name or not hasattr(transformers, base):
         raise AttributeError(name)
-    cls = globals()[name] = surgery_class(getattr(transformers, base))
+    stock = getattr(transformers, base)
+    if issubclass(stock, transformers.PretrainedConfig):
+        return surgery_config(stock)
+    cls = globals()[name] = surgery_class(stock)
     return cls
 
 __all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "NoNorm", "RepBN", "ChannelAffine", "apply_structure",

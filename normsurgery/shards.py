@@ -271,11 +271,3 @@ def saved_tensors(model, scope: tuple[str, ...] | None = None) -> dict[str, torc
         sd.pop(k, None)
     return revert_weight_conversion(model, remove_tied_weights_from_state_dict(sd, model))
 
-
-def write_config(model, folder: Path, dtype: torch.dtype) -> None:
-    """config.json (stating ``dtype``, what the weights load as) and, for a model that
-    generates, generation_config.json."""
-    model.config.dtype = dtype
-    model.config.save_pretrained(folder)
-    if model.can_generate():
-        model.generation_config.save_pretrained(folder)

@@ -15,7 +15,8 @@ import transformers as T
 import normsurgery as ns
 from normsurgery.runtime import RMSNorm
 
-from models import rel, tiny_model, token_ids
+from models import rel, remote_logits, tiny_model, token_ids
+from normsurgery.parity import compare, outputs
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
 LLAMA = "normsurgery/demo/llama-tiny"
@@ -56,6 +57,29 @@ def test_trust_remote_code_loads_the_runtime(tmp_path):
                        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout.strip().splitlines()[-1]) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
+def test_an_output_that_needs_the_runtime_fails_a_plain_load(tmp_path, family):
+    """Loaded with the stock class, these outputs would drop or mis-read weights: a plain load
+    must raise, while normsurgery.load and trust_remote_code=True give the converted function."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    original = tiny_model(family, torch.float32)
+    original.save_pretrained(src)
+    result = ns.convert(src, out, [("crmsnorm", {})])
+    assert result.saved["plain_transformers"] is False
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == f"normsurgery_{family}"
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        T.AutoModelForCausalLM.from_pretrained(out)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        T.AutoConfig.from_pretrained(out)
+    ids = token_ids(2, 16)
+    assert rel(original, ns.load(out), ids) <= 1e-5
+    head, logits = remote_logits([out], ids, tmp_path)[out]
+    assert compare(outputs(original.double(), ids), logits).relative <= 1e-5
+    # normsurgery reads it as its stock family (same architecture as the input)
+    assert ns.verify(src, out).ok
 
 
 def test_llama_flashnorm_round_trip_sharded(tmp_path):

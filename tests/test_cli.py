@@ -12,6 +12,7 @@ import transformers as T
 from typer.testing import CliRunner
 
 from normsurgery.cli import app
+from normsurgery.cli.report import fmt
 
 from models import tiny_model
 
@@ -223,6 +224,24 @@ def test_tables_fit_80_columns_and_minimize_prints_its_sizes(tmp_path):
     assert r.exit_code == 0, r.output
     assert max(map(len, r.stdout.splitlines())) <= 80
     assert "minimize: sizes per layer" in r.stdout and "total" in r.stdout and "bytes" in r.stdout
+
+
+def test_a_table_never_cuts_a_number(tmp_path):
+    """A long row label ("compensated-ln (reference)") used to push the columns so that 80
+    columns printed KL 3.45e-1 for 3.45e-13, "rel. erro" and "ye": labels wrap, numbers never."""
+    args = ["convert", GPT2, str(tmp_path / "out"), "--pass", "compensated-ln:prune_channels=8"]
+    r = runner.invoke(app, args, env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    j = runner.invoke(app, args + ["--force", "--json"], env={"COLUMNS": "80"})
+    lines = r.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    header = next(line for line in lines if "pass" in line and "kind" in line)
+    assert header.split() == ["pass", "kind", "rel.", "error", "max", "|Δ|", "KL", "top-1", "ok"]
+    rows = [line.split() for line in lines if line.split()[:1] == ["compensated-ln"]][:2]
+    for step, row in zip(json.loads(j.stdout)["steps"], rows):
+        p = step["parity"]
+        assert [fmt(p["relative"]), fmt(p["max_abs"]), fmt(p["kl"])] == row[2:5]
+        assert row[-1] in ("-", "yes")
 
 
 def test_readme_matches_the_cli():

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from rich import box
 from rich.table import Table
+from rich.cells import cell_len
 from rich.text import Text
 
+SHORT = 12  # the widest cell of a column kept whole: 1.23e-13, -1.2345e+04, yes
 STYLE = {"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True}  # no vertical rules: more room in 80 columns
 
 
@@ -23,15 +25,20 @@ def fmt(x, digits: int = 2) -> str:
     return str(x)
 
 
-def table(title: str, columns, rows, *, show_header: bool = True, right: tuple[int, ...] = (),
-          no_wrap: bool = False) -> Table:
-    """A table of literal text; the first column never wraps (names), the others fold unless
-    ``no_wrap``. A cell may hold several lines."""
+def table(title: str, columns, rows, *, show_header: bool = True, right: tuple[int, ...] = ()) -> Table:
+    """A table of literal text, fitting the console by wrapping text, never by cutting a number:
+    a column whose cells are all short (numbers, yes/no: at most ``SHORT`` characters) keeps its
+    full width, headers included; the others fold, names too. A cell may hold several lines."""
+    rows = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in rows]
     t = Table(title=Text(title), show_header=show_header, **STYLE)
     for i, col in enumerate(columns):
-        t.add_column(Text(col), no_wrap=no_wrap or i == 0, overflow="fold", justify="right" if i in right else "left")
+        cells = [Text(col)] * show_header + [row[i] for row in rows]
+        widest = max((cell_len(line) for c in cells for line in c.plain.splitlines() or [""]), default=0)
+        short = all(cell_len(line) <= SHORT for c in rows for line in c[i].plain.splitlines())
+        t.add_column(Text(col), no_wrap=short, overflow="fold",
+                     min_width=widest if short else None, justify="right" if i in right else "left")
     for row in rows:
-        t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in row))
+        t.add_row(*row)
     return t
 
 
@@ -54,7 +61,7 @@ def convert_tables(result, src, out) -> list:
                      fmt(p and p.top1), ok))
     stored = result.storage_dtype + (f", {len(result.kept_float32)} tensors kept in float32" if result.kept_float32 else "")
     out_tables = [table(f"convert {src} -> {out} (rewritten in {result.work_dtype}, stored in {stored})", ("pass", "kind", "rel. error", "max |Δ|", "KL",
-                                                     "top-1", "ok"), rows, no_wrap=True)]
+                                                     "top-1", "ok"), rows)]
     for s in result.steps:
         if s.metrics.get("curve"):
             out_tables.append(curve_table(s.name, s.metrics["curve"]))
@@ -97,7 +104,7 @@ def size_table(name: str, m: dict) -> Table:
     rows.append(("total", "", "", pair(m["params"], ""), pair(m["bytes"], "B")))
     stream = m.get("stream_width")
     return table(f"{name}: sizes per layer (residual stream {pair(stream)})",
-                 ("layer", "MLP units", "heads", "parameters", "bytes"), rows, right=(3, 4), no_wrap=True)
+                 ("layer", "MLP units", "heads", "parameters", "bytes"), rows, right=(3, 4))
 
 
 def human(n: int, unit: str = "") -> str:
