@@ -102,7 +102,16 @@ def load_config(path: Path):
     file = path / "config.json"
     try:
         data = json.loads(file.read_text())
-        stock = runtime.stock_model_type(data.get("model_type"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SurgeryError(f"cannot read {file}: {_first_line(e)}") from None
+    kind = data.get("model_type") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(kind, str):
+        raise SurgeryError(f"{file} is not a model config: " + ("it has no model_type" if isinstance(data, dict)
+                           else f"it holds a JSON {type(data).__name__}, not an object"))
+    stock = runtime.stock_model_type(kind)
+    if (stock or kind) not in transformers.CONFIG_MAPPING:
+        raise SurgeryError(f"{file}: model type {kind!r} is not one transformers {transformers.__version__} knows")
+    try:
         if stock is None:
             cfg = transformers.AutoConfig.from_pretrained(path)
         else:

@@ -18,3 +18,8 @@ REPORT_BUGS = ("this is a bug in normsurgery: please report it with the command 
 
 class SurgeryError(Exception):
     """A user-facing failure: bad input, a pass that does not apply, parity lost."""
+
+
+class UsageError(SurgeryError):
+    """A command used wrongly (an unknown pass or option, a value out of range), found before any
+    work: exit code 2."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import SurgeryError
+from .errors import SurgeryError, UsageError
 
 
 @dataclass
@@ -72,6 +72,27 @@ class Pass:
     options: dict[str, Any] = field(default_factory=dict)  # option name -> default
     reference: Callable[..., PassReport | None] | None = None  # changes the function first, on purpose
     blockwise: bool = False  # may run one part of the model at a time (see the module docstring)
+    limits: dict[str, Limit] = field(default_factory=dict)  # option name -> the values it takes
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The values an option takes, checked before any work: ``text`` says which."""
+
+    text: str
+    ok: Callable[[Any], bool]
+
+
+def between(low: float, high: float | None = None, *, open_low: bool = False, open_high: bool = True) -> Limit:
+    """low <= x < high (by default); ``high`` None: no upper bound."""
+    text = (f"{'>' if open_low else '>='} {low:g}" if high is None else
+            f"in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}")
+    return Limit(text, lambda x: (x > low if open_low else x >= low)
+                 and (high is None or (x < high if open_high else x <= high)))
+
+
+def one_of(*values: str) -> Limit:
+    return Limit(f"one of {', '.join(values)}", lambda x: x in values)
 
 
 KINDS = ("exact", "reference", "trained")
@@ -104,13 +125,14 @@ class Lazy:
 
 
 def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
-            reference: bool = False, blockwise: bool = False) -> None:
+            reference: bool = False, blockwise: bool = False, limits=None) -> None:
     """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference`` when said)
     are functions of ``module``, imported on first use."""
     if kind not in KINDS:
         raise ValueError(kind)
     PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"), Lazy(module, "apply"),
-                        dict(options or {}), Lazy(module, "reference") if reference else None, blockwise)
+                        dict(options or {}), Lazy(module, "reference") if reference else None, blockwise,
+                        {k: v for k, v in (limits or {}).items() if k in (options or {})})
 
 
 def get(name: str) -> Pass:
@@ -124,26 +146,40 @@ def all_passes() -> list[Pass]:
 
 
 def check_options(p: Pass, options: dict[str, Any]) -> dict[str, Any]:
-    """The pass's defaults overridden by ``options``; unknown names are an error."""
+    """The pass's defaults overridden by ``options``, each of the type of its default and within
+    its limits; unknown names are an error (:class:`UsageError`)."""
     unknown = set(options) - set(p.options)
     if unknown:
         known = ", ".join(sorted(p.options)) or "none"
-        raise SurgeryError(f"pass {p.name!r} has no option {', '.join(sorted(unknown))}; options: {known}")
-    return {**p.options, **{k: _coerce(v, p.options[k]) for k, v in options.items()}}
+        raise UsageError(f"pass {p.name!r} has no option {', '.join(sorted(unknown))}; options: {known}")
+    given = {k: _coerce(p.name, k, v, p.options[k]) for k, v in options.items()}
+    for k, v in given.items():
+        limit = p.limits.get(k)
+        if limit is not None and not limit.ok(v):
+            raise UsageError(f"pass {p.name!r}: option {k}={v!r} must be {limit.text}")
+    return {**p.options, **given}
 
 
-def _coerce(value, default):
-    """Options arrive as strings from the CLI: give them the type of their default."""
-    if not isinstance(value, str) or isinstance(default, str) or default is None:
+def _coerce(name: str, key: str, value, default):
+    """An option's value of the type of its default: from a string (the CLI), or a TOML value (a
+    whole number where a float is expected is one)."""
+    if default is None or isinstance(default, str):
         return value
-    try:
-        if isinstance(default, bool):
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(value)
-            return value.lower() in ("true", "1", "yes")
-        return type(default)(value)
-    except ValueError:
-        raise SurgeryError(f"option value {value!r} is not a {type(default).__name__}") from None
+    kind = type(default)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if kind is bool:
+            if text in ("true", "false", "1", "0", "yes", "no"):
+                return text in ("true", "1", "yes")
+        else:
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    elif kind is bool and isinstance(value, bool) or kind is int and isinstance(value, int) and not isinstance(
+            value, bool) or kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return kind(value)
+    raise UsageError(f"pass {name!r}: option {key}={value!r} is not a {kind.__name__}")
 
 
 def parse_pass(spec: str) -> tuple[str, dict[str, str]]:
@@ -153,7 +189,7 @@ def parse_pass(spec: str) -> tuple[str, dict[str, str]]:
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
-            raise SurgeryError(f"pass option {item!r} in {spec!r} is not key=value")
+            raise UsageError(f"pass option {item!r} in {spec!r} is not key=value")
         options[key.strip().replace("-", "_")] = value.strip()
     return name.strip(), options
 

@@ -29,8 +29,8 @@ def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(folder).iterdir()}
 
 
-def assert_refused(result, out, match):
-    assert result.exit_code == 1, result.output
+def assert_refused(result, out, match, code=1):
+    assert result.exit_code == code, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), result.output
     assert match in result.output
@@ -92,6 +92,22 @@ def test_refuses_unknown_architecture(tmp_path):
     assert_refused(run("convert", src, out, "--pass", "flashnorm"), out, "no adapter for 't5'; supported:")
 
 
+@pytest.mark.parametrize("config,match", [('{"foo": 1}', "it has no model_type"),
+                                          ("[1, 2]", "it holds a JSON list"),
+                                          ('{"model_type": "nonesuch"}', "model type 'nonesuch' is not one"),
+                                          ("{not json", "cannot read")])
+@pytest.mark.parametrize("command", ["convert", "verify", "inspect", "prune"])
+def test_refuses_a_config_that_is_not_one(tmp_path, config, match, command):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(config)
+    shutil.copy(Path(LLAMA) / "model.safetensors", src)
+    out = tmp_path / "out"
+    args = {"convert": [src, out, "--pass", "flashnorm"], "verify": [LLAMA, src], "inspect": [src],
+            "prune": [src, out]}[command]
+    assert_refused(run(command, *args), out if command in ("convert", "prune") else None, match)
+
+
 def test_refuses_pass_that_does_not_apply(tmp_path):
     out = tmp_path / "out"
     assert_refused(run("convert", LLAMA, out, "--pass", "pre-rmsnorm"), out, "already RMSNorm")
@@ -131,10 +147,17 @@ def test_refuses_corrupt_safetensors(tmp_path, damage):
     assert digest(src) == before
 
 
-def test_unknown_pass_and_bad_option(tmp_path):
+@pytest.mark.parametrize("args,match", [
+    (["--pass", "nonsense"], "unknown pass 'nonsense'"),
+    (["--pass", "pre-rmsnorm:fold=maybe"], "option fold='maybe' is not a bool"),
+    (["--pass", "minimize:sparsity=2"], "option sparsity=2.0 must be in [0, 1)"),
+    (["--pass", "minimize:by=random"], "option by='random' must be one of magnitude"),
+    (["--pass", "remove-ln:steps=0"], "option steps=0 must be >= 1"),
+    ([], "no passes given"),
+])
+def test_usage_errors_exit_2_before_loading(tmp_path, args, match):
     out = tmp_path / "out"
-    assert_refused(run("convert", GPT2, out, "--pass", "nonsense"), out, "unknown pass 'nonsense'")
-    assert_refused(run("convert", GPT2, out, "--pass", "pre-rmsnorm:fold=maybe"), out, "not a bool")
+    assert_refused(run("convert", GPT2, out, *args), out, match, code=2)
 
 
 def test_real_process_prints_one_line(tmp_path):
@@ -169,9 +192,11 @@ def test_help_version_passes_and_usage_errors_load_neither_torch_nor_transformer
     code = ("import sys\nfrom normsurgery.cli import app\nfrom typer.testing import CliRunner\n"
             "for args in (['--help'], ['-h'], ['--version'], ['convert', '-h'], ['verify', 'a', 'b', '--samples', '0'],\n"
             "             ['passes'], ['passes', '--json'], ['convert', 'a', 'b', '--pass', 'FlashNorm'],\n"
-            "             ['convert', 'a', 'b', '--pass', 'minimize:sparsity=x']):\n"
+            "             ['convert', 'a', 'b', '--pass', 'minimize:sparsity=x'],\n"
+            "             ['convert', 'a', 'b', '--pass', 'minimize:sparsity=2']):\n"
             "    r = CliRunner().invoke(app, args)\n"
-            "    assert r.exit_code == (1 if 'convert' in args and '-h' not in args else 2 if 'verify' in args else 0), (args, r.output)\n"
+            "    usage = 'verify' in args or 'convert' in args and '-h' not in args\n"
+            "    assert r.exit_code == (2 if usage else 0), (args, r.output)\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import typer
 
 from .. import __version__
-from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, SurgeryError
+from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
@@ -101,7 +101,7 @@ def command(fn=None, *, preload: bool = True):
             return fn(*args, **kwargs)
         except SurgeryError as e:
             say_error(str(e))
-            raise typer.Exit(FAILED)
+            raise typer.Exit(USAGE if isinstance(e, UsageError) else FAILED)
         except KeyboardInterrupt as e:
             say_error(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: nothing was written")
             raise typer.Exit(INTERRUPTED)

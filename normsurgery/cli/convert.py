@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SurgeryError
+from ..errors import UsageError
 from .app import ALLOW_PICKLE, FORCE, JSON, STREAMING, claimed, command, did_you_mean, \
     dtype_option, emit_json, load_transformers, positive, progress_bar, read_text, say, say_warning, show, \
     size_option, torch_dtype
@@ -28,12 +28,12 @@ def check_passes(specs) -> None:
     names = [p.name for p in registry.all_passes()]
     for name, options in specs:
         if name not in names:
-            raise SurgeryError(f"unknown pass {name!r}{did_you_mean(name, names)}; registered: {', '.join(names)} "
+            raise UsageError(f"unknown pass {name!r}{did_you_mean(name, names)}; registered: {', '.join(names)} "
                                "(`normsurgery passes` describes them)")
         p = registry.get(name)
         for key in options:
             if key not in p.options:
-                raise SurgeryError(f"pass {name!r} has no option {key!r}{did_you_mean(key, p.options)}; "
+                raise UsageError(f"pass {name!r} has no option {key!r}{did_you_mean(key, p.options)}; "
                                    f"options: {', '.join(p.options) or 'none'}")
         registry.check_options(p, options)
 
@@ -74,7 +74,7 @@ def convert(
 
     specs = (registry.load_recipe(recipe) if recipe is not None else []) + [registry.parse_pass(s) for s in passes]
     if not specs:
-        raise SurgeryError("no passes given: use --pass NAME or --recipe FILE (`normsurgery passes` lists them)")
+        raise UsageError("no passes given: use --pass NAME or --recipe FILE (`normsurgery passes` lists them)")
     check_passes(specs)
     load_transformers()
     from ..convert import convert as convert_checkpoint

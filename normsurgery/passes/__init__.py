@@ -2,7 +2,7 @@
 importing torch; its ``applies``, ``apply`` (and ``reference``) live in the module named and are
 imported on first use (``registry.declare``)."""
 
-from ..registry import all_passes, declare
+from ..registry import all_passes, between, declare, one_of
 
 #: options of mask and of the passes that can mask first (minimize, compensated-ln)
 MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0}
@@ -14,6 +14,16 @@ REMOVE_LN_OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 128, "lr": 1e-4,
                      "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
                      "export": "self"}
 PRE_LN = "Pre-LN and parallel models of every supported family"
+#: the values options take, checked before anything is loaded (options not listed: any of their type)
+LIMITS = {"sparsity": between(0, 1), "by": one_of("magnitude"), "prune_channels": between(0),
+          "steps": between(1), "batch_size": between(1), "seq_len": between(2), "lr": between(0, open_low=True),
+          "min_lr": between(-1), "weight_decay": between(0), "grad_accum": between(1), "save_every": between(0),
+          "eval_fraction": between(0, 1, open_low=True), "heldout": between(0, 1, open_low=True),
+          "eval_samples": between(1), "calib_samples": between(1), "momentum": between(0, 1, open_low=True,
+                                                                                         open_high=False),
+          "warmup": between(-1), "decay": between(-1), "start": between(-1), "gap": between(0),
+          "final_gap": between(0), "precision": one_of("auto", "fp32", "no", "bf16", "fp16"),
+          "export": one_of("self", "stock")}
 
 for name, module, description, kind, families, extra in [
     ("pre-rmsnorm", "pre_rmsnorm", "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm",
@@ -40,7 +50,7 @@ for name, module, description, kind, families, extra in [
      "folded (bn-fold): no normalisation statistics at run time", "trained",
      "Pre-LN and parallel decoders with LayerNorm or RMSNorm", {"options": PREPBN_OPTIONS}),
 ]:
-    declare(name, f"{__name__}.{module}", description, kind, families, **extra)
+    declare(name, f"{__name__}.{module}", description, kind, families, limits=LIMITS, **extra)
 
 
 def passes():
