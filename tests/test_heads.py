@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import normsurgery as ns
+from normsurgery import checkpoint
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
 from normsurgery.cli import app
 from normsurgery.families import FAMILIES, layout
@@ -182,7 +183,9 @@ def test_plain_transformers_is_claimed_only_when_checked(tmp_path):
     records = json.loads((out / "config.json").read_text())["normsurgery"]["modules"]
     assert records and not any(rec.get("stock_equivalent") for rec in records)
     ids = token_ids(2, 32)
-    ours, stock = ns.load(out), T.AutoModelForCausalLM.from_pretrained(out)
+    with pytest.raises(ValueError, match="trust_remote_code"):  # plain loading fails loudly
+        T.AutoModelForCausalLM.from_pretrained(out)
+    ours, stock = ns.load(out), checkpoint.load(out, stock=True)
     assert rel(ours, stock, ids) > 1e-4  # the claim would have been false
     again = tmp_path / "again"  # a re-save keeps the honest mark
     ns.save(ours, again)
@@ -200,7 +203,9 @@ def test_a_rewritten_classifier_loads_with_trust_remote_code(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["GPTNeoXForTokenClassification"]
     assert cfg["auto_map"] == {"AutoModelForTokenClassification":
-                               "modeling_normsurgery.NormSurgeryGPTNeoXForTokenClassification"}
+                               "modeling_normsurgery.NormSurgeryGPTNeoXForTokenClassification",
+                               "AutoConfig": "modeling_normsurgery.NormSurgeryGPTNeoXConfig"}
+    assert cfg["model_type"] == "normsurgery_gpt_neox"
     ids = token_ids(2, 16)
     torch.save(ids, tmp_path / "ids.pt")
     code = ("import sys, torch, transformers as T\n"
