@@ -26,6 +26,9 @@ from .norms import refuse_post_ln
 
 def applies(model, layout: Layout) -> str | None:
     """None when every stream norm is an RMSNorm with one gain for all channels and a reader."""
+    post = refuse_post_ln(layout)
+    if post:
+        return post
     if layout.output_norm is not None:
         return (f"{layout.output_norm.path} gives the model's output (a base model): rotating the stream "
                 "would rotate the output")
@@ -39,7 +42,7 @@ def applies(model, layout: Layout) -> str | None:
         if w is not None and w.numel() and not bool((w == w.reshape(-1)[0]).all()):
             return (f"{site.path} has per-channel gains (Q (g * n) != g * (Q n)): fold them into the "
                     "readers first (--pass flashnorm --pass rotate)")
-    return refuse_post_ln(layout)
+    return None
 
 
 @functools.lru_cache(maxsize=2)
