@@ -38,8 +38,8 @@ def applies(model, layout: Layout) -> str | None:
                     "pre-rmsnorm with fold=true first (--pass pre-rmsnorm --fold --pass rotate)")
         if site.kind != "rmsnorm" or site.offset is None:
             return f"{site.path} is a {site.kind}: rotation needs a gain-free RMSNorm over the whole stream"
-        w = model.get_submodule(site.path).weight
-        if w is not None and w.numel() and not bool((w == w.reshape(-1)[0]).all()):
+        w = model.get_submodule(site.path).weight  # on the meta device until its part is read
+        if w is not None and not w.is_meta and w.numel() and not bool((w == w.reshape(-1)[0]).all()):
             return (f"{site.path} has per-channel gains (Q (g * n) != g * (Q n)): fold them into the "
                     "readers first (--pass flashnorm --pass rotate)")
     return None
