@@ -22,7 +22,8 @@ import types  # noqa: E402
 _API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": "checkpoint",
         "Source": "checkpoint", "save": "pipeline", "convert": "convert", "apply_passes": "convert",
         "load_recipe": "registry", "parse_pass": "registry", "SurgeryError": "errors", "passes": "passes",
-        "register": "registry", "verify": "verify", "prune": "prune", "heal": "heal", "PruneOptions": "prune",
+        "register": "registry", "verify": "verify", "outliers": "verify", "prune": "prune", "heal": "heal",
+        "PruneOptions": "prune",
         "HealOptions": "heal"}
 
 
@@ -45,4 +46,5 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 __all__ = ["HealOptions", "Layout", "NormSite", "PruneOptions", "Source", "SurgeryError", "apply_passes", "convert",
-           "heal", "layout", "load", "load_recipe", "parse_pass", "passes", "prune", "register", "save", "verify"]
+           "heal", "layout", "load", "load_recipe", "outliers", "parse_pass", "passes", "prune", "register", "save",
+           "verify"]

@@ -132,3 +132,21 @@ def untie(model, layout) -> bool:
     if text is not model.config:
         text.tie_word_embeddings = False
     return True
+
+
+def rotate_outputs(mod: nn.Module, q: torch.Tensor) -> None:
+    """Every vector the module writes v becomes Q v: a linear's W <- Q W and c <- Q c; an
+    embedding's rows e <- Q e (table E <- E Qᵀ). Computed in float64, stored in the module's dtype."""
+    m = written_matrix(mod)
+    q = q.to(m.device, WORK)
+    w = q @ m
+    set_weight(mod, w.T if isinstance(mod, nn.Embedding) else w)
+    c = bias(mod)
+    if c is not None and not isinstance(mod, nn.Embedding):
+        set_bias(mod, q @ c)
+
+
+def rotate_inputs(mod: nn.Module, q: torch.Tensor) -> None:
+    """A reader of z becomes the same function of Q z: W <- W Qᵀ (bias unchanged)."""
+    w = weight(mod)
+    set_weight(mod, w @ q.to(w.device, WORK).T)

@@ -15,6 +15,11 @@ Dead units of a masked (zero-filled) model, used by ``inspect`` and by the minim
   LayerNorm's is g_j * (0 - mean) / std + b_j, so j is removable only where g_j = 0 (the
   constant b_j then folds into the readers' biases) or every reader's column j is zero.
   A base model outputs its final norm's every channel: none is removable there.
+
+Outliers (``inspect --outliers``): for each residual state h_0..h_L on calibration text and each
+linear's weight rows, the largest entry over the row's RMS, max_j |x_j| / sqrt(mean_j x_j^2)
+(at most sqrt(n); about sqrt(2 ln n) for a Gaussian row), and its kurtosis m4 / m2^2 (moments
+about 0; 3 for a Gaussian), each averaged over rows (tokens, or output channels).
 """
 
 from __future__ import annotations
@@ -241,3 +246,39 @@ def residual_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     with residual_capture(model) as states:
         forward_base(model, input_ids, attention_mask)
     return list(states)
+
+
+# ---------------------------------------------------------------------------------------------
+# outliers (see the module docstring)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as float64 rows over its last axis, all-zero rows (a masked unit) left out."""
+    x = x.detach().to(algebra.WORK).reshape(-1, x.shape[-1])
+    return x[(x != 0).any(-1)]
+
+
+def peak_ratio(x: torch.Tensor) -> float:
+    """max_j |x_j| / sqrt(mean_j x_j^2) of each row of ``x`` (last axis), averaged over rows."""
+    x = _rows(x)
+    return float((x.abs().amax(-1) / x.pow(2).mean(-1).sqrt()).mean())
+
+
+def kurtosis(x: torch.Tensor) -> float:
+    """m4 / m2^2 of each row of ``x`` (moments about 0), averaged over rows."""
+    x = _rows(x)
+    return float((x.pow(4).mean(-1) / x.pow(2).mean(-1).pow(2)).mean())
+
+
+@torch.no_grad()
+def outliers(model, input_ids: torch.Tensor) -> dict:
+    """Peak ratio and kurtosis of every residual state on ``input_ids`` ("stream": h_0..h_L) and of
+    the weight rows (output channels) of every linear in the blocks ("weights", by path)."""
+    lay = layout(model)
+    stream = [{"state": i, "max_over_rms": peak_ratio(h), "kurtosis": kurtosis(h)}
+              for i, h in enumerate(residual_states(model, input_ids))]
+    blocks = model.get_submodule(lay.layers_path)
+    weights = [{"linear": f"{lay.layers_path}.{name}", "max_over_rms": peak_ratio(algebra.weight(mod)),
+                "kurtosis": kurtosis(algebra.weight(mod))}
+               for name, mod in blocks.named_modules() if algebra.is_linear(mod)]
+    return {"stream": stream, "weights": weights}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from . import memory
-from .checkpoint import Source
+from . import analysis, memory
+from .checkpoint import Source, load
 from .errors import SurgeryError
 from .families import architecture, layout, positions, stock_class_of
 from .parity import (Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs,
@@ -110,3 +110,19 @@ def compare_models(a, b, *, text: str | None = None, dtype: torch.dtype | None =
     ids = probe_ids(tokenizer, a.config.vocab_size, text, n, probe_length(positions(a.config), length))
     result, reference = _compare_loaded(a, b, ids, generate, per_layer)
     return Tolerances(model_reader(a, ids), ids, dtype, reference, tolerance, output_kind(a)).judge(result)
+
+
+def outliers(a, b=None, *, text: str | None = None, n: int = 8, length: int | None = None,
+             allow_pickle: bool = False) -> dict:
+    """``analysis.outliers`` of checkpoint ``a`` and, when given, ``b`` (its rewrite: same blocks and
+    vocabulary), on the same ``n`` windows of ``text`` (default: the bundled sample), in float32:
+    {"a": ..., "b": ... or None}."""
+    sa = Source.open(a, allow_pickle)
+    sb = None if b is None else Source.open(b, allow_pickle)
+    if sb is not None and sa.config.vocab_size != sb.config.vocab_size:
+        raise SurgeryError(f"{sa.name} and {sb.name} have different vocabularies: no common text to compare on")
+    ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, n, probe_length(sa.positions, length))
+    stats = [None if s is None else analysis.outliers(load(s, torch.float32), ids) for s in (sa, sb)]
+    if stats[1] is not None and len(stats[0]["stream"]) != len(stats[1]["stream"]):
+        raise SurgeryError(f"{sa.name} and {sb.name} have different numbers of blocks: their states do not pair up")
+    return {"a": stats[0], "b": stats[1]}

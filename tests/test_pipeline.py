@@ -47,6 +47,7 @@ def tensors(path):
     ("llama", [("flashnorm", {})], False),
     ("gpt_neox", [("crmsnorm", {})], True),  # the stream shrinks to d-1: parts change widths
     ("phi", [("pre-rmsnorm", {}), ("flashnorm", {})], True),
+    ("qwen2", [("flashnorm", {}), ("rotate", {"seed": 2})], True),  # every part rotated by the same Q
 ])
 def test_both_plans_write_the_same_tensors_and_check_the_folder(tmp_path, family, passes, verify):
     src = checkpoint_at(tmp_path, family)

@@ -14,7 +14,7 @@ import transformers as T
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import normsurgery as ns
-from normsurgery import registry
+from normsurgery import passes as _passes, registry  # noqa: F401  (passes: the built-in passes, for EXACT)
 from normsurgery.families import layout
 from normsurgery.norms import faithful_norms
 from normsurgery.synthetic import make_realistic
@@ -93,3 +93,19 @@ def test_exact_passes_are_exact_or_refused_with_a_reason(config, seed):
         new = copy.deepcopy(model)
         ns.apply_passes(new, [(name, {})])
         assert rel(model, new, ids) <= 1e-10, (name, config.model_type, config.to_diff_dict())
+
+
+@settings(max_examples=settings.default.max_examples)
+@given(config=configs(), seed=st.integers(0, 2**16), kind=st.sampled_from(["hadamard", "random"]))
+def test_rotate_after_its_folding_pass_is_exact(config, seed, kind):
+    """The recipe that makes a model rotation-ready, then rotate: exact, or refused with a reason."""
+    model = build(config, seed)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(seed))
+    fold = next(((n, o) for n, o in (("pre-rmsnorm", {"fold": True}), ("flashnorm", {}))
+                 if registry.get(n).applies(model, layout(model)) is None), None)
+    if fold is None:
+        assert registry.get("rotate").applies(model, layout(model))
+        return
+    new = copy.deepcopy(model)
+    ns.apply_passes(new, [fold, ("rotate", {"kind": kind, "seed": seed})])
+    assert rel(model, new, ids) <= 1e-10, (kind, config.model_type, config.to_diff_dict())

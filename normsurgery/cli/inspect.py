@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
 
 import typer
 
-from .app import ALLOW_PICKLE, JSON, command, emit_json, show
+from ..errors import UsageError
+from .app import ALLOW_PICKLE, JSON, command, emit_json, read_text, show
 
 
 @command(preload=False)
@@ -26,8 +29,32 @@ def passes(json: bool = JSON):
 
 @command
 def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder or cached hub id"),
+            other: Optional[str] = typer.Argument(None, metavar="[IN2]", help="with --outliers: a rewrite of IN "
+                                                  "(e.g. rotated) to compare, before/after"),
+            outliers: bool = typer.Option(False, "--outliers", help="per residual state and per linear: largest "
+                                          "|entry| / RMS and kurtosis, on calibration text"),
+            text: Optional[Path] = typer.Option(None, metavar="FILE", help="--outliers: calibration text (default: "
+                                                "bundled Shakespeare)"),
+            samples: int = typer.Option(8, min=1, metavar="K", help="--outliers: token windows"),
+            seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="--outliers: tokens per window "
+                                                  "(default: 64, or the model's positions when fewer)"),
             allow_pickle: bool = ALLOW_PICKLE, json: bool = JSON):
-    """Architecture, norm layout, dead units, and which passes apply (and why not)."""
+    """Architecture, norm layout, dead units, and which passes apply (and why not); --outliers: the
+    stream's and weights' outlier figures (two checkpoints: side by side)."""
+    if other is not None and not outliers:
+        raise UsageError("a second checkpoint is compared only with --outliers")
+    if outliers:
+        from ..verify import outliers as outlier_stats
+
+        r = outlier_stats(src, other, text=read_text(text), n=samples, length=seq_len, allow_pickle=allow_pickle)
+        if json:
+            emit_json(r)
+            return
+        from .report import outlier_tables
+
+        for t in outlier_tables(r, src, other):
+            show(t)
+        return
     from .. import checkpoint, passes as _passes, registry  # noqa: F401  (the built-in passes)
     from ..analysis import dead_units
     from ..families import layout

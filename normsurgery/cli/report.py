@@ -157,6 +157,23 @@ def inspect_tables(info: dict, src) -> list:
     return tables
 
 
+def outlier_tables(r: dict, a: str, b: str | None) -> list:
+    """Per residual state and per linear: max|x| / RMS and kurtosis (rows averaged), of A (and B)."""
+    pairs = [r["a"]] + ([r["b"]] if r["b"] else [])
+    cols = ["max/RMS", "kurtosis"] if len(pairs) == 1 else ["max/RMS A", "max/RMS B", "kurt. A", "kurt. B"]
+
+    def cells(key, i):
+        return [fmt(p[key][i][stat]) for stat in ("max_over_rms", "kurtosis") for p in pairs]
+
+    title = f"{a}" if b is None else f"A = {a}, B = {b}"
+    n = len(r["a"]["stream"])
+    stream = [(f"h_{i}" + (" (final norm in)" if i == n - 1 else ""), *cells("stream", i)) for i in range(n)]
+    weights = [(w["linear"], *cells("weights", i)) for i, w in enumerate(r["a"]["weights"])]
+    right = tuple(range(1, len(cols) + 1))
+    return [table(f"residual stream: {title} (per token, averaged)", ["state", *cols], stream, right=right),
+            table("weights: per output channel, averaged", ["linear", *cols], weights, right=right)]
+
+
 def dead_table(dead: dict) -> Table:
     """Per layer: dead MLP units, dead and removable heads, channels its writers leave zero."""
     rows = [(str(d["layer"]), f"{len(d['dead_units'])}/{d['mlp_units']}", f"{len(d['dead_heads'])}/{d['heads']}",

@@ -23,7 +23,7 @@ LIMITS = {"sparsity": between(0, 1), "by": one_of("magnitude"), "prune_channels"
                                                                                          open_high=False),
           "warmup": between(-1), "decay": between(-1), "start": between(-1), "gap": between(0),
           "final_gap": between(0), "precision": one_of("auto", "fp32", "no", "bf16", "fp16"),
-          "export": one_of("self", "stock")}
+          "export": one_of("self", "stock"), "kind": one_of("hadamard", "random"), "seed": between(0)}
 
 for name, module, description, kind, families, extra in [
     ("pre-rmsnorm", "pre_rmsnorm", "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm",
@@ -49,6 +49,10 @@ for name, module, description, kind, families, extra in [
     ("prepbn", "prepbn", "PRepBN: LayerNorm/RMSNorm to re-parameterised BatchNorm by progressive fine-tuning, then "
      "folded (bn-fold): no normalisation statistics at run time", "trained",
      "Pre-LN and parallel decoders with LayerNorm or RMSNorm", {"options": PREPBN_OPTIONS}),
+    ("rotate", "rotate", "rotate the residual stream by an orthogonal Q (randomised Hadamard or random), folded "
+     "into the writers and readers", "exact", "models whose stream norms are gain-free RMSNorms: Pre-LN and "
+     "parallel models after pre-rmsnorm with fold=true, RMSNorm models after flashnorm",
+     {"options": {"kind": "hadamard", "seed": 0}, "blockwise": True}),
 ]:
     declare(name, f"{__name__}.{module}", description, kind, families, limits=LIMITS, **extra)
 
