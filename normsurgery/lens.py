@@ -64,16 +64,18 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False):
     except (ValueError, KeyError, NotImplementedError) as e:
         raise SurgeryError(f"normsurgery.lens: TransformerLens does not support {source.class_name}: {e}") from None
     adapter.cfg.device = str(next(model.parameters()).device)
+    adapter.cfg.normalization_type = kind
     if kind is None:
-        adapter.cfg.normalization_type = None
         _drop(adapter.component_mapping, NormalizationBridge)
-    elif kind.endswith("Pre"):
-        adapter.cfg.normalization_type = kind
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # aliases of the norm hooks removed ("hook_resid_mid" -> "ln2.hook_in")
         bridge = TransformerBridge(model, adapter, source.tokenizer)
     c = compare(reference, _logits(bridge, ids))
-    Tolerances(model_reader(model, ids), ids, torch.float32, reference).judge(c)
+
+    def unbridged(**kw):  # the model's own rounding, measured on a copy the bridge does not wrap
+        return model_reader(load(source, torch.float32), ids)(**kw)
+
+    Tolerances(unbridged, ids, torch.float32, reference).judge(c)
     if not c.ok:
         raise SurgeryError(f"normsurgery.lens: the TransformerLens model's logits differ from {source.name}'s: "
                            f"relative error {c.relative:.2e} > {c.tolerance:.1e} ({c.reason})")
@@ -83,8 +85,9 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False):
 
 def norm_kind(model) -> str | None:
     """TransformerLens' ``normalization_type`` for the model's norms: None (all removed),
-    "LN"/"RMS" (with gains), "LNPre"/"RMSPre" (folded: gain 1, no bias). Mixed or inexpressible
-    norms are refused."""
+    "LN"/"RMS" (with gains, some may be folded), "LNPre"/"RMSPre" (all folded: gain 1, no bias).
+    Removed norms beside others, LayerNorm beside RMSNorm, and norms TransformerLens has no
+    component for are refused."""
     kinds = set()
     for site in layout(model).norms:
         mod = model.get_submodule(site.path)
@@ -98,12 +101,17 @@ def norm_kind(model) -> str | None:
             raise SurgeryError(f"normsurgery.lens: {site.path} ({type(mod).__name__}) is no norm TransformerLens has")
         name = "LN" if site.kind == "layernorm" else "RMS"
         bias = getattr(mod, "bias", None)
+        if name == "RMS" and bias is not None and bool(bias.any()):
+            raise SurgeryError(f"normsurgery.lens: {site.path} is an RMSNorm with a bias, which TransformerLens' "
+                               "RMSNorm does not apply; lens the model before this pass")
         folded = bool(((mod.weight + site.offset) == 1).all()) and (bias is None or not bool(bias.any()))
         kinds.add(name + "Pre" if folded else name)
-    if len(kinds) > 1:
+    families = {k if k is None else k.removesuffix("Pre") for k in kinds}
+    if len(families) > 1:
         raise SurgeryError(f"normsurgery.lens: the norms are of several kinds ({', '.join(map(str, kinds))}); "
                            "TransformerLens has one normalization_type per model")
-    return kinds.pop() if kinds else None
+    # some folded, some with gains: each bridge norm applies its own gain, 1 for the folded ones
+    return min(kinds, key=lambda k: k is not None and k.endswith("Pre")) if kinds else None
 
 
 def _drop(mapping: dict, component: type) -> None:

@@ -45,7 +45,8 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
              "## What was done", "",
              "- command line: " + (f"`normsurgery {shlex.join(COMMAND)}`" if COMMAND is not None else
                                    "the Python API (" + (sys.argv[0] or "python") + ")"),
-             f"- versions: normsurgery {__version__}, torch {torch.__version__}, transformers {transformers.__version__}",
+             f"- versions: normsurgery {__version__}, torch {torch.__version__}, "
+             f"transformers {transformers.__version__}",
              ""]
     lines += _done(record)
     lines += ["", "## Parity", ""] + _parity(record, reload)
