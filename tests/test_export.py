@@ -34,7 +34,8 @@ def ort_against(folder: Path, reference_model) -> float:
     """ONNX Runtime's output of ``folder`` against ``reference_model`` (the unmodified model, in
     float32) on random ids of a batch and length the graph was not traced with."""
     ids = probe_ids(None, reference_model.config.vocab_size, None, 3, 21, seed=5)
-    return compare(outputs(reference_model, ids), run_graph(folder / GRAPH, ids), output_kind(reference_model)).relative
+    got = run_graph(folder / GRAPH, ids)[0]
+    return compare(outputs(reference_model, ids), got, output_kind(reference_model)).relative
 
 
 def test_stock_output_flashnorm_llama(tmp_path):
@@ -85,8 +86,8 @@ def test_a_broken_graph_is_refused_and_nothing_is_left(tmp_path, monkeypatch):
     E = importlib.import_module("normsurgery.export")  # the module (ns.export is the function)
     write = E.write_graph
 
-    def broken(model, folder, external):  # a weight changed after export
-        write(model, folder, external)
+    def broken(model, folder, *args):  # a weight changed after export
+        write(model, folder, *args)
         g = onnx.load(str(folder / GRAPH))
         t = max(g.graph.initializer, key=lambda t: len(t.raw_data))
         t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 1.01, t.name))
@@ -112,3 +113,24 @@ def test_force_replaces_an_export(tmp_path):
     assert ns.export(GPT2, tmp_path / "onnx").parity.ok
     assert run("export", GPT2, tmp_path / "onnx", "--to", "onnx").exit_code == 1
     assert run("export", GPT2, tmp_path / "onnx", "--to", "onnx", "--force").exit_code == 0
+
+
+@pytest.mark.parametrize("src", [LLAMA, GPT2])
+def test_with_past_generates_as_torch_does(tmp_path, src):
+    ns.convert(src, tmp_path / "out", [("crmsnorm" if src == GPT2 else "flashnorm", {})])
+    r = run("export", tmp_path / "out", tmp_path / "onnx", "--to", "onnx", "--with-past", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["with_past"] and data["parity"]["generation"] == 1.0 and data["parity"]["ok"]
+    import onnx
+
+    graph = onnx.load(str(tmp_path / "onnx" / GRAPH)).graph
+    assert [i.name for i in graph.input][:4] == ["input_ids", "attention_mask", "past_key_values.0.key",
+                                               "past_key_values.0.value"]
+    assert [o.name for o in graph.output][:2] == ["logits", "present.0.key"]
+
+
+def test_with_past_refused_for_a_base_model(tmp_path):
+    src = make(tmp_path, "llama", "LlamaModel")
+    r = run("export", src, tmp_path / "onnx", "--to", "onnx", "--with-past")
+    assert r.exit_code == 1 and "does not generate" in r.output and not (tmp_path / "onnx").exists()
