@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from . import modelcard
 from .checkpoint import Source, finish, load
 from .errors import SurgeryError
 from .output import check_output, writing, written
@@ -145,6 +146,8 @@ def export(src, dest, *, to: str = "onnx", text: str | None = None, tolerance: f
                                        f"{c.generation:.1%} agree; nothing was written")
             shutil.copyfile(source.path / "config.json", stage.path / "config.json")
             finish(stage.path, [], source)
+            modelcard.write_export(stage.path, Path(dest).name, source.name, source.config, c.as_dict(), bool(past),
+                                   external)
     return Exported(written(dest, stage, {}), name, OPSET, external, c, bool(past))
 
 

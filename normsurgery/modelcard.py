@@ -59,6 +59,39 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
     return "\n".join(lines) + "\n"
 
 
+def write_export(folder: Path, name: str, source: str, config, parity: dict, with_past: bool,
+                 external: bool) -> None:
+    """The card of an ONNX export (named ``name``): what the graph takes and returns, and what ONNX Runtime
+    computed against the torch model (``parity``: ``Comparison.as_dict``)."""
+    import onnxruntime
+    import torch
+
+    folder = Path(folder)
+    if (folder / CARD).exists():
+        (folder / CARD).rename(folder / SOURCE_CARD)
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    p = parity
+    lines = ["---", f"base_model: {source}", "library_name: onnx", "tags:", "- normsurgery", "- onnx",
+             f"- {config.model_type}", "---", "", f"# {name}", "",
+             f"`{arch}` ({config.model_type}) from `{source}`, exported to ONNX by normsurgery {__version__} "
+             f"(torch {torch.__version__}, TorchScript exporter), checked in onnxruntime {onnxruntime.__version__}.",
+             "", "## Graph", "", "- inputs: `input_ids`, `attention_mask` (int64; dynamic batch and sequence)"
+             + (", `past_key_values.L.key` / `.value` (batch, heads, past tokens, head dim)" if with_past else ""),
+             f"- outputs: `{'logits' if p.get('top1') is not None else 'last_hidden_state'}`"
+             + (", `present.L.key` / `.value`" if with_past else ""),
+             "- weights: " + ("`model.onnx_data` (external data)" if external else "inside `model.onnx`"),
+             "", "## Parity", "",
+             f"ONNX Runtime (CPU) against the torch model, float32, probe text: relative error {p['relative']:.2e}"
+             + (f", top-1 agreement {p['top1']:.4f}" if p.get("top1") is not None else "")
+             + f"; tolerance {_num(p.get('tolerance'))}: {p.get('reason') or 'none'}."
+             + (f" With the cache: {p['generation']:.0%} of 16 greedy tokens equal `generate`'s." if with_past else ""),
+             "", "## How to run", "", "```python", "import onnxruntime, numpy as np",
+             "session = onnxruntime.InferenceSession(\"PATH/model.onnx\")",
+             "out = session.run(None, {\"input_ids\": ids, \"attention_mask\": np.ones_like(ids)"
+             + (", **past" if with_past else "") + "})[0]", "```"]
+    (folder / CARD).write_text("\n".join(lines) + "\n")
+
+
 def _done(record: dict) -> list[str]:
     rows = []
     for p in record.get("passes") or []:
