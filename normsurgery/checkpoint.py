@@ -217,7 +217,7 @@ class Source:
         if not any((self.path / f).is_file() for f in TOKENIZER_FILES):
             return None
         try:
-            return transformers.AutoTokenizer.from_pretrained(self.path)
+            return transformers.AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)  # never a prompt
         except Exception:
             return None
 

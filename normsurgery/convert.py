@@ -137,7 +137,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     work.steps, work.context = steps, PassContext(
         tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
-    result = Result([], dtype_name(dtype), dtype_name(source.storage), source=str(src), streaming=why)
+    result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why)
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, _length(source)) if verify else None
     outs: dict[int, torch.Tensor] = {}
     if work.resident:
@@ -170,11 +170,20 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     return result
 
 
+#: what a trained step's metrics say of its held-out loss
+HELDOUT = {"ce_before", "ce_after", "tokens"}
+
+
 def _record(result: Result) -> dict:
     """What the saved config records under "normsurgery"."""
     return {"version": __version__, "source": result.source, **({"streaming": True} if result.streaming else {}),
+            "work_dtype": result.work_dtype, "storage_dtype": result.storage_dtype,
             "passes": [{"name": s.name, "options": s.options, "notes": s.notes,
-                        "relative_error": s.parity.relative if s.parity else None} for s in result.steps]}
+                        "relative_error": s.parity.relative if s.parity else None,
+                        "tolerance": s.parity.tolerance if s.parity else None,
+                        "reason": s.parity.reason if s.parity else None,
+                        **({"heldout": {k: s.metrics[k] for k in HELDOUT}} if HELDOUT <= s.metrics.keys() else {})}
+                       for s in result.steps]}
 
 
 def _failure(steps: list[StepSpec], c: Comparison) -> str:

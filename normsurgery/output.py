@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import SurgeryError
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".onnx", ".onnx_data")
 #: folders a checkpoint may hold that ``--force`` may replace with it (ours: an unmerged adapter)
 CHECKPOINT_FOLDERS = {"adapter", ".cache"}
 

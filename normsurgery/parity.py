@@ -28,7 +28,7 @@ them for runtime.RMSNorm (same maths, input dtype kept) so float64 checks are fl
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -101,21 +101,25 @@ def outputs(model, ids: torch.Tensor) -> torch.Tensor:
     it read every row's last token, as each row alone would."""
     lay = layout(model)
     kwargs = {"use_cache": False} if lay.objective == "causal-lm" else {}
-    text = model.config.get_text_config()
-    unpadded = lay.objective == "sequence-classification" and text.pad_token_id is None
-    with _pad_id(text, -1) if unpadded else nullcontext():
+    with unpadded(model):
         out = model(input_ids=ids.to(_device(model)), **kwargs)
     out = out.logits if lay.head is not None else out.last_hidden_state
     return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
 
 @contextmanager
-def _pad_id(config, pad: int):
-    config.pad_token_id = pad
+def unpadded(model):
+    """A sequence classifier without a pad token: while active, its pad id is one no row holds
+    (-1), so it reads every row's last token (nothing else changes)."""
+    text = model.config.get_text_config()
+    if layout(model).objective != "sequence-classification" or text.pad_token_id is not None:
+        yield
+        return
+    text.pad_token_id = -1
     try:
         yield
     finally:
-        config.pad_token_id = None
+        text.pad_token_id = None
 
 
 def _device(model) -> torch.device:

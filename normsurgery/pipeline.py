@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import memory, precision, registry
+from . import memory, modelcard, precision, registry
 from .checkpoint import Loader, Source, claims, finish, load_dtype, mark_not_stock, save_config, stamp, write_config
 from .errors import SurgeryError
 from .families import layout, positions
@@ -506,8 +506,10 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
             progress("check", 0, 1)
             reload = check_written(stage.path, records, tolerances, reference, storage, work.model, force, failure)
             progress("check", 1, 1)
-        stamp(work.model, {**record(), **({"kept_float32": kept} if kept else {})})
+        done = {**record(), **({"kept_float32": kept} if kept else {})}
+        stamp(work.model, done)
         save_config(work.model.config, stage.path)
+        modelcard.write(stage.path, done, reload, work.model.config, Path(out).name)
     info = written(out, stage, {**claims(records, reload), "shards": len(files)})
     comparison = None
     if reload is not None:

@@ -307,7 +307,8 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
     if measure:
         ce["pruned"] = heldout_ce(work.model, held, mask_token_id=mask_id)
     record = {"version": __version__, "source": source.name, **({"streaming": True} if streaming else {}),
-              "prune": {**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0}}
+              "prune": {**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0},
+              "heldout_ce": ce}  # filled in as it is measured (healed: after healing)
     probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
     report = seconds = model = None
     if hopts is not None:

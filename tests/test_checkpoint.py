@@ -208,7 +208,8 @@ def test_our_writer_writes_what_save_pretrained_writes(tmp_path, family, dtype):
     saved = ns.save(model, tmp_path / "ours", max_shard_size="20KB")
     assert saved["reload"]["comparison"]["relative"] == 0.0
     names = sorted(p.name for p in (tmp_path / "hf").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "ours").iterdir()) and len(names) > 3
+    ours = sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert sorted(names + ["README.md"]) == ours and len(names) > 3  # and our model card
     index = [json.loads((tmp_path / d / "model.safetensors.index.json").read_text())["weight_map"] for d in ("hf", "ours")]
     assert index[0] == index[1]
     for name in names:

@@ -49,7 +49,10 @@ def _on_sigterm(signum, frame):
 
 def main() -> None:
     """The entry point: SIGTERM unwinds like Ctrl-C; an interrupt anywhere is one line."""
+    from .. import modelcard
+
     signal.signal(signal.SIGTERM, _on_sigterm)
+    modelcard.COMMAND = sys.argv[1:]  # for the cards of the folders written
     try:
         app()
     except KeyboardInterrupt as e:

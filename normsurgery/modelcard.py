@@ -1,0 +1,165 @@
+"""The model card (README.md, Hugging Face convention) of every folder normsurgery writes.
+
+Made from what the folder's config records under "normsurgery" (the record: passes and their
+options, notes and parity; prune and heal summaries; held-out losses) and from the reload check
+(how the folder loads, and what it computes against the reference): a YAML header with
+``base_model``, ``library_name`` and ``tags``, then what was done, the parity measured, the
+losses of trained steps and how to load the folder. An input's own README.md, copied with its
+side files, is kept as README.source.md.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from .version import __version__
+
+CARD = "README.md"
+SOURCE_CARD = "README.source.md"
+#: the command line of the CLI run writing the folder (set by the CLI; None: the Python API)
+COMMAND: list[str] | None = None
+
+
+def write(folder: Path, record: dict, reload: dict | None, config, name: str) -> None:
+    """``folder/README.md`` (of the model ``name``) from ``record`` and ``reload`` (see the module
+    docstring)."""
+    folder = Path(folder)
+    if (folder / CARD).exists():
+        (folder / CARD).rename(folder / SOURCE_CARD)
+    (folder / CARD).write_text(render(record, reload, config, name, (folder / SOURCE_CARD).exists()))
+
+
+def render(record: dict, reload: dict | None, config, name: str, source_card: bool = False) -> str:
+    import torch
+    import transformers
+
+    passes = [p["name"] for p in record.get("passes") or []] + [k for k in ("prune", "heal") if k in record]
+    tags = ["normsurgery", config.model_type, *dict.fromkeys(passes)]
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    lines = ["---", f"base_model: {record.get('source', '?')}", "library_name: normsurgery", "tags:",
+             *(f"- {t}" for t in tags), "---", "", f"# {name}", "",
+             f"`{arch}` ({config.model_type}) written by normsurgery {record.get('version', __version__)} from "
+             f"`{record.get('source', '?')}`" + (" (its own card: README.source.md)" if source_card else "") + ".", "",
+             "## What was done", "",
+             "- command line: " + (f"`normsurgery {shlex.join(COMMAND)}`" if COMMAND is not None else
+                                   "the Python API (" + (sys.argv[0] or "python") + ")"),
+             f"- versions: normsurgery {__version__}, torch {torch.__version__}, "
+             f"transformers {transformers.__version__}",
+             ""]
+    lines += _done(record)
+    lines += ["", "## Parity", ""] + _parity(record, reload)
+    trained = _trained(record)
+    if trained:
+        lines += ["", "## Held-out loss (trained steps)", "", "| step | cross-entropy before | after | tokens |",
+                  "|---|---|---|---|", *trained]
+    auto = next(iter(getattr(config, "auto_map", None) or {}), "AutoModel")
+    lines += ["", "## How to load", ""] + _loading(reload, arch, auto)
+    return "\n".join(lines) + "\n"
+
+
+def write_export(folder: Path, name: str, source: str, config, parity: dict, with_past: bool,
+                 external: bool) -> None:
+    """The card of an ONNX export (named ``name``): what the graph takes and returns, and what ONNX Runtime
+    computed against the torch model (``parity``: ``Comparison.as_dict``)."""
+    import onnxruntime
+    import torch
+
+    folder = Path(folder)
+    if (folder / CARD).exists():
+        (folder / CARD).rename(folder / SOURCE_CARD)
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    p = parity
+    lines = ["---", f"base_model: {source}", "library_name: onnx", "tags:", "- normsurgery", "- onnx",
+             f"- {config.model_type}", "---", "", f"# {name}", "",
+             f"`{arch}` ({config.model_type}) from `{source}`, exported to ONNX by normsurgery {__version__} "
+             f"(torch {torch.__version__}, TorchScript exporter), checked in onnxruntime {onnxruntime.__version__}.",
+             "", "## Graph", "", "- inputs: `input_ids`, `attention_mask` (int64; dynamic batch and sequence)"
+             + (", `past_key_values.L.key` / `.value` (batch, heads, past tokens, head dim)" if with_past else ""),
+             f"- outputs: `{'logits' if p.get('top1') is not None else 'last_hidden_state'}`"
+             + (", `present.L.key` / `.value`" if with_past else ""),
+             "- weights: " + ("`model.onnx_data` (external data)" if external else "inside `model.onnx`"),
+             "", "## Parity", "",
+             f"ONNX Runtime (CPU) against the torch model, float32, probe text: relative error {p['relative']:.2e}"
+             + (f", top-1 agreement {p['top1']:.4f}" if p.get("top1") is not None else "")
+             + f"; tolerance {_num(p.get('tolerance'))}: {p.get('reason') or 'none'}."
+             + (f" With the cache: {p['generation']:.0%} of 16 greedy tokens equal `generate`'s." if with_past else ""),
+             "", "## How to run", "", "```python", "import onnxruntime, numpy as np",
+             "session = onnxruntime.InferenceSession(\"PATH/model.onnx\")",
+             "out = session.run(None, {\"input_ids\": ids, \"attention_mask\": np.ones_like(ids)"
+             + (", **past" if with_past else "") + "})[0]", "```"]
+    (folder / CARD).write_text("\n".join(lines) + "\n")
+
+
+def _done(record: dict) -> list[str]:
+    rows = []
+    for p in record.get("passes") or []:
+        opts = ", ".join(f"{k}={v}" for k, v in (p.get("options") or {}).items()) or "defaults"
+        rows.append(f"- pass **{p['name']}** ({opts})")
+        rows += [f"  - {n}" for n in p.get("notes") or []]
+    if "prune" in record:
+        pr = record["prune"]
+        rows.append(f"- **prune**: removed layers {pr.get('layers')} (method {pr.get('method')}, "
+                    f"scored on {pr.get('text_tokens', 0)} tokens)")
+    if "heal" in record:
+        h = record["heal"]
+        rows.append(f"- **heal**: LoRA rank {h.get('rank')}, {h.get('steps')} steps, {h.get('tokens')} tokens, "
+                    f"merged")
+    if record.get("streaming"):
+        rows.append("- rewritten one block at a time (streaming)")
+    if record.get("kept_float32"):
+        rows.append(f"- {len(record['kept_float32'])} tensors kept in float32 (they overflow the storage dtype)")
+    return rows or ["- saved as it was (no pass)"]
+
+
+def _parity(record: dict, reload: dict | None) -> list[str]:
+    dtypes = (f"rewritten in {record['work_dtype']}, stored in {record['storage_dtype']}"
+              if "work_dtype" in record else None)
+    rows = [f"Dtypes: {dtypes}.", ""] if dtypes else []
+    steps = [p for p in record.get("passes") or [] if p.get("relative_error") is not None]
+    if steps:
+        rows += ["| pass | relative logit error | tolerance | why |", "|---|---|---|---|"]
+        rows += [f"| {p['name']} | {p['relative_error']:.2e} | {_num(p.get('tolerance'))} | {p.get('reason') or ''} |"
+                 for p in steps]
+        rows.append("")
+    if reload is None:
+        return rows + ["Not loaded back: how this folder loads and what it computes were not checked."]
+    c = reload["comparison"]
+    what = c.get("output", "logits")
+    rows.append(f"Overall (reload check): this folder, loaded back with {reload['loader']}, against the reference "
+                f"({what}, probe text): relative error {c['relative']:.2e}"
+                + (f", top-1 agreement {c['top1']:.4f}" if c.get("top1") is not None else "")
+                + f"; tolerance {_num(c.get('tolerance'))}: {c.get('reason') or 'none'}.")
+    return rows
+
+
+def _trained(record: dict) -> list[str]:
+    rows = []
+    for p in record.get("passes") or []:
+        h = p.get("heldout")
+        if h:
+            rows.append(f"| {p['name']} | {h['ce_before']:.4f} | {h['ce_after']:.4f} | {h['tokens']} |")
+    ce = record.get("heldout_ce") or {}
+    if "original" in ce and "pruned" in ce:
+        rows.append(f"| prune | {ce['original']:.4f} | {ce['pruned']:.4f} | 0 |")
+    h = record.get("heal")
+    if h and h.get("ce_before") is not None:
+        rows.append(f"| heal | {h['ce_before']:.4f} | {h['ce_after']:.4f} | {h['tokens']} |")
+    return rows
+
+
+def _loading(reload: dict | None, arch: str, auto: str) -> list[str]:
+    plain = reload is not None and reload["loader"] == "plain transformers"
+    code = (f"import transformers\nmodel = transformers.{arch}.from_pretrained(\"PATH\")" if plain else
+            f"import transformers\nmodel = transformers.{auto}.from_pretrained(\"PATH\", trust_remote_code=True)\n"
+            "# or: import normsurgery; model = normsurgery.load(\"PATH\")")
+    return ["```python", code, "```", "",
+            "- " + ("plain transformers, no remote code" if plain else
+                    "rewritten modules: the runtime beside the weights (modeling_normsurgery.py) loads as remote code"),
+            "- ONNX Runtime: `normsurgery export PATH onnx/ --to onnx` (checked against this model in ONNX Runtime).",
+            "- TransformerLens (GPT-2 and Llama families): `normsurgery.lens(\"PATH\")`."]
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.1e}"

@@ -1,0 +1,51 @@
+"""Every folder convert, prune and heal write has a model card (README.md, Hugging Face
+convention) saying what was done, the parity measured and how to load it; an input's own card
+is kept as README.source.md."""
+
+import shutil
+
+import yaml
+
+import normsurgery as ns
+from normsurgery.calibration import bundled_text
+
+GPT2 = "normsurgery/demo/gpt2-tiny"
+
+
+def card(folder):
+    text = (folder / "README.md").read_text()
+    _, header, body = text.split("---\n", 2)
+    return yaml.safe_load(header), body
+
+
+def test_convert_card_and_the_input_card_kept(tmp_path):
+    src = tmp_path / "in"
+    shutil.copytree(GPT2, src)
+    (src / "README.md").write_text("# the input's own card\n")
+    r = ns.convert(src, tmp_path / "out", [("pre-rmsnorm", {"fold": True}), ("crmsnorm", {})])
+    assert (tmp_path / "out" / "README.source.md").read_text() == "# the input's own card\n"
+    header, body = card(tmp_path / "out")
+    assert header == {"base_model": str(src), "library_name": "normsurgery",
+                      "tags": ["normsurgery", "gpt2", "pre-rmsnorm", "crmsnorm"]}
+    assert "pass **pre-rmsnorm** (fold=True)" in body and "pass **crmsnorm** (defaults)" in body
+    assert "rewritten in float32, stored in float32" in body
+    for step in r.steps:  # per pass, with its tolerance and why
+        assert f"| {step.name} | {step.parity.relative:.2e} | {step.parity.tolerance:.1e} | {step.parity.reason} |" \
+            in body
+    assert f"relative error {r.parity.relative:.2e}" in body and "loaded back with trust_remote_code=True" in body
+    assert "AutoModelForCausalLM.from_pretrained(\"PATH\", trust_remote_code=True)" in body
+    assert "normsurgery export PATH onnx/ --to onnx" in body
+
+
+def test_prune_and_heal_cards_give_the_held_out_loss(tmp_path):
+    r = ns.prune(GPT2, tmp_path / "pruned", {"layers": 1, "seq_len": 16, "samples": 3})
+    header, body = card(tmp_path / "pruned")
+    assert header["tags"] == ["normsurgery", "gpt2", "prune"]
+    assert f"removed layers {list(r.selection.layers)}" in body
+    assert f"| prune | {r.ce['original']:.4f} | {r.ce['pruned']:.4f} | 0 |" in body
+    assert "loaded back with plain transformers" in body
+    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", bundled_text()[:20000],
+                options={"steps": 2, "seq_len": 32, "batch_size": 2, "rank": 2})
+    header, body = card(tmp_path / "healed")
+    assert header["base_model"] == str(tmp_path / "pruned") and "heal" in header["tags"]
+    assert f"| heal | {h.report.ce_before:.4f} | {h.report.ce_after:.4f} | {h.report.tokens} |" in body
