@@ -107,8 +107,10 @@ def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, strea
     else:
         why = "asked for (--streaming)"
     if whole:
-        raise SurgeryError(f"pass {whole[0]} cannot run one block at a time (it needs facts about the whole model, "
-                           f"such as which channels any writer writes, or trains it), and streaming was chosen: "
+        step = next(s for s in steps if not s.blockwise)
+        need = ("it trains the whole model" if step.kind == "trained" else
+                "it needs facts about the whole model: which channels any writer writes, which units are dead")
+        raise SurgeryError(f"pass {step.pass_name} cannot run one block at a time ({need}), and streaming was chosen: "
                            f"{why}; --in-memory loads the whole model")
     return why
 

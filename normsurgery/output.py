@@ -183,14 +183,8 @@ def output_lock(out):
         return
     folder = Path(tempfile.gettempdir()) / "normsurgery-locks"
     folder.mkdir(exist_ok=True)
-    fd = os.open(folder / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise SurgeryError(f"another normsurgery run (PID {owner}) is writing {out}; wait for it to finish "
-                           "or choose another output") from None
+    path = folder / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".lock")
+    fd = _lock(path, out)
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _HELD[key] = 1
@@ -198,6 +192,27 @@ def output_lock(out):
         yield
     finally:
         del _HELD[key]
+        os.unlink(path)  # still locked: a run waiting on this file sees it gone and takes a new one
+        os.close(fd)
+
+
+def _lock(path: Path, out) -> int:
+    """The lock file ``path`` opened and locked (a file removed by its last holder between our
+    open and our lock is opened again); a lock held by a live run is a SurgeryError naming it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise SurgeryError(f"another normsurgery run (PID {owner}) is writing {out}; wait for it to finish "
+                               "or choose another output") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
         os.close(fd)
 
 

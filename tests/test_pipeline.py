@@ -195,7 +195,8 @@ def test_a_whole_model_pass_is_refused_when_the_model_does_not_fit(tmp_path, mon
 
 
 @pytest.mark.parametrize("family,passes,match", [
-    ("gpt2", [("minimize", {})], "cannot run one block at a time"),
+    ("gpt2", [("minimize", {})], r"minimize cannot run one block at a time \(it needs facts about the whole"),
+    ("gpt2", [("remove-ln", {})], r"remove-ln cannot run one block at a time \(it trains the whole model\)"),
     ("llama", [("pre-rmsnorm", {})], "already RMSNorm"),
 ])
 def test_streaming_refuses_and_writes_nothing(tmp_path, family, passes, match):

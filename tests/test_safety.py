@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,6 +153,9 @@ def test_a_second_writer_fails_clearly_sigkill_keeps_the_previous_output_the_nex
     assert r.exit_code == 0, r.output
     assert f"removed .out.tmp-{proc.pid}" in r.output
     assert not leftovers(out) and digest(out) != before
+    lock = Path(tempfile.gettempdir(), "normsurgery-locks",
+                hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:24] + ".lock")
+    assert not lock.exists()  # a finished run removes its lock file (the killed one's stays, unlocked)
 
 
 def dead_pid() -> int:

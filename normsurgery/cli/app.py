@@ -155,7 +155,7 @@ def size_option(value: str) -> str:
 
 
 FORCE = typer.Option(False, "--force", help="replace OUT if it is a checkpoint (never a folder of other files); "
-                                            "convert: save even if parity breaks")
+                                            "convert, prune, heal: save even if the saved folder's check fails")
 STREAMING = typer.Option(None, "--streaming/--in-memory", help="read and rewrite one block at a time (default: "
                          "only when the model does not fit in memory); --in-memory loads it whole")
 JSON = typer.Option(False, "--json", help="print the result as JSON (for scripts)")
@@ -179,8 +179,8 @@ def claimed(src: str, out, force: bool, allow_pickle: bool = False):
     from ..checkpoint import Source
     from ..output import check_output, output_lock
 
-    source = Source.open(src, allow_pickle)
-    with output_lock(out):
+    with output_lock(out):  # before reading anything: a second run writing OUT stops at once
+        source = Source.open(src, allow_pickle)
         for line in check_output(out, force, source.path):
             stderr().print(f"note: {line} (left by a run that was killed)", markup=False, highlight=False)
         yield source
