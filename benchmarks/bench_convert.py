@@ -19,6 +19,8 @@ the ratios share a machine state:
   stream-noverify  normsurgery convert --streaming --no-verify
   stream           normsurgery convert --streaming (parity check, one block at a time)
   stream-verify    normsurgery verify --streaming, input against the converted output
+  mergekit         mergekit 0.1.5 (``run_merge``) with a one-model ``passthrough`` merge: reads and writes every
+                   tensor lazily with bounded memory, the peer of streaming convert (peers' venv)
   peer             gpt2: TransformerLens 4 (TransformerBridge.boot_transformers(hf_model=...) then
                    enable_compatibility_mode(), which folds the LayerNorms and centres the weights,
                    in memory, no save); llama: transformer_tricks.flashify(state_dict, config) with
@@ -60,9 +62,9 @@ MODELS = {
                              intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
                              tie_word_embeddings=False)},
 }
-OPS = ["copy", "roundtrip", "mem-noverify", "mem", "stream-noverify", "stream", "stream-verify", "peer"]
-QUICK = ("copy", "roundtrip", "mem-noverify", "stream-noverify")  # repeated on the Llama too
-TARGETS = {"stream-noverify": ("copy", 2.0), "mem-noverify": ("roundtrip", 1.5), "mem": ("roundtrip", 3.0)}
+OPS = ["copy", "roundtrip", "mem-noverify", "mem", "stream-noverify", "stream", "stream-verify", "peer", "mergekit"]
+QUICK = ("copy", "roundtrip", "mem-noverify", "stream-noverify", "mergekit")  # repeated on the Llama too
+TARGETS = {"mem-noverify": ("roundtrip", 1.5), "mem": ("roundtrip", 3.0), "stream-noverify": ("mergekit", 1.0)}
 RSS_TARGET_MB = 1024  # streaming convert with its check, and streaming verify, of the 3 GB Llama
 
 
@@ -163,6 +165,25 @@ def op_peer(args) -> dict:
     return {"seconds": seconds, "peak_mb": peak, "import_mb": base}
 
 
+def op_mergekit(args) -> dict:
+    """In the peers' venv: mergekit's passthrough of the checkpoint (every tensor read and written
+    again, lazily), timed after the imports."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import MergeOptions, run_merge
+
+    src, out = Path(args.src), Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    dtype = "float32" if args.model == "gpt2" else "bfloat16"
+    config = MergeConfiguration.model_validate({"models": [{"model": str(src)}], "merge_method": "passthrough",
+                                                "dtype": dtype})
+    base = current_rss_mb()
+    t = time.perf_counter()
+    run_merge(config, str(out), options=MergeOptions(copy_tokenizer=True, out_shard_size=1 << 30,
+                                                     lazy_unpickle=True, quiet=True))
+    return {"seconds": time.perf_counter() - t, "peak_mb": peak_rss_mb(), "import_mb": base,
+            "bytes": folder_bytes(out)}
+
+
 def probe(args):
     import torch
 
@@ -221,8 +242,8 @@ def op_forward(args) -> dict:
     return out
 
 
-WORKERS = {"build": op_build, "peer": op_peer, "parity": op_parity, "forward": op_forward,
-           **{op: op_measure for op in OPS if op != "peer"}}
+WORKERS = {"build": op_build, "peer": op_peer, "mergekit": op_mergekit, "parity": op_parity, "forward": op_forward,
+           **{op: op_measure for op in OPS if op not in ("peer", "mergekit")}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,12 +266,12 @@ def run_model(name: str, args, log, peers) -> dict:
             out = conv if op == "stream-noverify" else WORK / f"{name}-{op}"
             os.sync()
             try:
-                if op == "peer":
+                if op in ("peer", "mergekit"):
                     if peers[0] is None:
                         res["ops"][op] = {"error": f"peers not installed: {peers[1]}"}
                         continue
-                    got = spawn(__file__, "peer", args.threads, python=peers[0], model=name, src=src, out=out)
-                    if "parity" not in res:
+                    got = spawn(__file__, op, args.threads, python=peers[0], model=name, src=src, out=out)
+                    if op == "peer" and "parity" not in res:
                         res["parity"] = spawn(__file__, "parity", args.threads, model=name, src=src, ref=conv, out=out)
                 else:
                     got = spawn(__file__, op, args.threads, model=name, src=src, out=out, ref=conv)
@@ -277,8 +298,13 @@ def summarise(res: dict) -> list[str]:
             if "seconds" in ops.get(op, {}) and "seconds" in ops.get(base, {}):
                 x = ops[op]["seconds"] / ops[base]["seconds"]
                 lines.append(f"{name}: {op} time {x:.2f}x {base} (target <= {target}x): {'met' if x <= target else 'MISSED'}")
+        mk = ops.get("mergekit", {})
+        if "peak_mb" in mk and "peak_mb" in ops.get("stream-noverify", {}):
+            p, q = ops["stream-noverify"]["peak_mb"], mk["peak_mb"]
+            lines.append(f"{name}: stream-noverify peak RSS {p:.0f} MB vs mergekit's {q:.0f} MB (target: lower): "
+                         f"{'met' if p < q else 'MISSED'}")
         if name == "llama":
-            for op in ("stream", "stream-verify"):
+            for op in ("stream-noverify", "stream", "stream-verify"):
                 if "peak_mb" in ops.get(op, {}):
                     p = ops[op]["peak_mb"]
                     lines.append(f"{name}: {op} peak RSS {p:.0f} MB (target < {RSS_TARGET_MB} MB): "

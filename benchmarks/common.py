@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = ["transformer-lens>=4", "transformer-tricks"]
+PEERS = ["transformer-lens>=4", "transformer-tricks", "mergekit==0.1.5"]
 
 
 def current_rss_mb() -> float:
