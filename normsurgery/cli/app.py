@@ -14,10 +14,11 @@ import os
 import signal
 import sys
 from contextlib import contextmanager
+from typing import Optional
 
 import typer
 
-from .. import __version__
+from .. import __version__, threads
 from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -33,10 +34,17 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+THREADS: list[int | None] = [None]  # --threads, before the command
+
+
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="print the version and exit")):
+                                       help="print the version and exit"),
+          threads: Optional[int] = typer.Option(None, "--threads", min=1, metavar="N",
+                                                help="torch threads (default: OMP_NUM_THREADS, else the CPUs "
+                                                     "not already busy: spinning threads collapse under load)")):
     """Model surgery on transformer checkpoints, with the logits re-verified."""
+    THREADS[0] = threads
 
 
 class Terminated(KeyboardInterrupt):
@@ -82,6 +90,7 @@ def load_transformers() -> None:
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is raised here
 
+    threads.use(THREADS[0])
     transformers.utils.logging.disable_progress_bar()
     if "TRANSFORMERS_VERBOSITY" not in os.environ:
         transformers.utils.logging.set_verbosity_error()
