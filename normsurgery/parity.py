@@ -28,6 +28,7 @@ them for runtime.RMSNorm (same maths, input dtype kept) so float64 checks are fl
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -157,6 +158,8 @@ def compare(ref: torch.Tensor, out: torch.Tensor, output: str = "logits") -> Com
         if not hidden:
             kl += (cross + lse_o - lse_r).sum().item()
     relative = max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else 1.0)
+    if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(out).all())):  # max() skips NaN
+        max_abs = relative = float("nan")
     if hidden:
         return Comparison(max_abs, abs_sum / ref.numel(), relative, None, None, cosine, output)
     positions = ref[..., 0].numel()
@@ -187,6 +190,8 @@ def tolerance(compute: torch.dtype, storage: torch.dtype, baseline: Callable[[],
     ``storage`` (or, for half-precision arithmetic, run in float32); measured only when needed."""
     if compute not in TOLERANCE:
         own = baseline()
+        if not math.isfinite(own.relative):
+            return TOLERANCE[torch.float32], _unmeasured(f"the reference's own {dtype_name(compute)} rounding"), own
         return (max(TOLERANCE[torch.float32], ROUNDING_FACTOR * own.relative),
                 f"computed in {dtype_name(compute)}: {ROUNDING_FACTOR} x the reference's own "
                 f"{dtype_name(compute)} rounding "
@@ -195,11 +200,18 @@ def tolerance(compute: torch.dtype, storage: torch.dtype, baseline: Callable[[],
         why = "checks the algebra" if compute == torch.float64 else "its rounding"
         return TOLERANCE[compute], f"{dtype_name(compute)} arithmetic on weights it holds exactly: {why}", None
     own = baseline()
+    if not math.isfinite(own.relative):
+        return TOLERANCE[compute], _unmeasured(f"what storing in {dtype_name(storage)} costs"), own
     return (max(TOLERANCE[compute], ROUNDING_FACTOR * own.relative),
             f"weights stored in {dtype_name(storage)}: {ROUNDING_FACTOR} x what storing in {dtype_name(storage)} "
             f"costs the "
             f"reference (its weights re-rounded by a random half-ulp: {own.relative:.1e}), at least "
             f"{TOLERANCE[compute]:.0e} for {dtype_name(compute)} arithmetic", own)
+
+
+def _unmeasured(what: str) -> str:
+    return (f"{what} could not be measured (the reference's outputs, or those of its re-rounded copy, hold NaN "
+            f"or Inf); only the arithmetic's own tolerance applies")
 
 
 @contextmanager

@@ -231,3 +231,19 @@ def test_a_broken_rewrite_of_a_deep_model_still_fails():
         broken.model.layers[5].post_attention_layernorm.weight[3] *= 1.01  # a 1% error on one gain
     v = ns.verify(model, broken, generate=0)
     assert not v.ok and v.tolerance > 1e-5, (v.relative, v.tolerance)
+
+
+def test_a_baseline_that_cannot_be_measured_is_not_shown_as_a_number():
+    """A reference that is NaN once re-rounded used to report its baseline as (0.0e+00): max()
+    skips NaN. The comparison is NaN (never ok) and the tolerance says it was not measured."""
+    import math
+
+    from normsurgery.parity import compare, tolerance
+
+    ref = torch.randn(2, 4, 50)
+    bad = ref.clone()
+    bad[0, 1, 3] = float("nan")
+    c = compare(ref, bad)
+    assert math.isnan(c.relative) and not c.judged(1e-5, "x").ok
+    tol, why, own = tolerance(torch.float32, torch.float16, lambda: compare(ref, bad))
+    assert tol == 1e-5 and "could not be measured" in why and "0.0e+00" not in why

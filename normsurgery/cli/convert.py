@@ -108,7 +108,10 @@ def convert(
             say(f"  {s.name}: {note}")
     if result.parity:
         p = result.parity
-        say(f"saved folder vs the reference ({p.output}): relative error {fmt(p.relative)}"
+        changed = [s.name for s in result.steps if s.kind == "reference"]
+        against = (f"the model after {changed[-1]} (it changes the function on purpose)" if changed
+                   else "the input")
+        say(f"saved folder vs {against} ({p.output}): relative error {fmt(p.relative)}"
             + (f", top-1 agreement {p.top1:.4f}" if p.top1 is not None else "")
             + (f"; tolerance {fmt(p.tolerance)}: {p.reason}" if p.tolerance is not None else ""))
     if result.streaming:

@@ -125,10 +125,14 @@ def verify_table(r, a, b, dtype) -> Table:
              else [("mean-pooled cosine (worst)", r.cosine)])
     rows += [("greedy agreement", r.generation)] if r.generation is not None else []
     rows = [(k, fmt(v)) for k, v in rows]
+    notes = list(dict.fromkeys(row["note"] for row in r.layers if row["note"]))  # each said once
     for row in r.layers:
-        rows.append((f"h_{row['state']}: {row['what']}", fmt(row["relative"]) + f" ({row['basis']})"
-                     + (f"; {row['note']}" if row["note"] else "")))
-    return table(f"verify {a} vs {b} in {dtype}", ("metric", "value"), rows)
+        mark = f" [{notes.index(row['note']) + 1}]" if row["note"] else ""
+        rows.append((f"h_{row['state']}: {row['what']}", fmt(row["relative"]) + f" ({row['basis']}){mark}"))
+    t = table(f"verify {a} vs {b} in {dtype}", ("metric", "value"), rows)
+    if notes:
+        t.caption = Text("\n".join(f"[{i + 1}] {n}" for i, n in enumerate(notes)), justify="left")
+    return t
 
 
 # ---- passes, inspect ----
