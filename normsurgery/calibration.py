@@ -39,7 +39,23 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     """The 1-D token ids of ``text`` (no special tokens added)."""
     if tokenizer is None:
         raise SurgeryError("the checkpoint has no tokenizer, so text cannot be turned into tokens")
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    # verbose=False: the whole text is longer than the model's positions on purpose (it is cut
+    # into windows), so transformers' "Token indices sequence length is longer..." is noise
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False)["input_ids"][0]
+
+
+#: tokens per window when none is given and the model has at least as many positions
+SEQ_LEN = 128
+
+
+def fit_seq_len(positions: int | None, seq_len: int | None, what: str = "--seq-len") -> int:
+    """The window length: none given (None or 0) fits the model, min(SEQ_LEN, positions); an
+    explicit one longer than the model's positions is refused."""
+    if not seq_len:
+        return min(SEQ_LEN, positions or SEQ_LEN)
+    if positions is not None and seq_len > positions:
+        raise SurgeryError(f"{what} {seq_len} is longer than the model's {positions} positions")
+    return seq_len
 
 
 def check_length(ids: torch.Tensor, length: int, what: str = "the text") -> None:

@@ -31,7 +31,7 @@ import torch
 
 from .version import __version__
 from . import algebra
-from .calibration import split_heldout, tokenize, windows
+from .calibration import fit_seq_len, split_heldout, tokenize, windows
 from .errors import SurgeryError
 from .checkpoint import Source
 from .families import layout
@@ -46,7 +46,6 @@ __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "hel
 #: --precision spellings -> accelerate's mixed precision
 PRECISIONS = {"auto": "auto", "fp32": "no", "no": "no", "bf16": "bf16", "fp16": "fp16"}
 #: default tokens per window, or the model's positions when fewer
-SEQ_LEN = 128
 
 
 @dataclass
@@ -57,7 +56,7 @@ class HealOptions:
     lr: float = 2e-3
     target_modules: list[str] | None = None  # linears to adapt, by name (default: every linear in the blocks)
     batch_size: int = 8  # windows per micro-batch and process
-    seq_len: int | None = None  # default: SEQ_LEN, or the model's positions when fewer
+    seq_len: int | None = None  # default: calibration.SEQ_LEN, or the model's positions when fewer
     grad_accum: int = 1
     precision: str = "auto"  # PRECISIONS
     eval_fraction: float = 0.1  # share of the text held out (when no held-out text is given)
@@ -90,15 +89,6 @@ def check_values(opts: dict) -> None:
             raise SurgeryError(f"{flag} must be positive, got {v!r}")
     if opts.get("precision") is not None and opts["precision"] not in PRECISIONS:
         raise SurgeryError(f"--precision {opts['precision']!r}: choose one of auto, fp32, bf16, fp16")
-
-
-def fit_seq_len(positions: int | None, seq_len: int | None, what: str = "--seq-len") -> int:
-    """The default window fits the model (min(SEQ_LEN, positions)); a longer explicit one is refused."""
-    if seq_len is None:
-        return min(SEQ_LEN, positions or SEQ_LEN)
-    if positions is not None and seq_len > positions:
-        raise SurgeryError(f"{what} {seq_len} is longer than the model's {positions} positions")
-    return seq_len
 
 
 def heal_data(tokenizer, text: str, eval_text: str | None, opts: HealOptions):

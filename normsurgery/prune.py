@@ -30,11 +30,11 @@ from torch import nn
 
 from .version import __version__
 from .analysis import blocks_of, forward_base, residual_capture
-from .calibration import bundled_text, tokenize, windows
+from .calibration import bundled_text, fit_seq_len, tokenize, windows
 from .checkpoint import Source
 from .errors import SurgeryError
 from .families import family, layout
-from .heal import (PRECISIONS, HealOptions, HealReport, check_values, fit_seq_len, heal_data, make_accelerator,
+from .heal import (PRECISIONS, HealOptions, HealReport, check_values, heal_data, make_accelerator,
                    summary, write_adapter)
 from .heal import run as heal_run
 from .layout import LM_OBJECTIVES

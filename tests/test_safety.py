@@ -238,6 +238,14 @@ def test_default_window_fits_a_model_with_few_positions(tmp_path):
     assert (tmp_path / "out" / "model.safetensors").is_file()
     one_line_error(run("prune", src, tmp_path / "out2", "--layers", "1", "--seq-len", "128"),
                    match="--seq-len 128 is longer than the model's 64 positions")
+    # every default adapts the same way: remove-ln's and prepbn's windows too
+    text = str(ROOT / "normsurgery/data/sample.txt")
+    r = run("convert", src, tmp_path / "out3", "--pass", "remove-ln:steps=12,batch_size=2,eval_samples=2",
+            "--text", text, "--json")
+    assert r.exit_code == 0, r.output
+    for name in ("remove-ln", "prepbn"):
+        one_line_error(run("convert", src, tmp_path / "out4", "--pass", f"{name}:steps=8,seq_len=128", "--text", text),
+                       match=f"{name}: seq_len 128 is longer than the model's 64 positions")
 
 
 # ---- hardening: bad checkpoints, one line each, input untouched, nothing written ----

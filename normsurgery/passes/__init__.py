@@ -6,17 +6,18 @@ from ..registry import all_passes, between, declare, one_of
 
 #: options of mask and of the passes that can mask first (minimize, compensated-ln)
 MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0}
-PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 128,
+PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 0,
                   "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
                   "fold": True, "save_every": 0, "resume": False}
-REMOVE_LN_OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 128, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
+REMOVE_LN_OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
                      "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
                      "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
                      "export": "self"}
 PRE_LN = "Pre-LN and parallel models of every supported family"
-#: the values options take, checked before anything is loaded (options not listed: any of their type)
+#: the values options take, checked before anything is loaded (options not listed: any of their type);
+#: seq_len 0: min(128, the model's positions)
 LIMITS = {"sparsity": between(0, 1), "by": one_of("magnitude"), "prune_channels": between(0),
-          "steps": between(1), "batch_size": between(1), "seq_len": between(2), "lr": between(0, open_low=True),
+          "steps": between(1), "batch_size": between(1), "seq_len": between(0), "lr": between(0, open_low=True),
           "min_lr": between(-1), "weight_decay": between(0), "grad_accum": between(1), "save_every": between(0),
           "eval_fraction": between(0, 1, open_low=True), "heldout": between(0, 1, open_low=True),
           "eval_samples": between(1), "calib_samples": between(1), "momentum": between(0, 1, open_low=True,

@@ -211,7 +211,7 @@ def applies(model, layout: Layout) -> str | None:
 def _data(ctx: PassContext, opts: dict, max_len: int | None):
     if not ctx.text:
         raise SurgeryError("prepbn trains: give it text (--text FILE)")
-    seq = opts["seq_len"] if not max_len else min(opts["seq_len"], max_len)
+    seq = calibration.fit_seq_len(max_len, opts["seq_len"], "prepbn: seq_len")
     ids = calibration.tokenize(ctx.tokenizer, ctx.text)
     train_ids, held = calibration.split_heldout(ids, opts["eval_fraction"], seq)
     return (train_ids, calibration.windows(held, seq, opts["eval_samples"], "the held-out text"),

@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import algebra
-from ..calibration import split_heldout, tokenize, windows
+from ..calibration import fit_seq_len, split_heldout, tokenize, windows
 from ..algebra import TOLERANCE
 from ..errors import SurgeryError
+from ..families import positions
 from ..layout import Layout
 from ..registry import PassContext, PassReport
 from ..runtime import NoNorm
@@ -341,9 +342,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                            "cannot hold accurately; use the default export or a float32 working dtype")
     if not ctx.text:
         raise SurgeryError("remove-ln trains the model: give it text (--text FILE)")
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and o["seq_len"] > limit:
-        raise SurgeryError(f"remove-ln: seq_len {o['seq_len']} is longer than the model's {limit} positions")
+    o = {**o, "seq_len": fit_seq_len(positions(model.config), o["seq_len"], "remove-ln: seq_len")}
     ids = tokenize(ctx.tokenizer, ctx.text)
     train_ids, held_ids = split_heldout(ids, o["heldout"], o["seq_len"])
     held = windows(held_ids, o["seq_len"], o["eval_samples"], "the held-out part of the text")
