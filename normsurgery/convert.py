@@ -92,6 +92,11 @@ def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch
     return requested or (torch.float64 if storage == torch.float64 else torch.float32)
 
 
+def state_dir(out) -> Path:
+    """Where trained passes keep their resumable state for ``out``: ``.OUT.train-state`` beside it."""
+    return Path(out).parent / f".{Path(out).name}.train-state"
+
+
 def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, streaming: bool | None) -> str | None:
     """Why the model is rewritten one part at a time (None: in memory, one part)."""
     whole = [s.name for s in steps if not s.blockwise]
@@ -135,7 +140,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     dtype = work_dtype_for(source.storage, work_dtype)
     why = choose_plan(source, steps, dtype, streaming)
     work = Work(source, dtype, streamed=why is not None)
-    workdir = Path(out).parent / f".{Path(out).name}.train-state"  # trained passes' resumable state
+    workdir = state_dir(out)
     work.steps, work.context = steps, PassContext(
         tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))

@@ -116,6 +116,13 @@ class TrainResult:
     def as_dict(self) -> dict:
         return {**asdict(self), "tokens_per_second": self.tokens_per_second}
 
+    def done(self) -> str:
+        """What was trained, in words: "trained 120 steps (resumed at step 50: 70 in this run,
+        ...)"."""
+        resumed = (f"resumed at step {self.resumed_from}: {self.steps - self.resumed_from} in this run, "
+                   if self.resumed_from else "")
+        return f"trained {self.steps} steps ({resumed}{self.tokens:,} tokens, {self.seconds:.0f} s)"
+
 
 # ----------------------------------------------------------------------------- processes
 

@@ -284,3 +284,24 @@ def test_readme_matches_the_cli():
     for f in [root / "README.md", root / "normsurgery/demo/README.md", *root.glob("recipes/*"), *root.glob("scripts/*")]:
         assert "../shared" not in f.read_text(), f
     assert "/demo-out/" in (root / ".gitignore").read_text().split()
+
+
+def test_an_interrupt_names_the_training_state_it_keeps(tmp_path, monkeypatch):
+    """Ctrl-C during a trained pass: no output, and the resumable state beside it is named."""
+    import importlib
+
+    conv = importlib.import_module("normsurgery.convert")
+    from normsurgery.training import STATE_FILE
+
+    out = tmp_path / "out"
+
+    def interrupted(src, out, *args, **kwargs):
+        conv.state_dir(out).mkdir()
+        (conv.state_dir(out) / STATE_FILE).write_bytes(b"state")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv, "convert", interrupted)
+    r = run("convert", GPT2, out, "--pass", "remove-ln", "--text", "normsurgery/data/sample.txt")
+    assert r.exit_code == 130
+    assert f"nothing was written; the training state is kept in {tmp_path / '.out.train-state'}" in r.output
+    assert "--resume continues from it" in r.output and not out.exists()

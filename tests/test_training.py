@@ -86,3 +86,13 @@ def test_two_cpu_processes_form_one_group_and_write_once(tmp_path):
     report = json.loads(r.stdout)  # one JSON document: only the main process printed
     assert report["heal"]["processes"] == 2 and report["heal"]["tokens"] == 2 * 2 * 2 * 32
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "model.safetensors").is_file()
+
+
+def test_a_resumed_run_says_where_it_resumed():
+    from normsurgery.training import TrainResult
+
+    r = TrainResult(steps=120, tokens=1000, seconds=3.0, processes=1, precision="no", ce_before=4.0,
+                    ce_after=3.0, trainable_parameters=10, resumed_from=50)
+    assert r.done() == "trained 120 steps (resumed at step 50: 70 in this run, 1,000 tokens, 3 s)"
+    r.resumed_from = None
+    assert r.done() == "trained 120 steps (1,000 tokens, 3 s)"

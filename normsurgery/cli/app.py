@@ -64,8 +64,15 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt as e:
-        say_error(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: nothing was written")
+        say_error(interrupted(e))
         sys.exit(INTERRUPTED)
+
+
+def interrupted(e: KeyboardInterrupt) -> str:
+    """What an interrupt leaves: no output; a training state kept (``e.kept``) is named."""
+    kept = getattr(e, "kept", None)
+    return (f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: nothing was written"
+            + (f"; {kept}" if kept else ""))
 
 
 def say_error(message: str) -> None:
@@ -115,7 +122,7 @@ def command(fn=None, *, preload: bool = True):
             say_error(str(e))
             raise typer.Exit(USAGE if isinstance(e, UsageError) else FAILED)
         except KeyboardInterrupt as e:
-            say_error(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: nothing was written")
+            say_error(interrupted(e))
             raise typer.Exit(INTERRUPTED)
         except (typer.Exit, typer.Abort):
             raise

@@ -77,7 +77,8 @@ def convert(
         raise UsageError("no passes given: use --pass NAME or --recipe FILE (`normsurgery passes` lists them)")
     check_passes(specs)
     load_transformers()
-    from ..convert import convert as convert_checkpoint
+    from ..convert import convert as convert_checkpoint, state_dir
+    from ..training import STATE_FILE
     from ..training import is_main_process
 
     if fold:
@@ -86,12 +87,18 @@ def convert(
                                 "resume": resume or None}.items() if v is not None}
     specs = [(n, {**o, **{k: v for k, v in given.items() if k in registry.get(n).options}}) for n, o in specs]
     body = read_text(text)
-    with claimed(src, out, force, allow_pickle) as source:
-        with progress_bar(not json and is_main_process()) as progress:
-            result = convert_checkpoint(source, out, specs, force=force, verify=not no_verify,
-                                         work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
-                                         max_shard_size=max_shard_size, progress=progress,
-                                         streaming=streaming, on_overflow=on_overflow)
+    try:
+        with claimed(src, out, force, allow_pickle) as source:
+            with progress_bar(not json and is_main_process()) as progress:
+                result = convert_checkpoint(source, out, specs, force=force, verify=not no_verify,
+                                             work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
+                                             max_shard_size=max_shard_size, progress=progress,
+                                             streaming=streaming, on_overflow=on_overflow)
+    except KeyboardInterrupt as e:
+        kept = state_dir(out)
+        if (kept / STATE_FILE).is_file():
+            e.kept = f"the training state is kept in {kept}: the same command with --resume continues from it"
+        raise
     if result.saved is None:  # not the main process
         return
     for line in result.warnings or ():

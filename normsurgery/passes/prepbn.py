@@ -256,10 +256,10 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                           ce_delta=ce - result.ce_before, steps=result.steps, tokens=result.tokens,
                           seconds=result.seconds + time.perf_counter() - t, warmup=warmup, decay=decay,
                           lr=opts["lr"], curve=result.curve)
-    report.notes.append(f"trained {result.steps} steps ({result.tokens:,} tokens, {result.seconds:.0f} s): "
-                        f"lam = 1 for {warmup}, decayed to 0 over {decay}; held-out CE "
-                        f"{result.ce_before:.4f} -> {ce:.4f} ({ce - result.ce_before:+.4f}) "
-                        f"with running statistics re-estimated on {len(calib)} windows")
+    report.notes.append(f"{result.done()}: lam = 1 for {warmup}, decayed to 0 over {decay}; held-out CE "
+                        f"{result.ce_before:.4f} -> {ce:.4f} ({ce - result.ce_before:+.4f}) after the running "
+                        f"statistics were re-estimated on {len(calib)} windows ({result.ce_after:.4f} at the end of "
+                        f"training, the curve's last row)")
     if opts["fold"]:
         folded = bn_fold.apply(model, layout_of(model), ctx)
         report.notes += folded.notes

@@ -386,7 +386,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                             f"and b; fold checked against the frozen model (relative error "
                             f"{report.metrics['fold_error_float64']:.1e} in float64, "
                             f"{report.metrics['fold_error_float32']:.1e} in float32)")
-    report.notes.append(f"trained {result.steps} steps ({result.tokens} tokens, {result.seconds:.0f} s): held-out CE "
+    report.notes.append(f"{result.done()}: held-out CE "
                         f"{result.ce_before:.4f} -> {result.ce_after:.4f} ({result.ce_after - result.ce_before:+.4f})")
     return report
 
