@@ -87,7 +87,10 @@ def opt(model, p: str, head: str | None) -> Layout:
                   attention=tuple(attention), mlps=tuple(mlps), config_widths=(("intermediate", "ffn_dim"),))
 
 
-def llama_like(model, p: str, head: str | None) -> Layout:
+def llama_like(model, p: str, head: str | None, *, mlp_norm: str = "post_attention_layernorm",
+               output_norms: tuple[str, ...] = ()) -> Layout:
+    """Llama-style decoders; ``mlp_norm`` names the MLP's input norm, ``output_norms`` the norms
+    on the sub-blocks' outputs (sandwich norms: x += norm_out(f(norm_in(x))))."""
     c = model.config
     h = f"{p}layers"
     norms, writers, qk = [], [], []
@@ -95,7 +98,8 @@ def llama_like(model, p: str, head: str | None) -> Layout:
         b = f"{h}.{i}"
         attn = tuple(f"{b}.self_attn.{p}_proj" for p in "qkv")
         norms += [NormSite(f"{b}.input_layernorm", attn, "attn"),
-                  NormSite(f"{b}.post_attention_layernorm", (f"{b}.mlp.gate_proj", f"{b}.mlp.up_proj"), "mlp")]
+                  NormSite(f"{b}.{mlp_norm}", (f"{b}.mlp.gate_proj", f"{b}.mlp.up_proj"), "mlp")]
+        norms += [NormSite(f"{b}.{n}", (), "output") for n in output_norms]
         writers += [f"{b}.self_attn.o_proj", f"{b}.mlp.down_proj"]
         attn_mod = model.get_submodule(f"{b}.self_attn")
         qk += [f"{b}.self_attn.{n}" for n in ("q_norm", "k_norm") if hasattr(attn_mod, n)]
@@ -110,6 +114,13 @@ def llama_like(model, p: str, head: str | None) -> Layout:
                   (f"{p}embed_tokens",), tuple(writers), tuple(norms), head, False,
                   qk_norms=tuple(qk), attention=attention, mlps=mlps,
                   config_widths=widths)
+
+
+def sandwich(model, p: str, head: str | None) -> Layout:
+    """Gemma 2 and 3: a norm before and after each sub-block (``post_attention_layernorm`` is
+    the attention's output norm, ``pre_feedforward_layernorm`` the MLP's input norm)."""
+    return llama_like(model, p, head, mlp_norm="pre_feedforward_layernorm",
+                      output_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
 
 
 def phi(model, p: str, head: str | None) -> Layout:

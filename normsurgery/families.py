@@ -58,6 +58,7 @@ class Family:
     lm_class: str  # the class a config without ``architectures`` gets, e.g. "LlamaForCausalLM"
     classes: dict[str, Head]  # every class normsurgery loads and saves for this family
     rmsnorm: tuple[str, float] | None = None  # the family's RMSNorm class in its modeling module, gain offset
+    module: str | None = None  # its transformers.models package when not named model_type (gemma3_text: gemma3)
     positions_key: str = "max_position_embeddings"
     eps_keys: tuple[str, ...] = ()  # config keys the stock norms read their eps from
     bias_flags: tuple[str, ...] = ()  # config flags that give the stock linears biases
@@ -108,6 +109,13 @@ FAMILIES = {
                     eps_keys=RMS_EPS, bias_flags=("attention_bias",), pruning=SLIDING),
     "gemma": Family(adapters.llama_like, "GemmaForCausalLM", _decoder("Gemma"), rmsnorm=("GemmaRMSNorm", 1.0),
                     eps_keys=RMS_EPS, bias_flags=("attention_bias",)),
+    "gemma2": Family(adapters.sandwich, "Gemma2ForCausalLM", _decoder("Gemma2"), rmsnorm=("Gemma2RMSNorm", 1.0),
+                     eps_keys=RMS_EPS, bias_flags=("attention_bias",), pruning=Pruning(lists=("layer_types",))),
+    "gemma3_text": Family(adapters.sandwich, "Gemma3ForCausalLM",
+                          _classes("Gemma3ForCausalLM", "Gemma3TextModel",
+                                   seq=("Gemma3TextForSequenceClassification", "score")),
+                          rmsnorm=("Gemma3RMSNorm", 1.0), module="gemma3", eps_keys=RMS_EPS,
+                          bias_flags=("attention_bias",), pruning=Pruning(lists=("layer_types",))),
     "phi": Family(adapters.phi, "PhiForCausalLM", _decoder("Phi"), eps_keys=LN_EPS),
     "bert": Family(adapters.bert, "BertForMaskedLM",
                    _classes("BertForMaskedLM", "BertModel", lm_head="cls.predictions.decoder",
@@ -204,7 +212,8 @@ def _norm_table() -> dict[type, tuple[str, Callable[[nn.Module], float]]]:
     for name, fam in FAMILIES.items():
         if fam.rmsnorm:
             cls, offset = fam.rmsnorm
-            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            package = fam.module or name
+            module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
             table[getattr(module, cls)] = ("rmsnorm", lambda m, o=offset: o)
     return table
 

@@ -9,6 +9,10 @@ Placement:
 - ``parallel``: x += attn(norm_a(x)) + mlp(norm_m(x)) in one step (GPT-NeoX, Phi; Phi shares
   one norm between both, which is just a norm site with both sublayers' readers);
 - ``post``: x = norm(x + f(x)) (BERT): the stream itself is normalised, so norm passes refuse.
+
+A ``pre`` block may also normalise its sub-blocks' outputs: x += norm_out(f(norm_in(x))) (Gemma 2
+and 3's sandwich norms). Such a norm has role "output" and no readers: what it writes is the
+stream, so its gain has no linear layer to fold into, and the stream is not the writers' sum.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class NormSite:
 
     path: str
     readers: tuple[str, ...]
-    role: str  # "attn", "mlp", "attn+mlp", "final", "embed", "post"
+    role: str  # "attn", "mlp", "attn+mlp", "final", "embed", "post", "output" (a sub-block's output norm)
     kind: str = "other"
     offset: float | None = 0.0
     eps: float | None = None

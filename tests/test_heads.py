@@ -60,6 +60,8 @@ CASES = [  # family, class, pass, objective, head
     ("gpt_neox", "GPTNeoXForTokenClassification", "pre-rmsnorm:fold=true", "token-classification", "classifier"),
     ("gpt2", "GPT2ForSequenceClassification", "pre-rmsnorm:fold=true", "sequence-classification", "score"),
     ("gpt2", "GPT2Model", "crmsnorm", "none", None),
+    ("gemma3_text", "Gemma3TextModel", "flashnorm", "none", None),
+    ("gemma2", "Gemma2ForSequenceClassification", "flashnorm", "sequence-classification", "score"),
 ]
 
 

@@ -22,7 +22,7 @@ from ..norms import is_stock_rmsnorm
 from ..registry import PassContext, PassReport
 from ..runtime import CRMSNorm
 from . import _shrink, pre_rmsnorm
-from .norms import refuse_norms, refuse_post_ln, untie_if_touched
+from .norms import refuse_norms, refuse_output_norms, refuse_post_ln, untie_if_touched
 
 #: |mean of a written vector| / max |entry| below which the stream counts as zero-mean
 CENTRED = 1e-6
@@ -44,7 +44,7 @@ def _centred(model, layout: Layout) -> bool:
 def applies(model, layout: Layout) -> str | None:
     if "crmsnorm" in layout.norm_kinds:
         return "the norms are already CRMSNorm"
-    reason = refuse_post_ln(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
+    reason = refuse_post_ln(layout) or refuse_output_norms(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
     if reason:
         return reason
     if layout.output_norm is not None:

@@ -12,11 +12,12 @@ from .. import masks
 from ..layout import Layout
 from ..registry import PassContext, PassReport
 from . import MASK_OPTIONS as OPTIONS
-from .norms import refuse_norms, refuse_post_ln
+from .norms import refuse_norms, refuse_output_norms, refuse_post_ln
 
 
 def applies(model, layout: Layout) -> str | None:
-    reason = refuse_post_ln(layout) or refuse_norms(layout, ("layernorm", "rmsnorm", "compensated-layernorm"))
+    reason = (refuse_post_ln(layout) or refuse_output_norms(layout)
+              or refuse_norms(layout, ("layernorm", "rmsnorm", "compensated-layernorm")))
     if reason:
         return reason
     if not layout.attention or len(layout.mlps) != len(layout.attention):

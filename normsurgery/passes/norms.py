@@ -28,6 +28,20 @@ def refuse_post_ln(layout: Layout) -> str | None:
     return None
 
 
+def refuse_output_norms(layout: Layout) -> str | None:
+    """Why a rewrite of the stream does not apply when sub-blocks normalise their outputs."""
+    out = output_norms(layout)
+    if out:
+        return (f"{out[0].path} and {len(out) - 1} more norms normalise a sub-block's output before it joins the "
+                "stream (sandwich norms): the stream is not the sum of the writers' outputs, so writers cannot "
+                "be centred or have channels removed, and those norms have no reader")
+    return None
+
+
+def output_norms(layout: Layout) -> tuple[NormSite, ...]:
+    return tuple(s for s in layout.norms if s.role == "output")
+
+
 def fold_into_readers(model, layout: Layout, site: NormSite) -> None:
     """norm -> reader becomes weightless norm -> reader with W diag(g) and c + W b.
 
@@ -54,15 +68,21 @@ def fold_into_readers(model, layout: Layout, site: NormSite) -> None:
 
 def foldable(layout: Layout) -> tuple[NormSite, ...]:
     """The norms whose gains can move into readers: all but a base model's final norm, whose
-    output is the model's output."""
-    return tuple(s for s in layout.norms if s is not layout.output_norm)
+    output is the model's output, and the sub-blocks' output norms, whose output is the stream."""
+    return tuple(s for s in layout.norms if s is not layout.output_norm and s.role != "output")
 
 
 def output_note(layout: Layout) -> list[str]:
-    if layout.output_norm is None:
-        return []
-    return [f"left the final norm ({layout.output_norm.path}) as it is: it gives the model's output "
-            "(a base model), so there is no reader to fold its gain into"]
+    notes = []
+    if layout.output_norm is not None:
+        notes.append(f"left the final norm ({layout.output_norm.path}) as it is: it gives the model's output "
+                     "(a base model), so there is no reader to fold its gain into")
+    out = output_norms(layout)
+    if out:
+        notes.append(f"left {len(out)} output norms ({out[0].path}, ...) as they are: each normalises a "
+                     "sub-block's output, which is added to the stream, so no linear layer reads it and its "
+                     "gain has nowhere to go")
+    return notes
 
 
 def untie_if_touched(model, layout: Layout, touched: set[str]) -> list[str]:

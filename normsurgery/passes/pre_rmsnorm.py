@@ -10,13 +10,14 @@ from .. import algebra
 from ..layout import Layout
 from ..norms import rmsnorm_like
 from ..registry import PassContext, PassReport
-from .norms import fold_into_readers, foldable, output_note, refuse_norms, refuse_post_ln, untie_if_touched
+from .norms import (fold_into_readers, foldable, output_note, refuse_norms, refuse_output_norms, refuse_post_ln,
+                    untie_if_touched)
 
 
 def applies(model, layout: Layout) -> str | None:
     if layout.norm_kinds == {"rmsnorm"}:
         return "the norms are already RMSNorm"
-    return refuse_post_ln(layout) or refuse_norms(layout, ("layernorm",))
+    return refuse_post_ln(layout) or refuse_output_norms(layout) or refuse_norms(layout, ("layernorm",))
 
 
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:

@@ -1,0 +1,44 @@
+"""Families with new shapes: Gemma 2/3 sandwich norms (flashnorm folds the input and final norms
+and leaves the output norms, every stream rewrite refuses with the reason), Gemma 3's per-layer
+attention kinds through pruning."""
+
+import pytest
+
+import normsurgery as ns
+import normsurgery.passes  # noqa: F401  (declares the passes)
+from normsurgery import registry
+from normsurgery.families import layout
+from normsurgery.prune import prune_model
+
+from models import tiny_model
+
+SANDWICH = ["gemma2", "gemma3_text"]
+
+
+@pytest.mark.parametrize("family", SANDWICH)
+@pytest.mark.parametrize("pass_name", ["pre-rmsnorm", "crmsnorm", "minimize", "compensated-ln", "remove-ln",
+                                       "prepbn"])
+def test_stream_rewrites_refuse_sandwich_norms_with_the_reason(family, pass_name):
+    model = tiny_model(family)
+    reason = registry.get(pass_name).applies(model, layout(model))
+    assert reason, pass_name
+    if pass_name != "pre-rmsnorm":  # pre-rmsnorm says first that the norms are RMSNorm already
+        assert "sandwich" in reason and "post_attention_layernorm" in reason
+    with pytest.raises(ns.SurgeryError, match="does not apply"):
+        ns.apply_passes(model, [(pass_name, {})])
+
+
+@pytest.mark.parametrize("family", SANDWICH)
+def test_sandwich_layout_names_input_and_output_norms(family):
+    lay = layout(tiny_model(family))
+    roles = {s.path.rsplit(".", 1)[-1]: s.role for s in lay.norms if ".layers.0." in s.path}
+    assert roles == {"input_layernorm": "attn", "post_attention_layernorm": "output",
+                     "pre_feedforward_layernorm": "mlp", "post_feedforward_layernorm": "output"}
+    assert all(s.offset == 1.0 for s in lay.norms)  # Gemma's (1 + w)
+
+
+def test_gemma3_layer_types_follow_the_kept_layers():
+    model = tiny_model("gemma3_text")
+    prune_model(model, [1])
+    assert model.config.layer_types == ["sliding_attention", "sliding_attention"]
+    assert [b.self_attn.sliding_window for b in model.model.layers] == [4, 4]
