@@ -88,26 +88,29 @@ def opt(model, p: str, head: str | None) -> Layout:
 
 
 def llama_like(model, p: str, head: str | None, *, mlp_norm: str = "post_attention_layernorm",
-               output_norms: tuple[str, ...] = ()) -> Layout:
+               output_norms: tuple[str, ...] = (), fused: bool = False) -> Layout:
     """Llama-style decoders; ``mlp_norm`` names the MLP's input norm, ``output_norms`` the norms
-    on the sub-blocks' outputs (sandwich norms: x += norm_out(f(norm_in(x))))."""
+    on the sub-blocks' outputs (sandwich norms: x += norm_out(f(norm_in(x)))); ``fused``: one
+    ``qkv_proj`` and one ``gate_up_proj`` read the norms (Phi-3), whose attention and MLP
+    blocks are then not described (passes that need them refuse)."""
     c = model.config
     h = f"{p}layers"
     norms, writers, qk = [], [], []
+    attn_in, mlp_in = (("qkv_proj",), ("gate_up_proj",)) if fused else (("q_proj", "k_proj", "v_proj"),
+                                                                       ("gate_proj", "up_proj"))
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
-        attn = tuple(f"{b}.self_attn.{p}_proj" for p in "qkv")
-        norms += [NormSite(f"{b}.input_layernorm", attn, "attn"),
-                  NormSite(f"{b}.{mlp_norm}", (f"{b}.mlp.gate_proj", f"{b}.mlp.up_proj"), "mlp")]
+        norms += [NormSite(f"{b}.input_layernorm", tuple(f"{b}.self_attn.{r}" for r in attn_in), "attn"),
+                  NormSite(f"{b}.{mlp_norm}", tuple(f"{b}.mlp.{r}" for r in mlp_in), "mlp")]
         norms += [NormSite(f"{b}.{n}", (), "output") for n in output_norms]
         writers += [f"{b}.self_attn.o_proj", f"{b}.mlp.down_proj"]
         attn_mod = model.get_submodule(f"{b}.self_attn")
         qk += [f"{b}.self_attn.{n}" for n in ("q_norm", "k_norm") if hasattr(attn_mod, n)]
     norms.append(NormSite(f"{p}norm", _readers(head), "final"))
-    attention = tuple(_separate_attention(model, f"{h}.{i}.self_attn", "o_proj")
-                      for i in range(c.num_hidden_layers))
+    blocks = () if fused else range(c.num_hidden_layers)
+    attention = tuple(_separate_attention(model, f"{h}.{i}.self_attn", "o_proj") for i in blocks)
     mlps = tuple(MlpSite(f"{h}.{i}.mlp.up_proj", f"{h}.{i}.mlp.down_proj", f"{h}.{i}.mlp.act_fn",
-                         gate=f"{h}.{i}.mlp.gate_proj") for i in range(c.num_hidden_layers))
+                         gate=f"{h}.{i}.mlp.gate_proj") for i in blocks)
     widths = (("intermediate", "intermediate_size"), ("heads", "num_attention_heads"),
               ("kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"))
     return Layout(c.model_type, "pre", 0, c.hidden_size, h, f"{p}embed_tokens",
@@ -121,6 +124,11 @@ def sandwich(model, p: str, head: str | None) -> Layout:
     the attention's output norm, ``pre_feedforward_layernorm`` the MLP's input norm)."""
     return llama_like(model, p, head, mlp_norm="pre_feedforward_layernorm",
                       output_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+
+
+def fused(model, p: str, head: str | None) -> Layout:
+    """Phi-3: Llama's shape with fused ``qkv_proj`` and ``gate_up_proj`` readers."""
+    return llama_like(model, p, head, fused=True)
 
 
 def phi(model, p: str, head: str | None) -> Layout:

@@ -116,6 +116,8 @@ FAMILIES = {
                                    seq=("Gemma3TextForSequenceClassification", "score")),
                           rmsnorm=("Gemma3RMSNorm", 1.0), module="gemma3", eps_keys=RMS_EPS,
                           bias_flags=("attention_bias",), pruning=Pruning(lists=("layer_types",))),
+    "phi3": Family(adapters.fused, "Phi3ForCausalLM", _decoder("Phi3"), rmsnorm=("Phi3RMSNorm", 0.0),
+                   eps_keys=RMS_EPS),
     "phi": Family(adapters.phi, "PhiForCausalLM", _decoder("Phi"), eps_keys=LN_EPS),
     "bert": Family(adapters.bert, "BertForMaskedLM",
                    _classes("BertForMaskedLM", "BertModel", lm_head="cls.predictions.decoder",

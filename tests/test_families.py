@@ -42,3 +42,12 @@ def test_gemma3_layer_types_follow_the_kept_layers():
     prune_model(model, [1])
     assert model.config.layer_types == ["sliding_attention", "sliding_attention"]
     assert [b.self_attn.sliding_window for b in model.model.layers] == [4, 4]
+
+
+def test_phi3_fused_readers_take_the_gain_and_minimize_refuses_with_the_reason():
+    model = tiny_model("phi3")
+    lay = layout(model)
+    assert [s.readers for s in lay.norms[:2]] == [("model.layers.0.self_attn.qkv_proj",),
+                                                  ("model.layers.0.mlp.gate_up_proj",)]
+    reason = registry.get("minimize").applies(model, lay)
+    assert "does not describe its attention and MLP blocks" in reason

@@ -61,6 +61,7 @@ CASES = [  # family, class, pass, objective, head
     ("gpt2", "GPT2ForSequenceClassification", "pre-rmsnorm:fold=true", "sequence-classification", "score"),
     ("gpt2", "GPT2Model", "crmsnorm", "none", None),
     ("gemma3_text", "Gemma3TextModel", "flashnorm", "none", None),
+    ("phi3", "Phi3Model", "flashnorm", "none", None),
     ("gemma2", "Gemma2ForSequenceClassification", "flashnorm", "sequence-classification", "score"),
 ]
 
