@@ -92,22 +92,28 @@ def llama_like(model, p: str, head: str | None, *, mlp_norm: str = "post_attenti
     """Llama-style decoders; ``mlp_norm`` names the MLP's input norm, ``output_norms`` the norms
     on the sub-blocks' outputs (sandwich norms: x += norm_out(f(norm_in(x)))); ``fused``: one
     ``qkv_proj`` and one ``gate_up_proj`` read the norms (Phi-3), whose attention and MLP
-    blocks are then not described (passes that need them refuse)."""
+    blocks are then not described (passes that need them refuse). An MLP with ``experts`` is a
+    mixture of experts (Mixtral, Qwen2-MoE): see :func:`_experts`."""
     c = model.config
     h = f"{p}layers"
-    norms, writers, qk = [], [], []
+    norms, writers, qk, experts = [], [], [], []
     attn_in, mlp_in = (("qkv_proj",), ("gate_up_proj",)) if fused else (("q_proj", "k_proj", "v_proj"),
                                                                        ("gate_proj", "up_proj"))
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
+        if hasattr(model.get_submodule(f"{b}.mlp"), "experts"):
+            experts.append(f"{b}.mlp")
+            mlp_readers, mlp_writers = _experts(model, f"{b}.mlp")
+        else:
+            mlp_readers, mlp_writers = tuple(f"{b}.mlp.{r}" for r in mlp_in), (f"{b}.mlp.down_proj",)
         norms += [NormSite(f"{b}.input_layernorm", tuple(f"{b}.self_attn.{r}" for r in attn_in), "attn"),
-                  NormSite(f"{b}.{mlp_norm}", tuple(f"{b}.mlp.{r}" for r in mlp_in), "mlp")]
+                  NormSite(f"{b}.{mlp_norm}", mlp_readers, "mlp")]
         norms += [NormSite(f"{b}.{n}", (), "output") for n in output_norms]
-        writers += [f"{b}.self_attn.o_proj", f"{b}.mlp.down_proj"]
+        writers += [f"{b}.self_attn.o_proj", *mlp_writers]
         attn_mod = model.get_submodule(f"{b}.self_attn")
         qk += [f"{b}.self_attn.{n}" for n in ("q_norm", "k_norm") if hasattr(attn_mod, n)]
     norms.append(NormSite(f"{p}norm", _readers(head), "final"))
-    blocks = () if fused else range(c.num_hidden_layers)
+    blocks = () if fused or experts else range(c.num_hidden_layers)
     attention = tuple(_separate_attention(model, f"{h}.{i}.self_attn", "o_proj") for i in blocks)
     mlps = tuple(MlpSite(f"{h}.{i}.mlp.up_proj", f"{h}.{i}.mlp.down_proj", f"{h}.{i}.mlp.act_fn",
                          gate=f"{h}.{i}.mlp.gate_proj") for i in blocks)
@@ -116,7 +122,20 @@ def llama_like(model, p: str, head: str | None, *, mlp_norm: str = "post_attenti
     return Layout(c.model_type, "pre", 0, c.hidden_size, h, f"{p}embed_tokens",
                   (f"{p}embed_tokens",), tuple(writers), tuple(norms), head, False,
                   qk_norms=tuple(qk), attention=attention, mlps=mlps,
-                  config_widths=widths)
+                  config_widths=widths, experts=tuple(experts))
+
+
+def _experts(model, path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(readers, writers) of a mixture-of-experts MLP: its router (``gate``), every routed expert
+    (stacked ``experts.gate_up_proj`` [experts, 2 I, d] and ``experts.down_proj``) and, where
+    there is one, the shared expert and its gate (Qwen2-MoE): all read the MLP's input norm."""
+    mlp = model.get_submodule(path)
+    readers = [f"{path}.gate", f"{path}.experts.gate_up_proj"]
+    writers = [f"{path}.experts.down_proj"]
+    if hasattr(mlp, "shared_expert"):
+        readers += [f"{path}.shared_expert.gate_proj", f"{path}.shared_expert.up_proj", f"{path}.shared_expert_gate"]
+        writers.append(f"{path}.shared_expert.down_proj")
+    return tuple(readers), tuple(writers)
 
 
 def sandwich(model, p: str, head: str | None) -> Layout:

@@ -116,9 +116,17 @@ def fold_affine_into_reader(reader: nn.Module, gain: torch.Tensor, shift: torch.
         ws = (shift.to(WORK) @ w.to(WORK)) if isinstance(reader, Conv1D) else (w.to(WORK) @ shift.to(WORK))
         c = bias(reader)
         set_bias(reader, (c if c is not None else 0) + ws)
-    g = gain.to(w.dtype)
+    if isinstance(reader, Conv1D):
+        with torch.no_grad():
+            w.mul_(gain.to(w.dtype)[:, None])
+    else:
+        scale_inputs(w, gain)
+
+
+def scale_inputs(w: torch.Tensor, gain: torch.Tensor) -> None:
+    """W <- W diag(gain) in place, W [..., out, in] (a linear's weight, or stacked experts')."""
     with torch.no_grad():
-        w.mul_(g[:, None] if isinstance(reader, Conv1D) else g)
+        w.mul_(gain.to(w.dtype))
 
 
 def untie(model, layout) -> bool:

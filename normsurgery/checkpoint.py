@@ -240,6 +240,8 @@ class Source:
         from accelerate import init_empty_weights
 
         cfg = copy.deepcopy(self.config)
+        if dtype == torch.float64:  # mixtures of experts: the default grouped_mm takes no float64
+            cfg._experts_implementation = "eager"
         with init_empty_weights(), no_init_weights():  # initialising meta tensors costs 0.7 s on GPT-2
             model = self.model_class(stock)._from_config(cfg, dtype=dtype)
         model.tie_weights()  # as from_pretrained does: a tied head is the embedding's parameter

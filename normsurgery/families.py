@@ -50,6 +50,8 @@ class Pruning:
     lists: tuple[str, ...] = ()  # keys holding one entry per layer: kept entries only
     counted: tuple[str, ...] = ()  # keys counting the first layers of a kind (Qwen2's max_window_layers)
     index_flags: tuple[str, ...] = ()  # flags under which a layer's index enters what it computes
+    indices: tuple[str, ...] = ()  # keys listing layer indices (Qwen2-MoE's mlp_only_layers): kept ones, renumbered
+    strides: tuple[str, ...] = ()  # keys n making every n-th layer of a kind: renumbering needs n == 1
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,12 @@ FAMILIES = {
                           bias_flags=("attention_bias",), pruning=Pruning(lists=("layer_types",))),
     "phi3": Family(adapters.fused, "Phi3ForCausalLM", _decoder("Phi3"), rmsnorm=("Phi3RMSNorm", 0.0),
                    eps_keys=RMS_EPS),
+    "mixtral": Family(adapters.llama_like, "MixtralForCausalLM", _decoder("Mixtral"),
+                      rmsnorm=("MixtralRMSNorm", 0.0), eps_keys=RMS_EPS),
+    "qwen2_moe": Family(adapters.llama_like, "Qwen2MoeForCausalLM", _decoder("Qwen2Moe"),
+                        rmsnorm=("Qwen2MoeRMSNorm", 0.0), eps_keys=RMS_EPS, bias_flags=("qkv_bias",),
+                        pruning=Pruning(lists=("layer_types",), counted=("max_window_layers",),
+                                        indices=("mlp_only_layers",), strides=("decoder_sparse_step",))),
     "phi": Family(adapters.phi, "PhiForCausalLM", _decoder("Phi"), eps_keys=LN_EPS),
     "bert": Family(adapters.bert, "BertForMaskedLM",
                    _classes("BertForMaskedLM", "BertModel", lm_head="cls.predictions.decoder",

@@ -102,6 +102,9 @@ class Layout:
     # module paths this layout is restricted to (``restrict``); () for the whole model
     scope: tuple[str, ...] = ()
     eps_keys: tuple[str, ...] = ()  # config keys the stock norms read their eps from
+    # mixture-of-experts blocks; their routed experts read and write through stacked [experts, out, in]
+    # tensors, named as readers and writers by parameter path (a linear's last axis reads its input)
+    experts: tuple[str, ...] = ()
     bias_flags: tuple[str, ...] = ()  # config flags that give the stock linears biases
 
     @property
@@ -139,4 +142,5 @@ class Layout:
             writers=tuple(p for p in self.writers if inside(p)), norms=norms,
             qk_norms=tuple(p for p in self.qk_norms if inside(p)),
             attention=tuple(a for a in self.attention if inside(a.path)),
+            experts=tuple(p for p in self.experts if inside(p)),
             mlps=tuple(m for m in self.mlps if inside(m.down)), scope=tuple(scope))

@@ -209,6 +209,10 @@ def prune_model(model, layers: Iterable[int]) -> dict:
         if getattr(cfg, flag, False) and any(k != j for j, k in enumerate(keep)):
             raise SurgeryError(f"this model's layers compute with their own index ({flag}): renumbering "
                                "them would change what they compute")
+    for key in rules.strides:
+        if getattr(cfg, key, 1) != 1 and any(k != j for j, k in enumerate(keep)):
+            raise SurgeryError(f"this model's config makes every {getattr(cfg, key)}-th layer of a kind ({key}): "
+                               "renumbering the kept layers would change which kind each one is built as")
     per_layer = [k for k in rules.lists if isinstance(getattr(cfg, k, None), (list, tuple))]
     for k in per_layer:
         if len(getattr(cfg, k)) != L:
@@ -223,6 +227,9 @@ def prune_model(model, layers: Iterable[int]) -> dict:
     for k in per_layer:
         old = getattr(cfg, k)
         setattr(cfg, k, type(old)(old[i] for i in keep))
+    for k in rules.indices:  # layers listed by index: the kept ones, by their new index
+        if isinstance(getattr(cfg, k, None), (list, tuple)):
+            setattr(cfg, k, [j for j, i in enumerate(keep) if i in getattr(cfg, k)])
     for k in rules.counted:  # the first n layers are of a kind (Qwen2: layers >= n may slide)
         n = getattr(cfg, k, None)
         if isinstance(n, int) and n < L:

@@ -45,6 +45,15 @@ CONFIGS = {
     "phi3": lambda: T.Phi3Config(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                  intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
                                  partial_rotary_factor=0.5, pad_token_id=0),
+    "mixtral": lambda: T.MixtralConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=48, vocab_size=VOCAB,
+                                       max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+                                       experts_implementation="eager"),  # grouped_mm takes no float64
+    "qwen2_moe": lambda: T.Qwen2MoeConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=48, moe_intermediate_size=16,
+                                          shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                          mlp_only_layers=[2], vocab_size=VOCAB, max_position_embeddings=64,
+                                          experts_implementation="eager"),
     "phi": lambda: T.PhiConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64),
     "bert": lambda: T.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -52,6 +61,8 @@ CONFIGS = {
 }
 
 CAUSAL = [f for f in CONFIGS if f != "bert"]
+MOE = ["mixtral", "qwen2_moe"]  # checkpoints store experts in a layout normsurgery does not read yet
+SAVED = [f for f in CONFIGS if f not in MOE]  # families normsurgery saves and loads
 LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi"]
 
 

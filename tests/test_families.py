@@ -3,6 +3,7 @@ and leaves the output norms, every stream rewrite refuses with the reason), Gemm
 attention kinds through pruning."""
 
 import pytest
+import transformers as T
 
 import normsurgery as ns
 import normsurgery.passes  # noqa: F401  (declares the passes)
@@ -10,7 +11,7 @@ from normsurgery import registry
 from normsurgery.families import layout
 from normsurgery.prune import prune_model
 
-from models import tiny_model
+from models import MOE, tiny_model
 
 SANDWICH = ["gemma2", "gemma3_text"]
 
@@ -51,3 +52,28 @@ def test_phi3_fused_readers_take_the_gain_and_minimize_refuses_with_the_reason()
                                                   ("model.layers.0.mlp.gate_up_proj",)]
     reason = registry.get("minimize").applies(model, lay)
     assert "does not describe its attention and MLP blocks" in reason
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_router_and_every_expert_read_the_mlp_norm(family):
+    model = tiny_model(family)
+    lay = layout(model)
+    site = next(s for s in lay.norms if s.path == "model.layers.0.post_attention_layernorm")
+    shared = ("model.layers.0.mlp.shared_expert.gate_proj", "model.layers.0.mlp.shared_expert.up_proj",
+              "model.layers.0.mlp.shared_expert_gate") if family == "qwen2_moe" else ()
+    assert site.readers == ("model.layers.0.mlp.gate", "model.layers.0.mlp.experts.gate_up_proj") + shared
+    assert "model.layers.0.mlp" in lay.experts
+    for name in ("minimize", "remove-ln", "prepbn"):
+        assert "mixture of experts" in registry.get(name).applies(model, lay), name
+
+
+def test_pruning_qwen2_moe_renumbers_its_dense_layers_so_the_config_builds_the_same_blocks():
+    model = tiny_model("qwen2_moe")
+    prune_model(model, [0])
+    assert model.config.mlp_only_layers == [1]  # layer 2 (dense) is now layer 1
+    rebuilt = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**model.config.to_dict()))
+    assert [type(b.mlp) for b in rebuilt.model.layers] == [type(b.mlp) for b in model.model.layers]
+    model = tiny_model("qwen2_moe")
+    model.config.decoder_sparse_step = 2
+    with pytest.raises(ns.SurgeryError, match="decoder_sparse_step"):
+        prune_model(model, [0])

@@ -12,11 +12,11 @@ from .. import masks
 from ..layout import Layout
 from ..registry import PassContext, PassReport
 from . import MASK_OPTIONS as OPTIONS
-from .norms import refuse_norms, refuse_output_norms, refuse_post_ln
+from .norms import refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln
 
 
 def applies(model, layout: Layout) -> str | None:
-    reason = (refuse_post_ln(layout) or refuse_output_norms(layout)
+    reason = (refuse_post_ln(layout) or refuse_output_norms(layout) or refuse_experts(layout)
               or refuse_norms(layout, ("layernorm", "rmsnorm", "compensated-layernorm")))
     if reason:
         return reason

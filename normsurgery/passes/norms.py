@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .. import algebra
 from ..errors import SurgeryError
@@ -38,6 +39,13 @@ def refuse_output_norms(layout: Layout) -> str | None:
     return None
 
 
+def refuse_experts(layout: Layout) -> str | None:
+    if layout.experts:
+        return (f"{layout.experts[0]} is a mixture of experts: this pass does not rewrite the router and "
+                "the stacked expert tensors")
+    return None
+
+
 def output_norms(layout: Layout) -> tuple[NormSite, ...]:
     return tuple(s for s in layout.norms if s.role == "output")
 
@@ -51,19 +59,28 @@ def fold_into_readers(model, layout: Layout, site: NormSite) -> None:
     if not site.readers:
         raise SurgeryError(f"{site.path} has no reader to fold into: its output is the model's output")
     norm = model.get_submodule(site.path)
-    readers = [model.get_submodule(r) for r in site.readers]
+    readers = [_reader(model, r) for r in site.readers]
     offset = site.offset
     gain = norm.weight.detach().to(algebra.WORK) + offset
     shift = None if getattr(norm, "bias", None) is None else norm.bias.detach().to(algebra.WORK)
-    in_norm = shift is not None and not all(algebra.has_bias(r) for r in readers)
+    in_norm = shift is not None and not all(isinstance(r, nn.Module) and algebra.has_bias(r) for r in readers)
     if in_norm and bool(((gain == 0) & (shift != 0)).any()):
         raise SurgeryError(f"{site.path}: a channel has zero gain but a bias, and a reader has no bias to take it")
     for r in readers:
-        algebra.fold_affine_into_reader(r, gain, None if in_norm else shift)
+        if isinstance(r, nn.Parameter):  # stacked experts: no bias
+            algebra.scale_inputs(r, gain)
+        else:
+            algebra.fold_affine_into_reader(r, gain, None if in_norm else shift)
     with torch.no_grad():
         norm.weight.fill_(1.0 - offset)
         if shift is not None:
             norm.bias.copy_((shift / gain if in_norm else torch.zeros_like(shift)).to(norm.bias.dtype))
+
+
+def _reader(model, path: str) -> nn.Module | nn.Parameter:
+    """A reader: a module, or a stacked experts' weight named by its parameter path."""
+    parent, _, leaf = path.rpartition(".")
+    return getattr(model.get_submodule(parent), leaf)
 
 
 def foldable(layout: Layout) -> tuple[NormSite, ...]:

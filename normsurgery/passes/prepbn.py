@@ -29,7 +29,7 @@ from ..errors import SurgeryError
 from ..registry import PassContext, PassReport
 from ..runtime import RepBN
 from . import PREPBN_OPTIONS as OPTIONS, bn_fold
-from .norms import refuse_norms, refuse_output_norms, refuse_post_ln
+from .norms import refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln
 
 
 class ProgressiveNorm(nn.Module):
@@ -200,7 +200,7 @@ def applies(model, layout: Layout) -> str | None:
     if reason:
         return (reason + "; bn-fold would have to keep each frozen BatchNorm as a per-channel affine map on the "
                 "stream, and prepbn is only built for Pre-LN and parallel decoders")
-    reason = refuse_output_norms(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
+    reason = refuse_output_norms(layout) or refuse_experts(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
     if reason:
         return reason
     if layout.head is None:

@@ -39,7 +39,7 @@ from ..families import positions
 from ..layout import Layout
 from ..registry import PassContext, PassReport
 from ..runtime import NoNorm
-from .norms import refuse_norms, refuse_output_norms, refuse_post_ln, untie_if_touched
+from .norms import refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln, untie_if_touched
 
 MOMENTUM = 0.9
 STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance
@@ -316,7 +316,7 @@ def fold_checked(model, layout: Layout, norms: list[RemovableNorm], ids: torch.T
 # ----------------------------------------------------------------------------- the pass
 
 def applies(model, layout: Layout) -> str | None:
-    reason = refuse_post_ln(layout) or refuse_output_norms(layout)
+    reason = refuse_post_ln(layout) or refuse_output_norms(layout) or refuse_experts(layout)
     if reason:
         return reason
     if layout.qk_norms:
