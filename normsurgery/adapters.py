@@ -87,10 +87,12 @@ def opt(model, p: str, head: str | None) -> Layout:
                   attention=tuple(attention), mlps=tuple(mlps), config_widths=(("intermediate", "ffn_dim"),))
 
 
-def llama_like(model, p: str, head: str | None, *, mlp_norm: str = "post_attention_layernorm",
-               output_norms: tuple[str, ...] = (), fused: bool = False) -> Layout:
-    """Llama-style decoders; ``mlp_norm`` names the MLP's input norm, ``output_norms`` the norms
-    on the sub-blocks' outputs (sandwich norms: x += norm_out(f(norm_in(x)))); ``fused``: one
+def llama_like(model, p: str, head: str | None, *, attn_norm: str | None = "input_layernorm",
+               mlp_norm: str | None = "post_attention_layernorm", output_norms: tuple[str, ...] = (),
+               fused: bool = False) -> Layout:
+    """Llama-style decoders; ``attn_norm`` and ``mlp_norm`` name the sub-blocks' input norms (None:
+    the sub-block reads the stream itself), ``output_norms`` the norms on the sub-blocks' outputs
+    (sandwich norms: x += norm_out(f(norm_in(x)))); ``fused``: one
     ``qkv_proj`` and one ``gate_up_proj`` read the norms (Phi-3), whose attention and MLP
     blocks are then not described (passes that need them refuse). An MLP with ``experts`` is a
     mixture of experts (Mixtral, Qwen2-MoE): see :func:`_experts`."""
@@ -106,8 +108,8 @@ def llama_like(model, p: str, head: str | None, *, mlp_norm: str = "post_attenti
             mlp_readers, mlp_writers = _experts(model, f"{b}.mlp")
         else:
             mlp_readers, mlp_writers = tuple(f"{b}.mlp.{r}" for r in mlp_in), (f"{b}.mlp.down_proj",)
-        norms += [NormSite(f"{b}.input_layernorm", tuple(f"{b}.self_attn.{r}" for r in attn_in), "attn"),
-                  NormSite(f"{b}.{mlp_norm}", mlp_readers, "mlp")]
+        norms += [NormSite(f"{b}.{n}", readers, role) for n, readers, role in (
+            (attn_norm, tuple(f"{b}.self_attn.{r}" for r in attn_in), "attn"), (mlp_norm, mlp_readers, "mlp")) if n]
         norms += [NormSite(f"{b}.{n}", (), "output") for n in output_norms]
         writers += [f"{b}.self_attn.o_proj", *mlp_writers]
         attn_mod = model.get_submodule(f"{b}.self_attn")
@@ -142,6 +144,12 @@ def sandwich(model, p: str, head: str | None) -> Layout:
     """Gemma 2 and 3: a norm before and after each sub-block (``post_attention_layernorm`` is
     the attention's output norm, ``pre_feedforward_layernorm`` the MLP's input norm)."""
     return llama_like(model, p, head, mlp_norm="pre_feedforward_layernorm",
+                      output_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+
+
+def post_norms(model, p: str, head: str | None) -> Layout:
+    """OLMo 2: norms only on the sub-blocks' outputs, x += norm_out(f(x)), and a final norm."""
+    return llama_like(model, p, head, attn_norm=None, mlp_norm=None,
                       output_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
 
 

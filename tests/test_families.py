@@ -1,4 +1,4 @@
-"""Families with new shapes: Gemma 2/3 sandwich norms (flashnorm folds the input and final norms
+"""Families with new shapes: Gemma 2/3 sandwich norms and OLMo 2's output norms (flashnorm folds the input and final norms
 and leaves the output norms, every stream rewrite refuses with the reason), Gemma 3's per-layer
 attention kinds through pruning."""
 
@@ -16,7 +16,7 @@ from models import MOE, tiny_model
 SANDWICH = ["gemma2", "gemma3_text"]
 
 
-@pytest.mark.parametrize("family", SANDWICH)
+@pytest.mark.parametrize("family", SANDWICH + ["olmo2"])
 @pytest.mark.parametrize("pass_name", ["pre-rmsnorm", "crmsnorm", "minimize", "compensated-ln", "remove-ln",
                                        "prepbn"])
 def test_stream_rewrites_refuse_sandwich_norms_with_the_reason(family, pass_name):
@@ -36,6 +36,12 @@ def test_sandwich_layout_names_input_and_output_norms(family):
     assert roles == {"input_layernorm": "attn", "post_attention_layernorm": "output",
                      "pre_feedforward_layernorm": "mlp", "post_feedforward_layernorm": "output"}
     assert all(s.offset == 1.0 for s in lay.norms)  # Gemma's (1 + w)
+
+
+def test_olmo2_has_only_output_norms_and_flashnorm_folds_the_final_norm():
+    lay = layout(tiny_model("olmo2"))
+    assert {s.role for s in lay.norms} == {"output", "final"}
+    assert len(lay.qk_norms) == 2 * 3
 
 
 def test_gemma3_layer_types_follow_the_kept_layers():
