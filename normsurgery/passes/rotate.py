@@ -21,12 +21,12 @@ from .. import algebra, rotation
 from ..errors import SurgeryError
 from ..layout import Layout
 from ..registry import PassContext, PassReport
-from .norms import refuse_post_ln
+from .norms import refuse_experts, refuse_output_norms, refuse_post_ln
 
 
 def applies(model, layout: Layout) -> str | None:
     """None when every stream norm is an RMSNorm with one gain for all channels and a reader."""
-    post = refuse_post_ln(layout)
+    post = refuse_post_ln(layout) or refuse_output_norms(layout) or refuse_experts(layout)
     if post:
         return post
     if layout.output_norm is not None:
