@@ -1,17 +1,22 @@
-"""Families with new shapes: Gemma 2/3 sandwich norms and OLMo 2's output norms (flashnorm folds the input and final norms
-and leaves the output norms, every stream rewrite refuses with the reason), Gemma 3's per-layer
-attention kinds through pruning."""
+"""Families with new shapes: Gemma 2/3 sandwich norms and OLMo 2's output norms (flashnorm folds
+the input and final norms and leaves the output norms, every stream rewrite refuses with the
+reason), Phi-3's fused readers, mixtures of experts, per-layer config entries through pruning,
+and flashnorm's keep_tied."""
+
+import copy
 
 import pytest
+import torch
 import transformers as T
 
 import normsurgery as ns
 import normsurgery.passes  # noqa: F401  (declares the passes)
 from normsurgery import registry
 from normsurgery.families import layout
+from normsurgery.norms import faithful_norms
 from normsurgery.prune import prune_model
 
-from models import MOE, tiny_model
+from models import MOE, rel, tiny_model, token_ids
 
 SANDWICH = ["gemma2", "gemma3_text"]
 
@@ -83,3 +88,16 @@ def test_pruning_qwen2_moe_renumbers_its_dense_layers_so_the_config_builds_the_s
     model.config.decoder_sparse_step = 2
     with pytest.raises(ns.SurgeryError, match="decoder_sparse_step"):
         prune_model(model, [0])
+
+
+@pytest.mark.parametrize("keep_tied", [False, True])
+def test_flashnorm_keep_tied_leaves_the_final_gain_and_the_tying(keep_tied):
+    model = tiny_model("qwen2")  # tied head
+    faithful_norms(model)
+    new = copy.deepcopy(model)
+    steps = ns.apply_passes(new, [("flashnorm", {"keep_tied": keep_tied})])
+    assert rel(model, new, token_ids()) <= 1e-10
+    tied = new.lm_head.weight is new.model.embed_tokens.weight
+    assert tied == keep_tied == new.config.tie_word_embeddings
+    assert torch.equal(new.model.norm.weight, model.model.norm.weight) == keep_tied
+    assert any(("kept model.norm's gain" if keep_tied else "untied") in n for n in steps[0].notes), steps[0].notes
