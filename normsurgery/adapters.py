@@ -10,6 +10,8 @@ family (norm kinds, offsets, eps, stream width, objective, tied head).
 
 from __future__ import annotations
 
+import dataclasses
+
 from .algebra import in_width
 from .layout import AttentionSite, Layout, MlpSite, NormSite
 
@@ -89,36 +91,40 @@ def opt(model, p: str, head: str | None) -> Layout:
 
 def llama_like(model, p: str, head: str | None, *, attn_norm: str | None = "input_layernorm",
                mlp_norm: str | None = "post_attention_layernorm", output_norms: tuple[str, ...] = (),
-               fused: bool = False) -> Layout:
+               fused: bool = False, mlp_names: tuple[str | None, str, str, str] = ("gate_proj", "up_proj",
+                                                                                 "down_proj", "act_fn")) -> Layout:
     """Llama-style decoders; ``attn_norm`` and ``mlp_norm`` name the sub-blocks' input norms (None:
     the sub-block reads the stream itself), ``output_norms`` the norms on the sub-blocks' outputs
     (sandwich norms: x += norm_out(f(norm_in(x)))); ``fused``: one
     ``qkv_proj`` and one ``gate_up_proj`` read the norms (Phi-3), whose attention and MLP
     blocks are then not described (passes that need them refuse). An MLP with ``experts`` is a
-    mixture of experts (Mixtral, Qwen2-MoE): see :func:`_experts`."""
+    mixture of experts (Mixtral, Qwen2-MoE): see :func:`_experts`. ``mlp_names``: the MLP's
+    (gate or None, up, down, activation)."""
     c = model.config
     h = f"{p}layers"
     norms, writers, qk, experts = [], [], [], []
+    gate, up, down, act = mlp_names
     attn_in, mlp_in = (("qkv_proj",), ("gate_up_proj",)) if fused else (("q_proj", "k_proj", "v_proj"),
-                                                                       ("gate_proj", "up_proj"))
+                                                                       tuple(n for n in (gate, up) if n))
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
         if hasattr(model.get_submodule(f"{b}.mlp"), "experts"):
             experts.append(f"{b}.mlp")
             mlp_readers, mlp_writers = _experts(model, f"{b}.mlp")
         else:
-            mlp_readers, mlp_writers = tuple(f"{b}.mlp.{r}" for r in mlp_in), (f"{b}.mlp.down_proj",)
+            mlp_readers, mlp_writers = tuple(f"{b}.mlp.{r}" for r in mlp_in), (f"{b}.mlp.{down}",)
         norms += [NormSite(f"{b}.{n}", readers, role) for n, readers, role in (
             (attn_norm, tuple(f"{b}.self_attn.{r}" for r in attn_in), "attn"), (mlp_norm, mlp_readers, "mlp")) if n]
         norms += [NormSite(f"{b}.{n}", (), "output") for n in output_norms]
         writers += [f"{b}.self_attn.o_proj", *mlp_writers]
         attn_mod = model.get_submodule(f"{b}.self_attn")
-        qk += [f"{b}.self_attn.{n}" for n in ("q_norm", "k_norm") if hasattr(attn_mod, n)]
+        qk += [f"{b}.self_attn.{n}" for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+               if getattr(attn_mod, n, None) is not None]
     norms.append(NormSite(f"{p}norm", _readers(head), "final"))
     blocks = () if fused or experts else range(c.num_hidden_layers)
     attention = tuple(_separate_attention(model, f"{h}.{i}.self_attn", "o_proj") for i in blocks)
-    mlps = tuple(MlpSite(f"{h}.{i}.mlp.up_proj", f"{h}.{i}.mlp.down_proj", f"{h}.{i}.mlp.act_fn",
-                         gate=f"{h}.{i}.mlp.gate_proj") for i in blocks)
+    mlps = tuple(MlpSite(f"{h}.{i}.mlp.{up}", f"{h}.{i}.mlp.{down}", f"{h}.{i}.mlp.{act}",
+                         gate=gate and f"{h}.{i}.mlp.{gate}") for i in blocks)
     widths = (("intermediate", "intermediate_size"), ("heads", "num_attention_heads"),
               ("kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"))
     return Layout(c.model_type, "pre", 0, c.hidden_size, h, f"{p}embed_tokens",
@@ -151,6 +157,23 @@ def post_norms(model, p: str, head: str | None) -> Layout:
     """OLMo 2: norms only on the sub-blocks' outputs, x += norm_out(f(x)), and a final norm."""
     return llama_like(model, p, head, attn_norm=None, mlp_norm=None,
                       output_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+
+
+def starcoder2(model, p: str, head: str | None) -> Layout:
+    """StarCoder2: Llama's shape with LayerNorms and a gateless MLP (``c_fc``, ``c_proj``)."""
+    return llama_like(model, p, head, mlp_names=(None, "c_fc", "c_proj", "act"))
+
+
+def stablelm(model, p: str, head: str | None) -> Layout:
+    """StableLM: Llama's shape with LayerNorms; with ``use_parallel_residual`` one norm feeds the
+    attention and the MLP, x += attn(n(x)) + mlp(n(x)) (placement "parallel")."""
+    if not model.config.use_parallel_residual:
+        return llama_like(model, p, head)
+    lay = llama_like(model, p, head, mlp_norm=None)
+    norms = tuple(dataclasses.replace(s, readers=s.readers + (f"{s.path.rsplit('.', 1)[0]}.mlp.gate_proj",
+                                                             f"{s.path.rsplit('.', 1)[0]}.mlp.up_proj"),
+                                      role="attn+mlp") if s.role == "attn" else s for s in lay.norms)
+    return dataclasses.replace(lay, placement="parallel", norms=norms)
 
 
 def fused(model, p: str, head: str | None) -> Layout:

@@ -63,6 +63,13 @@ CONFIGS = {
                                        max_position_embeddings=64, no_rope_layers=[1, 0, 1], pad_token_id=0),
     "olmo2": lambda: T.Olmo2Config(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                    intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0),
+    "starcoder2": lambda: T.Starcoder2Config(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+                                             max_position_embeddings=64, use_bias=True, pad_token_id=0),
+    "stablelm": lambda: T.StableLmConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+                                         max_position_embeddings=64, partial_rotary_factor=0.5, use_qkv_bias=True,
+                                         use_parallel_residual=True, pad_token_id=0),
     "phi": lambda: T.PhiConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64),
     "bert": lambda: T.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -72,7 +79,7 @@ CONFIGS = {
 CAUSAL = [f for f in CONFIGS if f != "bert"]
 MOE = ["mixtral", "qwen2_moe"]  # checkpoints store experts in a layout normsurgery does not read yet
 SAVED = [f for f in CONFIGS if f not in MOE]  # families normsurgery saves and loads
-LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi"]
+LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi", "starcoder2", "stablelm"]
 
 
 def tiny_model(family: str, dtype=torch.float64, seed: int = 0, realistic: bool = True):

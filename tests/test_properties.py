@@ -29,7 +29,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 VOCAB = 64
 FAMILIES = ["gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "bert",
-            "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "granite", "smollm3", "olmo2"]
+            "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "granite", "smollm3", "olmo2", "starcoder2",
+            "stablelm"]
 MOE = {"mixtral": (T.MixtralConfig, "num_local_experts"), "qwen2_moe": (T.Qwen2MoeConfig, "num_experts")}
 SIMPLE = {"gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig, "phi3": T.Phi3Config,
           "smollm3": T.SmolLM3Config, "olmo2": T.Olmo2Config}
@@ -74,6 +75,12 @@ def configs(draw, family: str):
                                residual_multiplier=draw(st.sampled_from([1.0, 0.22])),
                                attention_multiplier=draw(st.sampled_from([0.0078125, 0.3])),
                                logits_scaling=draw(st.sampled_from([1.0, 8.0])))
+    if family == "starcoder2":
+        return T.Starcoder2Config(**common, num_key_value_heads=kv, norm_epsilon=eps, use_bias=bias, pad_token_id=0)
+    if family == "stablelm":
+        return T.StableLmConfig(**common, num_key_value_heads=kv, layer_norm_eps=eps, use_qkv_bias=bias,
+                                use_parallel_residual=draw(st.booleans()), qk_layernorm=draw(st.booleans()),
+                                partial_rotary_factor=draw(st.sampled_from([0.25, 1.0])), pad_token_id=0)
     if family in ("qwen3", "gemma"):
         cls = T.Qwen3Config if family == "qwen3" else T.GemmaConfig
         return cls(**common, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=eps)
