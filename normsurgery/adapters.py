@@ -203,6 +203,22 @@ def phi(model, p: str, head: str | None) -> Layout:
                   config_widths=(("intermediate", "intermediate_size"),))
 
 
+def gptj(model, p: str, head: str | None) -> Layout:
+    """GPT-J: parallel blocks, one LayerNorm for both, x += attn(ln_1(x)) + mlp(ln_1(x)). Attention
+    and MLP blocks are not described (passes that need them refuse)."""
+    c = model.config
+    h = f"{p}h"
+    norms, writers = [], []
+    for i in range(c.n_layer):
+        b = f"{h}.{i}"
+        readers = tuple(f"{b}.attn.{r}_proj" for r in "qkv") + (f"{b}.mlp.fc_in",)
+        norms.append(NormSite(f"{b}.ln_1", readers, "attn+mlp"))
+        writers += [f"{b}.attn.out_proj", f"{b}.mlp.fc_out"]
+    norms.append(NormSite(f"{p}ln_f", _readers(head), "final"))
+    return Layout("gptj", "parallel", 0, c.n_embd, h, f"{p}wte", (f"{p}wte",), tuple(writers), tuple(norms),
+                  head, False, config_widths=(("intermediate", "n_inner"),))
+
+
 def bert(model, p: str, head: str | None) -> Layout:
     c = model.config
     h = f"{p}encoder.layer"

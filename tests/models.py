@@ -70,6 +70,8 @@ CONFIGS = {
                                          num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
                                          max_position_embeddings=64, partial_rotary_factor=0.5, use_qkv_bias=True,
                                          use_parallel_residual=True, pad_token_id=0),
+    "gptj": lambda: T.GPTJConfig(n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_inner=64, vocab_size=VOCAB,
+                                 n_positions=64),
     "phi": lambda: T.PhiConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64),
     "bert": lambda: T.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -79,7 +81,7 @@ CONFIGS = {
 CAUSAL = [f for f in CONFIGS if f != "bert"]
 MOE = ["mixtral", "qwen2_moe"]  # checkpoints store experts in a layout normsurgery does not read yet
 SAVED = [f for f in CONFIGS if f not in MOE]  # families normsurgery saves and loads
-LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi", "starcoder2", "stablelm"]
+LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi", "starcoder2", "stablelm", "gptj"]
 
 
 def tiny_model(family: str, dtype=torch.float64, seed: int = 0, realistic: bool = True):

@@ -30,7 +30,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 VOCAB = 64
 FAMILIES = ["gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "bert",
             "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "granite", "smollm3", "olmo2", "starcoder2",
-            "stablelm"]
+            "stablelm", "gptj"]
 MOE = {"mixtral": (T.MixtralConfig, "num_local_experts"), "qwen2_moe": (T.Qwen2MoeConfig, "num_experts")}
 SIMPLE = {"gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig, "phi3": T.Phi3Config,
           "smollm3": T.SmolLM3Config, "olmo2": T.Olmo2Config}
@@ -75,6 +75,11 @@ def configs(draw, family: str):
                                residual_multiplier=draw(st.sampled_from([1.0, 0.22])),
                                attention_multiplier=draw(st.sampled_from([0.0078125, 0.3])),
                                logits_scaling=draw(st.sampled_from([1.0, 8.0])))
+    if family == "gptj":
+        return T.GPTJConfig(n_embd=d, n_layer=common["num_hidden_layers"], n_head=heads, vocab_size=VOCAB,
+                            n_positions=32, n_inner=common["intermediate_size"], layer_norm_epsilon=eps,
+                            rotary_dim=draw(st.sampled_from([4, head_dim])),
+                            tie_word_embeddings=common["tie_word_embeddings"])
     if family == "starcoder2":
         return T.Starcoder2Config(**common, num_key_value_heads=kv, norm_epsilon=eps, use_bias=bias, pad_token_id=0)
     if family == "stablelm":
