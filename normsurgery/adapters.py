@@ -166,10 +166,12 @@ def starcoder2(model, p: str, head: str | None) -> Layout:
 
 def stablelm(model, p: str, head: str | None) -> Layout:
     """StableLM: Llama's shape with LayerNorms; with ``use_parallel_residual`` one norm feeds the
-    attention and the MLP, x += attn(n(x)) + mlp(n(x)) (placement "parallel")."""
+    attention and the MLP, x += attn(n(x)) + mlp(n(x)) (placement "parallel"). Its attention
+    reads its own head counts (and per-head QK norms): blocks not described, passes that need
+    them refuse."""
     if not model.config.use_parallel_residual:
-        return llama_like(model, p, head)
-    lay = llama_like(model, p, head, mlp_norm=None)
+        return dataclasses.replace(llama_like(model, p, head), attention=(), mlps=())
+    lay = dataclasses.replace(llama_like(model, p, head, mlp_norm=None), attention=(), mlps=())
     norms = tuple(dataclasses.replace(s, readers=s.readers + (f"{s.path.rsplit('.', 1)[0]}.mlp.gate_proj",
                                                              f"{s.path.rsplit('.', 1)[0]}.mlp.up_proj"),
                                       role="attn+mlp") if s.role == "attn" else s for s in lay.norms)

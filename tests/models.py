@@ -81,6 +81,9 @@ CONFIGS = {
 CAUSAL = [f for f in CONFIGS if f != "bert"]
 MOE = ["mixtral", "qwen2_moe"]  # checkpoints store experts in a layout normsurgery does not read yet
 SAVED = [f for f in CONFIGS if f not in MOE]  # families normsurgery saves and loads
+OUTPUT_NORMS = ["gemma2", "gemma3_text", "olmo2"]  # sub-block output norms: passes rewriting the stream refuse
+ROTATABLE = [f for f in CAUSAL if f not in OUTPUT_NORMS + MOE]
+MINIMIZABLE = [f for f in ROTATABLE if f not in ("phi3", "gptj", "stablelm")]  # adapters describing attention and MLPs
 LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi", "starcoder2", "stablelm", "gptj"]
 
 

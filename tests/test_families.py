@@ -23,7 +23,7 @@ SANDWICH = ["gemma2", "gemma3_text"]
 
 @pytest.mark.parametrize("family", SANDWICH + ["olmo2"])
 @pytest.mark.parametrize("pass_name", ["pre-rmsnorm", "crmsnorm", "minimize", "compensated-ln", "remove-ln",
-                                       "prepbn"])
+                                       "prepbn", "rotate"])
 def test_stream_rewrites_refuse_sandwich_norms_with_the_reason(family, pass_name):
     model = tiny_model(family)
     reason = registry.get(pass_name).applies(model, layout(model))
@@ -74,7 +74,7 @@ def test_moe_router_and_every_expert_read_the_mlp_norm(family):
               "model.layers.0.mlp.shared_expert_gate") if family == "qwen2_moe" else ()
     assert site.readers == ("model.layers.0.mlp.gate", "model.layers.0.mlp.experts.gate_up_proj") + shared
     assert "model.layers.0.mlp" in lay.experts
-    for name in ("minimize", "remove-ln", "prepbn"):
+    for name in ("minimize", "remove-ln", "prepbn", "rotate"):
         assert "mixture of experts" in registry.get(name).applies(model, lay), name
 
 

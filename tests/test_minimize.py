@@ -15,9 +15,9 @@ from normsurgery.runtime import CompensatedLayerNorm, RMSNorm
 from normsurgery.norms import faithful_norms
 from normsurgery.parity import outputs
 
-from models import CAUSAL, rel, remote_logits, tiny_model, token_ids
+from models import MINIMIZABLE, rel, remote_logits, tiny_model, token_ids
 
-GQA = ["llama", "qwen2", "gemma"]
+GQA = ["llama", "qwen2", "gemma", "granite", "smollm3", "starcoder2"]
 
 
 @torch.no_grad()
@@ -62,7 +62,7 @@ def minimized(model, name="minimize", **options):
     return new, steps[-1]
 
 
-@pytest.mark.parametrize("family", CAUSAL)
+@pytest.mark.parametrize("family", MINIMIZABLE)
 def test_minimized_equals_masked_float64(family):
     model = masked(family)
     new, step = minimized(model)

@@ -15,7 +15,7 @@ from normsurgery.cli import app
 from normsurgery.families import layout
 from normsurgery.norms import faithful_norms
 
-from models import CAUSAL, LAYERNORM, rel, tiny_model, token_ids
+from models import LAYERNORM, ROTATABLE, rel, tiny_model, token_ids
 
 ACCEPTED = [n for n in range(1, 520) if rotation.hadamard_base(n)] + [576, 768, 896, 960, 1152]
 
@@ -48,7 +48,7 @@ def test_hadamard_orthogonal_for_every_width_it_accepts():
             assert not torch.equal(q, rotation.rotation(kind, n, seed=4))
 
 
-@pytest.mark.parametrize("family", CAUSAL)
+@pytest.mark.parametrize("family", ROTATABLE)
 def test_rotate_exact_float64(family):
     model, new, step = prepared(family)
     assert rel(model, new, token_ids()) <= 1e-10
