@@ -1,5 +1,10 @@
 """heal: repair a pruned model with LoRA on its remaining linear layers, then merge.
 
+``train`` chooses what trains: ``lora`` (below, the default), ``norms`` (only the gains and
+biases of the Layout's norms, stream and per-head: thousands of parameters; the seed paper finds
+LayerNorm moves most in fine-tuning) or ``full`` (every parameter). The last two train the
+model's own tensors, so there is nothing to merge.
+
 Every targeted linear W (inside the blocks, never the embeddings or the LM head) becomes
 W + (alpha / r) B A with A: r x in, B: out x r, B = 0 at the start, so training starts from the
 pruned model's exact function. Only A and B train, on the language-modelling loss:
@@ -32,7 +37,7 @@ import torch
 from .version import __version__
 from . import algebra
 from .calibration import fit_seq_len, split_heldout, tokenize, windows
-from .errors import SurgeryError
+from .errors import SurgeryError, UsageError
 from .checkpoint import Source
 from .families import layout
 from .output import check_output, writing, written
@@ -45,7 +50,8 @@ __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "hel
 
 #: --precision spellings -> accelerate's mixed precision
 PRECISIONS = {"auto": "auto", "fp32": "no", "no": "no", "bf16": "bf16", "fp16": "fp16"}
-#: default tokens per window, or the model's positions when fewer
+#: --train: what trains
+TRAIN_MODES = ("lora", "norms", "full")
 
 
 @dataclass
@@ -62,10 +68,13 @@ class HealOptions:
     eval_fraction: float = 0.1  # share of the text held out (when no held-out text is given)
     eval_samples: int = 64  # held-out windows at most
     seed: int = 0
+    train: str = "lora"  # TRAIN_MODES
 
-    def check(self) -> None:
+    def check(self, save_adapter: bool = False) -> None:
         """The ranges the command line enforces, for values that came from a recipe or the API too."""
         check_values(asdict(self))
+        if save_adapter and self.train != "lora":
+            raise UsageError(f"--save-adapter needs --train lora (--train {self.train} trains no adapter)")
 
 
 #: option ranges shared by heal and prune (``check_values``)
@@ -87,6 +96,8 @@ def check_values(opts: dict) -> None:
             raise SurgeryError(f"{flag} must be between 0 and 1 (exclusive), got {v!r}")
         if k in POSITIVE and (not isinstance(v, (int, float)) or v <= 0):
             raise SurgeryError(f"{flag} must be positive, got {v!r}")
+    if opts.get("train") is not None and opts["train"] not in TRAIN_MODES:
+        raise UsageError(f"--train {opts['train']!r}: choose one of {', '.join(TRAIN_MODES)}")
     if opts.get("precision") is not None and opts["precision"] not in PRECISIONS:
         raise SurgeryError(f"--precision {opts['precision']!r}: choose one of auto, fp32, bf16, fp16")
 
@@ -119,6 +130,7 @@ class HealReport:
     mixed_precision: str
     processes: int
     losses: list[float] = field(default_factory=list)  # mean training loss of each step
+    train: str = "lora"  # what trained (TRAIN_MODES)
 
     @property
     def tokens_per_second(self) -> float:
@@ -152,6 +164,14 @@ def target_pattern(model, names: list[str] | None = None) -> str:
     return rf"{re.escape(prefix)}\d+\.({'|'.join(re.escape(r) for r in rel)})"
 
 
+def norm_parameters(model) -> list[torch.nn.Parameter]:
+    """The gains and biases of every norm the Layout knows: the stream's norm sites and the
+    per-head norms inside attention."""
+    lay = layout(model)
+    paths = [s.path for s in lay.norms] + list(lay.qk_norms)
+    return list(dict.fromkeys(p for path in paths for p in model.get_submodule(path).parameters()))
+
+
 def require_lm(model) -> None:
     """Cross-entropy and healing need a language-modelling head (a causal or masked LM)."""
     objective_of(model)
@@ -160,12 +180,15 @@ def require_lm(model) -> None:
 def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, steps: int = 200,
                seq_len: int = 128, batch_size: int = 8, rank: int = 8, alpha: float | None = None,
                lr: float = 2e-3, target_modules: list[str] | None = None, mask_token_id: int | None = None,
-               merge: bool = True, seed: int = 0, grad_accum: int = 1, accelerator=None,
+               merge: bool = True, seed: int = 0, grad_accum: int = 1, accelerator=None, train_mode: str = "lora",
                progress: StepProgress = lambda step, total, loss: None):
     """Train LoRA adapters (rank ``rank``, scale ``alpha / rank``, alpha defaulting to 2 rank) on
     random ``seq_len`` windows of ``train_ids`` for ``steps`` optimizer steps of ``batch_size``
     windows x ``grad_accum`` x processes. AdamW, linear warm-up over the first 10% of steps,
     then cosine decay to lr / 10.
+
+    ``train_mode`` "norms" or "full" trains the model's own norm parameters or every parameter
+    instead (rank, alpha, target_modules and merge then play no part).
 
     Returns (model, HealReport): the merged plain model, or the peft model when ``merge=False``.
     """
@@ -179,6 +202,16 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
     config.check()
     objective = objective_of(model)
     alpha = float(2 * rank if alpha is None else alpha)
+    check_values({"train": train_mode})
+    if train_mode != "lora":
+        params = norm_parameters(model) if train_mode == "norms" else list(model.parameters())
+        result = train(model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
+                       progress=progress, accelerator=accelerator, params=params)
+        targets = len(layout(model).norms) + len(layout(model).qk_norms) if train_mode == "norms" else 0
+        return model, HealReport(result.ce_before, result.ce_after, result.steps, result.tokens,
+                                 result.tokens / len(train_ids), result.seconds, rank, alpha, lr,
+                                 result.trainable_parameters, targets, result.precision, result.processes,
+                                 result.losses, train_mode)
     pattern = target_pattern(model, target_modules)
     conv1d = any(isinstance(m, Conv1D) for n, m in model.named_modules() if re.fullmatch(pattern, n))
     torch.manual_seed(seed)
@@ -191,7 +224,8 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
                    progress=progress, accelerator=accelerator)
     report = HealReport(result.ce_before, result.ce_after, result.steps, result.tokens,
                         result.tokens / len(train_ids), result.seconds, rank, alpha, lr,
-                        result.trainable_parameters, targets, result.precision, result.processes, result.losses)
+                        result.trainable_parameters, targets, result.precision, result.processes, result.losses,
+                        train_mode)
     return (peft_model.merge_and_unload() if merge else peft_model), report
 
 
@@ -217,7 +251,8 @@ def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = T
                                batch_size=opts.batch_size, rank=opts.rank, alpha=opts.alpha, lr=opts.lr,
                                target_modules=opts.target_modules,
                                mask_token_id=getattr(tokenizer, "mask_token_id", None), merge=merge, seed=opts.seed,
-                               grad_accum=opts.grad_accum, accelerator=accelerator, progress=step)
+                               grad_accum=opts.grad_accum, accelerator=accelerator, train_mode=opts.train,
+                               progress=step)
     return model, report, time.perf_counter() - t0
 
 
@@ -242,7 +277,7 @@ def heal(src, out, text: str, *, eval_text: str | None = None, options: HealOpti
     out unless ``eval_text``), merged and saved to ``out`` as a plain checkpoint (or, with
     ``save_adapter``, the adapter alone, base ``src``)."""
     opts = options if isinstance(options, HealOptions) else HealOptions(**(options or {}))
-    opts.check()
+    opts.check(save_adapter)
     source = Source.open(src, allow_pickle)
     check_output(Path(out), force, source.path)
     opts.seq_len = fit_seq_len(source.positions, opts.seq_len)

@@ -283,7 +283,7 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
     opts.check()
     hopts = heal if isinstance(heal, HealOptions) or heal is None else HealOptions(**heal)
     if hopts is not None:
-        hopts.check()
+        hopts.check(save_adapter)
         if streaming:
             raise SurgeryError("--heal trains the whole model in memory: prune with --streaming, then heal the result")
     source = Source.open(src, allow_pickle)

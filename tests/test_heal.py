@@ -119,3 +119,45 @@ def test_heal_refuses_bad_text(tmp_path, text, match):
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and match in r.output, r.output
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_train_norms_changes_only_norm_parameters(family):
+    from normsurgery.heal import norm_parameters
+
+    model = tiny_model(family, torch.float32)
+    norms = {id(p) for p in norm_parameters(model)}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    is_norm = {n: id(p) in norms for n, p in model.named_parameters()}
+    stream, held = token_ids(1, 2000, seed=1)[0], token_ids(4, 32, seed=2)
+    model, report = heal_model(model, stream, held, steps=3, seq_len=32, batch_size=4, lr=1e-2, train_mode="norms")
+    assert report.train == "norms" and report.trainable_parameters == sum(p.numel() for p in norm_parameters(model))
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in before if not is_norm[n])
+    assert all(not torch.equal(after[n], before[n]) for n in before if is_norm[n])
+
+
+def test_train_full_changes_linears_and_counts_every_parameter():
+    model = tiny_model("llama", torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stream, held = token_ids(1, 2000, seed=1)[0], token_ids(4, 32, seed=2)
+    model, report = heal_model(model, stream, held, steps=2, seq_len=32, batch_size=4, lr=1e-2, train_mode="full")
+    assert report.train == "full" and report.trainable_parameters == sum(p.numel() for p in model.parameters())
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert any(n.endswith("q_proj.weight") for n in changed) and any(n.endswith("down_proj.weight") for n in changed)
+
+
+def test_cli_train_choice(tmp_path):
+    bad = run("heal", LLAMA, tmp_path / "a", "--text", SAMPLE, "--train", "bias")
+    assert bad.exit_code == 2 and "--train 'bias'" in bad.output and not (tmp_path / "a").exists()
+    both = run("heal", LLAMA, tmp_path / "b", "--text", SAMPLE, "--train", "norms", "--save-adapter")
+    assert both.exit_code == 2 and "--save-adapter needs --train lora" in both.output
+    ok = run("heal", LLAMA, tmp_path / "c", "--text", SAMPLE, "--train", "norms", "--steps", "2", "--batch-size", "2",
+             "--seq-len", "32", "--eval-samples", "2", "--json")
+    assert ok.exit_code == 0, ok.output
+    record = json.loads(ok.stdout)
+    assert record["heal"]["train"] == "norms" and 0 < record["heal"]["trainable_parameters"] < 10_000
+    saved = json.loads((tmp_path / "c" / "config.json").read_text())["normsurgery"]["heal"]
+    assert saved["train"] == "norms"
+    pruned = run("prune", LLAMA, tmp_path / "d", "--layers", "1", "--text", SAMPLE, "--heal", "--train", "wrong")
+    assert pruned.exit_code == 2 and "--train 'wrong'" in pruned.output

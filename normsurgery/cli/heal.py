@@ -13,7 +13,7 @@ from .app import ALLOW_PICKLE, FORCE, JSON, claimed, command, emit_json, merge, 
 #: heal's options and defaults (``heal.HealOptions``), named here so --help needs no torch
 HEAL_DEFAULTS = {"steps": 200, "rank": 8, "alpha": None, "lr": 2e-3, "target_modules": None,
                  "batch_size": 8, "seq_len": None, "grad_accum": 1, "precision": "auto",
-                 "eval_fraction": 0.1, "eval_samples": 64, "seed": 0}
+                 "eval_fraction": 0.1, "eval_samples": 64, "seed": 0, "train": "lora"}
 
 
 def print_heal_steps(report, seconds: float) -> None:
@@ -47,6 +47,8 @@ def heal(
     eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="held-out windows at most, evaluated "
                                                "before and after (default 64; fewer is faster)"),
     seed: Optional[int] = typer.Option(None, min=0, metavar="N", help="random seed (default 0)"),
+    train: Optional[str] = typer.Option(None, metavar="WHAT", help="what trains: lora (adapters, merged) | norms "
+                                        "(only the norms' gains and biases) | full (every parameter) (default lora)"),
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="save the peft adapter (base: IN), unmerged"),
     force: bool = FORCE,
     allow_pickle: bool = ALLOW_PICKLE,
@@ -58,8 +60,8 @@ def heal(
     opts = HealOptions(**merge(HEAL_DEFAULTS, None, {
         "steps": steps, "rank": rank, "alpha": alpha, "lr": lr, "target_modules": split_names(target_modules),
         "batch_size": batch_size, "seq_len": seq_len, "grad_accum": grad_accum, "precision": precision,
-        "eval_fraction": eval_fraction, "eval_samples": eval_samples, "seed": seed}))
-    opts.check()
+        "eval_fraction": eval_fraction, "eval_samples": eval_samples, "seed": seed, "train": train}))
+    opts.check(save_adapter_)
     body, held_text = read_text(text), read_text(eval_text)
     with claimed(src, out, force, allow_pickle) as source, progress_bar(not json) as progress:
         result = heal_checkpoint(source, out, body, eval_text=held_text, options=opts, save_adapter=save_adapter_,

@@ -59,6 +59,8 @@ def prune(
     grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K", help="heal: gradient-accumulation steps (default 1)"),
     precision: Optional[str] = typer.Option(None, metavar="P", help="heal: auto (bf16 on a GPU that has it) | fp32 | "
                                                                    "bf16 | fp16"),
+    train: Optional[str] = typer.Option(None, metavar="WHAT", help="heal: what trains: lora | norms | full "
+                                        "(default lora; see `heal --help`)"),
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="heal: keep the adapter in OUT/adapter, unmerged"),
     recipe: Optional[Path] = typer.Option(None, metavar="FILE", help="a TOML recipe with [prune] (and [heal]) tables"),
     force: bool = FORCE,
@@ -84,8 +86,8 @@ def prune(
         h = HealOptions(**merge(HEAL_DEFAULTS, heal_recipe, {
             "steps": steps, "rank": rank, "lr": lr, "grad_accum": grad_accum,
             "target_modules": split_names(target_modules), "precision": precision, "seq_len": seq_len,
-            "batch_size": batch_size, "eval_samples": eval_samples}))
-        h.check()
+            "batch_size": batch_size, "eval_samples": eval_samples, "train": train}))
+        h.check(save_adapter_)
     if plot is not None and plot.is_dir():
         raise SurgeryError(f"--plot {plot} is a folder; give a .png file name")
     body, held_text = read_text(text), read_text(eval_text)
