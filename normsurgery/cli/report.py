@@ -214,16 +214,18 @@ def ce_table(title: str, rows: list[tuple[str, float]], recovered: float | None)
 
 
 def heal_line(report, seconds: float | None = None) -> str:
-    """Steps, throughput, LoRA set-up and (given the whole heal's wall time) the share spent
+    """Steps, throughput, what trained (--train) and (given the whole heal's wall time) the share spent
     evaluating held-out CE before and after."""
     share = ""
     if seconds:
         share = (f"; held-out evaluation {max(seconds - report.seconds, 0.0):.1f} s of {seconds:.1f} s "
                  f"({100 * max(seconds - report.seconds, 0.0) / seconds:.0f}%, --eval-samples sets its size)")
     precision = "fp32" if report.mixed_precision == "no" else report.mixed_precision  # the --precision spelling
+    what = {"lora": f"LoRA rank {report.rank} on {report.target_modules} linears",
+            "norms": f"norms only ({report.target_modules} norms)", "full": "every parameter"}[report.train]
     return (f"healed: {report.steps} steps, {report.tokens} tokens in {report.seconds:.1f} s "
             f"({report.tokens_per_second:.0f} tokens/s, {report.processes} process(es), precision "
-            f"{precision}); LoRA rank {report.rank} on {report.target_modules} linears, "
+            f"{precision}); {what}, "
             f"{report.trainable_parameters} trainable parameters{share}")
 
 
