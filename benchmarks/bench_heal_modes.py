@@ -6,7 +6,7 @@ its end held out; the bundled held-out text for evaluation), the fraction of the
 recovered, (pruned - healed) / (pruned - original), and the trainable parameter count. lora is
 the baseline the others are compared with; ``uptime`` load is recorded with the figures.
 
-Usage: python benchmarks/bench_heal_modes.py [--steps S] [--lr-norms X] [--json FILE|-]
+Usage: python benchmarks/bench_heal_modes.py [--steps S] [--lr X] [--lr-norms X] [--lr-full X] [--json FILE|-]
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ TEXT, HELD = ROOT / "normsurgery/data/sample.txt", ROOT / "normsurgery/data/held
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--lr", type=float, default=2e-3, help="learning rate of lora and norms")
+    ap.add_argument("--lr", type=float, default=2e-3, help="learning rate of lora (heal's default)")
+    ap.add_argument("--lr-norms", type=float, default=1e-2, help="learning rate of norms (few parameters: larger)")
     ap.add_argument("--lr-full", type=float, default=2e-4, help="learning rate of full (every parameter)")
     ap.add_argument("--json", default=None, help="write the rows as JSON to FILE (- for stdout)")
     args = ap.parse_args()
@@ -42,8 +43,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("lora", "norms", "full"):
-            opts = HealOptions(steps=args.steps, lr=args.lr_full if mode == "full" else args.lr, train=mode,
-                               batch_size=8, seq_len=64, eval_samples=16)
+            lr = {"lora": args.lr, "norms": args.lr_norms, "full": args.lr_full}[mode]
+            opts = HealOptions(steps=args.steps, lr=lr, train=mode, batch_size=8, seq_len=64, eval_samples=16)
             r = ns.prune(LLAMA, Path(tmp) / mode, {"layers": 2}, text=TEXT.read_text(), eval_text=HELD.read_text(),
                          heal=opts)
             ce = r.ce
