@@ -156,7 +156,8 @@ def did_you_mean(name: str, choices) -> str:
 
 def dtype_option(value: str | None) -> str | None:
     if value is not None and value not in DTYPES:
-        raise typer.BadParameter(f"{value!r} is not a dtype; choose one of {', '.join(DTYPES)}{did_you_mean(value, DTYPES)}")
+        raise typer.BadParameter(f"{value!r} is not a dtype; choose one of {', '.join(DTYPES)}"
+                                 f"{did_you_mean(value, DTYPES)}")
     return value
 
 

@@ -37,11 +37,13 @@ def heal(
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="learning rate (default 2e-3)"),
     target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="linears to adapt, by name, e.g. "
                                                        "q_proj,v_proj (default: every linear in the blocks)"),
-    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B", help="windows per micro-batch and process (default 8)"),
+    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B",
+                                             help="windows per micro-batch and process (default 8)"),
     seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="tokens per window (default: 128, or the "
                                                                           "model's positions when fewer)"),
     grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K", help="gradient-accumulation steps (default 1)"),
-    precision: Optional[str] = typer.Option(None, metavar="P", help="auto (bf16 on a GPU that has it) | fp32 | bf16 | fp16"),
+    precision: Optional[str] = typer.Option(None, metavar="P",
+                                            help="auto (bf16 on a GPU that has it) | fp32 | bf16 | fp16"),
     eval_fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
                                                   help="share of --text held out (default 0.1)"),
     eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="held-out windows at most, evaluated "

@@ -56,7 +56,8 @@ def prune(
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="heal: learning rate (default 2e-3)"),
     target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="heal: linears to adapt, by name "
                                                        "(default: all in the blocks)"),
-    grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K", help="heal: gradient-accumulation steps (default 1)"),
+    grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K",
+                                             help="heal: gradient-accumulation steps (default 1)"),
     precision: Optional[str] = typer.Option(None, metavar="P", help="heal: auto (bf16 on a GPU that has it) | fp32 | "
                                                                    "bf16 | fp16"),
     train: Optional[str] = typer.Option(None, metavar="WHAT", help="heal: what trains: lora | norms | full "

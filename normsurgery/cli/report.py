@@ -14,7 +14,8 @@ from rich.cells import cell_len
 from rich.text import Text
 
 SHORT = 12  # the widest cell of a column kept whole: 1.23e-13, -1.2345e+04, yes
-STYLE = {"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True}  # no vertical rules: more room in 80 columns
+# no vertical rules: more room in 80 columns
+STYLE = {"box": box.SIMPLE_HEAD, "pad_edge": False, "collapse_padding": True}
 
 
 def fmt(x, digits: int = 2) -> str:
@@ -59,9 +60,10 @@ def convert_tables(result, src, out) -> list:
         ok = ("yes" if p.ok else red("NO")) if p is not None and s.kind == "exact" else "-"
         rows.append((s.name, s.kind, fmt(p and p.relative), fmt(p and p.max_abs), fmt(p and p.kl),
                      fmt(p and p.top1), ok))
-    stored = result.storage_dtype + (f", {len(result.kept_float32)} tensors kept in float32" if result.kept_float32 else "")
-    out_tables = [table(f"convert {src} -> {out} (rewritten in {result.work_dtype}, stored in {stored})", ("pass", "kind", "rel. error", "max |Δ|", "KL",
-                                                     "top-1", "ok"), rows)]
+    kept = f", {len(result.kept_float32)} tensors kept in float32" if result.kept_float32 else ""
+    stored = result.storage_dtype + kept
+    title = f"convert {src} -> {out} (rewritten in {result.work_dtype}, stored in {stored})"
+    out_tables = [table(title, ("pass", "kind", "rel. error", "max |Δ|", "KL", "top-1", "ok"), rows)]
     for s in result.steps:
         if s.metrics.get("curve"):
             out_tables.append(curve_table(s.name, s.metrics["curve"]))

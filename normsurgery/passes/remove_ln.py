@@ -254,7 +254,8 @@ def export_stock(model, layout: Layout, norms: list[RemovableNorm]) -> str:
         norm = rn.original[0]
         with torch.no_grad():
             g = rn.weight.detach().to(algebra.WORK) + rn.offset
-            norm.weight.copy_((g * math.sqrt(STOCK_EPS) / rn.scale[0].to(algebra.WORK) - rn.offset).to(norm.weight.dtype))
+            gain = g * math.sqrt(STOCK_EPS) / rn.scale[0].to(algebra.WORK) - rn.offset
+            norm.weight.copy_(gain.to(norm.weight.dtype))
             if rn.bias is not None:
                 norm.bias.copy_(rn.bias.detach())
         for name in ("eps", "variance_epsilon"):
