@@ -193,10 +193,12 @@ def read_text(path) -> str | None:
 def claimed(src: str, out, force: bool, allow_pickle: bool = False):
     """For the whole command: ``out`` locked and checked before any work (what killed runs
     left beside it cleared and reported); yields ``src`` read (``checkpoint.Source``)."""
-    from ..checkpoint import Source
     from ..output import check_output, output_lock
 
-    with output_lock(out):  # before reading anything: a second run writing OUT stops at once
+    with output_lock(out):  # before loading torch or reading anything: a second run stops at once
+        load_transformers()
+        from ..checkpoint import Source
+
         source = Source.open(src, allow_pickle)
         for line in check_output(out, force, source.path):
             stderr().print(f"note: {line} (left by a run that was killed)", markup=False, highlight=False)

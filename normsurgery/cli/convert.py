@@ -9,7 +9,7 @@ import typer
 
 from ..errors import UsageError
 from .app import ALLOW_PICKLE, FORCE, JSON, STREAMING, claimed, command, did_you_mean, \
-    dtype_option, emit_json, load_transformers, positive, progress_bar, read_text, say, say_warning, show, \
+    dtype_option, emit_json, positive, progress_bar, read_text, say, say_warning, show, \
     size_option, torch_dtype
 
 ON_OVERFLOW = ("refuse", "keep-float32")  # precision.POLICIES, named here so --help needs no torch
@@ -77,11 +77,6 @@ def convert(
     if not specs:
         raise UsageError("no passes given: use --pass NAME or --recipe FILE (`normsurgery passes` lists them)")
     check_passes(specs)
-    load_transformers()
-    from ..convert import convert as convert_checkpoint, state_dir
-    from ..training import STATE_FILE
-    from ..training import is_main_process
-
     if fold:
         specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
     given = {k: v for k, v in {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
@@ -89,13 +84,19 @@ def convert(
     specs = [(n, {**o, **{k: v for k, v in given.items() if k in registry.get(n).options}}) for n, o in specs]
     body = read_text(text)
     try:
-        with claimed(src, out, force, allow_pickle) as source:
+        with claimed(src, out, force, allow_pickle) as source:  # OUT locked before torch is loaded
+            from ..convert import convert as convert_checkpoint
+            from ..training import is_main_process
+
             with progress_bar(not json and is_main_process()) as progress:
                 result = convert_checkpoint(source, out, specs, force=force, verify=not no_verify,
                                              work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
                                              max_shard_size=max_shard_size, progress=progress,
                                              streaming=streaming, on_overflow=on_overflow)
     except KeyboardInterrupt as e:
+        from ..convert import state_dir
+        from ..training import STATE_FILE
+
         kept = state_dir(out)
         if (kept / STATE_FILE).is_file():
             e.kept = f"the training state is kept in {kept}: the same command with --resume continues from it"
