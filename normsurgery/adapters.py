@@ -171,6 +171,20 @@ def stablelm(model, p: str, head: str | None) -> Layout:
     them refuse."""
     if not model.config.use_parallel_residual:
         return dataclasses.replace(llama_like(model, p, head), attention=(), mlps=())
+    return _parallel(model, p, head)
+
+
+def cohere(model, p: str, head: str | None) -> Layout:
+    """Cohere (Command-R): parallel blocks, x += attn(n(x)) + mlp(n(x)), n a bias-free LayerNorm
+    (``CohereLayerNorm``); the head's ``logit_scale`` multiplies the logits after the head, so a
+    fold into the head leaves it as is. Its attention reads its own head counts (and optional
+    per-head QK norms): blocks not described, passes that need them refuse."""
+    return _parallel(model, p, head)
+
+
+def _parallel(model, p: str, head: str | None) -> Layout:
+    """Llama's modules in parallel blocks: ``input_layernorm`` feeds the attention and the gated
+    MLP (placement "parallel"); attention and MLP blocks not described."""
     lay = dataclasses.replace(llama_like(model, p, head, mlp_norm=None), attention=(), mlps=())
     norms = tuple(dataclasses.replace(s, readers=s.readers + (f"{s.path.rsplit('.', 1)[0]}.mlp.gate_proj",
                                                              f"{s.path.rsplit('.', 1)[0]}.mlp.up_proj"),

@@ -60,6 +60,7 @@ class Family:
     lm_class: str  # the class a config without ``architectures`` gets, e.g. "LlamaForCausalLM"
     classes: dict[str, Head]  # every class normsurgery loads and saves for this family
     rmsnorm: tuple[str, float] | None = None  # the family's RMSNorm class in its modeling module, gain offset
+    layernorm: str | None = None  # the family's bias-free LayerNorm class (float32 statistics), e.g. CohereLayerNorm
     module: str | None = None  # its transformers.models package when not named model_type (gemma3_text: gemma3)
     positions_key: str = "max_position_embeddings"
     eps_keys: tuple[str, ...] = ()  # config keys the stock norms read their eps from
@@ -144,6 +145,8 @@ FAMILIES = {
     "gptj": Family(adapters.gptj, "GPTJForCausalLM",
                    _classes("GPTJForCausalLM", "GPTJModel", seq=("GPTJForSequenceClassification", "score")),
                    positions_key="n_positions", eps_keys=("layer_norm_epsilon",)),
+    "cohere": Family(adapters.cohere, "CohereForCausalLM", _classes("CohereForCausalLM", "CohereModel"),
+                     layernorm="CohereLayerNorm", eps_keys=("layer_norm_eps",), bias_flags=("attention_bias",)),
     "phi": Family(adapters.phi, "PhiForCausalLM", _decoder("Phi"), eps_keys=LN_EPS),
     "bert": Family(adapters.bert, "BertForMaskedLM",
                    _classes("BertForMaskedLM", "BertModel", lm_head="cls.predictions.decoder",
@@ -230,7 +233,8 @@ def layout(model, scope: tuple[str, ...] = ()) -> Layout:
 
 @functools.cache
 def _norm_table() -> dict[type, tuple[str, Callable[[nn.Module], float]]]:
-    """Norm classes -> (kind, gain offset of a module): torch's, the runtime's, every family's RMSNorm."""
+    """Norm classes -> (kind, gain offset of a module): torch's, the runtime's, every family's
+    RMSNorm and bias-free LayerNorm."""
     table = {
         nn.LayerNorm: ("layernorm", lambda m: 0.0),
         RMSNorm: ("rmsnorm", lambda m: m.offset),
@@ -238,11 +242,14 @@ def _norm_table() -> dict[type, tuple[str, Callable[[nn.Module], float]]]:
         CompensatedLayerNorm: ("compensated-layernorm", lambda m: 0.0),
     }
     for name, fam in FAMILIES.items():
+        package = fam.module or name
         if fam.rmsnorm:
             cls, offset = fam.rmsnorm
-            package = fam.module or name
             module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
             table[getattr(module, cls)] = ("rmsnorm", lambda m, o=offset: o)
+        if fam.layernorm:
+            module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+            table[getattr(module, fam.layernorm)] = ("layernorm", lambda m: 0.0)
     return table
 
 

@@ -101,3 +101,27 @@ def test_flashnorm_keep_tied_leaves_the_final_gain_and_the_tying(keep_tied):
     assert tied == keep_tied == new.config.tie_word_embeddings
     assert torch.equal(new.model.norm.weight, model.model.norm.weight) == keep_tied
     assert any(("kept model.norm's gain" if keep_tied else "untied") in n for n in steps[0].notes), steps[0].notes
+
+
+@pytest.mark.parametrize("base", [False, True])
+def test_cohere_one_bias_free_layernorm_feeds_both_branches_and_folds_exactly_with_the_logit_scale(base):
+    model = tiny_model("cohere")
+    if base:
+        model = model.model
+    assert model.config.logit_scale == 0.3
+    lay = layout(model)
+    site = lay.norms[0]
+    assert (lay.placement, site.kind, site.role) == ("parallel", "layernorm", "attn+mlp")
+    p = "" if base else "model."
+    assert site.readers == tuple(f"{p}layers.0.{r}" for r in ("self_attn.q_proj", "self_attn.k_proj",
+                                                             "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"))
+    assert lay.norms[-1].readers == (() if base else ("lm_head",))
+    faithful_norms(model)
+    for passes in ([("pre-rmsnorm", {})], [("flashnorm", {})], [("pre-rmsnorm", {"fold": True}), ("flashnorm", {})]):
+        new = copy.deepcopy(model)
+        ns.apply_passes(new, passes)
+        assert type(new) is type(model)
+        assert rel(model, new, token_ids()) <= 1e-10, passes
+    for name in ("minimize", "compensated-ln"):
+        assert "does not describe its attention and MLP blocks" in registry.get(name).applies(model, lay)
+    assert "LayerNorm" in registry.get("rotate").applies(model, lay) or base  # a base model: its norm is the output

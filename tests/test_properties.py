@@ -30,7 +30,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 VOCAB = 64
 FAMILIES = ["gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "bert",
             "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "granite", "smollm3", "olmo2", "starcoder2",
-            "stablelm", "gptj"]
+            "stablelm", "gptj", "cohere"]
 MOE = {"mixtral": (T.MixtralConfig, "num_local_experts"), "qwen2_moe": (T.Qwen2MoeConfig, "num_experts")}
 SIMPLE = {"gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig, "phi3": T.Phi3Config,
           "smollm3": T.SmolLM3Config, "olmo2": T.Olmo2Config}
@@ -86,6 +86,10 @@ def configs(draw, family: str):
         return T.StableLmConfig(**common, num_key_value_heads=kv, layer_norm_eps=eps, use_qkv_bias=bias,
                                 use_parallel_residual=draw(st.booleans()), qk_layernorm=draw(st.booleans()),
                                 partial_rotary_factor=draw(st.sampled_from([0.25, 1.0])), pad_token_id=0)
+    if family == "cohere":  # per-head QK norms (use_qk_norm) compute in float32: no float64 twin
+        return T.CohereConfig(**common, num_key_value_heads=kv, layer_norm_eps=eps, attention_bias=bias,
+                              logit_scale=draw(st.sampled_from([0.0625, 1.0, 3.0])), pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2)
     if family in ("qwen3", "gemma"):
         cls = T.Qwen3Config if family == "qwen3" else T.GemmaConfig
         return cls(**common, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=eps)
