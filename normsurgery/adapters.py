@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from .algebra import in_width
+from .errors import SurgeryError
 from .layout import AttentionSite, Layout, MlpSite, NormSite
 
 
@@ -233,6 +234,40 @@ def gptj(model, p: str, head: str | None) -> Layout:
     norms.append(NormSite(f"{p}ln_f", _readers(head), "final"))
     return Layout("gptj", "parallel", 0, c.n_embd, h, f"{p}wte", (f"{p}wte",), tuple(writers), tuple(norms),
                   head, False, config_widths=(("intermediate", "n_inner"),))
+
+
+def falcon(model, p: str, head: str | None) -> Layout:
+    """Falcon: sequential blocks (``parallel_attn`` false: ``input_layernorm`` before the attention,
+    ``post_attention_layernorm`` before the MLP) or parallel ones, x += attn(n_a(x)) + mlp(n_m(x)),
+    with one norm (``input_layernorm``) or, in the new decoder architecture with
+    ``num_ln_in_parallel_attn`` 2, two (``ln_attn``, ``ln_mlp``). The fused ``query_key_value``
+    reads the attention's norm; attention and MLP blocks are not described (passes that need them
+    refuse). Flag combinations whose stock forward reads norms it never built are refused."""
+    c = model.config
+    h = f"{p}h"
+    two = c.new_decoder_architecture and c.num_ln_in_parallel_attn == 2
+    if c.new_decoder_architecture and not c.parallel_attn:
+        raise SurgeryError("falcon with new_decoder_architecture and parallel_attn=false is not a model normsurgery "
+                           "understands (its stock forward reads norms it never built, or skips one)")
+    if c.parallel_attn and not c.new_decoder_architecture and c.num_ln_in_parallel_attn == 2:
+        raise SurgeryError("falcon with num_ln_in_parallel_attn=2 needs new_decoder_architecture: its stock forward "
+                           "reads input_layernorm, which it never built")
+    norms, writers = [], []
+    for i in range(c.num_hidden_layers):
+        b = f"{h}.{i}"
+        qkv, fc = (f"{b}.self_attention.query_key_value",), (f"{b}.mlp.dense_h_to_4h",)
+        if not c.parallel_attn:
+            norms += [NormSite(f"{b}.input_layernorm", qkv, "attn"),
+                      NormSite(f"{b}.post_attention_layernorm", fc, "mlp")]
+        elif two:
+            norms += [NormSite(f"{b}.ln_attn", qkv, "attn"), NormSite(f"{b}.ln_mlp", fc, "mlp")]
+        else:
+            norms.append(NormSite(f"{b}.input_layernorm", qkv + fc, "attn+mlp"))
+        writers += [f"{b}.self_attention.dense", f"{b}.mlp.dense_4h_to_h"]
+    norms.append(NormSite(f"{p}ln_f", _readers(head), "final"))
+    return Layout("falcon", "parallel" if c.parallel_attn else "pre", 0, c.hidden_size, h, f"{p}word_embeddings",
+                  (f"{p}word_embeddings",), tuple(writers), tuple(norms), head, False,
+                  config_widths=(("intermediate", "ffn_hidden_size"),))
 
 
 def bert(model, p: str, head: str | None) -> Layout:

@@ -72,10 +72,13 @@ CONFIGS = {
                                          use_parallel_residual=True, pad_token_id=0),
     "gptj": lambda: T.GPTJConfig(n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_inner=64, vocab_size=VOCAB,
                                  n_positions=64),
-    "cohere": lambda: T.CohereConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    "cohere": lambda: T.CohereConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
                                      logit_scale=0.3, attention_bias=True, pad_token_id=0, bos_token_id=1,
                                      eos_token_id=2),
+    "falcon": lambda: T.FalconConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_kv_heads=2,
+                                     new_decoder_architecture=True, bias=True, vocab_size=VOCAB,
+                                     max_position_embeddings=64, tie_word_embeddings=False),
     "phi": lambda: T.PhiConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64),
     "bert": lambda: T.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -87,9 +90,9 @@ MOE = ["mixtral", "qwen2_moe"]  # checkpoints store experts in a layout normsurg
 SAVED = [f for f in CONFIGS if f not in MOE]  # families normsurgery saves and loads
 OUTPUT_NORMS = ["gemma2", "gemma3_text", "olmo2"]  # sub-block output norms: passes rewriting the stream refuse
 ROTATABLE = [f for f in CAUSAL if f not in OUTPUT_NORMS + MOE]
-UNDESCRIBED = ("phi3", "gptj", "stablelm", "cohere")  # adapters not describing their attention and MLPs
+UNDESCRIBED = ("phi3", "gptj", "stablelm", "cohere", "falcon")  # adapters not describing their attention and MLPs
 MINIMIZABLE = [f for f in ROTATABLE if f not in UNDESCRIBED]
-LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi", "starcoder2", "stablelm", "gptj", "cohere"]
+LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi", "starcoder2", "stablelm", "gptj", "cohere", "falcon"]
 
 
 def tiny_model(family: str, dtype=torch.float64, seed: int = 0, realistic: bool = True):

@@ -7,6 +7,7 @@ import torch
 
 import normsurgery as ns
 from normsurgery.families import layout
+from normsurgery.norms import faithful_norms
 from normsurgery.runtime import CRMSNorm, RMSNorm
 from normsurgery.parity import outputs
 
@@ -16,6 +17,8 @@ GPT2 = "normsurgery/demo/gpt2-tiny"
 
 
 def crms(model, passes=(("crmsnorm", {}),)):
+    if next(model.parameters()).dtype == torch.float64:
+        faithful_norms(model)  # Cohere's LayerNorm computes in float32
     new = copy.deepcopy(model)
     steps = ns.apply_passes(new, list(passes))
     return new, steps[-1]

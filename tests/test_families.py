@@ -15,8 +15,9 @@ from normsurgery import registry
 from normsurgery.families import layout
 from normsurgery.norms import faithful_norms
 from normsurgery.prune import prune_model
+from normsurgery.synthetic import make_realistic
 
-from models import MOE, rel, tiny_model, token_ids
+from models import MOE, VOCAB, rel, tiny_model, token_ids
 
 SANDWICH = ["gemma2", "gemma3_text"]
 
@@ -125,3 +126,35 @@ def test_cohere_one_bias_free_layernorm_feeds_both_branches_and_folds_exactly_wi
     for name in ("minimize", "compensated-ln"):
         assert "does not describe its attention and MLP blocks" in registry.get(name).applies(model, lay)
     assert "LayerNorm" in registry.get("rotate").applies(model, lay) or base  # a base model: its norm is the output
+
+
+FALCON = {"two norms": dict(new_decoder_architecture=True),
+          "one norm": dict(new_decoder_architecture=True, num_ln_in_parallel_attn=1),
+          "old parallel": dict(parallel_attn=True, alibi=True, multi_query=True),
+          "sequential": dict(parallel_attn=False)}
+
+
+@pytest.mark.parametrize("variant", FALCON)
+def test_falcon_blocks_one_or_two_norms_parallel_or_not_fold_exactly(variant):
+    torch.manual_seed(0)
+    config = T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, bias=True,
+                            vocab_size=VOCAB, **FALCON[variant])
+    model = T.FalconForCausalLM(config).to(torch.float64).eval()
+    make_realistic(model, 0)
+    lay = layout(model)
+    roles = [s.role for s in lay.norms if ".h.0." in s.path]
+    assert roles == {"two norms": ["attn", "mlp"], "sequential": ["attn", "mlp"]}.get(variant, ["attn+mlp"])
+    assert lay.placement == ("pre" if variant == "sequential" else "parallel")
+    for passes in ([("pre-rmsnorm", {})], [("flashnorm", {})], [("pre-rmsnorm", {"fold": True}), ("flashnorm", {})]):
+        new = copy.deepcopy(model)
+        ns.apply_passes(new, passes)
+        assert rel(model, new, token_ids()) <= 1e-10, passes
+    assert "does not describe its attention and MLP blocks" in registry.get("minimize").applies(model, lay)
+
+
+@pytest.mark.parametrize("flags", [dict(new_decoder_architecture=True, parallel_attn=False),
+                                   dict(parallel_attn=True, num_ln_in_parallel_attn=2)])
+def test_falcon_flags_whose_forward_reads_unbuilt_norms_are_refused_by_name(flags):
+    config = T.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64, **flags)
+    with pytest.raises(ns.SurgeryError, match="falcon with"):
+        layout(T.FalconForCausalLM(config))

@@ -30,7 +30,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 VOCAB = 64
 FAMILIES = ["gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "bert",
             "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "granite", "smollm3", "olmo2", "starcoder2",
-            "stablelm", "gptj", "cohere"]
+            "stablelm", "gptj", "cohere", "falcon"]
 MOE = {"mixtral": (T.MixtralConfig, "num_local_experts"), "qwen2_moe": (T.Qwen2MoeConfig, "num_experts")}
 SIMPLE = {"gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig, "phi3": T.Phi3Config,
           "smollm3": T.SmolLM3Config, "olmo2": T.Olmo2Config}
@@ -90,6 +90,13 @@ def configs(draw, family: str):
         return T.CohereConfig(**common, num_key_value_heads=kv, layer_norm_eps=eps, attention_bias=bias,
                               logit_scale=draw(st.sampled_from([0.0625, 1.0, 3.0])), pad_token_id=0,
                               bos_token_id=1, eos_token_id=2)
+    if family == "falcon":  # new decoder architecture (one or two norms, parallel) or the old one (parallel or not)
+        new = draw(st.booleans())
+        common.pop("intermediate_size")
+        return T.FalconConfig(**common, num_kv_heads=kv, layer_norm_epsilon=eps, bias=bias,
+                              new_decoder_architecture=new,
+                              parallel_attn=new or draw(st.booleans()), alibi=not new and draw(st.booleans()),
+                              num_ln_in_parallel_attn=draw(st.sampled_from([1, 2])) if new else None)
     if family in ("qwen3", "gemma"):
         cls = T.Qwen3Config if family == "qwen3" else T.GemmaConfig
         return cls(**common, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=eps)
