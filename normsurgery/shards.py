@@ -154,31 +154,6 @@ class Reader:
         e = self.index[key]
         return self.read_into(key, torch.empty(e.shape, dtype=dtype or e.dtype))
 
-    def read_rows(self, key: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``rows`` (indices into the first axis) of a 2-D tensor, in ``dtype``: only those bytes read."""
-        e = self.index[key]
-        if e.tensor is not None:
-            return e.tensor[rows].to(dtype)
-        width = e.shape[1]
-        out = torch.empty(len(rows), width, dtype=dtype)
-        row = torch.empty(width, dtype=e.dtype)
-        for i, r in enumerate(rows.tolist()):
-            self._seek(e, r * width * e.dtype.itemsize)
-            self._read(memoryview(row.view(torch.uint8).numpy()), key)
-            out[i].copy_(row)
-        return out
-
-    def read_slab(self, key: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor (its first axis), in ``dtype``."""
-        e = self.index[key]
-        if e.tensor is not None:
-            return e.tensor[start:stop].to(dtype)
-        row = torch.Size(e.shape[1:]).numel()
-        raw = torch.empty((stop - start) * row, dtype=e.dtype)
-        self._seek(e, start * row * e.dtype.itemsize)
-        self._read(memoryview(raw.view(torch.uint8).numpy()), key)
-        return raw.view(stop - start, *e.shape[1:]).to(dtype)
-
     def _seek(self, e: Entry, at: int) -> None:
         if self._file != e.file:
             self.close()
