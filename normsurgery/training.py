@@ -397,13 +397,3 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     return TrainResult(config.steps, config.steps * tokens_per_step, seconds, procs, acc.mixed_precision,
                        ce_before, curve[-1]["heldout_ce"], sum(p.numel() for p in params), resumed, losses, curve)
 
-
-def remove_state(config: TrainConfig) -> None:
-    """Delete the training state once its run's output is saved."""
-    if config.state_dir is not None:
-        path = Path(config.state_dir) / STATE_FILE
-        path.unlink(missing_ok=True)
-        try:
-            Path(config.state_dir).rmdir()
-        except OSError:
-            pass
