@@ -181,7 +181,8 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
                seq_len: int = 128, batch_size: int = 8, rank: int = 8, alpha: float | None = None,
                lr: float = 2e-3, target_modules: list[str] | None = None, mask_token_id: int | None = None,
                merge: bool = True, seed: int = 0, grad_accum: int = 1, accelerator=None, train_mode: str = "lora",
-               progress: StepProgress = lambda step, total, loss: None):
+               progress: StepProgress = lambda step, total, loss: None, save_every: int = 0,
+               state_dir: Path | None = None, resume: bool = False):
     """Train LoRA adapters (rank ``rank``, scale ``alpha / rank``, alpha defaulting to 2 rank) on
     random ``seq_len`` windows of ``train_ids`` for ``steps`` optimizer steps of ``batch_size``
     windows x ``grad_accum`` x processes. AdamW, linear warm-up over the first 10% of steps,
@@ -189,6 +190,9 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
 
     ``train_mode`` "norms" or "full" trains the model's own norm parameters or every parameter
     instead (rank, alpha, target_modules and merge then play no part).
+
+    ``save_every``, ``state_dir``, ``resume``: the training state, kept and continued as
+    :func:`training.train` does.
 
     Returns (model, HealReport): the merged plain model, or the peft model when ``merge=False``.
     """
@@ -198,7 +202,8 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
     if rank < 1:
         raise SurgeryError(f"--rank must be at least 1, got {rank}")
     config = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, grad_accum=grad_accum,
-                         seed=seed, eval_batch_size=batch_size)
+                         seed=seed, eval_batch_size=batch_size, save_every=save_every, state_dir=state_dir,
+                         resume=resume)
     config.check()
     objective = objective_of(model)
     alpha = float(2 * rank if alpha is None else alpha)

@@ -1,4 +1,6 @@
-"""Masks that put exact zeros into a model: unstructured magnitude and residual-channel pruning.
+"""Masks that put exact zeros into a model (unstructured magnitude; structured: MLP units,
+attention heads, residual channels) and the release that gives the zeros left inside kept
+tensors back to training.
 
 A parameter mask maps parameter names to keep tensors of the parameter's shape (nonzero keeps);
 applying it multiplies each parameter by it. A channel mask is a keep vector over the d
@@ -8,6 +10,13 @@ in j, and a LayerNorm's output there is the constant b_j (g_j * (0 - mean) / std
 g_j = 0), which its readers may still see: that constant is part of the function. The model
 after :func:`apply` is "the masked model" that minimization reproduces exactly.
 
+A unit or head mask zeroes what the unit or head writes: unit j's column of ``down``, head h's
+columns of ``o``; ``minimize`` then removes it (and a KV head once all its query heads go).
+Magnitude scores: unit j scores |up_j| |gate_j| |down_:j| (row and column 2-norms; no gate: 1),
+head h scores |o_:h|_F |v_g(h)|_F (its output columns and its KV head's value rows). With
+grouped KV heads whole groups go (the score of a group: the sum of its heads'), since a KV
+head is shared by its query heads.
+
 Mask files are safetensors: parameter names, plus ``residual_channels`` for a channel mask.
 """
 
@@ -16,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import algebra
+from . import algebra, analysis
 from .errors import SurgeryError
 from .layout import Layout
 
@@ -70,6 +79,54 @@ def prune_channels(model, layout: Layout, k: int, by: str = "magnitude") -> torc
     return keep
 
 
+def _drop_lowest(scores: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Indices of the round(fraction * n) lowest scores (at most n - 1: one always stays)."""
+    k = min(round(fraction * len(scores)), len(scores) - 1)
+    return scores.argsort(stable=True)[:k]
+
+
+def _zero_inputs(masks: dict, mod: nn.Module, name: str, cols: torch.Tensor) -> None:
+    """Mask the input columns ``cols`` of the linear ``mod`` (parameter ``name``.weight)."""
+    keep = masks.setdefault(f"{name}.weight", torch.ones_like(mod.weight, dtype=torch.bool))
+    keep.index_fill_(1 - algebra.written_axis(mod), cols.to(keep.device), False)
+
+
+def _rows_norm(mod: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+    w = algebra.weight(mod)
+    return (w if rows is None else w[rows.to(w.device)]).norm(dim=1).cpu()
+
+
+def prune_units(model, layout: Layout, fraction: float) -> dict[str, torch.Tensor]:
+    """Parameter masks zeroing, in every MLP, the round(fraction * units) lowest-scoring units."""
+    masks = {}
+    for site in layout.mlps:
+        down = model.get_submodule(site.down)
+        score = algebra.weight(down).norm(dim=0).cpu() * _rows_norm(model.get_submodule(site.up))
+        if site.gate:
+            score = score * _rows_norm(model.get_submodule(site.gate))
+        _zero_inputs(masks, down, site.down, _drop_lowest(score, fraction))
+    return masks
+
+
+def prune_heads(model, layout: Layout, fraction: float) -> dict[str, torch.Tensor]:
+    """Parameter masks zeroing, in every attention, the round(fraction * KV heads) lowest-scoring
+    KV groups (all their query heads)."""
+    masks = {}
+    for site in layout.attention:
+        o = model.get_submodule(site.o)
+        wo, groups = algebra.weight(o), site.num_heads // site.num_kv_heads
+        score = torch.zeros(site.num_kv_heads, dtype=algebra.WORK)
+        for h in range(site.num_heads):
+            path, rows = analysis.qkv_rows(site, "v", [h // groups])
+            v = _rows_norm(model.get_submodule(path), rows).norm()
+            score[h // groups] += wo[:, analysis.head_idx(h, site.head_dim).to(wo.device)].norm().cpu() * v
+        gone = _drop_lowest(score, fraction).tolist()
+        cols = [analysis.head_idx(h, site.head_dim) for g in gone for h in range(g * groups, (g + 1) * groups)]
+        if cols:
+            _zero_inputs(masks, o, site.o, torch.cat(cols))
+    return masks
+
+
 def check_criterion(by: str) -> None:
     if by not in CRITERIA:
         raise SurgeryError(f"unknown pruning criterion {by!r}; known: {', '.join(CRITERIA)}")
@@ -112,6 +169,22 @@ def apply(model, layout: Layout, params: dict[str, torch.Tensor] | None = None,
                 raise SurgeryError(f"{site.path} has no gain to zero: its dead channels would stay visible")
             norm.weight[gone.to(norm.weight.device)] = -site.offset
     return {"zero_entries": zeros, "channels": dropped}
+
+
+@torch.no_grad()
+def release(w: torch.Tensor, scale: float, gen: torch.Generator) -> int:
+    """Give ``w``'s exact zeros inside live structure back to training, in place: every zero
+    whose row and column (of the stored matrix) each hold a nonzero entry becomes a draw of
+    N(0, (scale * s)^2), s the RMS of the tensor's nonzero entries (its surviving weights). A
+    whole zero row or column is pruned structure and stays zero. Returns how many changed."""
+    live = w != 0
+    spots = ~live & live.any(1, keepdim=True) & live.any(0, keepdim=True)
+    n = int(spots.sum())
+    if n:
+        s = w[live].double().pow(2).mean().sqrt()
+        noise = torch.randn(n, generator=gen, dtype=torch.float64) * (scale * s)
+        w[spots] = noise.to(device=w.device, dtype=w.dtype)
+    return n
 
 
 def save(path, params: dict[str, torch.Tensor] | None = None, channels: torch.Tensor | None = None) -> None:

@@ -5,7 +5,9 @@ imported on first use (``registry.declare``)."""
 from ..registry import all_passes, between, declare, one_of
 
 #: options of mask and of the passes that can mask first (minimize, compensated-ln)
-MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0}
+#: (prune_units / prune_heads: the fraction of each MLP's units / each attention's KV heads to zero)
+MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0, "prune_units": 0.0,
+                "prune_heads": 0.0}
 PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 0,
                   "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
                   "fold": True, "save_every": 0, "resume": False}
@@ -16,7 +18,7 @@ REMOVE_LN_OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "
 PRE_LN = "Pre-LN and parallel models of every supported family"
 #: the values options take, checked before anything is loaded (options not listed: any of their type);
 #: seq_len 0: min(128, the model's positions)
-LIMITS = {"sparsity": between(0, 1), "by": one_of("magnitude"), "prune_channels": between(0),
+LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads": between(0, 1), "by": one_of("magnitude"), "prune_channels": between(0),
           "steps": between(1), "batch_size": between(1), "seq_len": between(0), "lr": between(0, open_low=True),
           "min_lr": between(-1), "weight_decay": between(0), "grad_accum": between(1), "save_every": between(0),
           "eval_fraction": between(0, 1, open_low=True), "heldout": between(0, 1, open_low=True),

@@ -26,7 +26,7 @@ def applies(model, layout: Layout) -> str | None:
 
 
 def wants_mask(options: dict) -> bool:
-    return bool(options.get("mask") or options.get("sparsity") or options.get("prune_channels"))
+    return any(options.get(k) for k in ("mask", "sparsity", "prune_channels", "prune_units", "prune_heads"))
 
 
 def make_mask(model, layout: Layout, options: dict) -> tuple[dict, torch.Tensor | None, list[str]]:
@@ -42,6 +42,12 @@ def make_mask(model, layout: Layout, options: dict) -> tuple[dict, torch.Tensor 
         for name, keep in masks.magnitude(model, layout, options["sparsity"]).items():
             params[name] = keep & params[name].bool() if name in params else keep
         notes.append(f"{options['by']} sparsity {options['sparsity']:g} in every linear inside the blocks")
+    for key, prune, what in (("prune_units", masks.prune_units, "MLP units"),
+                             ("prune_heads", masks.prune_heads, "KV heads (with their query heads)")):
+        if options[key]:
+            for name, keep in prune(model, layout, options[key]).items():
+                params[name] = keep & params[name].bool() if name in params else keep
+            notes.append(f"zeroed the {options[key]:g} lowest-scoring {what} in every layer")
     if options["prune_channels"]:
         keep = masks.prune_channels(model, layout, options["prune_channels"], options["by"])
         channels = keep if channels is None else keep & channels.bool()

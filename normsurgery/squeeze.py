@@ -1,0 +1,297 @@
+"""squeeze: the Squeeze-Release cycle. A target size is reached through N cycles of
+mask -> minimize -> release -> retrain, each on the model the previous one left.
+
+- mask: cycle c of N aims at P_c = P_0 * t^(c/N) parameters (t: ``target``, or ``target_bytes``
+  over the original's bytes). The structures chosen (``structure``: MLP units, KV-head groups,
+  residual channels; ``masks``) lose one fraction f of what the model holds then, ranked by
+  magnitude: the smallest f (bisection) whose minimized model has at most P_c parameters,
+  counted on trial copies, not estimated. ``sparsity`` adds unstructured magnitude zeros in what
+  stays.
+- minimize: the exact pass; its output is compared with the masked model on probe windows and
+  the cycle stops with an error if it differs beyond its tolerance.
+- release: every exact zero left inside a kept tensor of the blocks (its row and its column
+  still live) becomes N(0, (release_scale * s)^2), s the RMS of that tensor's surviving entries,
+  drawn from a generator seeded by (seed, cycle); whole zero rows and columns (pruned structure
+  that minimize could not remove) stay zero. ``masks.release``.
+- retrain: heal's loop (``train``: full | norms | lora, merged) for ``steps_per_cycle`` steps.
+
+``cycles=1`` is one-shot: mask to the target, minimize, release, retrain with all the steps.
+After each cycle the model and the records are kept in ``.OUT.squeeze-state`` beside OUT (the
+training state too, every ``save_every`` steps), so ``resume`` continues an interrupted run to
+the same result as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import masks
+from .version import __version__
+from .calibration import fit_seq_len
+from .checkpoint import Source
+from .convert import apply_passes
+from .errors import SurgeryError, UsageError
+from .families import layout
+from .heal import PRECISIONS, HealOptions, heal_data, heal_model, require_lm
+from .output import check_output
+from .parity import probe_ids
+from .pipeline import Work, save
+from .progress import Progress, no_progress
+from .training import STATE_FILE, heldout_ce, make_accelerator
+
+STRUCTURES = ("units", "heads", "channels")
+STATE = "squeeze.pt"
+#: the largest fraction of its structure one cycle may mask
+MOST = 0.95
+
+
+@dataclass
+class SqueezeOptions:
+    target: float | None = 0.5  # fraction of the original's parameters (unless target_bytes)
+    target_bytes: int | None = None  # or: the output's size in bytes, in the storage dtype
+    cycles: int = 3
+    steps_per_cycle: int = 100
+    structure: tuple[str, ...] = STRUCTURES
+    sparsity: float = 0.0  # unstructured magnitude sparsity in each cycle's mask, released after minimize
+    release_scale: float = 0.1  # released noise's std, in units of the tensor's surviving RMS
+    train: str = "full"  # full | norms | lora
+    lr: float = 5e-4
+    batch_size: int = 8
+    seq_len: int | None = None
+    eval_fraction: float = 0.1
+    eval_samples: int = 64
+    precision: str = "auto"
+    save_every: int = 0  # training state every this many steps within a cycle (0: cycle ends only)
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.target_bytes is not None:
+            if not isinstance(self.target_bytes, int) or self.target_bytes < 1:
+                raise UsageError(f"--target-bytes must be a positive whole number, got {self.target_bytes!r}")
+        elif self.target is None or not 0 < self.target < 1:
+            raise UsageError(f"--target must be a fraction of the parameters between 0 and 1, got {self.target!r}")
+        for k in ("cycles", "steps_per_cycle"):
+            if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
+                raise UsageError(f"--{k.replace('_', '-')} must be a whole number of at least 1, "
+                                 f"got {getattr(self, k)!r}")
+        unknown = [s for s in self.structure if s not in STRUCTURES]
+        if unknown or not self.structure:
+            raise UsageError(f"--structure {','.join(self.structure)!r}: choose among {', '.join(STRUCTURES)}")
+        if not 0 <= self.sparsity < 1:
+            raise UsageError(f"--sparsity must be in [0, 1), got {self.sparsity!r}")
+        if not self.release_scale >= 0:
+            raise UsageError(f"--release-scale must be at least 0, got {self.release_scale!r}")
+        self.heal_options().check()
+
+    def heal_options(self) -> HealOptions:
+        """The retraining's options (heal's, so they are checked and read the same way)."""
+        return HealOptions(steps=self.steps_per_cycle, lr=self.lr, batch_size=self.batch_size, seq_len=self.seq_len,
+                           precision=self.precision, eval_fraction=self.eval_fraction,
+                           eval_samples=self.eval_samples, seed=self.seed, train=self.train)
+
+
+@dataclass
+class Cycle:
+    """One cycle: the size reached, the minimize check, the release, the held-out CE before and
+    after retraining."""
+
+    cycle: int
+    fraction: float  # of the structure masked in this cycle
+    params: int
+    bytes: int  # in the storage dtype
+    minimize_relative: float  # minimize's output vs the masked model's (probe windows)
+    minimize_tolerance: float | None
+    released: int  # zeros given back to training
+    ce_masked: float  # held-out CE of the minimized model (= the masked model's)
+    ce_released: float
+    ce_after: float  # after retraining
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class SqueezeResult:
+    original: dict  # params, bytes, ce
+    cycles: list[Cycle]
+    options: dict
+    seconds: float
+    saved: dict | None = None
+    resumed_at: int | None = None  # the cycle a resumed run started in
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"original": self.original, "cycles": [asdict(c) for c in self.cycles], "options": self.options,
+                "seconds": self.seconds, "saved": self.saved, "resumed_at": self.resumed_at, "notes": self.notes}
+
+
+def mask_options(model, fraction: float, opts: SqueezeOptions) -> dict:
+    """minimize's mask options masking ``fraction`` of each chosen structure (and the sparsity)."""
+    out = {"sparsity": opts.sparsity} if opts.sparsity else {}
+    if "units" in opts.structure:
+        out["prune_units"] = fraction
+    if "heads" in opts.structure:
+        out["prune_heads"] = fraction
+    if "channels" in opts.structure:
+        out["prune_channels"] = round(fraction * layout(model).stream_width)
+    return out
+
+
+def minimized_params(model, options: dict) -> int:
+    """Parameters of ``model`` masked with ``options`` and minimized (on a copy)."""
+    if not options:
+        return parameters(model)
+    steps = apply_passes(copy.deepcopy(model), [("minimize", options)])
+    return steps[-1].metrics["params"][1]
+
+
+def parameters(model) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def plan_fraction(model, goal: int, opts: SqueezeOptions, iterations: int = 12) -> tuple[float, int]:
+    """(the smallest fraction f found whose minimized model has at most ``goal`` parameters, that
+    count): bisection over f in [0, MOST]."""
+    have = parameters(model)
+    if have <= goal:
+        return 0.0, have
+    most = minimized_params(model, mask_options(model, MOST, opts))
+    if most > goal:
+        raise SurgeryError(f"masking {MOST:.0%} of the {', '.join(opts.structure)} leaves {most:,} parameters, more "
+                           f"than this cycle's goal of {goal:,}: give more cycles, a larger target or more structures")
+    lo, hi, count = 0.0, MOST, most
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        n = minimized_params(model, mask_options(model, mid, opts))
+        if n <= goal:
+            hi, count = mid, n
+        else:
+            lo = mid
+    return hi, count
+
+
+@torch.no_grad()
+def release(model, scale: float, seed: int, cycle: int) -> int:
+    """``masks.release`` on every linear weight of the blocks, in name order, one generator
+    seeded by (seed, cycle)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + cycle)
+    weights = masks.block_weights(model, layout(model))
+    return sum(masks.release(weights[name].data, scale, gen) for name in sorted(weights))
+
+
+def state_dir(out) -> Path:
+    """Where squeeze keeps its resumable state for ``out``: ``.OUT.squeeze-state`` beside it."""
+    return Path(out).parent / f".{Path(out).name}.squeeze-state"
+
+
+def _fingerprint(opts: SqueezeOptions, train_ids: torch.Tensor, held: torch.Tensor) -> str:
+    text = repr(sorted({k: v for k, v in asdict(opts).items() if k != "save_every"}.items()))
+    return hashlib.sha256(text.encode() + train_ids.numpy().tobytes() + held.numpy().tobytes()).hexdigest()[:16]
+
+
+def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: SqueezeOptions, *, storage_bytes: int,
+                  mask_token_id: int | None = None, state: Path | None = None, resume: bool = False,
+                  accelerator=None, progress: Progress = no_progress) -> tuple[object, SqueezeResult]:
+    """The cycles on ``model`` (in place; returned, since a resumed run continues from the kept
+    model): training windows from ``train_ids``, held-out CE on ``held``; ``storage_bytes`` per
+    parameter in the output. ``state``: the folder of the kept state (None: nothing kept)."""
+    opts.check()
+    t0 = time.perf_counter()
+    heal = opts.heal_options()
+    heal.seq_len = held.shape[1]
+    fingerprint = _fingerprint(opts, train_ids, held)
+    p0 = parameters(model)
+    original = {"params": p0, "bytes": p0 * storage_bytes, "ce": heldout_ce(model, held, mask_token_id=mask_token_id)}
+    t = opts.target_bytes / original["bytes"] if opts.target_bytes is not None else opts.target
+    if not 0 < t < 1:
+        raise SurgeryError(f"--target-bytes {opts.target_bytes:,} is not below the model's {original['bytes']:,} bytes")
+    cycles, first, resumed = [], 1, None
+    kept = None if state is None else state / STATE
+    if resume:
+        if kept is None or not (kept.is_file() or (state / "train" / STATE_FILE).is_file()):
+            raise SurgeryError(f"nothing to resume: no squeeze state in {state}")
+        if kept.is_file():
+            saved = torch.load(kept, map_location="cpu", weights_only=False)
+            if saved["fingerprint"] != fingerprint:
+                raise SurgeryError(f"the squeeze state in {state} is from another run (other text or options); "
+                                   "resume with the same ones or start afresh without --resume")
+            model, cycles, original = saved["model"], [Cycle(**c) for c in saved["cycles"]], saved["original"]
+            first = len(cycles) + 1
+        resumed = first
+    ids = probe_ids(None, model.config.vocab_size, None, 2, held.shape[1])
+    for c in range(first, opts.cycles + 1):
+        goal = int(original["params"] * t ** (c / opts.cycles))
+        progress("squeeze", c - 1, opts.cycles, f"cycle {c}: finding the mask for {goal:,} parameters")
+        fraction, _ = plan_fraction(model, goal, opts)
+        steps = apply_passes(model, [("minimize", mask_options(model, fraction, opts))], ids=ids)
+        check = steps[-1].parity
+        if not check.ok:
+            raise SurgeryError(f"cycle {c}: minimize changed the masked model's outputs by {check.relative:.2e} "
+                               f"(tolerance {check.tolerance:.1e}); nothing was written")
+        ce_masked = heldout_ce(model, held, mask_token_id=mask_token_id)
+        released = release(model, opts.release_scale, opts.seed, c)
+
+        def step(done, total, loss, c=c):
+            progress("squeeze", c - 1, opts.cycles, f"cycle {c}: retraining, step {done}/{total}, loss {loss:.4f}")
+
+        train_state = None if state is None else state / "train"
+        model, report = heal_model(
+            model, train_ids, held, steps=heal.steps, seq_len=heal.seq_len, batch_size=heal.batch_size,
+            lr=heal.lr, mask_token_id=mask_token_id, seed=opts.seed + c, accelerator=accelerator,
+            train_mode=heal.train, progress=step, save_every=opts.save_every if state is not None else 0,
+            state_dir=train_state, resume=resume and c == first and (state / "train" / STATE_FILE).is_file())
+        params = parameters(model)
+        cycles.append(Cycle(c, fraction, params, params * storage_bytes, check.relative, check.tolerance, released,
+                            ce_masked, report.ce_before, report.ce_after, report.tokens, report.seconds))
+        if state is not None:
+            _keep(state, {"fingerprint": fingerprint, "model": model, "original": original,
+                          "cycles": [asdict(x) for x in cycles]})
+    progress("squeeze", opts.cycles, opts.cycles, "done")
+    return model, SqueezeResult(original, cycles, asdict(opts), time.perf_counter() - t0, resumed_at=resumed)
+
+
+def _keep(state: Path, data: dict) -> None:
+    """The state after a completed cycle (atomically); the finished cycle's training state goes."""
+    state.mkdir(parents=True, exist_ok=True)
+    tmp = state / f".{STATE}.tmp"
+    torch.save(data, tmp)
+    tmp.replace(state / STATE)
+    shutil.rmtree(state / "train", ignore_errors=True)
+
+
+def squeeze(src, out, text: str, *, eval_text: str | None = None, options: SqueezeOptions | dict | None = None,
+            resume: bool = False, force: bool = False, progress: Progress = no_progress,
+            allow_pickle: bool = False) -> SqueezeResult:
+    """Squeeze ``src`` to ``options.target`` of its parameters (or ``target_bytes``) and save the
+    last cycle's model to ``out`` (checked as every output is: read back and compared); training
+    on ``text`` (its end held out unless ``eval_text``). See the module docstring."""
+    opts = options if isinstance(options, SqueezeOptions) else SqueezeOptions(**(options or {}))
+    opts.structure = tuple(opts.structure)
+    opts.check()
+    source = Source.open(src, allow_pickle)
+    check_output(Path(out), force, source.path)
+    if source.tokenizer is None:
+        raise SurgeryError(f"{source.name} has no tokenizer to read the text with")
+    heal = opts.heal_options()
+    heal.seq_len = opts.seq_len = fit_seq_len(source.positions, opts.seq_len)
+    train_ids, held = heal_data(source.tokenizer, text, eval_text, heal)
+    acc = make_accelerator(PRECISIONS[opts.precision])
+    model = Work(source, source.storage).load_all()
+    require_lm(model)
+    state = state_dir(out)
+    model, result = squeeze_model(model, train_ids, held, opts, storage_bytes=source.storage.itemsize,
+                                  mask_token_id=getattr(source.tokenizer, "mask_token_id", None), state=state,
+                                  resume=resume, accelerator=acc, progress=progress)
+    record = {"version": __version__, "source": source.name, "squeeze": {
+        "options": result.options, "original": result.original, "cycles": [asdict(c) for c in result.cycles]}}
+    if acc.is_main_process:
+        result.saved = save(model, out, record=record, ids=held[:4], source=source, force=force)
+        shutil.rmtree(state, ignore_errors=True)
+    acc.wait_for_everyone()
+    return result
