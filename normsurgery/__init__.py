@@ -8,6 +8,7 @@ Python API (the CLI is a thin layer over it)::
     ns.verify("in/", "out/").relative
     ns.prune("in/", "pruned/", {"layers": 2}, heal={"steps": 100}, text=open("train.txt").read())
     ns.heal("pruned/", "healed/", open("train.txt").read())
+    ns.squeeze("in/", "small/", open("train.txt").read(), options={"target": 0.5, "cycles": 3})
     ns.export("out/", "onnx/", to="onnx").parity.relative  # ONNX Runtime vs torch
     ns.lens("out/").run_with_cache(ids)  # a TransformerLens model, the surgery visible
     [p.name for p in ns.passes()]
@@ -25,7 +26,8 @@ _API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": 
         "Source": "checkpoint", "save": "pipeline", "convert": "convert", "apply_passes": "convert",
         "load_recipe": "registry", "parse_pass": "registry", "SurgeryError": "errors", "passes": "passes",
         "register": "registry", "verify": "verify", "outliers": "verify", "prune": "prune", "heal": "heal",
-        "PruneOptions": "prune", "HealOptions": "heal", "export": "export", "lens": "lens"}
+        "PruneOptions": "prune", "HealOptions": "heal", "squeeze": "squeeze", "SqueezeOptions": "squeeze",
+        "export": "export", "lens": "lens"}
 
 
 class _Package(types.ModuleType):
@@ -48,4 +50,4 @@ sys.modules[__name__].__class__ = _Package
 
 __all__ = ["HealOptions", "Layout", "NormSite", "PruneOptions", "Source", "SurgeryError", "apply_passes", "convert",
            "export", "heal", "layout", "lens", "load", "load_recipe", "outliers", "parse_pass", "passes", "prune",
-           "register", "save", "verify"]
+           "register", "save", "squeeze", "SqueezeOptions", "verify"]

@@ -278,3 +278,46 @@ def plot_scores(path: Path, selection, scores) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---- squeeze ----
+
+def squeeze_table(result) -> Table:
+    """One row per cycle: size reached, minimize's check, zeros released, held-out CE after
+    minimize, after release and after retraining (row 0: the original)."""
+    o = result.original
+    rows = [("0 (original)", "", human(o["params"]), human(o["bytes"], "B"), "", "", "", f"{o['ce']:.4f}")]
+    for c in result.cycles:
+        rows.append((str(c.cycle), f"{c.fraction:.3f}", human(c.params), human(c.bytes, "B"),
+                     fmt(c.minimize_relative), human(c.released), f"{c.ce_masked:.4f}", f"{c.ce_after:.4f}"))
+    return table("squeeze: one row per cycle (held-out CE never trained on)",
+                 ("cycle", "masked", "parameters", "bytes", "minimize rel. err", "released", "CE minimized",
+                  "CE retrained"), rows, right=tuple(range(1, 8)))
+
+
+def plot_squeeze(path: Path, result) -> None:
+    """Held-out CE against parameters: each cycle's minimized model (before retraining) and
+    retrained model, the original marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    o = result.original
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [o["params"]] + [c.params for c in result.cycles]
+    ax.plot(xs, [o["ce"]] + [c.ce_after for c in result.cycles], "o-", label="after retraining")
+    ax.plot([c.params for c in result.cycles], [c.ce_masked for c in result.cycles], "x", color="tab:red",
+            label="minimized, before retraining")
+    for c in result.cycles:
+        ax.annotate(str(c.cycle), (c.params, c.ce_after), textcoords="offset points", xytext=(4, 4))
+    ax.axhline(o["ce"], color="grey", lw=0.8, ls="--", label="original")
+    ax.invert_xaxis()
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("held-out CE (nats/token)")
+    ax.set_title("squeeze: size vs held-out CE per cycle")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -18,7 +18,8 @@ REMOVE_LN_OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "
 PRE_LN = "Pre-LN and parallel models of every supported family"
 #: the values options take, checked before anything is loaded (options not listed: any of their type);
 #: seq_len 0: min(128, the model's positions)
-LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads": between(0, 1), "by": one_of("magnitude"), "prune_channels": between(0),
+LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads": between(0, 1),
+          "by": one_of("magnitude"), "prune_channels": between(0),
           "steps": between(1), "batch_size": between(1), "seq_len": between(0), "lr": between(0, open_low=True),
           "min_lr": between(-1), "weight_decay": between(0), "grad_accum": between(1), "save_every": between(0),
           "eval_fraction": between(0, 1, open_low=True), "heldout": between(0, 1, open_low=True),

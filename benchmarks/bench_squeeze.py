@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""squeeze (N cycles of mask -> minimize -> release -> retrain) against one-shot (one cycle:
+mask to the target, minimize, release, retrain) at the same size and the same training tokens.
+
+For each demo model and target (a fraction of the parameters): held-out CE of the original and of
+each result (the bundled sample text to train on, the bundled held-out text to evaluate), the
+parameters reached and the wall time. One-shot is squeeze with ``--cycles 1`` and all the steps
+in its one retraining, so the two differ only in the cycling. ``uptime`` load is recorded.
+
+Usage: python benchmarks/bench_squeeze.py [--models llama-tiny,gpt2-tiny] [--targets 0.5,0.25]
+       [--cycles N] [--steps S] [--lr X] [--sparsity X] [--train full] [--plot PNG] [--json FILE|-]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TEXT, HELD = ROOT / "normsurgery/data/sample.txt", ROOT / "normsurgery/data/heldout.txt"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="llama-tiny,gpt2-tiny")
+    ap.add_argument("--targets", default="0.5,0.25")
+    ap.add_argument("--cycles", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=100, help="retraining steps per cycle (one-shot: cycles x steps)")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--sparsity", type=float, default=None)
+    ap.add_argument("--release-scale", type=float, default=None)
+    ap.add_argument("--train", default=None)
+    ap.add_argument("--structure", default=None, help="e.g. units,heads (default: squeeze's)")
+    ap.add_argument("--how", default="one-shot,squeeze", help="which of one-shot, squeeze to run")
+    ap.add_argument("--json", default=None, help="write the rows as JSON to FILE (- for stdout)")
+    args = ap.parse_args()
+    import torch
+
+    import normsurgery as ns
+
+    torch.set_num_threads(1)
+    common = {k: v for k, v in {"lr": args.lr, "sparsity": args.sparsity, "release_scale": args.release_scale,
+                                "train": args.train,
+                                "structure": args.structure and tuple(args.structure.split(","))}.items()
+              if v is not None}
+    common.update(batch_size=8, seq_len=64, eval_samples=16)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            for target in map(float, args.targets.split(",")):
+                for how, cycles in (("one-shot", 1), ("squeeze", args.cycles)):
+                    if how not in args.how.split(","):
+                        continue
+                    opts = {**common, "target": target, "cycles": cycles,
+                            "steps_per_cycle": args.steps * args.cycles // cycles}
+                    r = ns.squeeze(ROOT / "normsurgery/demo" / model, Path(tmp) / f"{model}-{target}-{how}",
+                                   TEXT.read_text(), eval_text=HELD.read_text(), options=opts)
+                    last = r.cycles[-1]
+                    rows.append({"model": model, "target": target, "how": how, "cycles": cycles,
+                                 "params": last.params, "params_original": r.original["params"],
+                                 "ce_original": r.original["ce"], "ce": last.ce_after,
+                                 "tokens": sum(c.tokens for c in r.cycles), "seconds": r.seconds,
+                                 "per_cycle": [[c.params, c.ce_masked, c.ce_after] for c in r.cycles]})
+                    print(json.dumps(rows[-1]), flush=True)
+    load = os.getloadavg()
+    print(f"\nsqueeze vs one-shot, {args.cycles} cycles x {args.steps} steps "
+          f"(one-shot: 1 x {args.cycles * args.steps}) "
+          f"of 8 x 64 tokens, options {common}; uptime load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"{'model':<11}{'target':>7}{'how':>10}{'params':>10}{'CE orig':>9}{'CE':>8}{'vs orig':>9}{'tokens':>9}"
+          f"{'seconds':>9}")
+    for r in rows:
+        print(f"{r['model']:<11}{r['target']:>7.2f}{r['how']:>10}{r['params']:>10,}{r['ce_original']:>9.3f}"
+              f"{r['ce']:>8.3f}{r['ce'] - r['ce_original']:>+9.3f}{r['tokens']:>9,}{r['seconds']:>9.1f}")
+    if args.json:
+        out = json.dumps({"load": load, "options": common, "rows": rows}, indent=1)
+        print(out) if args.json == "-" else Path(args.json).write_text(out)
+
+
+if __name__ == "__main__":
+    main()

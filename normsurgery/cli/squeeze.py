@@ -1,0 +1,105 @@
+"""``squeeze``: the Squeeze-Release cycle to a target size (``normsurgery.squeeze``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import UsageError
+from .app import ALLOW_PICKLE, FORCE, JSON, claimed, command, emit_json, open_unit, positive, progress_bar, \
+    read_text, say, show
+
+STRUCTURES = ("units", "heads", "channels")  # squeeze.STRUCTURES, named here so --help needs no torch
+TRAIN = ("full", "norms", "lora")
+
+
+@command
+def squeeze(
+    src: str = typer.Argument(..., metavar="IN", help="input checkpoint: a folder or a cached hub id"),
+    out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
+    text: Path = typer.Option(..., metavar="FILE", help="training text; its last --eval-fraction is held out"),
+    eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text instead of the end of --text"),
+    target: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
+                                           help="fraction of the parameters to keep (default 0.5)"),
+    target_bytes: Optional[int] = typer.Option(None, min=1, metavar="N",
+                                               help="or: the output's size in bytes (storage dtype)"),
+    cycles: Optional[int] = typer.Option(None, min=1, metavar="N", help="mask -> minimize -> release -> retrain "
+                                          "cycles; 1 is one-shot (default 3)"),
+    steps_per_cycle: Optional[int] = typer.Option(None, min=1, metavar="S", help="retraining steps per cycle "
+                                                   "(default 100)"),
+    structure: Optional[str] = typer.Option(None, metavar="LIST", help="what the masks remove: some of "
+                                            f"{', '.join(STRUCTURES)} (default all)"),
+    sparsity: Optional[float] = typer.Option(None, min=0.0, max=0.999, metavar="X", help="unstructured magnitude "
+                                             "sparsity added to each cycle's mask, released after minimize "
+                                             "(default 0)"),
+    release_scale: Optional[float] = typer.Option(None, min=0.0, metavar="X", help="released noise's std, in units "
+                                                  "of the RMS of the tensor's surviving weights (default 0.1)"),
+    train: Optional[str] = typer.Option(None, metavar="WHAT", help="what retrains: full | norms | lora (merged) "
+                                      "(default full)"),
+    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="learning rate (default 5e-4)"),
+    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B", help="windows per step (default 8)"),
+    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="tokens per window (default: 128, or the "
+                                                                          "model's positions when fewer)"),
+    eval_fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
+                                                  help="share of --text held out (default 0.1)"),
+    eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="held-out windows at most (default 64)"),
+    precision: Optional[str] = typer.Option(None, metavar="P",
+                                            help="auto (bf16 on a GPU that has it) | fp32 | bf16 | fp16"),
+    seed: Optional[int] = typer.Option(None, min=0, metavar="N", help="seed of the release noise and the training "
+                                     "batches (default 0)"),
+    save_every: Optional[int] = typer.Option(None, min=0, metavar="N", help="keep the training state every N steps "
+                                          "within a cycle (the state after each cycle is always kept)"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its kept state"),
+    plot: Optional[Path] = typer.Option(None, metavar="PNG", help="also draw size vs held-out CE per cycle"),
+    force: bool = FORCE,
+    allow_pickle: bool = ALLOW_PICKLE,
+    json: bool = JSON,
+):
+    """Squeeze-Release: cycles of mask -> minimize (exact) -> release -> retrain to a target size."""
+    if target is not None and target_bytes is not None:
+        raise UsageError("give --target or --target-bytes, not both")
+    parts = None if structure is None else tuple(s.strip() for s in structure.split(",") if s.strip())
+    if parts is not None and (not parts or any(s not in STRUCTURES for s in parts)):
+        raise UsageError(f"--structure {structure!r}: choose among {', '.join(STRUCTURES)}")
+    if train is not None and train not in TRAIN:
+        raise UsageError(f"--train {train!r}: choose one of {', '.join(TRAIN)}")
+    given = {"target": target, "target_bytes": target_bytes, "cycles": cycles, "steps_per_cycle": steps_per_cycle,
+             "structure": parts, "sparsity": sparsity, "release_scale": release_scale, "train": train, "lr": lr,
+             "batch_size": batch_size, "seq_len": seq_len, "eval_fraction": eval_fraction,
+             "eval_samples": eval_samples, "precision": precision, "seed": seed, "save_every": save_every}
+    options = {k: v for k, v in given.items() if v is not None}
+    if target_bytes is not None:
+        options["target"] = None
+    body, held_text = read_text(text), read_text(eval_text)
+    try:
+        with claimed(src, out, force, allow_pickle) as source, progress_bar(not json) as progress:
+            from ..squeeze import SqueezeOptions, squeeze as squeeze_checkpoint
+
+            result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=SqueezeOptions(**options),
+                                        resume=resume, force=force, progress=progress)
+    except KeyboardInterrupt as e:
+        from ..squeeze import state_dir
+
+        if state_dir(out).is_dir():
+            e.kept = f"the squeeze state is kept in {state_dir(out)}: the same command with --resume continues from it"
+        raise
+    if result.saved is None:  # a secondary process of a distributed run
+        return
+    if plot is not None:
+        from .report import plot_squeeze
+
+        plot_squeeze(plot, result)
+    if json:
+        emit_json(result.as_dict())
+        return
+    from .report import loads_with, squeeze_table
+
+    show(squeeze_table(result))
+    last, o = result.cycles[-1], result.original
+    resumed = f" (resumed in cycle {result.resumed_at})" if result.resumed_at else ""
+    say(f"squeezed{resumed}: {last.params:,} of {o['params']:,} parameters ({last.params / o['params']:.1%}), "
+        f"held-out CE {o['ce']:.4f} -> {last.ce_after:.4f} ({last.ce_after - o['ce']:+.4f}) in {result.seconds:.0f} s, "
+        f"{sum(c.tokens for c in result.cycles):,} training tokens")
+    say(f"saved {result.saved['path']}: {loads_with(result.saved)}" + (f"; plot {plot}" if plot else ""))

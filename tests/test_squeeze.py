@@ -1,0 +1,188 @@
+"""squeeze: structured masks, release, the Squeeze-Release cycle, resume, the command.
+
+Exactness is checked in float64 against the masked model built separately (``masks.apply``);
+release against the tensor it was given; resume against an uninterrupted run, file for file.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import normsurgery as ns
+from normsurgery import masks
+from normsurgery.cli import app
+from normsurgery.families import layout
+from normsurgery.norms import faithful_norms
+from normsurgery.squeeze import SqueezeOptions, release, squeeze_model
+
+from models import rel, tiny_model, token_ids
+
+DEMO = "normsurgery/demo/llama-tiny"
+SAMPLE, HELD = "normsurgery/data/sample.txt", "normsurgery/data/heldout.txt"
+runner = CliRunner()
+SMALL = {"batch_size": 2, "seq_len": 16, "eval_samples": 2}
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def float64_model(family):
+    model = tiny_model(family)
+    faithful_norms(model)  # norms compute in float64 too
+    return model
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gpt_neox"])
+def test_unit_and_head_masks_then_minimize_equal_the_masked_model_float64(family):
+    model = float64_model(family)
+    lay = layout(model)
+    reference = copy.deepcopy(model)
+    params = {**masks.prune_units(reference, lay, 0.5), **masks.prune_heads(reference, lay, 0.5)}
+    masks.apply(reference, lay, params, masks.prune_channels(reference, lay, 4))
+    new = copy.deepcopy(model)
+    ns.apply_passes(new, [("minimize", {"prune_units": 0.5, "prune_heads": 0.5, "prune_channels": 4})])
+    assert rel(reference, new) <= 1e-10
+    assert rel(model, new) > 1e-3  # the masks changed the function; minimize kept the masked one
+    new_lay = layout(new)
+    assert all(new.get_submodule(m.down).weight.numel() * 2 <= model.get_submodule(m.down).weight.numel()
+               for m in new_lay.mlps)
+    assert [a.num_heads for a in new_lay.attention] == [2] * 3  # half the KV groups, with their query heads
+    assert new_lay.stream_width == 28
+
+
+def test_the_weakest_units_and_heads_are_masked():
+    model = tiny_model("llama")
+    lay = layout(model)
+    mlp, attn = lay.mlps[1], lay.attention[1]
+    with torch.no_grad():
+        model.get_submodule(mlp.down).weight[:, [5, 9]] *= 1e-3  # units 5 and 9 write almost nothing
+        model.get_submodule(attn.o).weight[:, 8:16] *= 1e-3  # query head 1 (of KV group 0) is faint...
+        model.get_submodule(attn.o).weight[:, 0:8] *= 1e-3  # ...and so is head 0: group 0 is the weakest
+    units = masks.prune_units(model, lay, 2 / 64)[f"{mlp.down}.weight"]
+    assert (~units).any(0).nonzero().flatten().tolist() == [5, 9]
+    heads = masks.prune_heads(model, lay, 0.5)[f"{attn.o}.weight"]
+    assert (~heads).any(0).nonzero().flatten().tolist() == list(range(16))
+
+
+def test_release_fills_only_zeros_inside_live_rows_and_columns():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(6, 5, generator=g)
+    w[2] = 0  # a pruned row
+    w[:, 3] = 0  # a pruned column
+    w[0, 0] = w[4, 1] = w[5, 4] = 0  # unstructured zeros
+    before = w.clone()
+    n = masks.release(w, 0.1, torch.Generator().manual_seed(0))
+    assert n == 3
+    changed = w != before
+    assert changed.nonzero().tolist() == [[0, 0], [4, 1], [5, 4]]
+    assert (w[2] == 0).all() and (w[:, 3] == 0).all()
+    survivors = before[before != 0]
+    assert (w[changed].abs() < 5 * 0.1 * survivors.pow(2).mean().sqrt()).all()
+    again = before.clone()
+    masks.release(again, 0.1, torch.Generator().manual_seed(0))
+    assert torch.equal(again, w)  # deterministic with the seed
+
+
+def test_release_on_a_minimized_model_touches_only_its_exact_zeros():
+    model = tiny_model("gpt2", torch.float32)
+    ns.apply_passes(model, [("minimize", {"prune_units": 0.25, "sparsity": 0.3})])
+    weights = masks.block_weights(model, layout(model))
+    before = {k: w.detach().clone() for k, w in weights.items()}
+    others = {n: p.detach().clone() for n, p in model.named_parameters() if n not in weights}
+    n = release(model, 0.1, seed=0, cycle=1)
+    changed = sum(int((w != before[k]).sum()) for k, w in weights.items())
+    assert n == changed > 0
+    for k, w in weights.items():
+        assert (before[k][w != before[k]] == 0).all(), k
+    assert all(torch.equal(p, others[n]) for n, p in model.named_parameters() if n in others)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_cycle_minimize_is_exact_float64_and_reaches_the_target(family):
+    model = float64_model(family)
+    p0 = sum(p.numel() for p in model.parameters())
+    train_ids, held = token_ids(1, 3000, seed=1)[0], token_ids(4, 16, seed=2)
+    opts = SqueezeOptions(target=0.5, cycles=2, steps_per_cycle=2, sparsity=0.3, **SMALL)
+    model, result = squeeze_model(model, train_ids, held, opts, storage_bytes=4)
+    assert [c.cycle for c in result.cycles] == [1, 2]
+    for c in result.cycles:
+        assert c.minimize_relative <= 1e-10 and c.minimize_tolerance == 1e-10
+        assert c.released > 0 and c.tokens == 2 * 2 * 16
+    assert result.cycles[0].params > result.cycles[1].params
+    assert result.cycles[1].params <= 0.5 * p0 == 0.5 * result.original["params"]
+    assert result.cycles[1].params == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def test_an_unreachable_goal_is_refused_with_the_reason():
+    model = tiny_model("llama", torch.float32)
+    opts = SqueezeOptions(target=0.1, cycles=1, steps_per_cycle=1, structure=("heads",), **SMALL)
+    with pytest.raises(ns.SurgeryError, match=r"masking 95% of the heads leaves .* more than this cycle's goal"):
+        squeeze_model(model, token_ids(1, 500)[0], token_ids(2, 16), opts, storage_bytes=4)
+
+
+def _interrupt_at(note_part):
+    def progress(stage, done, total, note=""):
+        if note_part in note:
+            raise KeyboardInterrupt
+
+    return progress
+
+
+def test_a_resumed_squeeze_equals_an_uninterrupted_one(tmp_path):
+    text, held = open(SAMPLE).read()[:20000], open(HELD).read()[:4000]
+    opts = {"target": 0.6, "cycles": 2, "steps_per_cycle": 4, "save_every": 2, **SMALL}
+    ns.squeeze(DEMO, tmp_path / "whole", text, eval_text=held, options=opts)
+    for where in ("cycle 2: finding the mask", "cycle 2: retraining, step 3/4"):
+        out = tmp_path / where.split(":")[1].strip().split(",")[0]
+        with pytest.raises(KeyboardInterrupt):
+            ns.squeeze(DEMO, out, text, eval_text=held, options=opts, progress=_interrupt_at(where))
+        assert not out.exists()
+        state = out.parent / f".{out.name}.squeeze-state"
+        assert (state / "squeeze.pt").is_file()
+        assert (state / "train" / "train-state.pt").is_file() == ("step" in where)
+        result = ns.squeeze(DEMO, out, text, eval_text=held, options=opts, resume=True)
+        assert result.resumed_at == 2 and not state.exists()
+        a, b = load_file(tmp_path / "whole/model.safetensors"), load_file(out / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), where
+    with pytest.raises(ns.SurgeryError, match="nothing to resume"):
+        ns.squeeze(DEMO, tmp_path / "never", text, eval_text=held, options=opts, resume=True)
+
+
+def test_squeeze_command(tmp_path):
+    out, png = tmp_path / "small", tmp_path / "cycles.png"
+    r = run("squeeze", DEMO, out, "--text", SAMPLE, "--eval-text", HELD, "--target", "0.7", "--cycles", "2",
+            "--steps-per-cycle", "2", "--batch-size", "2", "--seq-len", "16", "--eval-samples", "2", "--plot", png,
+            "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [c["cycle"] for c in data["cycles"]] == [1, 2]
+    assert data["cycles"][-1]["params"] <= 0.7 * data["original"]["params"]
+    assert data["saved"]["reload"]["comparison"]["ok"] and png.stat().st_size > 0
+    model = ns.load(out)
+    assert sum(p.numel() for p in model.parameters()) == data["cycles"][-1]["params"]
+    record = json.loads((out / "config.json").read_text())["normsurgery"]["squeeze"]
+    assert len(record["cycles"]) == 2 and record["options"]["cycles"] == 2
+    r = run("squeeze", DEMO, tmp_path / "bytes", "--text", SAMPLE, "--target-bytes", "5000000", "--cycles", "1",
+            "--steps-per-cycle", "1", "--batch-size", "2", "--seq-len", "16", "--eval-samples", "2")
+    assert r.exit_code == 0, r.output
+    assert "squeezed:" in r.output and "cycle" in r.output
+    assert sum(f.stat().st_size for f in (tmp_path / "bytes").glob("*.safetensors")) <= 5_000_000 + 20_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "1.5"], "not between 0 and 1"),
+    (["--target", "0.5", "--target-bytes", "100"], "not both"),
+    (["--structure", "units,layers"], "choose among units, heads, channels"),
+    (["--train", "adapters"], "choose one of full, norms, lora"),
+])
+def test_usage_errors_exit_2_before_loading(tmp_path, args, message):
+    r = run("squeeze", DEMO, tmp_path / "out", "--text", SAMPLE, *args)
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert not (tmp_path / "out").exists()
