@@ -248,6 +248,28 @@ def residual_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return list(states)
 
 
+@torch.no_grad()
+def input_rms(model, paths, ids: torch.Tensor, batch_size: int = 8) -> dict[str, torch.Tensor]:
+    """Per module in ``paths``, the RMS over the tokens of ``ids`` [n, T] of each input
+    coordinate of it (float64, on the CPU): a_j = sqrt(mean_t x_t[j]^2)."""
+    sums = {p: None for p in paths}
+
+    def hook(path):
+        def add(module, args):
+            x = args[0].detach().to(algebra.WORK).reshape(-1, args[0].shape[-1]).pow(2).sum(0).cpu()
+            sums[path] = x if sums[path] is None else sums[path] + x
+        return add
+
+    handles = [model.get_submodule(p).register_forward_pre_hook(hook(p)) for p in paths]
+    try:
+        for s in range(0, len(ids), batch_size):
+            forward_base(model, ids[s:s + batch_size], None)
+    finally:
+        for h in handles:
+            h.remove()
+    return {p: (v / ids.numel()).sqrt() for p, v in sums.items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # outliers (see the module docstring)
 

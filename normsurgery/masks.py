@@ -12,10 +12,14 @@ after :func:`apply` is "the masked model" that minimization reproduces exactly.
 
 A unit or head mask zeroes what the unit or head writes: unit j's column of ``down``, head h's
 columns of ``o``; ``minimize`` then removes it (and a KV head once all its query heads go).
-Magnitude scores: unit j scores |up_j| |gate_j| |down_:j| (row and column 2-norms; no gate: 1),
-head h scores |o_:h|_F |v_g(h)|_F (its output columns and its KV head's value rows). With
-grouped KV heads whole groups go (the score of a group: the sum of its heads'), since a KV
-head is shared by its query heads.
+Scores, by criterion:
+- ``magnitude``: unit j scores |up_j| |gate_j| |down_:j| (row and column 2-norms; no gate: 1),
+  head h scores |o_:h|_F |v_g(h)|_F (its output columns and its KV head's value rows);
+- ``activation`` (calibration tokens): what a unit or head writes into the stream, in energy:
+  unit j scores a_j^2 |down_:j|^2, head h the sum over its columns c of o of a_c^2 |o_:c|^2,
+  a the RMS of that input coordinate over the tokens (``analysis.input_rms``).
+With grouped KV heads whole groups go (the score of a group: the sum of its heads'), since a KV
+head is shared by its query heads. Residual channels score by the energy written into them.
 
 Mask files are safetensors: parameter names, plus ``residual_channels`` for a channel mask.
 """
@@ -30,7 +34,7 @@ from .errors import SurgeryError
 from .layout import Layout
 
 CHANNELS = "residual_channels"
-CRITERIA = ("magnitude",)
+CRITERIA = ("magnitude", "activation")
 
 
 def block_weights(model, layout: Layout) -> dict[str, nn.Parameter]:
@@ -96,30 +100,46 @@ def _rows_norm(mod: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor
     return (w if rows is None else w[rows.to(w.device)]).norm(dim=1).cpu()
 
 
-def prune_units(model, layout: Layout, fraction: float) -> dict[str, torch.Tensor]:
-    """Parameter masks zeroing, in every MLP, the round(fraction * units) lowest-scoring units."""
+def activations(model, layout: Layout, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The input RMS of every MLP's down and attention's o over ``ids`` (the ``activation`` scores)."""
+    return analysis.input_rms(model, [m.down for m in layout.mlps] + [a.o for a in layout.attention], ids)
+
+
+def prune_units(model, layout: Layout, fraction: float,
+                rms: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Parameter masks zeroing, in every MLP, the round(fraction * units) lowest-scoring units
+    (``rms``, from :func:`activations`: by activation; else by magnitude)."""
     masks = {}
     for site in layout.mlps:
         down = model.get_submodule(site.down)
-        score = algebra.weight(down).norm(dim=0).cpu() * _rows_norm(model.get_submodule(site.up))
-        if site.gate:
-            score = score * _rows_norm(model.get_submodule(site.gate))
+        cols = algebra.weight(down).pow(2).sum(0).cpu()
+        if rms is not None:
+            score = rms[site.down].pow(2) * cols
+        else:
+            score = cols.sqrt() * _rows_norm(model.get_submodule(site.up))
+            if site.gate:
+                score = score * _rows_norm(model.get_submodule(site.gate))
         _zero_inputs(masks, down, site.down, _drop_lowest(score, fraction))
     return masks
 
 
-def prune_heads(model, layout: Layout, fraction: float) -> dict[str, torch.Tensor]:
+def prune_heads(model, layout: Layout, fraction: float,
+                rms: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Parameter masks zeroing, in every attention, the round(fraction * KV heads) lowest-scoring
-    KV groups (all their query heads)."""
+    KV groups (all their query heads); ``rms`` as for :func:`prune_units`."""
     masks = {}
     for site in layout.attention:
         o = model.get_submodule(site.o)
         wo, groups = algebra.weight(o), site.num_heads // site.num_kv_heads
         score = torch.zeros(site.num_kv_heads, dtype=algebra.WORK)
         for h in range(site.num_heads):
-            path, rows = analysis.qkv_rows(site, "v", [h // groups])
-            v = _rows_norm(model.get_submodule(path), rows).norm()
-            score[h // groups] += wo[:, analysis.head_idx(h, site.head_dim).to(wo.device)].norm().cpu() * v
+            cols = analysis.head_idx(h, site.head_dim)
+            w = wo[:, cols.to(wo.device)].cpu()
+            if rms is not None:
+                score[h // groups] += (rms[site.o][cols].pow(2) * w.pow(2).sum(0)).sum()
+            else:
+                path, rows = analysis.qkv_rows(site, "v", [h // groups])
+                score[h // groups] += w.norm() * _rows_norm(model.get_submodule(path), rows).norm()
         gone = _drop_lowest(score, fraction).tolist()
         cols = [analysis.head_idx(h, site.head_dim) for g in gone for h in range(g * groups, (g + 1) * groups)]
         if cols:

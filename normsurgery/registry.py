@@ -52,6 +52,7 @@ class PassContext:
     heldout_ce: Callable[..., float] | None = None  # ``training.heldout_ce``, given with ``train``
     train_progress: Callable[[int, int, float], None] | None = None
     workdir: Path | None = None
+    calibration: Any = None  # token windows [n, T] to calibrate on, instead of tokenizing ``text``
 
 
 @dataclass

@@ -4,9 +4,10 @@ mask -> minimize -> release -> retrain, each on the model the previous one left.
 - mask: cycle c of N aims at P_c = P_0 * t^(c/N) parameters (t: ``target``, or ``target_bytes``
   over the original's bytes). The structures chosen (``structure``: MLP units, KV-head groups,
   residual channels; ``masks``) lose one fraction f of what the model holds then, ranked by
-  magnitude: the smallest f (bisection) whose minimized model has at most P_c parameters,
-  counted on trial copies, not estimated. ``sparsity`` adds unstructured magnitude zeros in what
-  stays.
+  ``by`` (activation: units and heads by the energy they write on calibration windows of the
+  training text; channels by the energy written into them): the smallest f (bisection) whose
+  minimized model has at most P_c parameters, counted on trial copies, not estimated.
+  ``sparsity`` adds unstructured magnitude zeros in what stays.
 - minimize: the exact pass; its output is compared with the masked model on probe windows and
   the cycle stops with an error if it differs beyond its tolerance.
 - release: every exact zero left inside a kept tensor of the blocks (its row and its column
@@ -34,7 +35,7 @@ import torch
 
 from . import masks
 from .version import __version__
-from .calibration import fit_seq_len
+from .calibration import fit_seq_len, windows
 from .checkpoint import Source
 from .convert import apply_passes
 from .errors import SurgeryError, UsageError
@@ -43,7 +44,9 @@ from .heal import PRECISIONS, HealOptions, heal_data, heal_model, require_lm
 from .output import check_output
 from .parity import probe_ids
 from .pipeline import Work, save
+from .passes.mask import CALIBRATION
 from .progress import Progress, no_progress
+from .registry import PassContext
 from .training import STATE_FILE, heldout_ce, make_accelerator
 
 STRUCTURES = ("units", "heads", "channels")
@@ -59,6 +62,7 @@ class SqueezeOptions:
     cycles: int = 3
     steps_per_cycle: int = 100
     structure: tuple[str, ...] = STRUCTURES
+    by: str = "activation"  # how units and heads are ranked: activation | magnitude
     sparsity: float = 0.0  # unstructured magnitude sparsity in each cycle's mask, released after minimize
     release_scale: float = 0.1  # released noise's std, in units of the tensor's surviving RMS
     train: str = "full"  # full | norms | lora
@@ -84,6 +88,8 @@ class SqueezeOptions:
         unknown = [s for s in self.structure if s not in STRUCTURES]
         if unknown or not self.structure:
             raise UsageError(f"--structure {','.join(self.structure)!r}: choose among {', '.join(STRUCTURES)}")
+        if self.by not in masks.CRITERIA:
+            raise UsageError(f"--by {self.by!r}: choose one of {', '.join(masks.CRITERIA)}")
         if not 0 <= self.sparsity < 1:
             raise UsageError(f"--sparsity must be in [0, 1), got {self.sparsity!r}")
         if not self.release_scale >= 0:
@@ -133,7 +139,7 @@ class SqueezeResult:
 
 def mask_options(model, fraction: float, opts: SqueezeOptions) -> dict:
     """minimize's mask options masking ``fraction`` of each chosen structure (and the sparsity)."""
-    out = {"sparsity": opts.sparsity} if opts.sparsity else {}
+    out = {"by": opts.by, **({"sparsity": opts.sparsity} if opts.sparsity else {})}
     if "units" in opts.structure:
         out["prune_units"] = fraction
     if "heads" in opts.structure:
@@ -143,11 +149,9 @@ def mask_options(model, fraction: float, opts: SqueezeOptions) -> dict:
     return out
 
 
-def minimized_params(model, options: dict) -> int:
+def minimized_params(model, options: dict, context: PassContext) -> int:
     """Parameters of ``model`` masked with ``options`` and minimized (on a copy)."""
-    if not options:
-        return parameters(model)
-    steps = apply_passes(copy.deepcopy(model), [("minimize", options)])
+    steps = apply_passes(copy.deepcopy(model), [("minimize", options)], context=context)
     return steps[-1].metrics["params"][1]
 
 
@@ -155,20 +159,21 @@ def parameters(model) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def plan_fraction(model, goal: int, opts: SqueezeOptions, iterations: int = 12) -> tuple[float, int]:
+def plan_fraction(model, goal: int, opts: SqueezeOptions, context: PassContext,
+                  iterations: int = 12) -> tuple[float, int]:
     """(the smallest fraction f found whose minimized model has at most ``goal`` parameters, that
     count): bisection over f in [0, MOST]."""
     have = parameters(model)
     if have <= goal:
         return 0.0, have
-    most = minimized_params(model, mask_options(model, MOST, opts))
+    most = minimized_params(model, mask_options(model, MOST, opts), context)
     if most > goal:
         raise SurgeryError(f"masking {MOST:.0%} of the {', '.join(opts.structure)} leaves {most:,} parameters, more "
                            f"than this cycle's goal of {goal:,}: give more cycles, a larger target or more structures")
     lo, hi, count = 0.0, MOST, most
     for _ in range(iterations):
         mid = (lo + hi) / 2
-        n = minimized_params(model, mask_options(model, mid, opts))
+        n = minimized_params(model, mask_options(model, mid, opts), context)
         if n <= goal:
             hi, count = mid, n
         else:
@@ -225,11 +230,12 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
             first = len(cycles) + 1
         resumed = first
     ids = probe_ids(None, model.config.vocab_size, None, 2, held.shape[1])
+    context = PassContext(calibration=windows(train_ids, held.shape[1], CALIBRATION, "the training text"))
     for c in range(first, opts.cycles + 1):
         goal = int(original["params"] * t ** (c / opts.cycles))
         progress("squeeze", c - 1, opts.cycles, f"cycle {c}: finding the mask for {goal:,} parameters")
-        fraction, _ = plan_fraction(model, goal, opts)
-        steps = apply_passes(model, [("minimize", mask_options(model, fraction, opts))], ids=ids)
+        fraction, _ = plan_fraction(model, goal, opts, context)
+        steps = apply_passes(model, [("minimize", mask_options(model, fraction, opts))], ids=ids, context=context)
         check = steps[-1].parity
         if not check.ok:
             raise SurgeryError(f"cycle {c}: minimize changed the masked model's outputs by {check.relative:.2e} "

@@ -31,6 +31,9 @@ def squeeze(
                                                    "(default 100)"),
     structure: Optional[str] = typer.Option(None, metavar="LIST", help="what the masks remove: some of "
                                             f"{', '.join(STRUCTURES)} (default all)"),
+    by: Optional[str] = typer.Option(None, metavar="HOW", help="how units and heads are ranked: activation (the "
+                                     "energy they write on calibration windows of --text) | magnitude (default "
+                                     "activation); channels by the energy written into them"),
     sparsity: Optional[float] = typer.Option(None, min=0.0, max=0.999, metavar="X", help="unstructured magnitude "
                                              "sparsity added to each cycle's mask, released after minimize "
                                              "(default 0)"),
@@ -66,8 +69,8 @@ def squeeze(
     if train is not None and train not in TRAIN:
         raise UsageError(f"--train {train!r}: choose one of {', '.join(TRAIN)}")
     given = {"target": target, "target_bytes": target_bytes, "cycles": cycles, "steps_per_cycle": steps_per_cycle,
-             "structure": parts, "sparsity": sparsity, "release_scale": release_scale, "train": train, "lr": lr,
-             "batch_size": batch_size, "seq_len": seq_len, "eval_fraction": eval_fraction,
+             "structure": parts, "by": by, "sparsity": sparsity, "release_scale": release_scale, "train": train,
+             "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "eval_fraction": eval_fraction,
              "eval_samples": eval_samples, "precision": precision, "seed": seed, "save_every": save_every}
     options = {k: v for k, v in given.items() if v is not None}
     if target_bytes is not None:

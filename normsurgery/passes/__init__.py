@@ -5,7 +5,8 @@ imported on first use (``registry.declare``)."""
 from ..registry import all_passes, between, declare, one_of
 
 #: options of mask and of the passes that can mask first (minimize, compensated-ln)
-#: (prune_units / prune_heads: the fraction of each MLP's units / each attention's KV heads to zero)
+#: (prune_units / prune_heads: the fraction of each MLP's units / each attention's KV heads to zero; by:
+#: magnitude, or activation (units and heads scored on calibration text; sparsity and channels by magnitude))
 MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0, "prune_units": 0.0,
                 "prune_heads": 0.0}
 PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 0,
@@ -19,7 +20,7 @@ PRE_LN = "Pre-LN and parallel models of every supported family"
 #: the values options take, checked before anything is loaded (options not listed: any of their type);
 #: seq_len 0: min(128, the model's positions)
 LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads": between(0, 1),
-          "by": one_of("magnitude"), "prune_channels": between(0),
+          "by": one_of("magnitude", "activation"), "prune_channels": between(0),
           "steps": between(1), "batch_size": between(1), "seq_len": between(0), "lr": between(0, open_low=True),
           "min_lr": between(-1), "weight_decay": between(0), "grad_accum": between(1), "save_every": between(0),
           "eval_fraction": between(0, 1, open_low=True), "heldout": between(0, 1, open_low=True),

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from .. import masks
+from .. import calibration, masks
+from ..errors import SurgeryError
+from ..families import positions
 from ..layout import Layout
 from ..registry import PassContext, PassReport
 from . import MASK_OPTIONS as OPTIONS
 from .norms import refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln
+
+#: calibration windows for by=activation
+CALIBRATION = 32
 
 
 def applies(model, layout: Layout) -> str | None:
@@ -29,10 +34,25 @@ def wants_mask(options: dict) -> bool:
     return any(options.get(k) for k in ("mask", "sparsity", "prune_channels", "prune_units", "prune_heads"))
 
 
-def make_mask(model, layout: Layout, options: dict) -> tuple[dict, torch.Tensor | None, list[str]]:
+def calibration_windows(model, ctx: PassContext) -> torch.Tensor:
+    """The context's calibration windows, or CALIBRATION windows of its text."""
+    if ctx.calibration is not None:
+        return ctx.calibration
+    if not ctx.text:
+        raise SurgeryError("by=activation scores units and heads on calibration text: give --text FILE")
+    ids = calibration.tokenize(ctx.tokenizer, ctx.text)
+    length = min(len(ids), calibration.fit_seq_len(positions(model.config), 0))
+    return calibration.windows(ids, length, CALIBRATION, "the calibration text")
+
+
+def make_mask(model, layout: Layout, options: dict,
+              ctx: PassContext | None = None) -> tuple[dict, torch.Tensor | None, list[str]]:
     """(parameter masks, channel keep vector or None, notes) from a mask file and criteria."""
     options = {**OPTIONS, **options}
     masks.check_criterion(options["by"])
+    structured = options["prune_units"] or options["prune_heads"]
+    rms = (masks.activations(model, layout, calibration_windows(model, ctx or PassContext()))
+           if structured and options["by"] == "activation" else None)
     params, channels, notes = {}, None, []
     if options["mask"]:
         params, channels = masks.load(options["mask"])
@@ -45,9 +65,9 @@ def make_mask(model, layout: Layout, options: dict) -> tuple[dict, torch.Tensor 
     for key, prune, what in (("prune_units", masks.prune_units, "MLP units"),
                              ("prune_heads", masks.prune_heads, "KV heads (with their query heads)")):
         if options[key]:
-            for name, keep in prune(model, layout, options[key]).items():
+            for name, keep in prune(model, layout, options[key], rms).items():
                 params[name] = keep & params[name].bool() if name in params else keep
-            notes.append(f"zeroed the {options[key]:g} lowest-scoring {what} in every layer")
+            notes.append(f"zeroed the {options[key]:g} lowest-scoring {what} in every layer (by {options['by']})")
     if options["prune_channels"]:
         keep = masks.prune_channels(model, layout, options["prune_channels"], options["by"])
         channels = keep if channels is None else keep & channels.bool()
@@ -57,6 +77,6 @@ def make_mask(model, layout: Layout, options: dict) -> tuple[dict, torch.Tensor 
 
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("mask")
-    params, channels, report.notes = make_mask(model, layout, ctx.options)
+    params, channels, report.notes = make_mask(model, layout, ctx.options, ctx)
     report.metrics.update(masks.apply(model, layout, params, channels))
     return report
