@@ -3,12 +3,14 @@
 mask to the target, minimize, release, retrain) at the same size and the same training tokens.
 
 For each demo model and target (a fraction of the parameters): held-out CE of the original and of
-each result (the bundled sample text to train on, the bundled held-out text to evaluate), the
-parameters reached and the wall time. One-shot is squeeze with ``--cycles 1`` and all the steps
-in its one retraining, so the two differ only in the cycling. ``uptime`` load is recorded.
+each result, the parameters reached and the wall time. Training text: the training slice (first
+90%) of ../shared/data/tinyshakespeare.txt, the text the demo models were trained on (else the
+bundled sample); held-out CE on the bundled held-out text, from the last 10%, never trained on. One-shot is squeeze with ``--cycles 1`` and all the steps in its one
+retraining, so the two differ only in the cycling. ``uptime`` load is recorded.
 
 Usage: python benchmarks/bench_squeeze.py [--models llama-tiny,gpt2-tiny] [--targets 0.5,0.25]
-       [--cycles N] [--steps S] [--lr X] [--sparsity X] [--train full] [--plot PNG] [--json FILE|-]
+       [--cycles N] [--steps S] [--lr X] [--sparsity X] [--train full] [--structure LIST] [--how WHICH]
+       [--text FILE] [--json FILE|-]
 """
 
 from __future__ import annotations
@@ -24,7 +26,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-TEXT, HELD = ROOT / "normsurgery/data/sample.txt", ROOT / "normsurgery/data/heldout.txt"
+SAMPLE, HELD = ROOT / "normsurgery/data/sample.txt", ROOT / "normsurgery/data/heldout.txt"
+SHAKESPEARE = ROOT.parent / "shared/data/tinyshakespeare.txt"
+
+
+def training_text(path: str | None) -> tuple[str, str]:
+    """(text, where it came from): FILE, else the training slice of tiny Shakespeare, else the sample."""
+    if path:
+        return Path(path).read_text(), path
+    if SHAKESPEARE.is_file():
+        text = SHAKESPEARE.read_text()
+        return text[:len(text) - round(0.1 * len(text))], f"{SHAKESPEARE.name}, first 90%"
+    return SAMPLE.read_text(), SAMPLE.name
 
 
 def main() -> None:
@@ -39,6 +52,7 @@ def main() -> None:
     ap.add_argument("--train", default=None)
     ap.add_argument("--structure", default=None, help="e.g. units,heads (default: squeeze's)")
     ap.add_argument("--how", default="one-shot,squeeze", help="which of one-shot, squeeze to run")
+    ap.add_argument("--text", default=None, help="training text (default: see above)")
     ap.add_argument("--json", default=None, help="write the rows as JSON to FILE (- for stdout)")
     args = ap.parse_args()
     import torch
@@ -51,6 +65,7 @@ def main() -> None:
                                 "structure": args.structure and tuple(args.structure.split(","))}.items()
               if v is not None}
     common.update(batch_size=8, seq_len=64, eval_samples=16)
+    text, text_name = training_text(args.text)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
@@ -61,7 +76,7 @@ def main() -> None:
                     opts = {**common, "target": target, "cycles": cycles,
                             "steps_per_cycle": args.steps * args.cycles // cycles}
                     r = ns.squeeze(ROOT / "normsurgery/demo" / model, Path(tmp) / f"{model}-{target}-{how}",
-                                   TEXT.read_text(), eval_text=HELD.read_text(), options=opts)
+                                   text, eval_text=HELD.read_text(), options=opts)
                     last = r.cycles[-1]
                     rows.append({"model": model, "target": target, "how": how, "cycles": cycles,
                                  "params": last.params, "params_original": r.original["params"],
@@ -72,14 +87,15 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\nsqueeze vs one-shot, {args.cycles} cycles x {args.steps} steps "
           f"(one-shot: 1 x {args.cycles * args.steps}) "
-          f"of 8 x 64 tokens, options {common}; uptime load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+          f"of 8 x 64 tokens, trained on {text_name}, options {common}; "
+          f"uptime load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'model':<11}{'target':>7}{'how':>10}{'params':>10}{'CE orig':>9}{'CE':>8}{'vs orig':>9}{'tokens':>9}"
           f"{'seconds':>9}")
     for r in rows:
         print(f"{r['model']:<11}{r['target']:>7.2f}{r['how']:>10}{r['params']:>10,}{r['ce_original']:>9.3f}"
               f"{r['ce']:>8.3f}{r['ce'] - r['ce_original']:>+9.3f}{r['tokens']:>9,}{r['seconds']:>9.1f}")
     if args.json:
-        out = json.dumps({"load": load, "options": common, "rows": rows}, indent=1)
+        out = json.dumps({"load": load, "text": text_name, "options": common, "rows": rows}, indent=1)
         print(out) if args.json == "-" else Path(args.json).write_text(out)
 
 

@@ -13,7 +13,8 @@ mask -> minimize -> release -> retrain, each on the model the previous one left.
 - release: every exact zero left inside a kept tensor of the blocks (its row and its column
   still live) becomes N(0, (release_scale * s)^2), s the RMS of that tensor's surviving entries,
   drawn from a generator seeded by (seed, cycle); whole zero rows and columns (pruned structure
-  that minimize could not remove) stay zero. ``masks.release``.
+  that minimize could not remove) stay zero. ``masks.release``. Only ``train="full"`` trains
+  the released entries, so with norms or lora nothing is released (the count says 0).
 - retrain: heal's loop (``train``: full | norms | lora, merged) for ``steps_per_cycle`` steps.
 
 ``cycles=1`` is one-shot: mask to the target, minimize, release, retrain with all the steps.
@@ -47,7 +48,7 @@ from .pipeline import Work, save
 from .passes.mask import CALIBRATION
 from .progress import Progress, no_progress
 from .registry import PassContext
-from .training import STATE_FILE, heldout_ce, make_accelerator
+from .training import STATE_FILE, heldout_ce, is_main_process, make_accelerator
 
 STRUCTURES = ("units", "heads", "channels")
 STATE = "squeeze.pt"
@@ -241,7 +242,7 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
             raise SurgeryError(f"cycle {c}: minimize changed the masked model's outputs by {check.relative:.2e} "
                                f"(tolerance {check.tolerance:.1e}); nothing was written")
         ce_masked = heldout_ce(model, held, mask_token_id=mask_token_id)
-        released = release(model, opts.release_scale, opts.seed, c)
+        released = release(model, opts.release_scale, opts.seed, c) if opts.train == "full" else 0
 
         def step(done, total, loss, c=c):
             progress("squeeze", c - 1, opts.cycles, f"cycle {c}: retraining, step {done}/{total}, loss {loss:.4f}")
@@ -255,7 +256,7 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
         params = parameters(model)
         cycles.append(Cycle(c, fraction, params, params * storage_bytes, check.relative, check.tolerance, released,
                             ce_masked, report.ce_before, report.ce_after, report.tokens, report.seconds))
-        if state is not None:
+        if state is not None and is_main_process():
             _keep(state, {"fingerprint": fingerprint, "model": model, "original": original,
                           "cycles": [asdict(x) for x in cycles]})
     progress("squeeze", opts.cycles, opts.cycles, "done")
