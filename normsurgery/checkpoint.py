@@ -9,9 +9,10 @@ A model is built on the meta device from the config (:meth:`Source.meta_model`: 
 weights) with the class its ``architectures`` names (causal or masked LM, base model, sequence
 or token classifier: ``families.FAMILIES``), or its normsurgery subclass when the config records
 rebuilt modules. The :class:`Loader` maps each parameter to its tensor in the files the way
-``from_pretrained`` does (its key renamings, the base model's prefix added or removed), reads a
-part's parameters (all of them: the whole model, one part) cast to a working dtype, and frees
-them again. A missing, unexpected or mis-shaped weight is an error naming it (transformers would
+``from_pretrained`` does (its key renamings, the base model's prefix added or removed, a
+mixture's experts stored one tensor each merged into the stacked parameter: :class:`Stored`),
+reads a part's parameters (all of them: the whole model, one part) cast to a working dtype, and
+frees them again. A missing, unexpected or mis-shaped weight is an error naming it (transformers would
 initialise it at random and only log it); so are NaN or Inf weights.
 
 A rewritten model whose modules differ from its stock architecture is saved with a list of
@@ -266,10 +267,10 @@ class Loader:
     """Puts the parameters of a part of ``model`` (a meta model of ``source``) on it, read from the
     files and cast to ``dtype`` (floats), and frees them again.
 
-    Each parameter's tensor is found once, by the names the model has then (``from_pretrained``'s
-    renamings; the base model's prefix added or removed), and follows the parameter object through
-    loading and freeing, so modules may be moved or renumbered afterwards (``prune_model``) and
-    still read the right tensors. Persistent buffers stored in the files are read too. Working
+    Each parameter's tensors are found once, by the names the model has then
+    (``from_pretrained``'s renamings and merges; the base model's prefix added or removed), and
+    follow the parameter object through loading and freeing, so modules may be moved or
+    renumbered afterwards (``prune_model``) and still read the right tensors. Persistent buffers stored in the files are read too. Working
     tensors a freed part gives back are reused by the next part of the same shapes (first touching
     fresh pages costs more than the arithmetic: a 46 MB float32 tensor, 28 ms fresh, 4 ms reused)."""
 
