@@ -270,9 +270,10 @@ class Loader:
     Each parameter's tensors are found once, by the names the model has then
     (``from_pretrained``'s renamings and merges; the base model's prefix added or removed), and
     follow the parameter object through loading and freeing, so modules may be moved or
-    renumbered afterwards (``prune_model``) and still read the right tensors. Persistent buffers stored in the files are read too. Working
-    tensors a freed part gives back are reused by the next part of the same shapes (first touching
-    fresh pages costs more than the arithmetic: a 46 MB float32 tensor, 28 ms fresh, 4 ms reused)."""
+    renumbered afterwards (``prune_model``) and still read the right tensors. Persistent buffers
+    stored in the files are read too. Working tensors a freed part gives back are reused by the
+    next part of the same shapes (first touching fresh pages costs more than the arithmetic: a 46
+    MB float32 tensor, 28 ms fresh, 4 ms reused)."""
 
     def __init__(self, model, source: Source, dtype: torch.dtype):
         self.model, self.source, self.dtype = model, source, dtype
