@@ -401,10 +401,8 @@ class Stored:
         return keys[0] if self.stack is None else f"{keys[0]} .. {keys[-1]} (merged)"
 
     def _pieces(self, index: Index) -> list[tuple[str, int, int, int, tuple[int, ...]]] | None:
-        """(key, expert, offset along ``cat``, size along it, shape) of each stored tensor; None
+        """(key, expert, offset along ``cat``, size along it, shape) of each tensor merged; None
         when their shapes do not merge."""
-        if self.stack is None:
-            return [(self.keys[0], 0, 0, 0, index[self.keys[0]].shape)]
         pieces, offset, rest = [], 0, None
         for group in self.groups:
             shapes = {index[k].shape for k in group}
@@ -422,10 +420,12 @@ class Stored:
         return pieces
 
     def shape(self, index: Index) -> tuple[int, ...] | None:
-        """The merged tensor's shape (None: the stored tensors do not merge)."""
+        """The tensor's shape (None: the stored tensors do not merge)."""
+        if self.stack is None:
+            return index[self.keys[0]].shape
         pieces = self._pieces(index)
-        if pieces is None or self.stack is None:
-            return None if pieces is None else pieces[0][4]
+        if pieces is None:
+            return None
         shape = list(pieces[0][4])
         shape.insert(self.stack, len(self.groups[0]))
         shape[self.cat] = pieces[-1][2] + pieces[-1][3]
