@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE = 1
 export HF_HUB_DISABLE_PROGRESS_BARS = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test fuzz bench clean
+.PHONY: install demo test test-real fuzz bench clean
 
 $(PY):
 	python3 -m venv .venv
@@ -24,6 +24,12 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests -q
+
+# tests on a real SmolLM2-135M (about 540 MB, unpacked once into $(REAL_MODELS) by ../shared/real-models/fetch)
+REAL_MODELS ?= .real-models
+test-real: install
+	path=$$(PY=$(PY) ../shared/real-models/fetch $(REAL_MODELS) | tail -n 1) && test -f "$$path/model.safetensors" && \
+	NORMSURGERY_REAL_MODEL="$$path" $(PY) -m pytest tests -q -m real
 
 # the property tests with many random configs (make test runs a few, derandomized)
 fuzz: install

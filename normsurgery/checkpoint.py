@@ -9,9 +9,10 @@ A model is built on the meta device from the config (:meth:`Source.meta_model`: 
 weights) with the class its ``architectures`` names (causal or masked LM, base model, sequence
 or token classifier: ``families.FAMILIES``), or its normsurgery subclass when the config records
 rebuilt modules. The :class:`Loader` maps each parameter to its tensor in the files the way
-``from_pretrained`` does (its key renamings, the base model's prefix added or removed), reads a
-part's parameters (all of them: the whole model, one part) cast to a working dtype, and frees
-them again. A missing, unexpected or mis-shaped weight is an error naming it (transformers would
+``from_pretrained`` does (its key renamings, the base model's prefix added or removed, a
+mixture's experts stored one tensor each merged into the stacked parameter: :class:`Stored`),
+reads a part's parameters (all of them: the whole model, one part) cast to a working dtype, and
+frees them again. A missing, unexpected or mis-shaped weight is an error naming it (transformers would
 initialise it at random and only log it); so are NaN or Inf weights.
 
 A rewritten model whose modules differ from its stock architecture is saved with a list of
@@ -31,6 +32,7 @@ import os
 import re
 import shutil
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -265,36 +267,37 @@ class Loader:
     """Puts the parameters of a part of ``model`` (a meta model of ``source``) on it, read from the
     files and cast to ``dtype`` (floats), and frees them again.
 
-    Each parameter's tensor is found once, by the names the model has then (``from_pretrained``'s
-    renamings; the base model's prefix added or removed), and follows the parameter object through
-    loading and freeing, so modules may be moved or renumbered afterwards (``prune_model``) and
-    still read the right tensors. Persistent buffers stored in the files are read too. Working
-    tensors a freed part gives back are reused by the next part of the same shapes (first touching
-    fresh pages costs more than the arithmetic: a 46 MB float32 tensor, 28 ms fresh, 4 ms reused)."""
+    Each parameter's tensors are found once, by the names the model has then
+    (``from_pretrained``'s renamings and merges; the base model's prefix added or removed), and
+    follow the parameter object through loading and freeing, so modules may be moved or
+    renumbered afterwards (``prune_model``) and still read the right tensors. Persistent buffers
+    stored in the files are read too. Working tensors a freed part gives back are reused by the
+    next part of the same shapes (first touching fresh pages costs more than the arithmetic: a 46
+    MB float32 tensor, 28 ms fresh, 4 ms reused)."""
 
     def __init__(self, model, source: Source, dtype: torch.dtype):
         self.model, self.source, self.dtype = model, source, dtype
         self.reader = Reader(source.index)
-        self.keys: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter) -> (the parameter, key)
-        self.buffers: dict[str, str] = {}  # buffer name -> key
+        self.keys: dict[int, tuple[weakref.ref, Stored]] = {}  # id(parameter) -> (the parameter, its tensors)
+        self.buffers: dict[str, Stored] = {}  # buffer name -> its tensors
         self.spare: dict[tuple, list[torch.Tensor]] = {}  # freed tensors by (shape, dtype), for reuse
         names = _model_keys(model, source)
         used = set()
         for name, p in model.named_parameters(remove_duplicate=False):
-            key = names.get(name)
-            if key is not None and id(p) not in self.keys:
-                self.keys[id(p)] = (weakref.ref(p), key)
-                used.add(key)
+            stored = names.get(name)
+            if stored is not None and id(p) not in self.keys:
+                self.keys[id(p)] = (weakref.ref(p), stored)
+                used.update(stored.keys)
         persistent = set(model.state_dict())
         for name, _ in model.named_buffers():
             if name in persistent and names.get(name) is not None:
                 self.buffers[name] = names[name]
-                used.add(names[name])
+                used.update(names[name].keys)
         missing = sorted({n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in self.keys})
         ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
         unexpected = sorted(k for k in source.index.keys() if k not in used and not k.endswith(STALE_BUFFERS)
                             and not any(p.search(k) for p in ignore))
-        shapes = sorted(key for p, key in self._entries() if tuple(p.shape) != source.index[key].shape)
+        shapes = sorted(s.label for p, s in self._entries() if tuple(p.shape) != s.shape(source.index))
         problems = [f"{what} {_few(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected),
                                                                ("mis-shaped", shapes)) if keys]
         kept = (getattr(source.config, "normsurgery", None) or {}).get("kept_float32") or ()
@@ -312,7 +315,7 @@ class Loader:
             if p is not None:
                 yield p, key
 
-    def key(self, p) -> str | None:
+    def stored(self, p) -> Stored | None:
         entry = self.keys.get(id(p))
         return entry[1] if entry is not None and entry[0]() is p else None
 
@@ -326,10 +329,10 @@ class Loader:
         return [(p, u) for p, u in uses.values() if not scope or any(inside(full, scope) for *_, full in u)]
 
     def _replace(self, old, new, uses) -> None:
-        key = self.key(old)
+        stored = self.stored(old)
         self.keys.pop(id(old), None)
-        if key is not None:
-            self.keys[id(new)] = (weakref.ref(new), key)
+        if stored is not None:
+            self.keys[id(new)] = (weakref.ref(new), stored)
         for mod, attr, _ in uses:
             mod._parameters[attr] = new
 
@@ -341,22 +344,23 @@ class Loader:
         for p, uses in self._uses(scope):
             if p.device.type != "meta":
                 continue
-            key = self.key(p)
-            if key is None:
+            stored = self.stored(p)
+            if stored is None:
                 raise SurgeryError(f"{uses[0][2]} has no tensor in {self.source.name}")
-            e = self.source.index[key]
-            dtype = self.dtype if e.dtype.is_floating_point else e.dtype
-            spare = self.spare.get((e.shape, dtype))
-            todo.append((p, uses, key, spare.pop(0) if spare else None, e.shape, dtype))
+            shape, dtype = stored.shape(self.source.index), self.source.index[stored.keys[0]].dtype
+            dtype = self.dtype if dtype.is_floating_point else dtype
+            spare = self.spare.get((shape, dtype))
+            todo.append((p, uses, stored, spare.pop(0) if spare else None, shape, dtype))
         self.spare.clear()
-        for p, uses, key, out, shape, dtype in todo:
-            out = self.reader.read_into(key, torch.empty(shape, dtype=dtype) if out is None else out)
-            _check_finite(out, key, self.source)
+        for p, uses, stored, out, shape, dtype in todo:
+            out = stored.read_into(self.reader, torch.empty(shape, dtype=dtype) if out is None else out)
+            _check_finite(out, stored.label, self.source)
             self._replace(p, nn.Parameter(out, requires_grad=p.requires_grad), uses)
-        for name, key in self.buffers.items():
+        for name, stored in self.buffers.items():
             if not scope or inside(name, scope):
                 buf = self.model.get_buffer(name)
-                buf.copy_(self.reader.read(key, buf.dtype))
+                buf.copy_(stored.read_into(self.reader, torch.empty(stored.shape(self.source.index),
+                                                                     dtype=buf.dtype)))
 
     def free(self, scope: tuple[str, ...]) -> None:
         """Put ``scope``'s parameters back on the meta device. A tensor nothing else holds (no
@@ -374,23 +378,115 @@ class Loader:
         memory.trim()
 
 
-def _model_keys(model, source: Source) -> dict[str, str]:
-    """{model state-dict name: key in the files}, renamed as ``from_pretrained`` renames."""
+@dataclass(frozen=True)
+class Stored:
+    """Where one tensor of the model lies in the files: one key (``groups == ((key,),)``), or the
+    tensors ``from_pretrained`` merges into it (a mixture of experts stored one tensor per expert):
+    for each stored pattern (Mixtral's ``w1`` then ``w3``) its experts' keys in order, stacked
+    along ``stack``, the stacks concatenated along ``cat`` (transformers' ``MergeModulelist`` then
+    ``Concatenate``): ``W[e, :I] = w1_e, W[e, I:] = w3_e`` for a ``gate_up_proj`` [E, 2I, D]."""
+
+    groups: tuple[tuple[str, ...], ...]
+    stack: int | None = None
+    cat: int = 0
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for g in self.groups for k in g]
+
+    @property
+    def label(self) -> str:
+        """For messages: the key, or the first and last of those merged."""
+        keys = self.keys
+        return keys[0] if self.stack is None else f"{keys[0]} .. {keys[-1]} (merged)"
+
+    def _pieces(self, index: Index) -> list[tuple[str, int, int, int, tuple[int, ...]]] | None:
+        """(key, expert, offset along ``cat``, size along it, shape) of each tensor merged; None
+        when their shapes do not merge."""
+        pieces, offset, rest = [], 0, None
+        for group in self.groups:
+            shapes = {index[k].shape for k in group}
+            if len(shapes) != 1:
+                return None
+            shape = list(shapes.pop())
+            shape.insert(self.stack, len(group))
+            size = shape[self.cat]
+            shape[self.cat] = None
+            if rest not in (None, shape):
+                return None
+            rest = shape
+            pieces += [(k, e, offset, size, index[k].shape) for e, k in enumerate(group)]
+            offset += size
+        return pieces
+
+    def shape(self, index: Index) -> tuple[int, ...] | None:
+        """The tensor's shape (None: the stored tensors do not merge)."""
+        if self.stack is None:
+            return index[self.keys[0]].shape
+        pieces = self._pieces(index)
+        if pieces is None:
+            return None
+        shape = list(pieces[0][4])
+        shape.insert(self.stack, len(self.groups[0]))
+        shape[self.cat] = pieces[-1][2] + pieces[-1][3]
+        return tuple(shape)
+
+    def read_into(self, reader: Reader, out: torch.Tensor) -> torch.Tensor:
+        """The values into ``out`` (this shape), each stored tensor read straight into its slice."""
+        if self.stack is None:
+            return reader.read_into(self.keys[0], out)
+        for key, expert, offset, size, _ in self._pieces(reader.index):
+            view = out.narrow(self.cat, offset, size).select(self.stack, expert)
+            if view.is_contiguous():
+                reader.read_into(key, view)
+            else:
+                view.copy_(reader.read(key, out.dtype))
+        return out
+
+
+def _model_keys(model, source: Source) -> dict[str, Stored]:
+    """{model state-dict name: its tensors in the files}, renamed as ``from_pretrained`` renames,
+    and merged as it merges them (:class:`Stored`): the experts of a mixture stored one tensor
+    per expert, in the order of their numbers, which must run 0, 1, ... with none missing."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
+                                                 rename_source_key)
 
     conversions = get_model_conversion_mapping(model, add_legacy=True)
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    converters = {p: c for c in conversions if isinstance(c, WeightConverter) for p in c.source_patterns}
     meta = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None) or None
-    names = {}
+    names, merged = {}, defaultdict(lambda: defaultdict(list))  # name -> source pattern -> [(expert, key)]
     for key in source.index.keys():
-        name, converted = rename_source_key(key, renamings, converters, prefix, meta)
-        if converted is not None:
+        name, pattern = rename_source_key(key, renamings, list(dict.fromkeys(converters.values())), prefix, meta)
+        if pattern is None:
+            names.setdefault(name, Stored(((key,),)))
+            continue
+        ops = converters[pattern].operations
+        kinds = [type(op) for op in ops]
+        if kinds not in ([MergeModulelist], [MergeModulelist, Concatenate]) or (
+                len(ops) == 1 and len(converters[pattern].source_patterns) > 1):
             raise SurgeryError(f"{source.name}: {key} is stored in a layout transformers converts when loading "
-                               f"({converted} -> {name}), which normsurgery does not read yet")
-        names.setdefault(name, key)
+                               f"({pattern} -> {name} by {', '.join(k.__name__ for k in kinds)}), which normsurgery "
+                               "does not read")
+        number = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+        merged[name][pattern].append((int(number.group(1)) if number else -1, key))
+    for name, groups in merged.items():
+        if name in names:
+            raise SurgeryError(f"{source.name} stores {name} both whole and one tensor per expert")
+        converter = converters[next(iter(groups))]
+        ops = converter.operations
+        stored = []
+        for pattern in converter.source_patterns:
+            found = sorted(groups.get(pattern, ()))
+            if not found:
+                raise SurgeryError(f"{source.name}: weights missing {name}'s {pattern} (stored one per expert)")
+            if [e for e, _ in found] != list(range(len(found))):
+                raise SurgeryError(f"{source.name}: the experts of {name} stored as {pattern} are numbered "
+                                   f"{[e for e, _ in found]}, not 0 to {len(found) - 1}")
+            stored.append(tuple(k for _, k in found))
+        names[name] = Stored(tuple(stored), ops[0].dim, ops[-1].dim if len(ops) > 1 else 0)
     return names
 
 

@@ -56,18 +56,20 @@ def faithful_norms(model) -> Callable[[], None]:
     which keep the input dtype (in place), so a float64 run is float64 throughout.
 
     Returns a function that puts the stock modules back, with whatever weights the faithful
-    ones hold by then (so a model can be rewritten in float64, then saved as stock).
+    ones hold by then (so a model can be rewritten in float64, then saved as stock), wherever
+    they are then (pruning renumbers the blocks).
     """
-    swapped = []
+    swapped = {}  # id(faithful module) -> the stock module it replaced
     for name, mod in list(model.named_modules()):
         new = rmsnorm_like(mod) if is_stock_rmsnorm(mod) else layernorm_like(mod) if is_stock_layernorm(mod) else None
         if new is not None:
             model.set_submodule(name, new)
-            swapped.append((name, mod, new))
+            swapped[id(new)] = (mod, new)
 
     def restore() -> None:
-        for name, stock, new in swapped:
-            if model.get_submodule(name) is new:
+        for name, mod in list(model.named_modules()):
+            stock, new = swapped.get(id(mod), (None, None))
+            if new is mod:
                 stock.weight.data = new.weight.data.to(stock.weight.dtype)
                 model.set_submodule(name, stock)
 

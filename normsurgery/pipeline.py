@@ -484,7 +484,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
     with writing(out, force=force, source=work.source.path if work.source is not None else None) as stage:
         lost = []
         writer = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size),
-                             header_room(work.model.state_dict()))
+                             header_room(saved_tensors(work.model, meta=True)))
         work.write(writer, storage, level, lost, progress)
         files = writer.close()
         precision.check_policy(lost, storage, on_overflow)

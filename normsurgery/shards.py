@@ -235,13 +235,15 @@ def header_room(names) -> int:
     return sum(2 * (len(n) + 160) for n in names) + 256
 
 
-def saved_tensors(model, scope: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+def saved_tensors(model, scope: tuple[str, ...] | None = None, meta: bool = False) -> dict[str, torch.Tensor]:
     """The state dict (``scope``: only entries under those module paths) under the names
-    ``save_pretrained`` writes: tied copies and ignored keys dropped, weight conversions reverted."""
+    ``save_pretrained`` writes: tied copies and ignored keys dropped, weight conversions reverted
+    (a mixture's stacked experts split into one tensor per expert, as its checkpoints store
+    them). ``meta``: names and shapes only, on meta stand-ins (nothing copied)."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    sd = {k: v for k, v in model.state_dict().items() if scope is None or inside(k, scope)}
+    sd = {k: v.to("meta") if meta else v for k, v in model.state_dict().items() if scope is None or inside(k, scope)}
     for k in getattr(model, "_keys_to_ignore_on_save", None) or ():
         sd.pop(k, None)
     return revert_weight_conversion(model, remove_tied_weights_from_state_dict(sd, model))

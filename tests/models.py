@@ -86,8 +86,7 @@ CONFIGS = {
 }
 
 CAUSAL = [f for f in CONFIGS if f != "bert"]
-MOE = ["mixtral", "qwen2_moe"]  # checkpoints store experts in a layout normsurgery does not read yet
-SAVED = [f for f in CONFIGS if f not in MOE]  # families normsurgery saves and loads
+MOE = ["mixtral", "qwen2_moe"]  # mixtures of experts: checkpoints store one tensor per expert
 OUTPUT_NORMS = ["gemma2", "gemma3_text", "olmo2"]  # sub-block output norms: passes rewriting the stream refuse
 ROTATABLE = [f for f in CAUSAL if f not in OUTPUT_NORMS + MOE]
 UNDESCRIBED = ("phi3", "gptj", "stablelm", "cohere", "falcon")  # adapters not describing their attention and MLPs

@@ -4,10 +4,13 @@ reason), Phi-3's fused readers, mixtures of experts, per-layer config entries th
 and flashnorm's keep_tied."""
 
 import copy
+import json
 
 import pytest
 import torch
 import transformers as T
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
 
 import normsurgery as ns
 import normsurgery.passes  # noqa: F401  (declares the passes)
@@ -17,8 +20,11 @@ from normsurgery.norms import faithful_norms
 from normsurgery.prune import prune_model
 from normsurgery.synthetic import make_realistic
 
+from normsurgery.cli import app
+
 from models import MOE, VOCAB, rel, tiny_model, token_ids
 
+runner = CliRunner()
 SANDWICH = ["gemma2", "gemma3_text"]
 
 
@@ -77,6 +83,82 @@ def test_moe_router_and_every_expert_read_the_mlp_norm(family):
     assert "model.layers.0.mlp" in lay.experts
     for name in ("minimize", "remove-ln", "prepbn", "rotate"):
         assert "mixture of experts" in registry.get(name).applies(model, lay), name
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def per_expert(model) -> dict[str, torch.Tensor]:
+    """``model``'s weights as released Mixtral and Qwen2-MoE checkpoints store them, by hand (not
+    by transformers): one tensor per expert, ``gate_up_proj[e] = [w1; w3]``, ``down_proj[e] = w2``."""
+    moe, gate, up, down = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                           "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}[model.config.model_type]
+    out = {}
+    for key, t in model.state_dict().items():
+        block, _, tail = key.partition(".mlp.")
+        if tail == "experts.gate_up_proj":
+            for e, (g, u) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{block}.{moe}.experts.{e}.{gate}.weight"] = g.clone()
+                out[f"{block}.{moe}.experts.{e}.{up}.weight"] = u.clone()
+        elif tail == "experts.down_proj":
+            out.update({f"{block}.{moe}.experts.{e}.{down}.weight": w.clone() for e, w in enumerate(t)})
+        else:
+            out[f"{block}.{moe}.{tail}" if tail else key] = t.clone()
+    return out
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_a_checkpoint_stored_one_tensor_per_expert_reads_as_the_model(family, tmp_path):
+    model = tiny_model(family)
+    stored = per_expert(model)
+    if family == "mixtral":
+        assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in stored
+    keys = sorted(stored, reverse=True)  # experts out of order, a block's experts in both files
+    files = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for f, ks in files.items():
+        save_file({k: stored[k] for k in ks}, tmp_path / f, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in files.items() for k in ks}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model.config.save_pretrained(tmp_path)
+    loaded = ns.load(tmp_path, torch.float64)
+    mine = loaded.state_dict()
+    assert all(torch.equal(t, mine[k]) for k, t in model.state_dict().items())
+    assert rel(model, loaded, token_ids()) == 0.0
+    plain = T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
+    assert rel(plain, loaded, token_ids(seed=1)) == 0.0  # transformers reads the same model
+    gone = next(k for k in keys if ".layers.0." in k and ".experts.1." in k)
+    index["weight_map"].pop(gone)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    f = next(f for f, ks in files.items() if gone in ks)
+    save_file({k: stored[k] for k in files[f] if k != gone}, tmp_path / f, metadata={"format": "pt"})
+    with pytest.raises(ns.SurgeryError, match=r"numbered \[0, 2, 3\], not 0 to 2"):
+        ns.load(tmp_path)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_checkpoints_convert_verify_and_prune_on_both_plans(family, tmp_path):
+    model = tiny_model(family)
+    src = tmp_path / "in"
+    model.save_pretrained(src)  # float64, one tensor per expert
+    ids = token_ids()
+    for plan in ("--in-memory", "--streaming"):
+        out = tmp_path / f"flash{plan}"
+        r = run("convert", src, out, "--pass", "flashnorm", "--work-dtype", "float64", plan, "--json")
+        assert r.exit_code == 0, r.output
+        saved = json.loads(r.stdout)
+        assert saved["parity"]["relative"] <= 1e-10 and saved["saved"]["plain_transformers"]
+        assert load_file(out / "model.safetensors").keys() == load_file(src / "model.safetensors").keys()
+        plain = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64, experts_implementation="eager")
+        assert type(plain) is type(model) and rel(model, plain, ids) <= 1e-10
+        assert rel(ns.load(out), plain, ids) == 0.0
+        r = run("verify", src, out, "--dtype", "float64", "--samples", "2", "--seq-len", "16", plan, "--json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["relative"] <= 1e-10, r.output
+        out = tmp_path / f"pruned{plan}"
+        streaming = [plan] if plan == "--streaming" else []  # prune has no --in-memory: its default
+        r = run("prune", src, out, "--layers", "1", "--method", "last", "--json", *streaming)
+        assert r.exit_code == 0, r.output
+        assert T.AutoConfig.from_pretrained(out).num_hidden_layers == 2 and ns.load(out).config.num_hidden_layers == 2
 
 
 def test_pruning_qwen2_moe_renumbers_its_dense_layers_so_the_config_builds_the_same_blocks():

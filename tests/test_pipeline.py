@@ -48,6 +48,7 @@ def tensors(path):
     ("gpt_neox", [("crmsnorm", {})], True),  # the stream shrinks to d-1: parts change widths
     ("phi", [("pre-rmsnorm", {}), ("flashnorm", {})], True),
     ("qwen2", [("flashnorm", {}), ("rotate", {"seed": 2})], True),  # every part rotated by the same Q
+    ("qwen2_moe", [("flashnorm", {})], True),  # experts stored one tensor each, across shards
 ])
 def test_both_plans_write_the_same_tensors_and_check_the_folder(tmp_path, family, passes, verify):
     src = checkpoint_at(tmp_path, family)
