@@ -5,8 +5,9 @@ mask to the target, minimize, release, retrain) at the same size and the same tr
 For each demo model and target (a fraction of the parameters): held-out CE of the original and of
 each result, the parameters reached and the wall time. Training text: the training slice (first
 90%) of ../shared/data/tinyshakespeare.txt, the text the demo models were trained on (else the
-bundled sample); held-out CE on the bundled held-out text, from the last 10%, never trained on. One-shot is squeeze with ``--cycles 1`` and all the steps in its one
-retraining, so the two differ only in the cycling. ``uptime`` load is recorded.
+bundled sample); held-out CE on the bundled held-out text, from the last 10%, never trained on.
+One-shot is squeeze with ``--cycles 1`` and all the steps in its one retraining, so the two differ
+only in the cycling. ``uptime`` load is recorded.
 
 Usage: python benchmarks/bench_squeeze.py [--models llama-tiny,gpt2-tiny] [--targets 0.5,0.25]
        [--cycles N] [--steps S] [--lr X] [--sparsity X] [--train full] [--structure LIST] [--how WHICH]
@@ -45,7 +46,7 @@ def main() -> None:
     ap.add_argument("--models", default="llama-tiny,gpt2-tiny")
     ap.add_argument("--targets", default="0.5,0.25")
     ap.add_argument("--cycles", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=100, help="retraining steps per cycle (one-shot: cycles x steps)")
+    ap.add_argument("--steps", type=int, default=300, help="retraining steps per cycle (one-shot: cycles x steps)")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--sparsity", type=float, default=None)
     ap.add_argument("--release-scale", type=float, default=None)

@@ -61,13 +61,13 @@ class SqueezeOptions:
     target: float | None = 0.5  # fraction of the original's parameters (unless target_bytes)
     target_bytes: int | None = None  # or: the output's size in bytes, in the storage dtype
     cycles: int = 3
-    steps_per_cycle: int = 100
+    steps_per_cycle: int = 300
     structure: tuple[str, ...] = STRUCTURES
     by: str = "activation"  # how units and heads are ranked: activation | magnitude
     sparsity: float = 0.0  # unstructured magnitude sparsity in each cycle's mask, released after minimize
     release_scale: float = 0.1  # released noise's std, in units of the tensor's surviving RMS
     train: str = "full"  # full | norms | lora
-    lr: float = 5e-4
+    lr: float = 1e-3
     batch_size: int = 8
     seq_len: int | None = None
     eval_fraction: float = 0.1

@@ -28,7 +28,7 @@ def squeeze(
     cycles: Optional[int] = typer.Option(None, min=1, metavar="N", help="mask -> minimize -> release -> retrain "
                                           "cycles; 1 is one-shot (default 3)"),
     steps_per_cycle: Optional[int] = typer.Option(None, min=1, metavar="S", help="retraining steps per cycle "
-                                                   "(default 100)"),
+                                                   "(default 300)"),
     structure: Optional[str] = typer.Option(None, metavar="LIST", help="what the masks remove: some of "
                                             f"{', '.join(STRUCTURES)} (default all)"),
     by: Optional[str] = typer.Option(None, metavar="HOW", help="how units and heads are ranked: activation (the "
@@ -41,7 +41,7 @@ def squeeze(
                                                   "of the RMS of the tensor's surviving weights (default 0.1)"),
     train: Optional[str] = typer.Option(None, metavar="WHAT", help="what retrains: full | norms | lora (merged) "
                                       "(default full)"),
-    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="learning rate (default 5e-4)"),
+    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="learning rate (default 1e-3)"),
     batch_size: Optional[int] = typer.Option(None, min=1, metavar="B", help="windows per step (default 8)"),
     seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="tokens per window (default: 128, or the "
                                                                           "model's positions when fewer)"),
