@@ -83,7 +83,8 @@ def main() -> None:
                                  "params": last.params, "params_original": r.original["params"],
                                  "ce_original": r.original["ce"], "ce": last.ce_after,
                                  "tokens": sum(c.tokens for c in r.cycles), "seconds": r.seconds,
-                                 "per_cycle": [[c.params, c.ce_masked, c.ce_after] for c in r.cycles]})
+                                 "per_cycle": [[c.params, c.ce_masked, c.ce_after, c.minimize_relative]
+                                               for c in r.cycles]})
                     print(json.dumps(rows[-1]), flush=True)
     load = os.getloadavg()
     print(f"\nsqueeze vs one-shot, {args.cycles} cycles x {args.steps} steps "
