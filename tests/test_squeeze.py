@@ -169,10 +169,18 @@ def test_squeeze_command(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == data["cycles"][-1]["params"]
     record = json.loads((out / "config.json").read_text())["normsurgery"]["squeeze"]
     assert len(record["cycles"]) == 2 and record["options"]["cycles"] == 2
-    r = run("squeeze", DEMO, tmp_path / "bytes", "--text", SAMPLE, "--target-bytes", "5000000", "--cycles", "1",
-            "--steps-per-cycle", "1", "--batch-size", "2", "--seq-len", "16", "--eval-samples", "2")
+    r = runner.invoke(app, ["squeeze", DEMO, str(tmp_path / "bytes"), "--text", SAMPLE, "--target-bytes", "5000000",
+                            "--cycles", "1", "--steps-per-cycle", "1", "--batch-size", "2", "--seq-len", "16",
+                            "--eval-samples", "2", "--json"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
-    assert "squeezed:" in r.output and "cycle" in r.output
+    cycle = json.loads(r.stdout)["cycles"][0]
+    r = runner.invoke(app, ["squeeze", DEMO, str(tmp_path / "bytes"), "--text", SAMPLE, "--target-bytes", "5000000",
+                            "--cycles", "1", "--steps-per-cycle", "1", "--batch-size", "2", "--seq-len", "16",
+                            "--eval-samples", "2", "--force"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0 and "squeezed:" in r.stdout, r.output
+    assert max(map(len, r.stdout.splitlines())) <= 80
+    for figure in (f"{cycle['ce_masked']:.4f}", f"{cycle['ce_after']:.4f}", f"{cycle['minimize_relative']:.2e}"):
+        assert figure in r.stdout, (figure, r.stdout)  # the table cuts no number at 80 columns
     assert sum(f.stat().st_size for f in (tmp_path / "bytes").glob("*.safetensors")) <= 5_000_000 + 20_000
 
 

@@ -290,9 +290,13 @@ def squeeze_table(result) -> Table:
     for c in result.cycles:
         rows.append((str(c.cycle), f"{c.fraction:.3f}", human(c.params), human(c.bytes, "B"),
                      fmt(c.minimize_relative), human(c.released), f"{c.ce_masked:.4f}", f"{c.ce_after:.4f}"))
-    return table("squeeze: one row per cycle (held-out CE never trained on)",
-                 ("cycle", "masked", "parameters", "bytes", "minimize rel. err", "released", "CE minimized",
-                  "CE retrained"), rows, right=tuple(range(1, 8)))
+    t = table("squeeze: one row per cycle (held-out CE never trained on)",
+              ("cycle", "masked", "params", "bytes", "min. err", "released", "CE min.", "CE after"), rows,
+              right=tuple(range(1, 8)))
+    t.caption = Text("masked: the fraction of each structure masked; min. err: minimize's relative error against "
+                     "the masked model; released: zeros given back to training; CE min.: once minimized, before "
+                     "retraining")
+    return t
 
 
 def plot_squeeze(path: Path, result) -> None:
