@@ -110,7 +110,8 @@ class Cycle:
     after retraining."""
 
     cycle: int
-    fraction: float  # of the structure masked in this cycle
+    fraction: float  # of each structure masked in this cycle (units, channels)
+    heads_fraction: float  # of the KV-head groups
     params: int
     bytes: int  # in the storage dtype
     minimize_relative: float  # minimize's output vs the masked model's (probe windows)
@@ -138,13 +139,14 @@ class SqueezeResult:
                 "seconds": self.seconds, "saved": self.saved, "resumed_at": self.resumed_at, "notes": self.notes}
 
 
-def mask_options(model, fraction: float, opts: SqueezeOptions) -> dict:
-    """minimize's mask options masking ``fraction`` of each chosen structure (and the sparsity)."""
+def mask_options(model, fraction: float, opts: SqueezeOptions, heads: float | None = None) -> dict:
+    """minimize's mask options masking ``fraction`` of each chosen structure (``heads`` of the
+    KV-head groups, when given) and the sparsity."""
     out = {"by": opts.by, **({"sparsity": opts.sparsity} if opts.sparsity else {})}
     if "units" in opts.structure:
         out["prune_units"] = fraction
     if "heads" in opts.structure:
-        out["prune_heads"] = fraction
+        out["prune_heads"] = fraction if heads is None else heads
     if "channels" in opts.structure:
         out["prune_channels"] = round(fraction * layout(model).stream_width)
     return out
@@ -161,25 +163,32 @@ def parameters(model) -> int:
 
 
 def plan_fraction(model, goal: int, opts: SqueezeOptions, context: PassContext,
-                  iterations: int = 12) -> tuple[float, int]:
-    """(the smallest fraction f found whose minimized model has at most ``goal`` parameters, that
-    count): bisection over f in [0, MOST]."""
-    have = parameters(model)
-    if have <= goal:
-        return 0.0, have
-    most = minimized_params(model, mask_options(model, MOST, opts), context)
+                  iterations: int = 12) -> tuple[float, float]:
+    """(f, f_heads): the smallest fraction f found (bisection over [0, MOST]) whose minimized
+    model has at most ``goal`` parameters. KV-head groups go in coarse steps (one group in every
+    layer at once), so with other structures the heads keep the fraction of the last f that
+    missed the goal and the others alone are bisected above it: the size lands nearer the goal."""
+    def count(f: float, heads: float | None = None) -> int:
+        return minimized_params(model, mask_options(model, f, opts, heads), context)
+
+    def bisect(lo: float, heads: float | None = None) -> tuple[float, float]:
+        """(the last fraction above the goal, the first within it)."""
+        hi = MOST
+        for _ in range(iterations):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if count(mid, heads) <= goal else (mid, hi)
+        return lo, hi
+
+    if parameters(model) <= goal:
+        return 0.0, 0.0
+    most = count(MOST)
     if most > goal:
         raise SurgeryError(f"masking {MOST:.0%} of the {', '.join(opts.structure)} leaves {most:,} parameters, more "
                            f"than this cycle's goal of {goal:,}: give more cycles, a larger target or more structures")
-    lo, hi, count = 0.0, MOST, most
-    for _ in range(iterations):
-        mid = (lo + hi) / 2
-        n = minimized_params(model, mask_options(model, mid, opts), context)
-        if n <= goal:
-            hi, count = mid, n
-        else:
-            lo = mid
-    return hi, count
+    missed, f = bisect(0.0)
+    if "heads" in opts.structure and len(opts.structure) > 1 and count(MOST, missed) <= goal:
+        return bisect(missed, missed)[1], missed
+    return f, f
 
 
 @torch.no_grad()
@@ -235,8 +244,9 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
     for c in range(first, opts.cycles + 1):
         goal = int(original["params"] * t ** (c / opts.cycles))
         progress("squeeze", c - 1, opts.cycles, f"cycle {c}: finding the mask for {goal:,} parameters")
-        fraction, _ = plan_fraction(model, goal, opts, context)
-        steps = apply_passes(model, [("minimize", mask_options(model, fraction, opts))], ids=ids, context=context)
+        fraction, heads = plan_fraction(model, goal, opts, context)
+        steps = apply_passes(model, [("minimize", mask_options(model, fraction, opts, heads))], ids=ids,
+                             context=context)
         check = steps[-1].parity
         if not check.ok:
             raise SurgeryError(f"cycle {c}: minimize changed the masked model's outputs by {check.relative:.2e} "
@@ -254,8 +264,8 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
             train_mode=heal.train, progress=step, save_every=opts.save_every if state is not None else 0,
             state_dir=train_state, resume=resume and c == first and (state / "train" / STATE_FILE).is_file())
         params = parameters(model)
-        cycles.append(Cycle(c, fraction, params, params * storage_bytes, check.relative, check.tolerance, released,
-                            ce_masked, report.ce_before, report.ce_after, report.tokens, report.seconds))
+        cycles.append(Cycle(c, fraction, heads, params, params * storage_bytes, check.relative, check.tolerance,
+                            released, ce_masked, report.ce_before, report.ce_after, report.tokens, report.seconds))
         if state is not None and is_main_process():
             _keep(state, {"fingerprint": fingerprint, "model": model, "original": original,
                           "cycles": [asdict(x) for x in cycles]})

@@ -284,18 +284,20 @@ def plot_scores(path: Path, selection, scores) -> None:
 
 def squeeze_table(result) -> Table:
     """One row per cycle: size reached, minimize's check, zeros released, held-out CE after
-    minimize, after release and after retraining (row 0: the original)."""
+    minimize and after retraining (row 0: the input)."""
     o = result.original
-    rows = [("0 (original)", "", human(o["params"]), human(o["bytes"], "B"), "", "", "", f"{o['ce']:.4f}")]
+    rows = [("0 (input)", "", human(o["params"]), human(o["bytes"], "B"), "", "", "", f"{o['ce']:.4f}")]
     for c in result.cycles:
-        rows.append((str(c.cycle), f"{c.fraction:.3f}", human(c.params), human(c.bytes, "B"),
+        units, heads = f"{c.fraction:.2f}", f"{c.heads_fraction:.2f}"
+        masked = units if heads == units else f"{units}/{heads}"
+        rows.append((str(c.cycle), masked, human(c.params), human(c.bytes, "B"),
                      fmt(c.minimize_relative), human(c.released), f"{c.ce_masked:.4f}", f"{c.ce_after:.4f}"))
     t = table("squeeze: one row per cycle (held-out CE never trained on)",
               ("cycle", "masked", "params", "bytes", "min. err", "released", "CE min.", "CE after"), rows,
               right=tuple(range(1, 8)))
-    t.caption = Text("masked: the fraction of each structure masked; min. err: minimize's relative error against "
-                     "the masked model; released: zeros given back to training; CE min.: once minimized, before "
-                     "retraining")
+    t.caption = Text("masked: the fraction of each structure masked (/ of the KV-head groups, where other); "
+                     "min. err: minimize's relative error against the masked model; released: zeros given back "
+                     "to training; CE min.: once minimized, before retraining")
     return t
 
 
