@@ -8,7 +8,8 @@ mask -> minimize -> release -> retrain, each on the model the previous one left.
   training text; channels by the energy written into them): the smallest f (bisection) whose
   minimized model has at most P_c parameters, counted on trial copies, not estimated (KV-head
   groups go in coarse steps, so they keep the last fraction that missed P_c while the other
-  structures are bisected above it: :func:`plan_fraction`). ``sparsity`` adds unstructured magnitude zeros in what stays.
+  structures are bisected above it: :func:`plan_fraction`). ``sparsity`` adds unstructured
+  magnitude zeros in what stays.
 - minimize: the exact pass; its output is compared with the masked model on probe windows and
   the cycle stops with an error if it differs beyond its tolerance.
 - release: every exact zero left inside a kept tensor of the blocks (its row and its column

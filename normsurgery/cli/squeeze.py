@@ -13,6 +13,7 @@ from .app import ALLOW_PICKLE, FORCE, JSON, claimed, command, emit_json, open_un
 
 STRUCTURES = ("units", "heads", "channels")  # squeeze.STRUCTURES, named here so --help needs no torch
 TRAIN = ("full", "norms", "lora")
+BY = ("activation", "magnitude")  # masks.CRITERIA
 
 
 @command
@@ -68,6 +69,8 @@ def squeeze(
         raise UsageError(f"--structure {structure!r}: choose among {', '.join(STRUCTURES)}")
     if train is not None and train not in TRAIN:
         raise UsageError(f"--train {train!r}: choose one of {', '.join(TRAIN)}")
+    if by is not None and by not in BY:
+        raise UsageError(f"--by {by!r}: choose one of {', '.join(BY)}")
     given = {"target": target, "target_bytes": target_bytes, "cycles": cycles, "steps_per_cycle": steps_per_cycle,
              "structure": parts, "by": by, "sparsity": sparsity, "release_scale": release_scale, "train": train,
              "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "eval_fraction": eval_fraction,
