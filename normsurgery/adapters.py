@@ -167,26 +167,37 @@ def starcoder2(model, p: str, head: str | None) -> Layout:
 
 def stablelm(model, p: str, head: str | None) -> Layout:
     """StableLM: Llama's shape with LayerNorms; with ``use_parallel_residual`` one norm feeds the
-    attention and the MLP, x += attn(n(x)) + mlp(n(x)) (placement "parallel"). Its attention
-    reads its own head counts (and per-head QK norms): blocks not described, passes that need
-    them refuse."""
-    if not model.config.use_parallel_residual:
-        return dataclasses.replace(llama_like(model, p, head), attention=(), mlps=())
-    return _parallel(model, p, head)
+    attention and the MLP, x += attn(n(x)) + mlp(n(x)) (placement "parallel"). Its attention reads
+    its own head counts, and its head_dim is hidden_size // num_attention_heads (so head counts
+    stay out of the config). With ``qk_layernorm`` each head has its own LayerNorm module: blocks
+    not described (passes that need them refuse)."""
+    c = model.config
+    lay = _parallel(model, p, head) if c.use_parallel_residual else llama_like(model, p, head)
+    if c.qk_layernorm:
+        return dataclasses.replace(lay, attention=(), mlps=(), undescribed=(
+            "qk_layernorm keeps one LayerNorm module per head, and a checkpoint with fewer heads cannot "
+            "record a shorter list of them"))
+    counts = (("num_heads", "heads"), ("num_key_value_heads", "kv_heads"), ("num_key_value_groups", "groups"))
+    return dataclasses.replace(lay, attention=tuple(dataclasses.replace(a, count_attrs=counts) for a in lay.attention),
+                               config_widths=(("intermediate", "intermediate_size"),))
 
 
 def cohere(model, p: str, head: str | None) -> Layout:
     """Cohere (Command-R): parallel blocks, x += attn(n(x)) + mlp(n(x)), n a bias-free LayerNorm
     (``CohereLayerNorm``); the head's ``logit_scale`` multiplies the logits after the head, so a
-    fold into the head leaves it as is. Its attention reads its own head counts (and optional
-    per-head QK norms): blocks not described, passes that need them refuse."""
-    return _parallel(model, p, head)
+    fold into the head leaves it as is. With ``use_qk_norm`` the QK norms' gains are [heads,
+    head_dim] (one row per head): they follow the heads."""
+    lay = _parallel(model, p, head)
+    if not model.config.use_qk_norm:
+        return lay
+    return dataclasses.replace(lay, attention=tuple(dataclasses.replace(
+        a, head_params=((f"{a.path}.q_norm.weight", "q"), (f"{a.path}.k_norm.weight", "k"))) for a in lay.attention))
 
 
 def _parallel(model, p: str, head: str | None) -> Layout:
     """Llama's modules in parallel blocks: ``input_layernorm`` feeds the attention and the gated
-    MLP (placement "parallel"); attention and MLP blocks not described."""
-    lay = dataclasses.replace(llama_like(model, p, head, mlp_norm=None), attention=(), mlps=())
+    MLP (placement "parallel")."""
+    lay = llama_like(model, p, head, mlp_norm=None)
     norms = tuple(dataclasses.replace(s, readers=s.readers + (f"{s.path.rsplit('.', 1)[0]}.mlp.gate_proj",
                                                              f"{s.path.rsplit('.', 1)[0]}.mlp.up_proj"),
                                       role="attn+mlp") if s.role == "attn" else s for s in lay.norms)
@@ -221,19 +232,25 @@ def phi(model, p: str, head: str | None) -> Layout:
 
 
 def gptj(model, p: str, head: str | None) -> Layout:
-    """GPT-J: parallel blocks, one LayerNorm for both, x += attn(ln_1(x)) + mlp(ln_1(x)). Attention
-    and MLP blocks are not described (passes that need them refuse)."""
+    """GPT-J: parallel blocks, one LayerNorm for both, x += attn(ln_1(x)) + mlp(ln_1(x)). Its
+    attention reshapes by head_dim alone (hidden_size // n_head, so head counts stay out of the
+    config); ``num_attention_heads`` is kept true."""
     c = model.config
     h = f"{p}h"
-    norms, writers = [], []
+    norms, writers, attention, mlps = [], [], [], []
     for i in range(c.n_layer):
         b = f"{h}.{i}"
-        readers = tuple(f"{b}.attn.{r}_proj" for r in "qkv") + (f"{b}.mlp.fc_in",)
-        norms.append(NormSite(f"{b}.ln_1", readers, "attn+mlp"))
+        qkv = tuple(f"{b}.attn.{r}_proj" for r in "qkv")
+        norms.append(NormSite(f"{b}.ln_1", qkv + (f"{b}.mlp.fc_in",), "attn+mlp"))
         writers += [f"{b}.attn.out_proj", f"{b}.mlp.fc_out"]
+        attn = model.get_submodule(f"{b}.attn")
+        n = in_width(attn.out_proj) // attn.head_dim
+        attention.append(AttentionSite(f"{b}.attn", f"{b}.attn.out_proj", attn.head_dim, n, n, *qkv,
+                                       count_attrs=(("num_attention_heads", "heads"),)))
+        mlps.append(MlpSite(f"{b}.mlp.fc_in", f"{b}.mlp.fc_out", f"{b}.mlp.act"))
     norms.append(NormSite(f"{p}ln_f", _readers(head), "final"))
     return Layout("gptj", "parallel", 0, c.n_embd, h, f"{p}wte", (f"{p}wte",), tuple(writers), tuple(norms),
-                  head, False, config_widths=(("intermediate", "n_inner"),))
+                  head, False, attention=tuple(attention), mlps=tuple(mlps), config_widths=(("intermediate", "n_inner"),))
 
 
 def falcon(model, p: str, head: str | None) -> Layout:

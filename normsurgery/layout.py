@@ -53,6 +53,8 @@ class AttentionSite:
     reads key/value head h // (num_heads // num_kv_heads). ``count_attrs`` are the module
     attributes its forward reads that follow the head counts, each with its quantity: "heads",
     "kv_heads", "groups" (query heads per kv head) or "width" (heads * head_dim).
+    ``head_params`` are parameters whose first axis indexes heads, each with its part ("q": query
+    heads, "k": kv heads): per-head QK norm gains (Cohere's [heads, head_dim]).
     """
 
     path: str
@@ -66,6 +68,7 @@ class AttentionSite:
     qkv: str | None = None
     qkv_order: str = "separate"  # "separate" | "blocks" | "heads"
     count_attrs: tuple[tuple[str, str], ...] = ()
+    head_params: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class Layout:
     # tensors, named as readers and writers by parameter path (a linear's last axis reads its input)
     experts: tuple[str, ...] = ()
     bias_flags: tuple[str, ...] = ()  # config flags that give the stock linears biases
+    undescribed: str = ""  # why ``attention`` and ``mlps`` are left empty, where the adapter says
 
     @property
     def final_norm(self) -> NormSite | None:

@@ -17,7 +17,7 @@ from normsurgery.parity import outputs
 
 from models import MINIMIZABLE, rel, remote_logits, tiny_model, token_ids
 
-GQA = ["llama", "qwen2", "gemma", "granite", "smollm3", "starcoder2"]
+GQA = ["llama", "qwen2", "gemma", "granite", "smollm3", "starcoder2", "stablelm", "cohere"]
 
 
 @torch.no_grad()

@@ -26,7 +26,8 @@ def applies(model, layout: Layout) -> str | None:
     if reason:
         return reason
     if not layout.attention or len(layout.mlps) != len(layout.attention):
-        return f"the {layout.family} adapter does not describe its attention and MLP blocks"
+        return (f"the {layout.family} adapter does not describe its attention and MLP blocks"
+                + (f": {layout.undescribed}" if layout.undescribed else ""))
     return None
 
 
