@@ -94,9 +94,12 @@ MINIMIZABLE = [f for f in ROTATABLE if f not in UNDESCRIBED]
 LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi", "starcoder2", "stablelm", "gptj", "cohere", "falcon"]
 
 
-def tiny_model(family: str, dtype=torch.float64, seed: int = 0, realistic: bool = True):
+def tiny_model(family: str, dtype=torch.float64, seed: int = 0, realistic: bool = True, **config):
+    """``config``: entries set on the family's tiny config (a variant: flags, ...)."""
     torch.manual_seed(seed)
     cfg = CONFIGS[family]()
+    for k, v in config.items():
+        setattr(cfg, k, v)
     auto = T.AutoModelForMaskedLM if family == "bert" else T.AutoModelForCausalLM
     model = auto.from_config(cfg, dtype=dtype).eval()  # buffers computed in dtype, as a loader does
     if realistic:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers as T
 from torch import nn
+from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
 
 import normsurgery as ns
 from normsurgery import algebra, masks
@@ -38,9 +39,10 @@ def head_cols(site, heads):
     return torch.cat([torch.arange(h * site.head_dim, (h + 1) * site.head_dim) for h in heads])
 
 
-def masked(family, dtype=torch.float64, units=True, heads=True, channels=(3, 7, 20)):
-    """A tiny model with dead MLP units (down columns), dead heads (o columns) and dead channels."""
-    model = tiny_model(family, dtype)
+def masked(family, dtype=torch.float64, units=True, heads=True, channels=(3, 7, 20), **config):
+    """A tiny model with dead MLP units (down columns), dead heads (o columns) and dead channels
+    (``config``: a variant of the family's tiny config)."""
+    model = tiny_model(family, dtype, **config)
     if dtype == torch.float64:
         faithful_norms(model)
     lay = layout(model)
@@ -287,6 +289,48 @@ def test_saved_outputs_load_both_ways(tmp_path):
         theirs = remote[out][1]
         mine = outputs(new, ids)
         assert ((theirs - mine).abs().max() / mine.abs().max()).item() <= 1e-12
+
+
+VARIANTS = {"gptj": ("gptj", {}), "stablelm sequential": ("stablelm", dict(use_parallel_residual=False)),
+            "cohere qk norm": ("cohere", dict(use_qk_norm=True))}
+
+
+def test_per_layer_head_counts_of_attentions_reading_their_own_save_and_load_both_ways(tmp_path):
+    """GPT-J and StableLM read head counts off the attention module (not the config), Cohere's QK
+    norm gains have one row per head: a minimized model saves, and loads with the counts restored,
+    in this process and in a clean one."""
+    ids = token_ids()
+    outs = {}
+    for name, (family, config) in VARIANTS.items():
+        model = masked(family, **config)
+        new, _ = minimized(model)
+        assert rel(model, new) <= 1e-10, name
+        lay = layout(new)
+        assert [a.num_heads for a in lay.attention] == ([2, 3, 3] if family == "gptj" else [2, 4, 4]), name
+        out = tmp_path / family
+        ns.save(new, out)
+        back = ns.load(out, torch.float64)
+        faithful_norms(back)
+        assert rel(new, back, ids) <= 1e-12, name
+        first = back.get_submodule(lay.attention[0].path)
+        if family == "cohere":
+            assert first.q_norm.weight.shape == (2, 8) and first.k_norm.weight.shape == (1, 8)
+        else:
+            assert (first.num_attention_heads if family == "gptj" else first.num_heads) == 2
+        outs[name] = (new, out)
+    remote = remote_logits([o for _, o in outs.values()], ids, tmp_path)
+    gptj = outs["gptj"][0].transformer.rotary_emb  # a loader builds GPT-J's rotary table in float32
+    gptj.embed_positions.copy_(create_sinusoidal_positions(gptj.max_positions, gptj.pos_embd_dim))
+    for name, (new, out) in outs.items():
+        mine = outputs(new, ids)
+        assert ((remote[out][1] - mine).abs().max() / mine.abs().max()).item() <= 1e-12, name
+
+
+def test_stablelm_per_head_layernorm_modules_are_refused_by_name():
+    model = tiny_model("stablelm", qk_layernorm=True)
+    for name in ("minimize", "compensated-ln", "mask"):
+        with pytest.raises(ns.SurgeryError, match="qk_layernorm keeps one LayerNorm module per head"):
+            ns.apply_passes(model, [(name, {})])
 
 
 def test_gpt_neox_round_trip(tmp_path):
