@@ -96,17 +96,16 @@ def llama_like(model, p: str, head: str | None, *, attn_norm: str | None = "inpu
                                                                                  "down_proj", "act_fn")) -> Layout:
     """Llama-style decoders; ``attn_norm`` and ``mlp_norm`` name the sub-blocks' input norms (None:
     the sub-block reads the stream itself), ``output_norms`` the norms on the sub-blocks' outputs
-    (sandwich norms: x += norm_out(f(norm_in(x)))); ``fused``: one
-    ``qkv_proj`` and one ``gate_up_proj`` read the norms (Phi-3), whose attention and MLP
-    blocks are then not described (passes that need them refuse). An MLP with ``experts`` is a
-    mixture of experts (Mixtral, Qwen2-MoE): see :func:`_experts`. ``mlp_names``: the MLP's
-    (gate or None, up, down, activation)."""
+    (sandwich norms: x += norm_out(f(norm_in(x)))); ``fused``: one ``qkv_proj`` and one
+    stacked gate and up (``mlp_names``' up) read the norms (Phi-3). An MLP with ``experts`` is a
+    mixture of experts (Mixtral, Qwen2-MoE): see :func:`_experts`; the blocks are then not
+    described. ``mlp_names``: the MLP's (gate or None, up, down, activation)."""
     c = model.config
     h = f"{p}layers"
     norms, writers, qk, experts = [], [], [], []
     gate, up, down, act = mlp_names
-    attn_in, mlp_in = (("qkv_proj",), ("gate_up_proj",)) if fused else (("q_proj", "k_proj", "v_proj"),
-                                                                       tuple(n for n in (gate, up) if n))
+    attn_in = ("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj")
+    mlp_in = tuple(n for n in (gate, up) if n)
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
         if hasattr(model.get_submodule(f"{b}.mlp"), "experts"):
@@ -122,16 +121,18 @@ def llama_like(model, p: str, head: str | None, *, attn_norm: str | None = "inpu
         qk += [f"{b}.self_attn.{n}" for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
                if getattr(attn_mod, n, None) is not None]
     norms.append(NormSite(f"{p}norm", _readers(head), "final"))
-    blocks = () if fused or experts else range(c.num_hidden_layers)
-    attention = tuple(_separate_attention(model, f"{h}.{i}.self_attn", "o_proj") for i in blocks)
+    blocks = () if experts else range(c.num_hidden_layers)
+    attention = tuple((_fused_attention if fused else _separate_attention)(model, f"{h}.{i}.self_attn")
+                      for i in blocks)
     mlps = tuple(MlpSite(f"{h}.{i}.mlp.{up}", f"{h}.{i}.mlp.{down}", f"{h}.{i}.mlp.{act}",
-                         gate=gate and f"{h}.{i}.mlp.{gate}") for i in blocks)
+                         gate=f"{h}.{i}.mlp.{up}" if fused else gate and f"{h}.{i}.mlp.{gate}", stacked=fused)
+                 for i in blocks)
     widths = (("intermediate", "intermediate_size"), ("heads", "num_attention_heads"),
               ("kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"))
     return Layout(c.model_type, "pre", 0, c.hidden_size, h, f"{p}embed_tokens",
                   (f"{p}embed_tokens",), tuple(writers), tuple(norms), head, False,
                   qk_norms=tuple(qk), attention=attention, mlps=mlps,
-                  config_widths=widths, experts=tuple(experts))
+                  config_widths=widths, experts=tuple(experts), shared_head_counts=fused)
 
 
 def _experts(model, path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -205,8 +206,10 @@ def _parallel(model, p: str, head: str | None) -> Layout:
 
 
 def fused(model, p: str, head: str | None) -> Layout:
-    """Phi-3: Llama's shape with fused ``qkv_proj`` and ``gate_up_proj`` readers."""
-    return llama_like(model, p, head, fused=True)
+    """Phi-3: Llama's shape with fused ``qkv_proj`` and ``gate_up_proj`` (gate rows, then up)
+    readers. Its attention finds the query rows by the config's ``num_attention_heads``, which
+    every block shares: they all keep as many heads (``shared_head_counts``)."""
+    return llama_like(model, p, head, fused=True, mlp_names=(None, "gate_up_proj", "down_proj", "activation_fn"))
 
 
 def phi(model, p: str, head: str | None) -> Layout:
@@ -303,13 +306,24 @@ def bert(model, p: str, head: str | None) -> Layout:
                   tuple(writers), tuple(norms), head, False)
 
 
-def _separate_attention(model, path: str, o: str) -> AttentionSite:
+def _separate_attention(model, path: str, o: str = "o_proj") -> AttentionSite:
     """Attention with separate q/k/v projections and ``num_key_value_groups`` (Llama, Phi, ...)."""
     attn = model.get_submodule(path)
     hd = attn.head_dim
     return AttentionSite(path, f"{path}.{o}", hd, in_width(getattr(attn, o)) // hd,
                          attn.v_proj.weight.shape[0] // hd, f"{path}.q_proj", f"{path}.k_proj",
                          f"{path}.v_proj", count_attrs=(("num_key_value_groups", "groups"),))
+
+
+def _fused_attention(model, path: str) -> AttentionSite:
+    """Phi-3's attention: ``qkv_proj`` stacks the q rows, then k, then v ("blocks"); the kv
+    heads are what the rows after the queries hold."""
+    attn = model.get_submodule(path)
+    hd = attn.head_dim
+    n = in_width(attn.o_proj) // hd
+    kv = (attn.qkv_proj.weight.shape[0] - n * hd) // (2 * hd)
+    return AttentionSite(path, f"{path}.o_proj", hd, n, kv, qkv=f"{path}.qkv_proj", qkv_order="blocks",
+                         count_attrs=(("num_key_value_heads", "kv_heads"), ("num_key_value_groups", "groups")))
 
 
 def _readers(head: str | None) -> tuple[str, ...]:

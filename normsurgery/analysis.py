@@ -70,12 +70,23 @@ def bias_or_zeros(mod, n: int) -> torch.Tensor:
 
 
 
+def mlp_part(model, site: MlpSite, part: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, c) of the MLP's ``part`` ("up" or "gate"), c zeros where there is no bias; a stacked
+    gate and up: the first (gate) or second (up) half of the rows."""
+    mod = model.get_submodule(getattr(site, part))
+    w = algebra.weight(mod)
+    c = bias_or_zeros(mod, w.shape[0])
+    if site.stacked:
+        half = slice(0, w.shape[0] // 2) if part == "gate" else slice(w.shape[0] // 2, None)
+        w, c = w[half], c[half]
+    return w, c
+
+
 def mlp_dead(model, site: MlpSite) -> tuple[torch.Tensor, torch.Tensor]:
     """(removable units, the constant each one still outputs: nonzero only where folded)."""
-    up, down = model.get_submodule(site.up), model.get_submodule(site.down)
-    act = model.get_submodule(site.act)
-    wu, wd = algebra.weight(up), algebra.weight(down)
-    cu = bias_or_zeros(up, wu.shape[0])
+    down, act = model.get_submodule(site.down), model.get_submodule(site.act)
+    wd = algebra.weight(down)
+    wu, cu = mlp_part(model, site, "up")
     dead = zero(wd, 0)
     const = torch.zeros_like(cu)
     if site.gate is None:
@@ -84,9 +95,7 @@ def mlp_dead(model, site: MlpSite) -> tuple[torch.Tensor, torch.Tensor]:
         const = torch.where(silent & ~dead, value, const)
         dead = dead | silent
     else:
-        gate = model.get_submodule(site.gate)
-        wg = algebra.weight(gate)
-        cg = bias_or_zeros(gate, wg.shape[0])
+        wg, cg = mlp_part(model, site, "gate")
         at_zero = act(torch.zeros(1, dtype=algebra.WORK, device=wg.device)).item()
         dead = dead | (zero(wg, 1) & (cg == 0) & (at_zero == 0)) | (zero(wu, 1) & (cu == 0))
     return dead, const
@@ -104,7 +113,8 @@ def qkv_rows(site: AttentionSite, part: str, heads) -> tuple[str, torch.Tensor]:
         return getattr(site, part), torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
     p = "qkv".index(part)
     if site.qkv_order == "blocks":
-        idx = [p * site.num_heads * hd + head_idx(h, hd) for h in heads]
+        start = (0, site.num_heads, site.num_heads + site.num_kv_heads)[p] * hd
+        idx = [start + head_idx(h, hd) for h in heads]
     else:  # "heads": q, k, v of each head together
         idx = [h * 3 * hd + p * hd + torch.arange(hd) for h in heads]
     return site.qkv, torch.cat(idx)
@@ -133,16 +143,29 @@ def heads_dead(model, site: AttentionSite) -> tuple[torch.Tensor, torch.Tensor]:
     return dead, const
 
 
-def head_plan(dead: torch.Tensor, kv_heads: int) -> tuple[list[int], list[int]]:
+def head_plan(dead: torch.Tensor, kv_heads: int, least: tuple[int, int] = (1, 1)) -> tuple[list[int], list[int]]:
     """(kept query heads, kept kv heads): whole groups go when all their query heads are dead;
-    the other groups each drop the same number m of dead query heads (at least one head stays)."""
+    the other groups each drop the same number m of dead query heads (at least one head stays).
+    ``least``: keep at least that many kv heads (the first dead groups stay) and query heads per
+    kv head (blocks that must agree on their counts)."""
     groups = len(dead) // kv_heads
     dead_in = [[h for h in range(g * groups, (g + 1) * groups) if dead[h]] for g in range(kv_heads)]
-    kept_kv = [g for g in range(kv_heads) if len(dead_in[g]) < groups] or [0]
-    m = min(min(len(dead_in[g]) for g in kept_kv), groups - 1)
+    live = [g for g in range(kv_heads) if len(dead_in[g]) < groups]
+    kept_kv = sorted(live + [g for g in range(kv_heads) if g not in live][:max(least[0] - len(live), 0)])
+    m = min(min(len(dead_in[g]) for g in kept_kv), groups - max(least[1], 1))
     drop = {h for g in kept_kv for h in dead_in[g][:m]}
     kept = [h for g in kept_kv for h in range(g * groups, (g + 1) * groups) if h not in drop]
     return kept, kept_kv
+
+
+def head_plans(model, layout: Layout) -> list[tuple[list[int], list[int]]]:
+    """:func:`head_plan` of every block; where the blocks share their head counts
+    (``shared_head_counts``) each keeps the most any block must keep."""
+    plans = [head_plan(heads_dead(model, a)[0], a.num_kv_heads) for a in layout.attention]
+    if not layout.shared_head_counts or not plans:
+        return plans
+    least = (max(len(kv) for _, kv in plans), max(len(q) // len(kv) for q, kv in plans))
+    return [head_plan(heads_dead(model, a)[0], a.num_kv_heads, least) for a in layout.attention]
 
 
 def written(model, paths) -> torch.Tensor:
@@ -178,10 +201,9 @@ def dead_units(model, layout: Layout) -> DeadReport:
     dead_ch, removable = channels(model, layout)
     report = DeadReport(len(dead_ch), dead_channels=dead_ch.nonzero().flatten().tolist(),
                         removable_channels=removable.nonzero().flatten().tolist())
-    for i, (attn, mlp) in enumerate(zip(layout.attention, layout.mlps)):
+    for i, (attn, mlp, (kept, kept_kv)) in enumerate(zip(layout.attention, layout.mlps, head_plans(model, layout))):
         units, _ = mlp_dead(model, mlp)
         heads, _ = heads_dead(model, attn)
-        kept, kept_kv = head_plan(heads, attn.num_kv_heads)
         report.layers.append(LayerDead(
             i, len(units), units.nonzero().flatten().tolist(), attn.num_heads, attn.num_kv_heads,
             heads.nonzero().flatten().tolist(), [h for h in range(attn.num_heads) if h not in kept],

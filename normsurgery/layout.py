@@ -48,8 +48,9 @@ class NormSite:
 class AttentionSite:
     """One block's self-attention: its projections and head layout, read from current shapes.
 
-    Separate ``q``/``k``/``v`` or one fused ``qkv``: ``qkv_order`` "blocks" stacks all q rows,
-    then all k, then all v (GPT-2); "heads" stacks q, k, v per head (GPT-NeoX). Query head h
+    Separate ``q``/``k``/``v`` or one fused ``qkv``: ``qkv_order`` "blocks" stacks all q rows
+    (num_heads * head_dim), then all k, then all v (num_kv_heads * head_dim each: GPT-2, Phi-3);
+    "heads" stacks q, k, v per head (GPT-NeoX, num_kv_heads = num_heads). Query head h
     reads key/value head h // (num_heads // num_kv_heads). ``count_attrs`` are the module
     attributes its forward reads that follow the head counts, each with its quantity: "heads",
     "kv_heads", "groups" (query heads per kv head) or "width" (heads * head_dim).
@@ -73,12 +74,14 @@ class AttentionSite:
 
 @dataclass(frozen=True)
 class MlpSite:
-    """One block's MLP: down(act(up x)), or down(act(gate x) * up x) when ``gate`` is set."""
+    """One block's MLP: down(act(up x)), or down(act(gate x) * up x) when ``gate`` is set;
+    ``stacked``: gate and up are one linear (``up`` = ``gate``), gate's rows first (Phi-3)."""
 
     up: str
     down: str
     act: str  # path of the activation module
     gate: str | None = None
+    stacked: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ class Layout:
     # tensors, named as readers and writers by parameter path (a linear's last axis reads its input)
     experts: tuple[str, ...] = ()
     bias_flags: tuple[str, ...] = ()  # config flags that give the stock linears biases
+    # the forward reads head counts off the config all blocks share: every block keeps as many heads
+    shared_head_counts: bool = False
     undescribed: str = ""  # why ``attention`` and ``mlps`` are left empty, where the adapter says
 
     @property

@@ -95,9 +95,9 @@ def _zero_inputs(masks: dict, mod: nn.Module, name: str, cols: torch.Tensor) -> 
     keep.index_fill_(1 - algebra.written_axis(mod), cols.to(keep.device), False)
 
 
-def _rows_norm(mod: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+def _rows_norm(mod: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     w = algebra.weight(mod)
-    return (w if rows is None else w[rows.to(w.device)]).norm(dim=1).cpu()
+    return w[rows.to(w.device)].norm(dim=1).cpu()
 
 
 def activations(model, layout: Layout, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -116,9 +116,9 @@ def prune_units(model, layout: Layout, fraction: float,
         if rms is not None:
             score = rms[site.down].pow(2) * cols
         else:
-            score = cols.sqrt() * _rows_norm(model.get_submodule(site.up))
+            score = cols.sqrt() * analysis.mlp_part(model, site, "up")[0].norm(dim=1).cpu()
             if site.gate:
-                score = score * _rows_norm(model.get_submodule(site.gate))
+                score = score * analysis.mlp_part(model, site, "gate")[0].norm(dim=1).cpu()
         _zero_inputs(masks, down, site.down, _drop_lowest(score, fraction))
     return masks
 

@@ -63,13 +63,16 @@ def test_gemma3_layer_types_follow_the_kept_layers():
     assert [b.self_attn.sliding_window for b in model.model.layers] == [4, 4]
 
 
-def test_phi3_fused_readers_take_the_gain_and_minimize_refuses_with_the_reason():
+def test_phi3_fused_readers_take_the_gain_and_describe_their_blocks():
     model = tiny_model("phi3")
     lay = layout(model)
     assert [s.readers for s in lay.norms[:2]] == [("model.layers.0.self_attn.qkv_proj",),
                                                   ("model.layers.0.mlp.gate_up_proj",)]
-    reason = registry.get("minimize").applies(model, lay)
-    assert "does not describe its attention and MLP blocks" in reason
+    site, mlp = lay.attention[0], lay.mlps[0]
+    assert (site.qkv, site.qkv_order, site.num_heads, site.num_kv_heads) == (
+        "model.layers.0.self_attn.qkv_proj", "blocks", 4, 2)
+    assert mlp.stacked and mlp.up == mlp.gate == "model.layers.0.mlp.gate_up_proj" and lay.shared_head_counts
+    assert registry.get("minimize").applies(model, lay) is None
 
 
 @pytest.mark.parametrize("family", MOE)

@@ -72,7 +72,11 @@ def test_minimized_equals_masked_float64(family):
     lay = layout(new)
     assert step.metrics["stream_width"] == [32, 29]
     assert new.get_submodule(lay.token_embedding).weight.shape[1] == 29
-    assert [a.num_heads for a in lay.attention] == ([2, 4, 4] if family in GQA + ["mistral", "qwen3"] else [2, 3, 3])
+    if lay.shared_head_counts:  # Phi-3: the config's head count is every block's, the most any must keep
+        assert [a.num_heads for a in lay.attention] == [4, 4, 4] and new.config.num_attention_heads == 4
+    else:
+        assert [a.num_heads for a in lay.attention] == ([2, 4, 4] if family in GQA + ["mistral", "qwen3"]
+                                                        else [2, 3, 3])
     assert all(model.get_submodule(m.down).weight.numel() > new.get_submodule(m.down).weight.numel()
                for m in lay.mlps)
     norms = [type(new.get_submodule(s.path)) for s in lay.norms]
@@ -324,6 +328,40 @@ def test_per_layer_head_counts_of_attentions_reading_their_own_save_and_load_bot
     for name, (new, out) in outs.items():
         mine = outputs(new, ids)
         assert ((remote[out][1] - mine).abs().max() / mine.abs().max()).item() <= 1e-12, name
+
+
+def phi3_masked(dtype):
+    """Phi-3 with heads 0-1, 2-3 and 0-2 dead in its blocks; in each, units 0-7 dead by the gate's
+    rows (act(0) = 0), 8-15 by the up's rows, 16-23 by down's columns."""
+    model = tiny_model("phi3", dtype)
+    if dtype == torch.float64:
+        faithful_norms(model)
+    lay = layout(model)
+    for attn, mlp, dead in zip(lay.attention, lay.mlps, ([0, 1], [2, 3], [0, 1, 2])):
+        zero(model, attn.o, cols=head_cols(attn, dead))
+        zero(model, mlp.up, rows=torch.arange(0, 8))
+        zero(model, mlp.up, rows=64 + torch.arange(8, 16))
+        zero(model, mlp.down, cols=torch.arange(16, 24))
+    return model
+
+
+def test_phi3_blocks_keep_one_head_count_and_its_fused_rows_shrink_to_a_plain_checkpoint(tmp_path):
+    """Phi-3 reads the query rows' count off the shared config: every block keeps the most any
+    must (2 query heads, 1 kv head: layer 2 keeps its dead head 2); its stacked gate_up loses
+    gate and up rows together. Uniform widths: the config says them, the checkpoint is stock."""
+    model = phi3_masked(torch.float64)
+    new, _ = minimized(model)
+    assert rel(model, new) <= 1e-10
+    assert [(a.num_heads, a.num_kv_heads) for a in layout(new).attention] == [(2, 1)] * 3
+    assert new.model.layers[0].self_attn.qkv_proj.weight.shape == (32, 32)  # q 16, k 8, v 8 rows
+    assert new.model.layers[0].mlp.gate_up_proj.weight.shape == (80, 32)
+    assert (new.config.num_attention_heads, new.config.num_key_value_heads, new.config.intermediate_size) == (2, 1, 40)
+    model = phi3_masked(torch.float32)
+    new, _ = minimized(model)
+    saved = ns.save(new, tmp_path / "out")
+    assert saved["custom_modules"] == 0
+    plain = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(plain) is type(model) and rel(model, plain) <= 1e-5
 
 
 def test_stablelm_per_head_layernorm_modules_are_refused_by_name():

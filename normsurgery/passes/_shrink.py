@@ -76,16 +76,19 @@ def mlp(model, site: MlpSite) -> tuple[int, int]:
     if bool(const.any()):
         add_to_bias(down, algebra.weight(down) @ const)
     keep = (~dead).nonzero().flatten()
-    for path in (site.up, site.gate):
+    if site.stacked:  # gate's rows, then up's
+        keep_outputs(model.get_submodule(site.up), torch.cat([keep, len(dead) + keep]))
+    for path in () if site.stacked else (site.up, site.gate):
         if path:
             keep_outputs(model.get_submodule(path), keep)
     keep_inputs(down, keep)
     return len(dead), len(keep)
 
 
-def attention(model, site: AttentionSite) -> tuple[int, int]:
-    dead, const = analysis.heads_dead(model, site)
-    kept, kept_kv = analysis.head_plan(dead, site.num_kv_heads)
+def attention(model, site: AttentionSite, plan: tuple[list[int], list[int]]) -> tuple[int, int]:
+    """Keep the (query heads, kv heads) of ``plan`` (``analysis.head_plans``)."""
+    _, const = analysis.heads_dead(model, site)
+    kept, kept_kv = plan
     o = model.get_submodule(site.o)
     gone = [h for h in range(site.num_heads) if h not in kept]
     if gone and bool(const[gone].any()):

@@ -42,10 +42,11 @@ def shrink(model, layout: Layout, name: str, blocks: bool) -> PassReport:
     before = _shrink.sizes(model, layout.layers_path)
     widths = [{} for _ in layout.attention]
     if blocks:
-        for w, attn, mlp in zip(widths, layout.attention, layout.mlps):
+        plans = analysis.head_plans(model, layout)
+        for w, attn, mlp, plan in zip(widths, layout.attention, layout.mlps, plans):
             w["mlp_units"] = list(_shrink.mlp(model, mlp))
             w["heads"], w["kv_heads"] = map(list, zip((attn.num_heads, attn.num_kv_heads),
-                                                      _shrink.attention(model, attn)))
+                                                      _shrink.attention(model, attn, plan)))
     # after the blocks: a removed unit may have been a channel's last writer
     dead, removable = analysis.channels(model, layout)
     stream = _shrink.channels(model, layout, removable) if bool(removable.any()) else (len(dead),) * 2
