@@ -253,7 +253,8 @@ def gptj(model, p: str, head: str | None) -> Layout:
         mlps.append(MlpSite(f"{b}.mlp.fc_in", f"{b}.mlp.fc_out", f"{b}.mlp.act"))
     norms.append(NormSite(f"{p}ln_f", _readers(head), "final"))
     return Layout("gptj", "parallel", 0, c.n_embd, h, f"{p}wte", (f"{p}wte",), tuple(writers), tuple(norms),
-                  head, False, attention=tuple(attention), mlps=tuple(mlps), config_widths=(("intermediate", "n_inner"),))
+                  head, False, attention=tuple(attention), mlps=tuple(mlps),
+                  config_widths=(("intermediate", "n_inner"),))
 
 
 def falcon(model, p: str, head: str | None) -> Layout:
@@ -261,8 +262,11 @@ def falcon(model, p: str, head: str | None) -> Layout:
     ``post_attention_layernorm`` before the MLP) or parallel ones, x += attn(n_a(x)) + mlp(n_m(x)),
     with one norm (``input_layernorm``) or, in the new decoder architecture with
     ``num_ln_in_parallel_attn`` 2, two (``ln_attn``, ``ln_mlp``). The fused ``query_key_value``
-    reads the attention's norm; attention and MLP blocks are not described (passes that need them
-    refuse). Flag combinations whose stock forward reads norms it never built are refused."""
+    reads the attention's norm: per kv head its query heads, k and v ("groups") in the new decoder
+    architecture, all q then one k and one v with ``multi_query``, else q, k, v per head. The
+    attention reads its own head counts (the rotary width comes from the config's). With ``alibi``
+    the blocks are not described: each head's slope follows its index among the config's heads.
+    Flag combinations whose stock forward reads norms it never built are refused."""
     c = model.config
     h = f"{p}h"
     two = c.new_decoder_architecture and c.num_ln_in_parallel_attn == 2
@@ -272,7 +276,7 @@ def falcon(model, p: str, head: str | None) -> Layout:
     if c.parallel_attn and not c.new_decoder_architecture and c.num_ln_in_parallel_attn == 2:
         raise SurgeryError("falcon with num_ln_in_parallel_attn=2 needs new_decoder_architecture: its stock forward "
                            "reads input_layernorm, which it never built")
-    norms, writers = [], []
+    norms, writers, attention, mlps = [], [], [], []
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
         qkv, fc = (f"{b}.self_attention.query_key_value",), (f"{b}.mlp.dense_h_to_4h",)
@@ -284,10 +288,27 @@ def falcon(model, p: str, head: str | None) -> Layout:
         else:
             norms.append(NormSite(f"{b}.input_layernorm", qkv + fc, "attn+mlp"))
         writers += [f"{b}.self_attention.dense", f"{b}.mlp.dense_4h_to_h"]
+        attention.append(_falcon_attention(model, f"{b}.self_attention"))
+        mlps.append(MlpSite(fc[0], f"{b}.mlp.dense_4h_to_h", f"{b}.mlp.act"))
+    undescribed = "alibi: each head's slope follows its index among the config's heads" if c.alibi else ""
     norms.append(NormSite(f"{p}ln_f", _readers(head), "final"))
     return Layout("falcon", "parallel" if c.parallel_attn else "pre", 0, c.hidden_size, h, f"{p}word_embeddings",
                   (f"{p}word_embeddings",), tuple(writers), tuple(norms), head, False,
-                  config_widths=(("intermediate", "ffn_hidden_size"),))
+                  attention=() if c.alibi else tuple(attention), mlps=() if c.alibi else tuple(mlps),
+                  config_widths=(("intermediate", "ffn_hidden_size"),), undescribed=undescribed)
+
+
+def _falcon_attention(model, path: str) -> AttentionSite:
+    """Falcon's fused ``query_key_value``: its order and kv heads from the flags and current shapes."""
+    attn = model.get_submodule(path)
+    hd = attn.head_dim
+    n = in_width(attn.dense) // hd
+    if attn.new_decoder_architecture:
+        kv, order = (attn.query_key_value.weight.shape[0] // hd - n) // 2, "groups"
+    else:
+        kv, order = (1, "blocks") if attn.multi_query else (n, "heads")
+    return AttentionSite(path, f"{path}.dense", hd, n, kv, qkv=f"{path}.query_key_value", qkv_order=order,
+                         count_attrs=(("num_heads", "heads"), ("num_kv_heads", "kv_heads")))
 
 
 def bert(model, p: str, head: str | None) -> Layout:

@@ -115,6 +115,10 @@ def qkv_rows(site: AttentionSite, part: str, heads) -> tuple[str, torch.Tensor]:
     if site.qkv_order == "blocks":
         start = (0, site.num_heads, site.num_heads + site.num_kv_heads)[p] * hd
         idx = [start + head_idx(h, hd) for h in heads]
+    elif site.qkv_order == "groups":  # per kv head: its G query heads, its k, its v
+        g = site.num_heads // site.num_kv_heads
+        idx = [((h // g) * (g + 2) + h % g if p == 0 else h * (g + 2) + g + p - 1) * hd + torch.arange(hd)
+               for h in heads]
     else:  # "heads": q, k, v of each head together
         idx = [h * 3 * hd + p * hd + torch.arange(hd) for h in heads]
     return site.qkv, torch.cat(idx)

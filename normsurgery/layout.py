@@ -50,7 +50,8 @@ class AttentionSite:
 
     Separate ``q``/``k``/``v`` or one fused ``qkv``: ``qkv_order`` "blocks" stacks all q rows
     (num_heads * head_dim), then all k, then all v (num_kv_heads * head_dim each: GPT-2, Phi-3);
-    "heads" stacks q, k, v per head (GPT-NeoX, num_kv_heads = num_heads). Query head h
+    "heads" stacks q, k, v per head (GPT-NeoX, num_kv_heads = num_heads); "groups" stacks, per kv
+    head, its query heads, then its k, then its v (Falcon's new decoder architecture). Query head h
     reads key/value head h // (num_heads // num_kv_heads). ``count_attrs`` are the module
     attributes its forward reads that follow the head counts, each with its quantity: "heads",
     "kv_heads", "groups" (query heads per kv head) or "width" (heads * head_dim).
@@ -67,7 +68,7 @@ class AttentionSite:
     k: str | None = None
     v: str | None = None
     qkv: str | None = None
-    qkv_order: str = "separate"  # "separate" | "blocks" | "heads"
+    qkv_order: str = "separate"  # "separate" | "blocks" | "heads" | "groups"
     count_attrs: tuple[tuple[str, str], ...] = ()
     head_params: tuple[tuple[str, str], ...] = ()
 

@@ -89,8 +89,7 @@ CAUSAL = [f for f in CONFIGS if f != "bert"]
 MOE = ["mixtral", "qwen2_moe"]  # mixtures of experts: checkpoints store one tensor per expert
 OUTPUT_NORMS = ["gemma2", "gemma3_text", "olmo2"]  # sub-block output norms: passes rewriting the stream refuse
 ROTATABLE = [f for f in CAUSAL if f not in OUTPUT_NORMS + MOE]
-UNDESCRIBED = ("falcon",)  # adapters not describing their attention and MLPs
-MINIMIZABLE = [f for f in ROTATABLE if f not in UNDESCRIBED]
+MINIMIZABLE = ROTATABLE
 LAYERNORM = ["gpt2", "gpt_neox", "opt", "phi", "starcoder2", "stablelm", "gptj", "cohere", "falcon"]
 
 

@@ -216,25 +216,42 @@ def test_cohere_one_bias_free_layernorm_feeds_both_branches_and_folds_exactly_wi
 FALCON = {"two norms": dict(new_decoder_architecture=True),
           "one norm": dict(new_decoder_architecture=True, num_ln_in_parallel_attn=1),
           "old parallel": dict(parallel_attn=True, alibi=True, multi_query=True),
-          "sequential": dict(parallel_attn=False)}
+          "sequential": dict(parallel_attn=False),
+          "sequential, a kv head per head": dict(parallel_attn=False, multi_query=False, num_kv_heads=4)}
 
 
 @pytest.mark.parametrize("variant", FALCON)
 def test_falcon_blocks_one_or_two_norms_parallel_or_not_fold_exactly(variant):
     torch.manual_seed(0)
-    config = T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, bias=True,
-                            vocab_size=VOCAB, **FALCON[variant])
+    config = T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, bias=True, vocab_size=VOCAB,
+                            **{"num_kv_heads": 2, **FALCON[variant]})
     model = T.FalconForCausalLM(config).to(torch.float64).eval()
     make_realistic(model, 0)
     lay = layout(model)
     roles = [s.role for s in lay.norms if ".h.0." in s.path]
-    assert roles == {"two norms": ["attn", "mlp"], "sequential": ["attn", "mlp"]}.get(variant, ["attn+mlp"])
-    assert lay.placement == ("pre" if variant == "sequential" else "parallel")
+    assert roles == (["attn+mlp"] if "parallel" in variant or "one norm" in variant else ["attn", "mlp"])
+    assert lay.placement == ("pre" if variant.startswith("sequential") else "parallel")
     for passes in ([("pre-rmsnorm", {})], [("flashnorm", {})], [("pre-rmsnorm", {"fold": True}), ("flashnorm", {})]):
         new = copy.deepcopy(model)
         ns.apply_passes(new, passes)
         assert rel(model, new, token_ids()) <= 1e-10, passes
-    assert "does not describe its attention and MLP blocks" in registry.get("minimize").applies(model, lay)
+    if variant == "old parallel":  # alibi
+        assert "alibi: each head's slope" in registry.get("minimize").applies(model, lay)
+        return
+    site = lay.attention[0]
+    orders = {"sequential": ("blocks", 4, 1), "sequential, a kv head per head": ("heads", 4, 4)}
+    assert (site.qkv_order, site.num_heads, site.num_kv_heads) == orders.get(variant, ("groups", 4, 2))
+    with torch.no_grad():  # layer 0 loses kv head 0 with its query heads 0 and 1, layer 1 query head 3
+        model.transformer.h[0].self_attention.dense.weight[:, :16] = 0
+        model.transformer.h[1].self_attention.dense.weight[:, 24:] = 0
+        model.transformer.h[1].mlp.dense_4h_to_h.weight[:, :20] = 0
+    new = copy.deepcopy(model)
+    ns.apply_passes(new, [("minimize", {})])
+    assert rel(model, new, token_ids()) <= 1e-10
+    heads = [(a.num_heads, a.num_kv_heads) for a in layout(new).attention]
+    assert heads == {"sequential": [(2, 1), (3, 1)], "sequential, a kv head per head": [(2, 2), (3, 3)]}.get(
+        variant, [(2, 1), (4, 2)])
+    assert new.transformer.h[0].self_attention.num_heads == 2
 
 
 @pytest.mark.parametrize("flags", [dict(new_decoder_architecture=True, parallel_attn=False),

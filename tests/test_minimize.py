@@ -75,7 +75,7 @@ def test_minimized_equals_masked_float64(family):
     if lay.shared_head_counts:  # Phi-3: the config's head count is every block's, the most any must keep
         assert [a.num_heads for a in lay.attention] == [4, 4, 4] and new.config.num_attention_heads == 4
     else:
-        assert [a.num_heads for a in lay.attention] == ([2, 4, 4] if family in GQA + ["mistral", "qwen3"]
+        assert [a.num_heads for a in lay.attention] == ([2, 4, 4] if family in GQA + ["mistral", "qwen3", "falcon"]
                                                         else [2, 3, 3])
     assert all(model.get_submodule(m.down).weight.numel() > new.get_submodule(m.down).weight.numel()
                for m in lay.mlps)
@@ -296,19 +296,21 @@ def test_saved_outputs_load_both_ways(tmp_path):
 
 
 VARIANTS = {"gptj": ("gptj", {}), "stablelm sequential": ("stablelm", dict(use_parallel_residual=False)),
-            "cohere qk norm": ("cohere", dict(use_qk_norm=True))}
+            "cohere qk norm": ("cohere", dict(use_qk_norm=True)), "falcon": ("falcon", {})}
 
 
 def test_per_layer_head_counts_of_attentions_reading_their_own_save_and_load_both_ways(tmp_path):
-    """GPT-J and StableLM read head counts off the attention module (not the config), Cohere's QK
-    norm gains have one row per head: a minimized model saves, and loads with the counts restored,
-    in this process and in a clean one."""
+    """GPT-J, StableLM and Falcon read head counts off the attention module (not the config),
+    Cohere's QK norm gains have one row per head: a minimized model generates as the masked one
+    (KV cache), saves, and loads with the counts restored, in this process and in a clean one."""
     ids = token_ids()
     outs = {}
     for name, (family, config) in VARIANTS.items():
         model = masked(family, **config)
         new, _ = minimized(model)
         assert rel(model, new) <= 1e-10, name
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(token_ids(1, 6), **kw), new.generate(token_ids(1, 6), **kw)), name
         lay = layout(new)
         assert [a.num_heads for a in lay.attention] == ([2, 3, 3] if family == "gptj" else [2, 4, 4]), name
         out = tmp_path / family
@@ -320,7 +322,7 @@ def test_per_layer_head_counts_of_attentions_reading_their_own_save_and_load_bot
         if family == "cohere":
             assert first.q_norm.weight.shape == (2, 8) and first.k_norm.weight.shape == (1, 8)
         else:
-            assert (first.num_attention_heads if family == "gptj" else first.num_heads) == 2
+            assert getattr(first, "num_attention_heads" if family == "gptj" else "num_heads") == 2
         outs[name] = (new, out)
     remote = remote_logits([o for _, o in outs.values()], ids, tmp_path)
     gptj = outs["gptj"][0].transformer.rotary_emb  # a loader builds GPT-J's rotary table in float32
