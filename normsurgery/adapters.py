@@ -170,17 +170,16 @@ def stablelm(model, p: str, head: str | None) -> Layout:
     """StableLM: Llama's shape with LayerNorms; with ``use_parallel_residual`` one norm feeds the
     attention and the MLP, x += attn(n(x)) + mlp(n(x)) (placement "parallel"). Its attention reads
     its own head counts, and its head_dim is hidden_size // num_attention_heads (so head counts
-    stay out of the config). With ``qk_layernorm`` each head has its own LayerNorm module: blocks
-    not described (passes that need them refuse)."""
+    stay out of the config). With ``qk_layernorm`` each head has its own LayerNorm module, in a
+    list that follows the heads."""
     c = model.config
     lay = _parallel(model, p, head) if c.use_parallel_residual else llama_like(model, p, head)
-    if c.qk_layernorm:
-        return dataclasses.replace(lay, attention=(), mlps=(), undescribed=(
-            "qk_layernorm keeps one LayerNorm module per head, and a checkpoint with fewer heads cannot "
-            "record a shorter list of them"))
     counts = (("num_heads", "heads"), ("num_key_value_heads", "kv_heads"), ("num_key_value_groups", "groups"))
-    return dataclasses.replace(lay, attention=tuple(dataclasses.replace(a, count_attrs=counts) for a in lay.attention),
-                               config_widths=(("intermediate", "intermediate_size"),))
+    norms = (("q_layernorm.norms", "q"), ("k_layernorm.norms", "k")) if c.qk_layernorm else ()
+    attention = tuple(dataclasses.replace(a, count_attrs=counts, per_head=tuple((f"{a.path}.{n}", part)
+                                                                                for n, part in norms))
+                      for a in lay.attention)
+    return dataclasses.replace(lay, attention=attention, config_widths=(("intermediate", "intermediate_size"),))
 
 
 def cohere(model, p: str, head: str | None) -> Layout:
@@ -192,7 +191,7 @@ def cohere(model, p: str, head: str | None) -> Layout:
     if not model.config.use_qk_norm:
         return lay
     return dataclasses.replace(lay, attention=tuple(dataclasses.replace(
-        a, head_params=((f"{a.path}.q_norm.weight", "q"), (f"{a.path}.k_norm.weight", "k"))) for a in lay.attention))
+        a, per_head=((f"{a.path}.q_norm.weight", "q"), (f"{a.path}.k_norm.weight", "k"))) for a in lay.attention))
 
 
 def _parallel(model, p: str, head: str | None) -> Layout:

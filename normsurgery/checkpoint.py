@@ -510,7 +510,8 @@ def structure_records(model) -> list[dict]:
     """What differs from the stock architecture built from the same config.
 
     Runtime modules are recorded by class and constructor kwargs; stock modules with other
-    parameter shapes by their new shapes; any module's ``_normsurgery_attrs`` as attributes.
+    parameter shapes by their new shapes; a module list shorter than the stock one (per-head
+    modules of fewer heads) by its length; any module's ``_normsurgery_attrs`` as attributes.
     """
     cfg = copy.deepcopy(model.config)
     cfg.normsurgery = None
@@ -529,6 +530,9 @@ def structure_records(model) -> list[dict]:
             theirs = {} if ref is None else {k: tuple(p.shape) for k, p in ref.named_parameters(recurse=False)}
             if ref is None and own:
                 raise SurgeryError(f"cannot record {name}: the stock architecture has no such module")
+            if isinstance(mod, nn.ModuleList) and ref is not None and len(ref) > len(mod):
+                rec["length"] = len(mod)
+                rec["stock_equivalent"] = False
             if own != theirs:
                 rec["params"] = {k: list(own[k]) if k in own else None for k in {*own, *theirs}}
                 rec["stock_equivalent"] = False

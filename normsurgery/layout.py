@@ -55,8 +55,9 @@ class AttentionSite:
     reads key/value head h // (num_heads // num_kv_heads). ``count_attrs`` are the module
     attributes its forward reads that follow the head counts, each with its quantity: "heads",
     "kv_heads", "groups" (query heads per kv head) or "width" (heads * head_dim).
-    ``head_params`` are parameters whose first axis indexes heads, each with its part ("q": query
-    heads, "k": kv heads): per-head QK norm gains (Cohere's [heads, head_dim]).
+    ``per_head`` are parameters whose first axis indexes heads, or module lists with one module per
+    head, each with its part ("q": query heads, "k": kv heads): per-head QK norms (Cohere's
+    [heads, head_dim] gains, StableLM's LayerNorm per head).
     """
 
     path: str
@@ -70,7 +71,7 @@ class AttentionSite:
     qkv: str | None = None
     qkv_order: str = "separate"  # "separate" | "blocks" | "heads" | "groups"
     count_attrs: tuple[tuple[str, str], ...] = ()
-    head_params: tuple[tuple[str, str], ...] = ()
+    per_head: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,8 @@ def resize(module, params):
 
 def apply_structure(model, records):
     """Rebuild recorded modules: {path, class, kwargs} replaces one with a runtime module,
-    {path, params} resizes its parameters in place, {path, attrs} sets attributes."""
+    {path, params} resizes its parameters in place, {path, length} cuts a module list to its first
+    entries, {path, attrs} sets attributes."""
     for rec in records:
         if "class" in rec:
             ref = next(model.get_submodule(rec["path"]).parameters(), None)
@@ -204,6 +205,8 @@ def apply_structure(model, records):
                 new = new.to(device=ref.device, dtype=ref.dtype)
             new.stock_equivalent = bool(rec.get("stock_equivalent"))
             model.set_submodule(rec["path"], new)
+        if "length" in rec:
+            del model.get_submodule(rec["path"])[rec["length"]:]
         if "params" in rec:
             resize(model.get_submodule(rec["path"]), rec["params"])
         if rec.get("attrs"):

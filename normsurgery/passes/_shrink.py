@@ -102,12 +102,13 @@ def attention(model, site: AttentionSite, plan: tuple[list[int], list[int]]) -> 
         rows = torch.cat([analysis.qkv_rows(site, part, heads)[1] for part, heads in parts.items()]).sort().values
         keep_outputs(model.get_submodule(site.qkv), rows)
     keep_inputs(o, torch.cat([analysis.head_idx(h, site.head_dim) for h in kept]))
-    for path, part in site.head_params:
+    for path, part in site.per_head:
         owner, _, name = path.rpartition(".")
         mod = model.get_submodule(owner)
-        p = getattr(mod, name)
-        setattr(mod, name, nn.Parameter(p.detach()[torch.tensor(parts[part], device=p.device)].clone(),
-                                        requires_grad=p.requires_grad))
+        old = getattr(mod, name)
+        setattr(mod, name, nn.ModuleList(old[h] for h in parts[part]) if isinstance(old, nn.ModuleList)
+                else nn.Parameter(old.detach()[torch.tensor(parts[part], device=old.device)].clone(),
+                                  requires_grad=old.requires_grad))
     counts = {"heads": len(kept), "kv_heads": len(kept_kv), "groups": len(kept) // len(kept_kv),
               "width": len(kept) * site.head_dim}
     attn = model.get_submodule(site.path)
