@@ -280,7 +280,7 @@ def test_saved_outputs_load_both_ways(tmp_path):
     outs = {}
     for family in ["gpt2", "llama", "qwen2"]:
         new, _ = minimized(masked(family))
-        out = tmp_path / name.replace(" ", "-")
+        out = tmp_path / family
         saved = ns.save(new, out)
         assert "modeling_normsurgery.py" in saved["files"] and not saved["plain_transformers"]
         back = ns.load(out, torch.float64)
