@@ -157,10 +157,11 @@ def test_grouped_kv_heads(family, dead, expect):
     assert torch.equal(model.generate(ids, **kw), new.generate(ids, **kw))  # with the KV cache
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen2", "falcon"])
 def test_value_dead_heads(family):
     """v rows zero: the head outputs the constant value bias, folded into the output bias where
-    there is one (GPT-2, GPT-NeoX); without one (Qwen2) the head must stay."""
+    there is one (GPT-2, GPT-NeoX, Falcon: both query heads of its kv head 0 go); without one
+    (Qwen2) the head must stay."""
     model = tiny_model(family)
     faithful_norms(model)
     site = layout(model).attention[1]
@@ -168,11 +169,13 @@ def test_value_dead_heads(family):
         zero(model, site.v, rows=head_cols(site, [0]), bias=False)
     elif site.qkv_order == "blocks":
         zero(model, site.qkv, rows=2 * 32 + head_cols(site, [1]), bias=False)
+    elif site.qkv_order == "groups":  # kv head 0's rows: q 0-15 (two heads), k 16-23, v 24-31
+        zero(model, site.qkv, rows=torch.arange(24, 32), bias=False)
     else:  # head 0's rows: q 0-7, k 8-15, v 16-23
         zero(model, site.qkv, rows=torch.arange(16, 24), bias=False)
     new, _ = minimized(model)
     assert rel(model, new) <= 1e-10
-    assert layout(new).attention[1].num_heads == (4 if family == "qwen2" else 3)
+    assert layout(new).attention[1].num_heads == {"qwen2": 4, "falcon": 2}.get(family, 3)
 
 
 def test_mlp_units_with_zero_inputs():
