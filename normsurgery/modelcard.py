@@ -35,7 +35,8 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
     import torch
     import transformers
 
-    passes = [p["name"] for p in record.get("passes") or []] + [k for k in ("prune", "heal") if k in record]
+    passes = [p["name"] for p in record.get("passes") or []] + [k for k in ("prune", "heal", "squeeze")
+                                                                  if k in record]
     tags = ["normsurgery", config.model_type, *dict.fromkeys(passes)]
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     lines = ["---", f"base_model: {record.get('source', '?')}", "library_name: normsurgery", "tags:",
@@ -104,8 +105,19 @@ def _done(record: dict) -> list[str]:
                     f"scored on {pr.get('text_tokens', 0)} tokens)")
     if "heal" in record:
         h = record["heal"]
-        rows.append(f"- **heal**: LoRA rank {h.get('rank')}, {h.get('steps')} steps, {h.get('tokens')} tokens, "
-                    f"merged")
+        what = {"norms": "the norms' gains and biases", "full": "every parameter"}.get(
+            h.get("train"), f"LoRA rank {h.get('rank')}, merged")
+        rows.append(f"- **heal**: {what}, {h.get('steps')} steps, {h.get('tokens')} tokens")
+    if "squeeze" in record:
+        sq = record["squeeze"]
+        o, opts, cycles = sq["original"], sq["options"], sq["cycles"]
+        rows.append(f"- **squeeze**: {len(cycles)} cycles of mask -> minimize -> release -> retrain "
+                    f"({opts.get('train')}, {opts.get('steps_per_cycle')} steps each; masks of "
+                    f"{', '.join(opts.get('structure') or ())} by {opts.get('by')}): {o['params']:,} -> "
+                    f"{cycles[-1]['params']:,} parameters ({cycles[-1]['params'] / o['params']:.1%})")
+        rows += [f"  - cycle {c['cycle']}: masked {c['fraction']:.3f} of each structure ({c['heads_fraction']:.3f} "
+                 f"of the KV-head groups), {c['params']:,} parameters; minimize's relative error "
+                 f"{c['minimize_relative']:.2e}; {c['released']:,} zeros released" for c in cycles]
     if record.get("streaming"):
         rows.append("- rewritten one block at a time (streaming)")
     if record.get("kept_float32"):
@@ -146,6 +158,8 @@ def _trained(record: dict) -> list[str]:
     h = record.get("heal")
     if h and h.get("ce_before") is not None:
         rows.append(f"| heal | {h['ce_before']:.4f} | {h['ce_after']:.4f} | {h['tokens']} |")
+    for c in (record.get("squeeze") or {}).get("cycles") or []:
+        rows.append(f"| squeeze cycle {c['cycle']} | {c['ce_released']:.4f} | {c['ce_after']:.4f} | {c['tokens']} |")
     return rows
 
 

@@ -174,6 +174,9 @@ def test_squeeze_command(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == data["cycles"][-1]["params"]
     record = json.loads((out / "config.json").read_text())["normsurgery"]["squeeze"]
     assert len(record["cycles"]) == 2 and record["options"]["cycles"] == 2
+    card = (out / "README.md").read_text()
+    assert "- squeeze" in card and "**squeeze**: 2 cycles" in card and "no pass" not in card
+    assert f"| squeeze cycle 2 | {data['cycles'][1]['ce_released']:.4f} | {data['cycles'][1]['ce_after']:.4f} |" in card
     r = runner.invoke(app, ["squeeze", DEMO, str(tmp_path / "bytes"), "--text", SAMPLE, "--target-bytes", "5000000",
                             "--cycles", "1", "--steps-per-cycle", "1", "--batch-size", "2", "--seq-len", "16",
                             "--eval-samples", "2", "--json"], env={"COLUMNS": "80"})
