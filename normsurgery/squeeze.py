@@ -46,7 +46,7 @@ from .families import layout
 from .heal import PRECISIONS, HealOptions, heal_data, heal_model, require_lm
 from .output import check_output
 from .parity import probe_ids
-from .pipeline import Work, save
+from .pipeline import Work, check_applies, save
 from .passes.mask import CALIBRATION
 from .progress import Progress, no_progress
 from .registry import PassContext
@@ -219,6 +219,10 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
     model): training windows from ``train_ids``, held-out CE on ``held``; ``storage_bytes`` per
     parameter in the output. ``state``: the folder of the kept state (None: nothing kept)."""
     opts.check()
+    try:
+        check_applies(model, "minimize")  # every cycle minimizes: refuse now, with the pass's reason
+    except SurgeryError as e:
+        raise SurgeryError(f"squeeze: {e}") from None
     t0 = time.perf_counter()
     heal = opts.heal_options()
     heal.seq_len = held.shape[1]

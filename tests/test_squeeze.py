@@ -132,6 +132,17 @@ def test_an_unreachable_goal_is_refused_with_the_reason():
         squeeze_model(model, token_ids(1, 500)[0], token_ids(2, 16), opts, storage_bytes=4)
 
 
+@pytest.mark.parametrize("family, reason", [("mixtral", "mixture of experts"), ("gemma2", "sandwich norms"),
+                                             ("bert", "Post-LN")])
+def test_a_family_minimize_refuses_is_refused_before_any_work(family, reason):
+    opts = SqueezeOptions(cycles=1, steps_per_cycle=1, **SMALL)
+    calls = []
+    with pytest.raises(ns.SurgeryError, match=f"squeeze: pass minimize does not apply.*{reason}"):
+        squeeze_model(tiny_model(family, torch.float32), token_ids(1, 500)[0], token_ids(2, 16), opts,
+                      storage_bytes=4, progress=lambda *a: calls.append(a))
+    assert calls == []  # nothing was measured or masked first
+
+
 def _interrupt_at(note_part):
     def progress(stage, done, total, note=""):
         if note_part in note:
