@@ -20,21 +20,6 @@ def bundled_text(name: str = "sample.txt") -> str:
     return bundled_path(name).read_text()
 
 
-def read_text(path) -> str:
-    """The text of ``path``: a missing, empty or binary file (a NUL byte, or over 1% of it not
-    UTF-8) is a SurgeryError."""
-    path = Path(path)
-    if not path.is_file():
-        raise SurgeryError(f"no text file at {path}")
-    data = path.read_bytes()
-    text = data.decode("utf-8", errors="replace")
-    if b"\0" in data or text.count("\ufffd") > 0.01 * len(text):
-        raise SurgeryError(f"{path} is not a text file (binary or not UTF-8): give plain text")
-    if not text.strip():
-        raise SurgeryError(f"text file {path} is empty")
-    return text
-
-
 def tokenize(tokenizer, text: str) -> torch.Tensor:
     """The 1-D token ids of ``text`` (no special tokens added)."""
     if tokenizer is None:

@@ -193,10 +193,13 @@ def test_help_version_passes_and_usage_errors_load_neither_torch_nor_transformer
             "for args in (['--help'], ['-h'], ['--version'], ['convert', '-h'], ['verify', 'a', 'b', '--samples', '0'],\n"
             "             ['passes'], ['passes', '--json'], ['convert', 'a', 'b', '--pass', 'FlashNorm'],\n"
             "             ['convert', 'a', 'b', '--pass', 'minimize:sparsity=x'],\n"
-            "             ['convert', 'a', 'b', '--pass', 'minimize:sparsity=2']):\n"
+            "             ['convert', 'a', 'b', '--pass', 'minimize:sparsity=2'],\n"
+            "             ['squeeze', 'a', 'b', '--text', 'x', '--structure', 'layers']):\n"
             "    r = CliRunner().invoke(app, args)\n"
-            "    usage = 'verify' in args or 'convert' in args and '-h' not in args\n"
+            "    usage = 'verify' in args or 'convert' in args and '-h' not in args or 'squeeze' in args\n"
             "    assert r.exit_code == (2 if usage else 0), (args, r.output)\n"
+            "from normsurgery.cli.app import read_text\n"
+            "assert read_text('normsurgery/data/sample.txt')  # --text is read before the lock and torch\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -184,7 +184,7 @@ def read_text(path) -> str | None:
     """The text of a --text style option (None: not given): missing, empty or binary files refused."""
     if path is None:
         return None
-    from ..calibration import read_text as read
+    from ..texts import read_text as read
 
     return read(path)
 

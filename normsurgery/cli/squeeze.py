@@ -16,7 +16,7 @@ TRAIN = ("full", "norms", "lora")
 BY = ("activation", "magnitude")  # masks.CRITERIA
 
 
-@command
+@command(preload=False)
 def squeeze(
     src: str = typer.Argument(..., metavar="IN", help="input checkpoint: a folder or a cached hub id"),
     out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
