@@ -12,7 +12,6 @@ Usage: python benchmarks/bench_heal_modes.py [--steps S] [--lr X] [--lr-norms X]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -21,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_json  # noqa: E402
 
 LLAMA = ROOT / "normsurgery/demo/llama-tiny"
 TEXT, HELD = ROOT / "normsurgery/data/sample.txt", ROOT / "normsurgery/data/heldout.txt"
@@ -64,8 +65,7 @@ def main() -> None:
               f"{100 * r['recovered']:>9.0f}%{r['trainable_parameters']:>11}"
               f"{r['trainable_parameters'] / base['trainable_parameters']:>8.3f}{r['seconds']:>9.1f}")
     if args.json:
-        out = json.dumps({"load": load, "rows": rows}, indent=1)
-        print(out) if args.json == "-" else Path(args.json).write_text(out)
+        write_json(args.json, {"load": load, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_json  # noqa: E402
 
 import torch  # noqa: E402
 from timing import forward_ms  # noqa: E402
@@ -118,8 +119,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"FAILED: {', '.join(r['variant'] for r in bad)} out of float32 tolerance 1e-5")
     if args.json:
-        text = json.dumps(rows, indent=1)
-        print(text) if args.json == "-" else Path(args.json).write_text(text)
+        write_json(args.json, rows)
     return 1 if bad else 0
 
 

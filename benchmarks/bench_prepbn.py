@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_json  # noqa: E402
 
 import torch  # noqa: E402
 from timing import forward_ms  # noqa: E402
@@ -78,8 +79,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['model']:<12} {r['variant']:<10} {r['params']:>10,} {r['forward_ms']:>11.2f} {r['ratio']:>7.3f}")
     if args.json:
-        text = json.dumps(rows, indent=2)
-        print(text) if args.json == "-" else Path(args.json).write_text(text)
+        write_json(args.json, rows)
     return 0
 
 

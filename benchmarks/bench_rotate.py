@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
 import sys
 import time
@@ -38,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -162,8 +163,7 @@ def main(argv=None) -> int:
         results.append(measure(name, path, args.samples, args.seq_len, args.seeds))
         show(results[-1])
     if args.json:
-        text = json.dumps(results, indent=1)
-        print(text) if args.json == "-" else Path(args.json).write_text(text)
+        write_json(args.json, results)
     return 0
 
 

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import write_json  # noqa: E402
+
 SAMPLE, HELD = ROOT / "normsurgery/data/sample.txt", ROOT / "normsurgery/data/heldout.txt"
 SHAKESPEARE = ROOT.parent / "shared/data/tinyshakespeare.txt"
 
@@ -97,8 +99,7 @@ def main() -> None:
         print(f"{r['model']:<11}{r['target']:>7.2f}{r['how']:>10}{r['params']:>10,}{r['ce_original']:>9.3f}"
               f"{r['ce']:>8.3f}{r['ce'] - r['ce_original']:>+9.3f}{r['tokens']:>9,}{r['seconds']:>9.1f}")
     if args.json:
-        out = json.dumps({"load": load, "text": text_name, "options": common, "rows": rows}, indent=1)
-        print(out) if args.json == "-" else Path(args.json).write_text(out)
+        write_json(args.json, {"load": load, "text": text_name, "options": common, "rows": rows})
 
 
 if __name__ == "__main__":

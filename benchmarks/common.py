@@ -110,3 +110,9 @@ def machine(threads: int) -> dict:
                 if ln.startswith("MemTotal")), 0)
     return {"cpu": cpu, "cpus": os.cpu_count(), "threads": threads, "ram_mb": mem,
             "loadavg_start": os.getloadavg()[0]}
+
+
+def write_json(dest: str, data) -> None:
+    """A benchmark's ``--json DEST``: ``data`` as JSON into the file DEST, or on stdout for "-"."""
+    text = json.dumps(data, indent=1)
+    print(text) if dest == "-" else Path(dest).write_text(text)

@@ -72,9 +72,9 @@ def channel_scores(model, layout: Layout) -> torch.Tensor:
     return score
 
 
-def prune_channels(model, layout: Layout, k: int, by: str = "magnitude") -> torch.Tensor:
-    """Keep vector over the residual channels without the ``k`` least-written ones."""
-    check_criterion(by)
+def prune_channels(model, layout: Layout, k: int) -> torch.Tensor:
+    """Keep vector over the residual channels without the ``k`` least-written ones (whatever the
+    criterion of the units and heads: a channel scores by the energy written into it)."""
     d = layout.stream_width
     if not 0 <= k < d:
         raise SurgeryError(f"prune_channels must be in [0, {d}), got {k}")

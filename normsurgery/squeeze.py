@@ -31,7 +31,7 @@ import copy
 import hashlib
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -54,6 +54,7 @@ from .training import STATE_FILE, heldout_ce, is_main_process, make_accelerator
 
 STRUCTURES = ("units", "heads", "channels")
 STATE = "squeeze.pt"
+TRAIN_STATE = "train"  # the folder of a cycle's training state, inside the squeeze state
 #: the largest fraction of its structure one cycle may mask
 MOST = 0.95
 
@@ -134,11 +135,10 @@ class SqueezeResult:
     seconds: float
     saved: dict | None = None
     resumed_at: int | None = None  # the cycle a resumed run started in
-    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"original": self.original, "cycles": [asdict(c) for c in self.cycles], "options": self.options,
-                "seconds": self.seconds, "saved": self.saved, "resumed_at": self.resumed_at, "notes": self.notes}
+                "seconds": self.seconds, "saved": self.saved, "resumed_at": self.resumed_at}
 
 
 def mask_options(model, fraction: float, opts: SqueezeOptions, heads: float | None = None) -> dict:
@@ -233,9 +233,10 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
     if not 0 < t < 1:
         raise SurgeryError(f"--target-bytes {opts.target_bytes:,} is not below the model's {original['bytes']:,} bytes")
     cycles, first, resumed = [], 1, None
-    kept = None if state is None else state / STATE
+    kept, train_state = (None, None) if state is None else (state / STATE, state / TRAIN_STATE)
+    mid_cycle = train_state is not None and (train_state / STATE_FILE).is_file()  # a cycle's training was cut
     if resume:
-        if kept is None or not (kept.is_file() or (state / "train" / STATE_FILE).is_file()):
+        if kept is None or not (kept.is_file() or mid_cycle):
             raise SurgeryError(f"nothing to resume: no squeeze state in {state}")
         if kept.is_file():
             saved = torch.load(kept, map_location="cpu", weights_only=False)
@@ -263,12 +264,11 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
         def step(done, total, loss, c=c):
             progress("squeeze", c - 1, opts.cycles, f"cycle {c}: retraining, step {done}/{total}, loss {loss:.4f}")
 
-        train_state = None if state is None else state / "train"
         model, report = heal_model(
             model, train_ids, held, steps=heal.steps, seq_len=heal.seq_len, batch_size=heal.batch_size,
             lr=heal.lr, mask_token_id=mask_token_id, seed=opts.seed + c, accelerator=accelerator,
             train_mode=heal.train, progress=step, save_every=opts.save_every if state is not None else 0,
-            state_dir=train_state, resume=resume and c == first and (state / "train" / STATE_FILE).is_file())
+            state_dir=train_state, resume=resume and c == first and mid_cycle)
         params = parameters(model)
         cycles.append(Cycle(c, fraction, heads, params, params * storage_bytes, check.relative, check.tolerance,
                             released, ce_masked, report.ce_before, report.ce_after, report.tokens, report.seconds))
@@ -285,7 +285,7 @@ def _keep(state: Path, data: dict) -> None:
     tmp = state / f".{STATE}.tmp"
     torch.save(data, tmp)
     tmp.replace(state / STATE)
-    shutil.rmtree(state / "train", ignore_errors=True)
+    shutil.rmtree(state / TRAIN_STATE, ignore_errors=True)
 
 
 def squeeze(src, out, text: str, *, eval_text: str | None = None, options: SqueezeOptions | dict | None = None,

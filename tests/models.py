@@ -135,3 +135,22 @@ def rel(a, b, ids=None) -> float:
     """max |logits_a - logits_b| / max |logits_a| on ``ids`` (default: ``token_ids()``)."""
     ids = token_ids() if ids is None else ids
     return compare(outputs(a, ids), outputs(b, ids)).relative
+
+
+def torchrun_cli(*args: str, processes: int = 2, timeout: int = 300):
+    """``normsurgery ARGS`` under torchrun with ``processes`` CPU processes on a free port (other
+    runs may hold the default one), one torch thread each, from the repository root."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", port,
+           "-m", "normsurgery", *map(str, args)]
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)

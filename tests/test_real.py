@@ -26,8 +26,9 @@ def run(*args):
 @pytest.fixture(scope="module")
 def real() -> Path:
     path = os.environ.get("NORMSURGERY_REAL_MODEL")
-    if not path:
-        pytest.skip("NORMSURGERY_REAL_MODEL names no folder (make test-real fetches SmolLM2-135M and sets it)")
+    if not path or not (Path(path) / "model.safetensors").is_file():  # selected on purpose (-m real): fail
+        pytest.fail(f"NORMSURGERY_REAL_MODEL={path!r} names no checkpoint folder (make test-real fetches "
+                    "SmolLM2-135M and sets it)")
     return Path(path)
 
 

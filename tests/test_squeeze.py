@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +21,7 @@ from normsurgery.families import layout
 from normsurgery.norms import faithful_norms
 from normsurgery.squeeze import SqueezeOptions, release, squeeze_model
 
-from models import rel, tiny_model, token_ids
+from models import rel, tiny_model, token_ids, torchrun_cli
 
 DEMO = "normsurgery/demo/llama-tiny"
 SAMPLE, HELD = "normsurgery/data/sample.txt", "normsurgery/data/heldout.txt"
@@ -242,15 +237,8 @@ def test_activation_scores_need_text_and_beat_magnitude_on_the_demo(tmp_path):
 def test_two_cpu_processes_squeeze_once(tmp_path):
     """torchrun with two processes: the cycles' training shares the batches, one output, no state left."""
     out = tmp_path / "out"
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with socket.socket() as sock:  # a free port: other runs may hold the default one
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           "-m", "normsurgery", "squeeze", DEMO, str(out), "--text", SAMPLE, "--target", "0.6", "--cycles", "2",
-           "--steps-per-cycle", "2", "--seq-len", "16", "--batch-size", "2", "--eval-samples", "2", "--json"]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    r = torchrun_cli("squeeze", DEMO, out, "--text", SAMPLE, "--target", "0.6", "--cycles", "2",
+                     "--steps-per-cycle", "2", "--seq-len", "16", "--batch-size", "2", "--eval-samples", "2", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)  # one JSON document: only the main process printed
     assert [c["tokens"] for c in report["cycles"]] == [2 * 2 * 2 * 16] * 2

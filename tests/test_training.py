@@ -1,11 +1,6 @@
 """The one fine-tuning loop: schedule, resume, several processes."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +8,8 @@ import torch
 from normsurgery.errors import SurgeryError
 from normsurgery.training import TrainConfig, heldout_ce, train
 
-from models import tiny_model, token_ids
+from models import tiny_model, token_ids, torchrun_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 LLAMA = "normsurgery/demo/llama-tiny"
 SAMPLE = "normsurgery/data/sample.txt"
 
@@ -74,14 +68,8 @@ def test_on_step_metrics_and_params_subset():
 def test_two_cpu_processes_form_one_group_and_write_once(tmp_path):
     """torchrun with two processes: one gloo group, half the batches each, one output."""
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    with socket.socket() as sock:  # a free port: other runs may hold the default one
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           "-m", "normsurgery", "heal", LLAMA, str(out), "--text", SAMPLE, "--steps", "2", "--seq-len", "32",
-           "--batch-size", "2", "--eval-samples", "2", "--json"]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    r = torchrun_cli("heal", LLAMA, out, "--text", SAMPLE, "--steps", "2", "--seq-len", "32", "--batch-size", "2",
+                     "--eval-samples", "2", "--json", timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)  # one JSON document: only the main process printed
     assert report["heal"]["processes"] == 2 and report["heal"]["tokens"] == 2 * 2 * 2 * 32

@@ -60,20 +60,24 @@ def make_mask(model, layout: Layout, options: dict,
         notes.append(f"mask {options['mask']}: {len(params)} parameters"
                      + ("" if channels is None else f", {int((channels == 0).sum())} channels"))
     if options["sparsity"]:
-        for name, keep in masks.magnitude(model, layout, options["sparsity"]).items():
-            params[name] = keep & params[name].bool() if name in params else keep
-        notes.append(f"{options['by']} sparsity {options['sparsity']:g} in every linear inside the blocks")
+        _combine(params, masks.magnitude(model, layout, options["sparsity"]))
+        notes.append(f"magnitude sparsity {options['sparsity']:g} in every linear inside the blocks")
     for key, prune, what in (("prune_units", masks.prune_units, "MLP units"),
                              ("prune_heads", masks.prune_heads, "KV heads (with their query heads)")):
         if options[key]:
-            for name, keep in prune(model, layout, options[key], rms).items():
-                params[name] = keep & params[name].bool() if name in params else keep
+            _combine(params, prune(model, layout, options[key], rms))
             notes.append(f"zeroed the {options[key]:g} lowest-scoring {what} in every layer (by {options['by']})")
     if options["prune_channels"]:
-        keep = masks.prune_channels(model, layout, options["prune_channels"], options["by"])
+        keep = masks.prune_channels(model, layout, options["prune_channels"])
         channels = keep if channels is None else keep & channels.bool()
         notes.append(f"pruned the {options['prune_channels']} least-written residual channels")
     return params, channels, notes
+
+
+def _combine(params: dict, new: dict) -> None:
+    """Add the parameter masks ``new`` to ``params``: an entry stays only if both keep it."""
+    for name, keep in new.items():
+        params[name] = keep & params[name].bool() if name in params else keep
 
 
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
