@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE = 1
 export HF_HUB_DISABLE_PROGRESS_BARS = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-real fuzz bench clean
+.PHONY: install demo test test-real test-gpu fuzz bench bench-gpu clean
 
 $(PY):
 	python3 -m venv .venv
@@ -37,6 +37,16 @@ fuzz: install
 
 bench: install
 	$(PY) benchmarks/run.py
+
+# On a GPU machine (no internet there: its python already has torch with CUDA, transformers,
+# accelerate, peft and pytest): the suite with the GPU visible (the tests marked gpu run; without a
+# GPU they skip, saying why), then one benchmark under 6 minutes. GPU_PY: that python.
+GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+test-gpu:
+	$(GPU_PY) -m pytest tests -q -rs -p no:cacheprovider
+
+bench-gpu:
+	$(GPU_PY) benchmarks/bench_gpu.py
 
 clean:
 	rm -rf demo-out bench-out .pytest_cache

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import algebra
+from . import algebra, devices
 from .families import layout
 from .layout import AttentionSite, Layout, MlpSite
 
@@ -248,22 +248,14 @@ def residual_capture(model):
             h.remove()
 
 
-def device_of(model) -> torch.device:
-    """Where the model computes: its first parameter's device, or (a streamed model, whose
-    parameters wait on the meta device until their block runs) its first real buffer's, or CPU."""
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "meta":
-            return t.device
-    return torch.device("cpu")
-
-
 def forward_base(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     """Run the base model only (no head: the scores read hidden states, and a base model or a
     classifier without a pad token works the same), without a KV cache."""
     base = model.base_model
     kw = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
-    base(input_ids=input_ids.to(device_of(model)),
-         attention_mask=None if attention_mask is None else attention_mask.to(device_of(model)), **kw)
+    device = devices.of(model)
+    base(input_ids=input_ids.to(device), attention_mask=None if attention_mask is None else attention_mask.to(device),
+         **kw)
 
 
 @torch.no_grad()

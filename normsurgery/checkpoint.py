@@ -42,7 +42,7 @@ import transformers
 from torch import nn
 from transformers.initialization import no_init_weights
 
-from . import memory, runtime
+from . import devices, memory, runtime
 from .errors import SurgeryError
 from .families import AUTO_CLASS, Head, class_name, family, head_of, positions, stock_class_of
 from .output import WEIGHT_SUFFIXES
@@ -250,14 +250,15 @@ class Source:
         return model.eval()
 
 
-def load(src, dtype: torch.dtype | None = None, *, stock: bool = False, allow_pickle: bool = False):
+def load(src, dtype: torch.dtype | None = None, *, stock: bool = False, allow_pickle: bool = False,
+         device: torch.device | str = "cpu"):
     """Load a checkpoint (a path, cached hub id or :class:`Source`; rewritten or stock) whole, with
-    the class its ``architectures`` names, in ``dtype`` (default: its storage dtype), eval mode.
-    ``stock``: with the plain stock class, as ``from_pretrained`` without normsurgery would."""
+    the class its ``architectures`` names, in ``dtype`` (default: its storage dtype), on ``device``,
+    eval mode. ``stock``: with the plain stock class, as ``from_pretrained`` without normsurgery would."""
     source = Source.open(src, allow_pickle)
     dtype = dtype or source.storage
     model = source.meta_model(dtype, stock)
-    loader = Loader(model, source, dtype)
+    loader = Loader(model, source, dtype, device)
     loader.load(())
     loader.close()
     return model
@@ -273,10 +274,15 @@ class Loader:
     renumbered afterwards (``prune_model``) and still read the right tensors. Persistent buffers
     stored in the files are read too. Working tensors a freed part gives back are reused by the
     next part of the same shapes (first touching fresh pages costs more than the arithmetic: a 46
-    MB float32 tensor, 28 ms fresh, 4 ms reused)."""
+    MB float32 tensor, 28 ms fresh, 4 ms reused).
 
-    def __init__(self, model, source: Source, dtype: torch.dtype):
+    ``device`` (``devices``): where the part's tensors go; another than the CPU, each tensor is
+    read into a host buffer (reused by the next tensor of its shape) and copied there."""
+
+    def __init__(self, model, source: Source, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.model, self.source, self.dtype = model, source, dtype
+        self.device = torch.device(device)
+        devices.place_buffers(model, self.device)
         self.reader = Reader(source.index)
         self.keys: dict[int, tuple[weakref.ref, Stored]] = {}  # id(parameter) -> (the parameter, its tensors)
         self.buffers: dict[str, Stored] = {}  # buffer name -> its tensors
@@ -352,9 +358,15 @@ class Loader:
             spare = self.spare.get((shape, dtype))
             todo.append((p, uses, stored, spare.pop(0) if spare else None, shape, dtype))
         self.spare.clear()
+        staging: dict[tuple, torch.Tensor] = {}  # another device: one host buffer per shape
         for p, uses, stored, out, shape, dtype in todo:
+            if self.device.type != "cpu":
+                out = staging.get((shape, dtype))
             out = stored.read_into(self.reader, torch.empty(shape, dtype=dtype) if out is None else out)
             _check_finite(out, stored.label, self.source)
+            if self.device.type != "cpu":
+                staging[(shape, dtype)] = out
+                out = out.to(self.device)
             self._replace(p, nn.Parameter(out, requires_grad=p.requires_grad), uses)
         for name, stored in self.buffers.items():
             if not scope or inside(name, scope):
@@ -366,7 +378,7 @@ class Loader:
         """Put ``scope``'s parameters back on the meta device. A tensor nothing else holds (no
         view of it is alive) is kept for the next :meth:`load`."""
         for p, uses in self._uses(scope):
-            if p.device.type != "meta" and memory.owned(p):
+            if p.device.type == "cpu" and memory.owned(p):
                 self.spare.setdefault((tuple(p.shape), p.dtype), []).append(p.detach())
             self._replace(p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad), uses)
         memory.trim()

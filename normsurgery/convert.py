@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .version import __version__
-from . import memory, passes as _passes, precision  # noqa: F401  (passes: the built-in passes)
+from . import devices, memory, passes as _passes, precision  # noqa: F401  (passes: the built-in passes)
 from .checkpoint import Source
 from .errors import SurgeryError
 from .output import check_output
@@ -69,6 +69,7 @@ class Result:
     streaming: str | None = None  # why it was rewritten one part at a time (None: in memory)
     kept_float32: list[str] | None = None  # tensors that do not fit the storage dtype, stored in float32
     warnings: list[str] | None = None
+    device: dict | None = None  # where it computed (devices.describe)
 
     @property
     def ok(self) -> bool:
@@ -81,7 +82,8 @@ class Result:
         return {"source": self.source, "ok": self.ok, "work_dtype": self.work_dtype,
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
                 "parity": c(self.parity), "baseline": c(self.baseline), "saved": self.saved,
-                "streaming": self.streaming, "kept_float32": self.kept_float32, "warnings": self.warnings}
+                "streaming": self.streaming, "kept_float32": self.kept_float32, "warnings": self.warnings,
+                "device": self.device}
 
 
 def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -97,18 +99,20 @@ def state_dir(out) -> Path:
     return Path(out).parent / f".{Path(out).name}.train-state"
 
 
-def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, streaming: bool | None) -> str | None:
-    """Why the model is rewritten one part at a time (None: in memory, one part)."""
+def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, streaming: bool | None,
+                device: torch.device = torch.device("cpu")) -> str | None:
+    """Why the model is rewritten one part at a time (None: in memory, one part, on ``device``)."""
     whole = [s.name for s in steps if not s.blockwise]
     if streaming is False:
         return None
     if streaming is None:
         need = source.index.numel * torch.finfo(dtype).bits // 8 * 1.5 + 2**30
-        if whole and need <= memory.available():
+        free, where = memory.room(device)
+        if whole and need <= free:
             return None
         why = ("every pass rewrites one part at a time: bounded memory, and faster" if not whole else
                f"in memory this needs about {need / 2**30:.1f} GiB ({source.index.numel / 1e9:.2f}B parameters in "
-               f"{dtype_name(dtype)}), {memory.available() / 2**30:.1f} GiB are available")
+               f"{dtype_name(dtype)}), {free / 2**30:.1f} GiB are available{where}")
     else:
         why = "asked for (--streaming)"
     if whole:
@@ -124,8 +128,10 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
             verify: bool = True, work_dtype: torch.dtype | None = None, text: str | None = None,
             tolerance: float | None = None, max_shard_size: str = "5GB",
             progress: Progress = no_progress, streaming: bool | None = None,
-            on_overflow: str = "refuse", allow_pickle: bool = False) -> Result:
+            on_overflow: str = "refuse", allow_pickle: bool = False, device: str = "auto") -> Result:
     """Read ``src``, apply ``passes``, save to ``out`` atomically, checked (see the module docstring).
+    Rewrites, forwards and training run on ``device`` (``devices``: each part moved there as it is
+    read, written from host memory).
 
     ``streaming``: True rewrites one part at a time (blockwise passes only), False loads the whole
     model, None chooses (the result's ``streaming`` says why). ``on_overflow``: what to do with a
@@ -138,13 +144,15 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     source = Source.open(src, allow_pickle)
     check_output(Path(out), force, source.path)
     dtype = work_dtype_for(source.storage, work_dtype)
-    why = choose_plan(source, steps, dtype, streaming)
-    work = Work(source, dtype, streamed=why is not None)
+    where = devices.choose(device)
+    why = choose_plan(source, steps, dtype, streaming, where)
+    work = Work(source, dtype, streamed=why is not None, device=where)
     workdir = state_dir(out)
     work.steps, work.context = steps, PassContext(
         tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
-    result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why)
+    result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,
+                    device=devices.describe(where))
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, _length(source)) if verify else None
     outs: dict[int, torch.Tensor] = {}
     if work.resident:
@@ -155,8 +163,8 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         work.enter(work.parts[0], len(steps))  # every step runs here, in every process
     if not is_main_process():  # one of several training processes: the main one saves
         return result
-    t = Tolerances(source_reader(source, ids, dtype, work.streamed), ids, dtype, outs.get(0), tolerance,
-                   source.head_output, work.streamed) if verify else None
+    t = Tolerances(source_reader(source, ids, dtype, work.streamed, where), ids, dtype, outs.get(0), tolerance,
+                   source.head_output, work.streamed, where) if verify else None
 
     def anchor() -> torch.Tensor:  # streamed: the outputs are read once the parts are written
         if not outs:
@@ -183,7 +191,8 @@ HELDOUT = {"ce_before", "ce_after", "tokens"}
 
 def _record(result: Result) -> dict:
     """What the saved config records under "normsurgery"."""
-    return {"version": __version__, "source": result.source, **({"streaming": True} if result.streaming else {}),
+    return {"version": __version__, "source": result.source, "device": result.device,
+            **({"streaming": True} if result.streaming else {}),
             "work_dtype": result.work_dtype, "storage_dtype": result.storage_dtype,
             "passes": [{"name": s.name, "options": s.options, "notes": s.notes,
                         "relative_error": s.parity.relative if s.parity else None,

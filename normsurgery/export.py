@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import modelcard
+from . import devices, modelcard
 from .checkpoint import Source, finish, load
 from .errors import SurgeryError
 from .output import check_output, writing, written
@@ -92,7 +92,8 @@ def cache_shapes(model) -> list[tuple]:
     """Per layer, the shape of the key and of the value cache for one token of one sequence, as
     the model builds them (read from a forward pass, not from the config)."""
     with torch.no_grad():
-        cache = model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True).past_key_values
+        cache = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=devices.of(model)),
+                      use_cache=True).past_key_values
     return [tuple(t.shape) for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
@@ -110,17 +111,19 @@ def output_name(model) -> str:
 
 def export(src, dest, *, to: str = "onnx", text: str | None = None, tolerance: float | None = None,
            force: bool = False, external_data: bool | None = None, with_past: bool = False,
-           allow_pickle: bool = False) -> Exported:
+           allow_pickle: bool = False, device: str = "auto") -> Exported:
     """Export ``src`` to ``dest`` (see the module docstring); ``external_data``: None decides by
     size; ``with_past``: the graph takes and returns the key/value cache (decoders), checked by
-    greedy generation as well. Raises SurgeryError, writing nothing, when ONNX Runtime's outputs
+    greedy generation as well. The torch side (reference outputs, ``generate``) computes on
+    ``device``; the graph is traced on the CPU, where ONNX Runtime runs it. Raises SurgeryError, writing nothing, when ONNX Runtime's outputs
     are out of tolerance or its greedy tokens differ from ``generate``'s."""
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
     require_onnx()
     source = Source.open(src, allow_pickle)
     check_output(Path(dest), force, source.path)
-    model = load(source, torch.float32)
+    where = devices.choose(device)
+    model = load(source, torch.float32, device=where)
     if with_past and not model.can_generate():
         raise SurgeryError(f"--with-past: {source.name} is a {source.class_name}, which does not generate (no "
                            "key/value cache to export)")
@@ -134,7 +137,7 @@ def export(src, dest, *, to: str = "onnx", text: str | None = None, tolerance: f
             sum(p.numel() * 4 for p in model.parameters()) > EXTERNAL_BYTES
         with writing(dest, force=force, source=source.path) as stage:
             write_graph(model, stage.path, external, past)
-            got = run_graph(stage.path / GRAPH, ids, past)[0]
+            got = run_graph(stage.path / GRAPH, ids, past)[0].to(reference.device)
             c = tol.judge(compare(reference, got, source.head_output))
             if not c.ok:
                 raise SurgeryError(f"ONNX Runtime's {source.head_output} differ from the torch model's: relative "
@@ -148,6 +151,7 @@ def export(src, dest, *, to: str = "onnx", text: str | None = None, tolerance: f
             finish(stage.path, [], source)
             modelcard.write_export(stage.path, Path(dest).name, source.name, source.config, c.as_dict(), bool(past),
                                    external)
+    c.device = devices.describe(where)
     return Exported(written(dest, stage, {}), name, OPSET, external, c, bool(past))
 
 
@@ -158,6 +162,21 @@ def write_graph(model, folder: Path, external: bool, past: list[tuple] | None = 
     import onnx
 
     path = folder / GRAPH
+    home = devices.of(model)
+    model.to("cpu")  # traced where ONNX Runtime runs it: no device baked into the graph
+    try:
+        _trace(model, path, past)
+    finally:
+        model.to(home)
+    graph = onnx.load(str(path))
+    for f in folder.iterdir():  # what the exporter wrote beside it for a large graph
+        if f.name != GRAPH:
+            f.unlink()
+    onnx.save_model(graph, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+                    location=EXTERNAL, size_threshold=0)
+
+
+def _trace(model, path: Path, past: list[tuple] | None) -> None:
     ids = torch.zeros(2, 8, dtype=torch.long)
     out = output_name(model)
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
@@ -175,12 +194,6 @@ def write_graph(model, folder: Path, external: bool, past: list[tuple] | None = 
         torch.onnx.export(Graph(model, past), (ids, mask, *cache), str(path),
                           input_names=["input_ids", "attention_mask", *inputs], output_names=[out, *outputs_],
                           dynamic_axes=axes, opset_version=OPSET, dynamo=False, do_constant_folding=True)
-    graph = onnx.load(str(path))
-    for f in folder.iterdir():  # what the exporter wrote beside it for a large graph
-        if f.name != GRAPH:
-            f.unlink()
-    onnx.save_model(graph, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=EXTERNAL, size_threshold=0)
 
 
 def session(path: Path):
@@ -210,8 +223,9 @@ def greedy_agreement(model, path: Path, prompts: torch.Tensor, past: list[tuple]
     """Fraction of ``new_tokens`` greedy tokens after ``prompts`` on which ONNX Runtime (the
     prompt once, then one token at a time through the cache) and ``generate`` agree."""
     with torch.no_grad():
-        expected = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  pad_token_id=0, eos_token_id=None)[:, prompts.shape[1]:]
+        expected = model.generate(prompts.to(devices.of(model)), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None)[:, prompts.shape[1]:].cpu()
     graph, cache, total, cur, got = session(path), None, 0, prompts, []
     for _ in range(new_tokens):
         out = run_graph(path, cur, past, cache=cache, total=total, graph=graph)

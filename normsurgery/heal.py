@@ -18,9 +18,9 @@ Training is :func:`normsurgery.training.train` (accelerate, several processes, g
 accumulation, bf16 autocast where the device has it); only the adapters train.
 
 :func:`heal` is the whole command (``normsurgery heal``; ``prune --heal`` runs it on the pruned
-model): the text split into training and held-out windows, the checkpoint read whole (the
-one-part plan of ``pipeline``), LoRA trained and merged, and the result saved and checked
-through ``pipeline.save`` (or the adapter saved unmerged).
+model): through the one runner (``runner.Job``), the text split into training and held-out
+windows, the checkpoint read whole on the chosen device, LoRA trained and merged, and the result
+saved and checked through ``pipeline.save`` (or the adapter saved unmerged).
 """
 
 from __future__ import annotations
@@ -34,22 +34,19 @@ from pathlib import Path
 
 import torch
 
-from .version import __version__
 from . import algebra
-from .calibration import fit_seq_len, split_heldout, tokenize, windows
 from .errors import SurgeryError, UsageError
 from .checkpoint import Source
 from .families import layout
-from .output import check_output, writing, written
-from .pipeline import Work, save
+from .output import writing, written
 from .progress import no_progress
+from .runner import Job
+from .devices import PRECISION_CHOICES, PRECISIONS
 from .training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
 
 __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
            "make_accelerator", "require_lm", "target_pattern"]
 
-#: --precision spellings -> accelerate's mixed precision
-PRECISIONS = {"auto": "auto", "fp32": "no", "no": "no", "bf16": "bf16", "fp16": "fp16"}
 #: --train: what trains
 TRAIN_MODES = ("lora", "norms", "full")
 
@@ -99,19 +96,7 @@ def check_values(opts: dict) -> None:
     if opts.get("train") is not None and opts["train"] not in TRAIN_MODES:
         raise UsageError(f"--train {opts['train']!r}: choose one of {', '.join(TRAIN_MODES)}")
     if opts.get("precision") is not None and opts["precision"] not in PRECISIONS:
-        raise SurgeryError(f"--precision {opts['precision']!r}: choose one of auto, fp32, bf16, fp16")
-
-
-def heal_data(tokenizer, text: str, eval_text: str | None, opts: HealOptions):
-    """(training ids, held-out windows): the end of ``text`` held out unless ``eval_text``."""
-    ids = tokenize(tokenizer, text)
-    if eval_text is None:
-        train_ids, held = split_heldout(ids, opts.eval_fraction, opts.seq_len)
-    else:
-        train_ids, held = ids, tokenize(tokenizer, eval_text)
-    windows(train_ids, opts.seq_len, 1, "the training text")
-    n_eval = min(opts.eval_samples, max(1, len(held) // opts.seq_len))
-    return train_ids, windows(held, opts.seq_len, n_eval, "the held-out text")
+        raise SurgeryError(f"--precision {opts['precision']!r}: choose one of {', '.join(PRECISION_CHOICES)}")
 
 
 @dataclass
@@ -239,7 +224,7 @@ class HealResult:
     report: HealReport
     seconds: float  # the whole heal's wall time, held-out evaluation included
     saved: dict | None  # None on a secondary process of a distributed run
-    record: dict  # what the saved config records under "normsurgery"
+    record: dict  # what the saved config records under "normsurgery" (its "device": where it computed)
 
 
 def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = True, accelerator=None,
@@ -277,32 +262,27 @@ def write_adapter(peft_model, folder: Path, base, source: Source | None = None) 
 
 def heal(src, out, text: str, *, eval_text: str | None = None, options: HealOptions | dict | None = None,
          save_adapter: bool = False, force: bool = False, progress=no_progress,
-         allow_pickle: bool = False) -> HealResult:
+         allow_pickle: bool = False, device: str = "auto") -> HealResult:
     """LoRA on the remaining linears of ``src`` (LM loss; MLM for BERT) on ``text`` (its end held
     out unless ``eval_text``), merged and saved to ``out`` as a plain checkpoint (or, with
-    ``save_adapter``, the adapter alone, base ``src``)."""
+    ``save_adapter``, the adapter alone, base ``src``); computed on ``device`` (``devices``)."""
     opts = options if isinstance(options, HealOptions) else HealOptions(**(options or {}))
     opts.check(save_adapter)
-    source = Source.open(src, allow_pickle)
-    check_output(Path(out), force, source.path)
-    opts.seq_len = fit_seq_len(source.positions, opts.seq_len)
-    if source.tokenizer is None:
-        raise SurgeryError(f"{source.name} has no tokenizer to read the text with")
-    train_ids, held = heal_data(source.tokenizer, text, eval_text, opts)
-    acc = make_accelerator(PRECISIONS[opts.precision])
-    work = Work(source, source.storage)
-    model = work.load_all()
+    job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
+    train_ids, held = job.training_data(text, eval_text, opts)
+    acc = job.make_accelerator(opts.precision)
+    model = job.load()
     require_lm(model)
-    model, report, seconds = run(model, source.tokenizer, train_ids, held, opts, merge=not save_adapter,
-                                 accelerator=acc, progress=progress if acc.is_main_process else no_progress)
-    record = {"version": __version__, "source": source.name, "heal": summary(report)}
-    saved = None
-    if acc.is_main_process:
-        if save_adapter:
-            with writing(out, force=force, source=source.path) as stage:
-                write_adapter(model, stage.path, source.path.resolve(), source)
+    model, report, seconds = run(model, job.source.tokenizer, train_ids, held, opts, merge=not save_adapter,
+                                 accelerator=acc, progress=progress if job.main else no_progress)
+    record = job.record(heal=summary(report))
+    if save_adapter:
+        saved = None
+        if job.main:
+            with writing(out, force=force, source=job.source.path) as stage:
+                write_adapter(model, stage.path, job.source.path.resolve(), job.source)
             saved = written(out, stage, {})
-        else:
-            saved = save(model, out, record=record, ids=held[:4], source=source, force=force)
-    acc.wait_for_everyone()
+        acc.wait_for_everyone()
+    else:
+        saved = job.save(model, record, held[:4])
     return HealResult(report, seconds, saved, record)

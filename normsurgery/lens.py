@@ -22,6 +22,7 @@ import warnings
 
 import torch
 
+from . import devices
 from .checkpoint import Source, load
 from .errors import SurgeryError
 from .families import layout
@@ -35,9 +36,9 @@ INEXPRESSIBLE = {"crmsnorm": "CRMSNorm keeps d-1 coordinates of a zero-mean stre
                  "compensated-layernorm": "CompensatedLayerNorm adds a rank-one correction to a LayerNorm"}
 
 
-def lens(src, *, text: str | None = None, allow_pickle: bool = False):
-    """A ``TransformerBridge`` of ``src`` (see the module docstring), with ``parity`` (its logits
-    against the checkpoint's, float32) set on it as ``normsurgery_parity``."""
+def lens(src, *, text: str | None = None, allow_pickle: bool = False, device: str = "auto"):
+    """A ``TransformerBridge`` of ``src`` (see the module docstring) on ``device`` (``devices``),
+    with ``parity`` (its logits against the checkpoint's, float32) set on it as ``normsurgery_parity``."""
     if importlib.util.find_spec("transformer_lens") is None:
         raise SurgeryError(f"normsurgery.lens needs transformer-lens, not installed: {INSTALL}")
     from transformer_lens.factories.architecture_adapter_factory import ArchitectureAdapterFactory
@@ -47,7 +48,8 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False):
     from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
 
     source = Source.open(src, allow_pickle)
-    model = load(source, torch.float32)
+    where = devices.choose(device)
+    model = load(source, torch.float32, device=where)
     if layout(model).objective != "causal-lm":
         raise SurgeryError(f"normsurgery.lens: {source.name} is a {source.class_name}; TransformerLens models "
                            "are language models (a causal LM head)")
@@ -63,7 +65,7 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False):
         adapter = ArchitectureAdapterFactory.select_architecture_adapter(cfg)
     except (ValueError, KeyError, NotImplementedError) as e:
         raise SurgeryError(f"normsurgery.lens: TransformerLens does not support {source.class_name}: {e}") from None
-    adapter.cfg.device = str(next(model.parameters()).device)
+    adapter.cfg.device = str(where)
     adapter.cfg.normalization_type = kind
     if kind is None:
         _drop(adapter.component_mapping, NormalizationBridge)
@@ -73,7 +75,7 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False):
     c = compare(reference, _logits(bridge, ids))
 
     def unbridged(**kw):  # the model's own rounding, measured on a copy the bridge does not wrap
-        return model_reader(load(source, torch.float32), ids)(**kw)
+        return model_reader(load(source, torch.float32, device=where), ids)(**kw)
 
     Tolerances(unbridged, ids, torch.float32, reference).judge(c)
     if not c.ok:
@@ -125,5 +127,5 @@ def _drop(mapping: dict, component: type) -> None:
 
 @torch.no_grad()
 def _logits(bridge, ids: torch.Tensor) -> torch.Tensor:
-    return bridge(ids, return_type="logits").float()
+    return bridge(ids.to(devices.of(bridge)), return_type="logits").float()
 

@@ -201,7 +201,7 @@ def release(w: torch.Tensor, scale: float, gen: torch.Generator) -> int:
     spots = ~live & live.any(1, keepdim=True) & live.any(0, keepdim=True)
     n = int(spots.sum())
     if n:
-        s = w[live].double().pow(2).mean().sqrt()
+        s = w[live].double().pow(2).mean().sqrt().item()
         noise = torch.randn(n, generator=gen, dtype=torch.float64) * (scale * s)
         w[spots] = noise.to(device=w.device, dtype=w.dtype)
     return n

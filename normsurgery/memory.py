@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from . import devices
 from .precision import spans_storage
 
 
@@ -28,6 +29,14 @@ def available() -> int:
     except (OSError, ValueError):
         pass
     return avail if avail is not None else 1 << 62
+
+
+def room(device) -> tuple[int, str]:
+    """(bytes a whole model may take when it computes on ``device``, words saying where): host
+    memory, and on a GPU the least of it and the GPU's free memory."""
+    gpu = devices.free_bytes(device)
+    host = available()
+    return (host, "") if gpu is None else (min(host, gpu), f" on {device} and its host")
 
 
 def owned(t: torch.Tensor) -> bool:

@@ -48,6 +48,7 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
                                    "the Python API (" + (sys.argv[0] or "python") + ")"),
              f"- versions: normsurgery {__version__}, torch {torch.__version__}, "
              f"transformers {transformers.__version__}",
+             *_device(record.get("device")),
              ""]
     lines += _done(record)
     lines += ["", "## Parity", ""] + _parity(record, reload)
@@ -93,6 +94,13 @@ def write_export(folder: Path, name: str, source: str, config, parity: dict, wit
     (folder / CARD).write_text("\n".join(lines) + "\n")
 
 
+def _device(device: dict | None) -> list[str]:
+    """Where the command computed (``devices.describe``)."""
+    if not device:
+        return []
+    return [f"- computed on: {device['device']}" + (f" ({device['name']})" if device["name"] != "CPU" else "")]
+
+
 def _done(record: dict) -> list[str]:
     rows = []
     for p in record.get("passes") or []:
@@ -107,7 +115,8 @@ def _done(record: dict) -> list[str]:
         h = record["heal"]
         what = {"norms": "the norms' gains and biases", "full": "every parameter"}.get(
             h.get("train"), f"LoRA rank {h.get('rank')}, merged")
-        rows.append(f"- **heal**: {what}, {h.get('steps')} steps, {h.get('tokens')} tokens")
+        precision = {"no": "fp32"}.get(h.get("mixed_precision"), h.get("mixed_precision"))
+        rows.append(f"- **heal**: {what}, {h.get('steps')} steps, {h.get('tokens')} tokens, precision {precision}")
     if "squeeze" in record:
         sq = record["squeeze"]
         o, opts, cycles = sq["original"], sq["options"], sq["cycles"]

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from . import algebra, calibration
+from . import algebra, calibration, devices
 from .analysis import residual_states
 from .errors import SurgeryError
 from .families import layout
@@ -64,6 +64,7 @@ class Comparison:
     reason: str | None = None  # why this tolerance
     layers: list[dict] = field(default_factory=list)
     streaming: str | None = None  # why the models were read one part at a time (None: in memory)
+    device: dict | None = None  # where the outputs were computed (devices.describe), when a command chose it
 
     @property
     def ok(self) -> bool:
@@ -93,9 +94,10 @@ def probe_ids(tokenizer, vocab_size: int, text: str | None, n: int = 4, length: 
 
 
 @torch.no_grad()
-def outputs(model, ids: torch.Tensor) -> torch.Tensor:
+def outputs(model, ids: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """What the model's class outputs on ``ids`` (logits for a head, the last hidden state for a
-    base model) in its dtype, at least float32; one forward pass.
+    base model) in its dtype, at least float32; one forward pass on ``device`` (default: where the
+    model is, ``devices.of``).
 
     A sequence classifier reads each row's last token that is not padding; without a pad token
     transformers refuses batches. The probe has no padding, so a pad id no row holds (-1) makes
@@ -103,7 +105,7 @@ def outputs(model, ids: torch.Tensor) -> torch.Tensor:
     lay = layout(model)
     kwargs = {"use_cache": False} if lay.objective == "causal-lm" else {}
     with unpadded(model):
-        out = model(input_ids=ids.to(_device(model)), **kwargs)
+        out = model(input_ids=ids.to(device or devices.of(model)), **kwargs)
     out = out.logits if lay.head is not None else out.last_hidden_state
     return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
@@ -123,11 +125,6 @@ def unpadded(model):
         text.pad_token_id = None
 
 
-def _device(model) -> torch.device:
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "meta":
-            return t.device
-    return torch.device("cpu")
 
 
 def compare(ref: torch.Tensor, out: torch.Tensor, output: str = "logits") -> Comparison:

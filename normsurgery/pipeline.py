@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import memory, modelcard, precision, registry
+from . import devices, memory, modelcard, precision, registry
 from .checkpoint import Loader, Source, claims, finish, load_dtype, mark_not_stock, save_config, stamp, write_config
 from .errors import SurgeryError
 from .families import layout, positions
@@ -102,16 +102,19 @@ class StepSpec:
 class Work:
     """A model whose parts are read from the checkpoint ``source`` as they are entered (see the
     module docstring). Given ``model``: a model already in memory (one resident part; ``source``,
-    if any, is where it came from: its side files are copied on saving)."""
+    if any, is where it came from: its side files are copied on saving). ``device``: where the
+    parts read go and the forwards run (``devices.choose``; a model given computes where it is)."""
 
     def __init__(self, source: Source | None, dtype: torch.dtype | None = None, *, streamed: bool = False,
-                 alone: bool = False, stock: bool = False, model=None, on_load: Callable | None = None):
+                 alone: bool = False, stock: bool = False, model=None, on_load: Callable | None = None,
+                 device: torch.device | str = "cpu"):
         self.source, self.streamed = source, streamed
         read = model is None
         self.model = source.meta_model(dtype, stock) if read else model
+        self.device = torch.device(device) if read else devices.of(model)
         self.dtype = dtype or next(self.model.parameters()).dtype
         self.restore = faithful_norms(self.model) if read and self.dtype == torch.float64 else None
-        self.loader = Loader(self.model, source, self.dtype) if read else None
+        self.loader = Loader(self.model, source, self.dtype, self.device) if read else None
         self.alone = alone
         self.parts = plan(self.model, layout(self.model), streamed, alone)
         self.resident = not streamed
@@ -138,7 +141,7 @@ class Work:
     def fresh(self) -> Work:
         """A new work over the same checkpoint, plan and steps, nothing read yet: a rewritten part
         (its modules changed) cannot be read again into the same model."""
-        work = Work(self.source, self.dtype, streamed=self.streamed)
+        work = Work(self.source, self.dtype, streamed=self.streamed, device=self.device)
         work.steps, work.context = self.steps, self.context
         return work
 
@@ -192,7 +195,7 @@ class Work:
         if self.resident:
             self.enter(self.parts[0], level)
         with self.running(level), jittered(self.model) if jitter else nullcontext():
-            out = outputs(self.model, ids)
+            out = outputs(self.model, ids, self.device)
         memory.trim()  # the forward's activations, freed after the last part: back to the system
         return out
 
@@ -323,8 +326,9 @@ class Tolerances:
 
     def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype,
                  reference: torch.Tensor | None = None, given: float | None = None, output: str = "logits",
-                 streamed: bool = False):
+                 streamed: bool = False, device: torch.device | str = "cpu"):
         self.read, self.ids, self.dtype, self.streamed = read, ids, dtype, streamed
+        self.device = torch.device(device)  # where a written folder is read back to be compared
         self._reference, self.given, self.output = reference, given, output
         self.measured: dict[Any, Any] = {}
 
@@ -377,9 +381,10 @@ def anchor(work: Work, ids: torch.Tensor, level: int = 0) -> Callable[[], torch.
     return lambda: work.outputs(ids, level)
 
 
-def source_reader(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool) -> Reader:
+def source_reader(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool,
+                  device: torch.device | str = "cpu") -> Reader:
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
-        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load)
+        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device)
     return read
 
 
@@ -407,9 +412,10 @@ def _rerounding(storage: torch.dtype) -> Callable:
 
 
 def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool, *, stock: bool = False,
-                 jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
-    """``source``'s outputs on ``ids`` in ``dtype``, read part by part (or whole)."""
-    work = Work(source, dtype, streamed=streamed, stock=stock, on_load=on_load)
+                 jitter: bool = False, on_load: Callable | None = None,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """``source``'s outputs on ``ids`` in ``dtype`` on ``device``, read part by part (or whole)."""
+    work = Work(source, dtype, streamed=streamed, stock=stock, on_load=on_load, device=device)
     try:
         return work.outputs(ids, jitter=jitter)
     finally:
@@ -427,7 +433,7 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
     t = tolerances
 
     def check(stock: bool) -> Comparison:
-        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock)
+        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock, device=t.device)
         return t.judge(compare(anchor, out, t.output), storage)
 
     plain = None
@@ -521,8 +527,8 @@ def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = N
          force: bool = False, max_shard_size: str | int = "5GB", extra: Callable[[Path], None] | None = None,
          progress: Progress = no_progress) -> dict:
     """Save a model held in memory (rewritten, pruned, healed) to ``out`` with :func:`save_work`,
-    checked: the folder read back against the model's outputs on ``ids`` (default: random
-    tokens); ``source`` (a checkpoint): where it came from, whose side files are copied. The model
+    checked: the folder read back, on the model's device, against the model's outputs on ``ids``
+    (default: random tokens); ``source`` (a checkpoint): where it came from, whose side files are copied. The model
     is spent. Returns what was written (the folder, its files, how it loads)."""
     source = None if source is None else Source.open(source)
     if ids is None:
@@ -532,7 +538,8 @@ def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = N
     reference = outputs(model, ids)
     if restore:
         restore()
-    tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model))
+    tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model),
+                            device=devices.of(model))
     return save_work(Work(source, model=model), out, storage=load_dtype(model), record=lambda: record or {},
                      tolerances=tolerances, anchor=lambda: reference, force=force, max_shard_size=max_shard_size,
                      extra=extra, progress=progress).info

@@ -113,7 +113,7 @@ def narrow_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not t.is_floating_point() or t.element_size() * 8 < 2 * torch.finfo(dtype).bits or not spans_storage(t):
         return t.to(dtype)
     flat = t.reshape(-1)
-    out = torch.empty(0, dtype=dtype).set_(t.untyped_storage(), 0, (t.numel(),))
+    out = torch.empty(0, dtype=dtype, device=t.device).set_(t.untyped_storage(), 0, (t.numel(),))
     with torch.no_grad():
         for i in range(0, t.numel(), CHUNK):
             chunk = flat[i:i + CHUNK]
@@ -134,7 +134,8 @@ def reround(t: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
         for i in range(0, flat.numel(), CHUNK):
             x = flat[i:i + CHUNK]
             half = torch.ldexp(torch.full_like(x, info.eps), torch.frexp(x).exponent - 2)
-            half.clamp_(min=info.eps * info.tiny / 2).mul_(torch.randint(0, 2, x.shape, generator=g) * 2 - 1)
+            sign = torch.randint(0, 2, x.shape, generator=g) * 2 - 1  # drawn on the CPU: the same on any device
+            half.clamp_(min=info.eps * info.tiny / 2).mul_(sign.to(x.device))
             x.add_(half.masked_fill_(x == 0, 0))
 
 

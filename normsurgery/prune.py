@@ -22,26 +22,22 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from .version import __version__
 from .analysis import blocks_of, forward_base, residual_capture
 from .calibration import bundled_text, fit_seq_len, tokenize, windows
-from .checkpoint import Source
 from .errors import SurgeryError
 from .families import family, layout
-from .heal import (PRECISIONS, HealOptions, HealReport, check_values, heal_data, make_accelerator,
-                   summary, write_adapter)
+from .heal import HealOptions, HealReport, check_values, summary, write_adapter
 from .heal import run as heal_run
 from .layout import LM_OBJECTIVES
-from .output import check_output
 from .parity import output_kind, probe_ids
-from .pipeline import Tolerances, Work, anchor, save, save_work
+from .pipeline import Tolerances, Work, anchor, save_work
 from .progress import Progress, no_progress
+from .runner import Job
 from .training import heldout_ce
 
 METHODS = ("angular", "block-influence", "last")
@@ -275,10 +271,11 @@ class PruneResult:
 def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | None = None,
           eval_text: str | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
           streaming: bool = False, force: bool = False, progress: Progress = no_progress,
-          allow_pickle: bool = False) -> PruneResult:
+          allow_pickle: bool = False, device: str = "auto") -> PruneResult:
     """Score the layers of ``src`` on ``text`` (default: the bundled sample), remove the chosen
     ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``streaming``:
-    scored and copied one part at a time (no cross-entropy, no healing)."""
+    scored and copied one part at a time (no cross-entropy, no healing). Computed on ``device``
+    (``devices``)."""
     opts = options if isinstance(options, PruneOptions) else PruneOptions(**(options or {}))
     opts.check()
     hopts = heal if isinstance(heal, HealOptions) or heal is None else HealOptions(**heal)
@@ -286,15 +283,15 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
         hopts.check(save_adapter)
         if streaming:
             raise SurgeryError("--heal trains the whole model in memory: prune with --streaming, then heal the result")
-    source = Source.open(src, allow_pickle)
-    check_output(Path(out), force, source.path)
+    job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
+    source = job.source
     layers = source.config.num_hidden_layers
     n = count_layers(layers, opts.layers, opts.fraction)
     tok = source.tokenizer
-    cal, train_ids, held = _windows(source, opts, hopts, text, eval_text)
+    cal, train_ids, held = _windows(job, opts, hopts, text, eval_text)
     why = "asked for (--streaming)" if streaming else None
-    work = Work(source, source.storage, streamed=streaming, alone=True)
-    acc = make_accelerator(PRECISIONS[hopts.precision]) if hopts is not None else None
+    work = Work(source, source.storage, streamed=streaming, alone=True, device=job.device)
+    acc = job.make_accelerator(hopts.precision) if hopts is not None else None
     lm = source.head.objective in LM_OBJECTIVES
     if (hopts is not None or eval_text is not None) and not lm:
         raise SurgeryError(f"{source.class_name} has no language-modelling head: cross-entropy and healing need "
@@ -313,31 +310,28 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | N
     work.replan()
     if measure:
         ce["pruned"] = heldout_ce(work.model, held, mask_token_id=mask_id)
-    record = {"version": __version__, "source": source.name, **({"streaming": True} if streaming else {}),
-              "prune": {**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0},
-              "heldout_ce": ce}  # filled in as it is measured (healed: after healing)
+    record = job.record(**({"streaming": True} if streaming else {}),
+                        prune={**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0},
+                        heldout_ce=ce)  # filled in as it is measured (healed: after healing)
     probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
     report = seconds = model = None
     if hopts is not None:
-        model, report, seconds = heal_run(work.load_all().to(acc.device), tok, train_ids, held, hopts,
+        model, report, seconds = heal_run(work.load_all(), tok, train_ids, held, hopts,
                                           merge=not save_adapter, accelerator=acc,
                                           progress=progress if acc.is_main_process else no_progress)
         ce["healed"] = report.ce_after
         record["heal"] = summary(report)
-    saved = None
-    if acc is None or acc.is_main_process:
-        saved = _save_pruned(work, model, out, record, probe, save_adapter, force, progress)
-    if acc is not None:
-        acc.wait_for_everyone()
+    saved = _save_pruned(job, work, model, record, probe, save_adapter, progress)
     on = ("held-out text" if eval_text is not None or hopts is not None else "the calibration windows") if ce else None
     return PruneResult(selection, scores, removed, ce, on, None if lm else source.class_name, report, seconds,
                        record, saved, why)
 
 
-def _windows(source: Source, opts: PruneOptions, hopts: HealOptions | None, text: str | None,
+def _windows(job: Job, opts: PruneOptions, hopts: HealOptions | None, text: str | None,
              eval_text: str | None):
     """(calibration windows, or None for ``--method last`` without a tokenizer; healing's training
     ids; held-out windows: the end of the text when healing, ``eval_text``, or the calibration ones)."""
+    source = job.source
     opts.seq_len = fit_seq_len(source.positions, opts.seq_len)
     tok = source.tokenizer
     if tok is None and (opts.method != "last" or hopts is not None):
@@ -349,25 +343,26 @@ def _windows(source: Source, opts: PruneOptions, hopts: HealOptions | None, text
     if hopts is None:
         held = windows(tokenize(tok, eval_text), opts.seq_len, HealOptions.eval_samples) if eval_text else cal
         return cal, None, held
-    hopts.seq_len = fit_seq_len(source.positions, hopts.seq_len or opts.seq_len)
+    hopts.seq_len = hopts.seq_len or opts.seq_len
     hopts.batch_size = opts.batch_size
-    return (cal, *heal_data(tok, text, eval_text, hopts))
+    return (cal, *job.training_data(text, eval_text, hopts))
 
 
-def _save_pruned(work: Work, healed, out, record: dict, probe: torch.Tensor, keep_adapter: bool, force: bool,
-                 progress: Progress) -> dict:
-    """The pruned model written and checked, or the ``healed`` one; with ``keep_adapter`` that is the
-    pruned base (adapter unloaded) plus the adapter in ``adapter/``."""
+def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor, keep_adapter: bool,
+                 progress: Progress) -> dict | None:
+    """The pruned model written and checked, or the ``healed`` one (through the runner: written once,
+    by the main process); with ``keep_adapter`` that is the pruned base (adapter unloaded) plus the
+    adapter in ``adapter/``."""
     if healed is None:  # the pruned model read from the source, part by part or whole
         reference = anchor(work, probe)
-        t = Tolerances(None, probe, work.dtype, None, output=output_kind(work.model), streamed=work.streamed)
-        return save_work(work, out, storage=work.dtype, record=lambda: record, tolerances=t, anchor=reference,
-                    force=force, progress=progress).info
+        t = Tolerances(None, probe, work.dtype, None, output=output_kind(work.model), streamed=work.streamed,
+                       device=work.device)
+        return save_work(work, job.out, storage=work.dtype, record=lambda: record, tolerances=t, anchor=reference,
+                         force=job.force, progress=progress).info
     model = healed
     extra = None
     if keep_adapter:
         peft_model, model = model, model.unload()
-        dest = Path(out).expanduser().resolve()
+        dest = job.out.expanduser().resolve()
         extra = lambda folder: write_adapter(peft_model, folder / "adapter", dest)  # noqa: E731
-    return save(model, out, record=record, ids=probe, source=work.source, force=force, extra=extra,
-                progress=progress)
+    return job.save(model, record, probe, extra=extra, progress=progress)

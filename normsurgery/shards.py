@@ -189,7 +189,8 @@ class ShardWriter:
         self.total, self.params = 0, 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = tensor.detach().contiguous().reshape(-1)
+        """Append ``tensor`` (from any device: written from a host copy)."""
+        t = tensor.detach().to("cpu").contiguous().reshape(-1)
         size = t.numel() * t.element_size()
         if self.fh is not None and self.used and self.used + size > self.max:
             self._finish_shard()

@@ -36,21 +36,19 @@ from pathlib import Path
 
 import torch
 
-from . import masks
-from .version import __version__
-from .calibration import fit_seq_len, windows
-from .checkpoint import Source
+from . import devices, masks
+from .calibration import windows
 from .convert import apply_passes
 from .errors import SurgeryError, UsageError
 from .families import layout
-from .heal import PRECISIONS, HealOptions, heal_data, heal_model, require_lm
-from .output import check_output
+from .heal import HealOptions, heal_model, require_lm
 from .parity import probe_ids
-from .pipeline import Work, check_applies, save
+from .pipeline import check_applies
 from .passes.mask import CALIBRATION
 from .progress import Progress, no_progress
 from .registry import PassContext
-from .training import STATE_FILE, heldout_ce, is_main_process, make_accelerator
+from .runner import Job
+from .training import STATE_FILE, heldout_ce, is_main_process
 
 STRUCTURES = ("units", "heads", "channels")
 STATE = "squeeze.pt"
@@ -135,10 +133,11 @@ class SqueezeResult:
     seconds: float
     saved: dict | None = None
     resumed_at: int | None = None  # the cycle a resumed run started in
+    device: dict | None = None  # where it computed (devices.describe)
 
     def as_dict(self) -> dict:
         return {"original": self.original, "cycles": [asdict(c) for c in self.cycles], "options": self.options,
-                "seconds": self.seconds, "saved": self.saved, "resumed_at": self.resumed_at}
+                "seconds": self.seconds, "saved": self.saved, "resumed_at": self.resumed_at, "device": self.device}
 
 
 def mask_options(model, fraction: float, opts: SqueezeOptions, heads: float | None = None) -> dict:
@@ -243,7 +242,8 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
             if saved["fingerprint"] != fingerprint:
                 raise SurgeryError(f"the squeeze state in {state} is from another run (other text or options); "
                                    "resume with the same ones or start afresh without --resume")
-            model, cycles, original = saved["model"], [Cycle(**c) for c in saved["cycles"]], saved["original"]
+            model, cycles, original = (saved["model"].to(devices.of(model)), [Cycle(**c) for c in saved["cycles"]],
+                                       saved["original"])
             first = len(cycles) + 1
         resumed = first
     ids = probe_ids(None, model.config.vocab_size, None, 2, held.shape[1])
@@ -290,31 +290,29 @@ def _keep(state: Path, data: dict) -> None:
 
 def squeeze(src, out, text: str, *, eval_text: str | None = None, options: SqueezeOptions | dict | None = None,
             resume: bool = False, force: bool = False, progress: Progress = no_progress,
-            allow_pickle: bool = False) -> SqueezeResult:
+            allow_pickle: bool = False, device: str = "auto") -> SqueezeResult:
     """Squeeze ``src`` to ``options.target`` of its parameters (or ``target_bytes``) and save the
     last cycle's model to ``out`` (checked as every output is: read back and compared); training
-    on ``text`` (its end held out unless ``eval_text``). See the module docstring."""
+    on ``text`` (its end held out unless ``eval_text``), computed on ``device`` (``devices``),
+    through the one runner (``runner.Job``). See the module docstring."""
     opts = options if isinstance(options, SqueezeOptions) else SqueezeOptions(**(options or {}))
     opts.structure = tuple(opts.structure)
     opts.check()
-    source = Source.open(src, allow_pickle)
-    check_output(Path(out), force, source.path)
-    if source.tokenizer is None:
-        raise SurgeryError(f"{source.name} has no tokenizer to read the text with")
+    job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     heal = opts.heal_options()
-    heal.seq_len = opts.seq_len = fit_seq_len(source.positions, opts.seq_len)
-    train_ids, held = heal_data(source.tokenizer, text, eval_text, heal)
-    acc = make_accelerator(PRECISIONS[opts.precision])
-    model = Work(source, source.storage).load_all()
+    train_ids, held = job.training_data(text, eval_text, heal)
+    opts.seq_len = heal.seq_len
+    acc = job.make_accelerator(opts.precision)
+    model = job.load()
     require_lm(model)
     state = state_dir(out)
-    model, result = squeeze_model(model, train_ids, held, opts, storage_bytes=source.storage.itemsize,
-                                  mask_token_id=getattr(source.tokenizer, "mask_token_id", None), state=state,
+    model, result = squeeze_model(model, train_ids, held, opts, storage_bytes=job.source.storage.itemsize,
+                                  mask_token_id=getattr(job.source.tokenizer, "mask_token_id", None), state=state,
                                   resume=resume, accelerator=acc, progress=progress)
-    record = {"version": __version__, "source": source.name, "squeeze": {
-        "options": result.options, "original": result.original, "cycles": [asdict(c) for c in result.cycles]}}
-    if acc.is_main_process:
-        result.saved = save(model, out, record=record, ids=held[:4], source=source, force=force)
+    result.device = devices.describe(job.device)
+    record = job.record(squeeze={"options": result.options, "original": result.original,
+                                 "cycles": [asdict(c) for c in result.cycles]})
+    result.saved = job.save(model, record, held[:4])
+    if job.main:
         shutil.rmtree(state, ignore_errors=True)
-    acc.wait_for_everyone()
     return result

@@ -13,8 +13,10 @@ is a function of its configuration alone, and ``resume`` from a state saved at s
 optimizer, scheduler, RNG) continues exactly as the uninterrupted run would.
 
 Processes: one CPU, one GPU, or several under ``torchrun`` / ``accelerate launch`` (gloo on
-CPU, each process its own batches, gradients averaged). Only the main process writes state and
-reports progress. bf16 autocast on a GPU that supports it (``precision="auto"``).
+CPU, NCCL on GPUs; each process its own batches, gradients averaged). Only the main process
+writes state and reports progress. The model trains on the accelerator's device (the one
+``devices.choose`` made current) and is given back where it was found. Precision
+(:data:`PRECISIONS`): ``auto`` is bf16 autocast on a GPU that supports it, float32 elsewhere.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import subprocess
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from . import devices
+from .devices import PRECISION_CHOICES, PRECISIONS
 from .errors import SurgeryError
 from .families import layout, stock_class_of
 from .layout import LM_OBJECTIVES
@@ -57,7 +59,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_accum: int = 1
     clip: float = 1.0  # gradient-norm clipping (0: none)
-    precision: str = "auto"  # auto | no | bf16 | fp16
+    precision: str = "auto"  # devices.PRECISIONS
     seed: int = 0
     eval_every: int = 0  # held-out CE every this many steps (0: before and after only)
     eval_steps: tuple[int, ...] = ()  # and after these steps
@@ -121,51 +123,11 @@ class TrainResult:
         ...)"."""
         resumed = (f"resumed at step {self.resumed_from}: {self.steps - self.resumed_from} in this run, "
                    if self.resumed_from else "")
-        return f"trained {self.steps} steps ({resumed}{self.tokens:,} tokens, {self.seconds:.0f} s)"
+        precision = "fp32" if self.precision == "no" else self.precision
+        return f"trained {self.steps} steps ({resumed}{self.tokens:,} tokens, {self.seconds:.0f} s, {precision})"
 
 
 # ----------------------------------------------------------------------------- processes
-
-def _requested_cpu_processes() -> int | None:
-    """``accelerate launch --cpu --num_processes N`` (N > 1) starts this script once, with
-    MASTER_ADDR set and no WORLD_SIZE: the count is only on the launcher's command line."""
-    if os.environ.get("WORLD_SIZE") or os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true":
-        return None
-    if not os.environ.get("MASTER_ADDR"):
-        return None
-    try:
-        import psutil
-
-        argv = psutil.Process().parent().cmdline()
-    except Exception:
-        argv = []
-    for i, a in enumerate(argv):
-        for flag in ("--num_processes", "--num-processes"):
-            if a == flag and i + 1 < len(argv):
-                return int(argv[i + 1])
-            if a.startswith(flag + "="):
-                return int(a.split("=", 1)[1])
-    raise SurgeryError("accelerate launch --cpu starts one process whatever --num_processes says, and the count "
-                       "could not be read; use torchrun --nproc_per_node N -m normsurgery ...")
-
-
-def relaunch_cpu_processes() -> None:
-    """Turn a single process started by ``accelerate launch --cpu --num_processes N`` into N
-    processes of one gloo group: run the same command under torch.distributed.run, then exit
-    with its status. Does nothing otherwise."""
-    n = _requested_cpu_processes()
-    if not n or n < 2:
-        return
-    argv = list(getattr(sys, "orig_argv", []))[1:]
-    if not argv or (argv[0].startswith("-") and argv[0] != "-m"):
-        raise SurgeryError("cannot restart this command under torchrun; run torchrun --nproc_per_node "
-                           f"{n} -m normsurgery ... instead")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-           "--master_addr", os.environ["MASTER_ADDR"], "--master_port", os.environ.get("MASTER_PORT", "29500"),
-           *argv]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    raise SystemExit(subprocess.call(cmd, env=env))
-
 
 def is_main_process() -> bool:
     """False in every process but the first of a distributed group."""
@@ -173,18 +135,26 @@ def is_main_process() -> bool:
         or torch.distributed.get_rank() == 0
 
 
-def make_accelerator(precision: str = "auto"):
-    """An Accelerator; ``auto`` means bf16 on a GPU that supports it, else full precision.
-    Without a GPU it asks for the CPU, so ``torchrun`` processes join one gloo group."""
+def mixed_precision(precision: str, device: torch.device) -> str:
+    """accelerate's ``mixed_precision`` for a :data:`PRECISIONS` spelling on ``device``: ``auto``
+    is bf16 on a GPU that supports it, else none (float32)."""
+    if precision not in PRECISIONS:
+        raise SurgeryError(f"unknown precision {precision!r}; choose {', '.join(PRECISION_CHOICES)}")
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
+    return PRECISIONS[precision]
+
+
+def make_accelerator(precision: str = "auto", device: torch.device | str = "cpu"):
+    """An Accelerator on ``device`` (``devices.choose``: a GPU is the current CUDA device) with
+    ``precision`` (:func:`mixed_precision`). On the CPU it asks for the CPU, so ``torchrun``
+    processes join one gloo group."""
     from accelerate import Accelerator
 
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    if precision not in ("no", "bf16", "fp16"):
-        raise SurgeryError(f"unknown precision {precision!r}; choose auto, no, bf16 or fp16")
-    relaunch_cpu_processes()
+    device = torch.device(device)
+    mixed = mixed_precision(precision, device)
     try:
-        return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+        return Accelerator(mixed_precision=mixed, cpu=device.type != "cuda")
     except ValueError as e:  # accelerate's state is per process: its precision is fixed once set
         raise SurgeryError(str(e)) from None
 
@@ -305,6 +275,9 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     ``on_step(step, model)`` runs at the start of each optimizer step, before its forwards; it
     must depend only on ``step`` and the model's state (a resumed run skips the earlier calls);
     the metrics it returns go into the next curve row.
+
+    Training runs on ``accelerator``'s device (default: an accelerator where the model is, with
+    ``config.precision``); the model is given back on the device it was found on.
     """
     config = TrainConfig(**config) if isinstance(config, dict) else config
     config.check()
@@ -312,10 +285,47 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     if len(train_ids) < config.seq_len:
         raise SurgeryError(f"the training text has {len(train_ids)} tokens, fewer than one sequence of "
                            f"{config.seq_len} (give more text or a smaller --seq-len)")
-    acc = accelerator or make_accelerator(config.precision)
+    home = devices.of(model)
+    acc = accelerator or make_accelerator(config.precision, home)
     mlm = _mlm_spec(objective, model, mask_token_id)
-    model.to(acc.device)
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    check_fits(model, params, acc.device)
+    model.to(acc.device)
+    try:
+        return _train(model, acc, train_ids, heldout, config, objective, mask_token_id, mlm, on_step, params,
+                      progress)
+    finally:
+        model.to(home)
+
+
+def training_bytes(model, params: list, device) -> int:
+    """Device memory training needs at least (activations aside): the model's weights where they
+    are not on ``device`` yet, and for every parameter that trains its gradient and AdamW's two
+    moments (each the parameter's size)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if not devices.same(p.device, device))
+    return weights + sum(3 * p.numel() * p.element_size() for p in params)
+
+
+def check_fits(model, params: list, device) -> None:
+    """Refuse, before anything moves, training that cannot fit a GPU's free memory, naming the
+    limit and what would fit. (Each data-parallel process holds all of it: sharding the training
+    state across GPUs, FSDP, is not supported.)"""
+    free = devices.free_bytes(device)
+    if free is None:
+        return
+    need = training_bytes(model, params, device)
+    if need > free:
+        n = sum(p.numel() for p in params)
+        raise SurgeryError(f"training needs at least {need / 2**30:.1f} GiB on {device} (the weights, and the "
+                           f"gradients and AdamW moments of the {n / 1e9:.2f}B parameters that train), and "
+                           f"{free / 2**30:.1f} GiB are free: train fewer parameters (heal --train lora or norms), "
+                           "or train on the CPU (--device cpu); several GPUs each hold all of it (data parallel: "
+                           "FSDP sharding is not supported)")
+
+
+def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, mask_token_id: int | None, mlm,
+           on_step: OnStep | None, params, progress: StepProgress | None) -> TrainResult:
+    """:func:`train`'s loop, with the model on ``acc``'s device."""
     chosen = {id(p) for p in params}
     saved_flags = [(p, p.requires_grad) for p in model.parameters()]
     for p in model.parameters():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import analysis, memory
+from . import analysis, devices, memory
 from .checkpoint import Source, load
 from .errors import SurgeryError
 from .families import architecture, layout, positions, stock_class_of
@@ -46,9 +46,9 @@ def probe_length(positions: int | None, length: int | None) -> int:
 
 def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32, tolerance: float | None = None,
            n: int = 4, length: int | None = None, generate: int = 16, per_layer: bool = False,
-           streaming: bool | None = None, allow_pickle: bool = False) -> Comparison:
+           streaming: bool | None = None, allow_pickle: bool = False, device: str = "auto") -> Comparison:
     """Run ``b`` against the reference ``a`` in ``dtype`` and compare: checkpoints (paths, hub ids
-    or Sources) or models in memory.
+    or Sources), read onto ``device`` (``devices``), or models in memory (compared where they are).
 
     ``streaming`` (checkpoints only): True reads one part at a time (no generation, no per-layer
     figures), None does so when the two would not fit in memory together; the comparison's
@@ -58,32 +58,34 @@ def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
                               generate=generate, per_layer=per_layer)
     sa, sb = Source.open(a, allow_pickle), Source.open(b, allow_pickle)
     check_comparable(sa, sb)
-    why = _streaming(sa, sb, dtype, streaming)
+    where = devices.choose(device)
+    why = _streaming(sa, sb, dtype, streaming, where)
     ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, n, probe_length(sa.positions, length))
-    read = source_reader(sa, ids, dtype, why is not None)
+    read = source_reader(sa, ids, dtype, why is not None, where)
     if why is not None:
         reference = read()
-        result = compare(reference, source_reader(sb, ids, dtype, True)(), sa.head_output)
+        result = compare(reference, source_reader(sb, ids, dtype, True, where)(), sa.head_output)
     else:
-        wa, wb = Work(sa, dtype), Work(sb, dtype)
+        wa, wb = Work(sa, dtype, device=where), Work(sb, dtype, device=where)
         result, reference = _compare_loaded(wa.load_all(), wb.load_all(), ids, generate, per_layer)
         wa.close()
         wb.close()
-    Tolerances(read, ids, dtype, reference, tolerance, sa.head_output, why is not None).judge(
+    Tolerances(read, ids, dtype, reference, tolerance, sa.head_output, why is not None, where).judge(
         result, coarsest(sa.storage, sb.storage))
-    result.streaming = why
+    result.streaming, result.device = why, devices.describe(where)
     return result
 
 
-def _streaming(a: Source, b: Source, dtype: torch.dtype, streaming: bool | None) -> str | None:
+def _streaming(a: Source, b: Source, dtype: torch.dtype, streaming: bool | None, device: torch.device) -> str | None:
     if streaming is not None:
         return "asked for (--streaming)" if streaming else None
     params = a.index.numel + b.index.numel
     need = params * torch.finfo(dtype).bits // 8 * 1.1 + 2**30
-    if need <= memory.available():
+    free, where = memory.room(device)
+    if need <= free:
         return None
     return (f"in memory this needs about {need / 2**30:.1f} GiB ({params / 1e9:.2f}B parameters in "
-            f"{str(dtype).removeprefix('torch.')}), {memory.available() / 2**30:.1f} GiB are available")
+            f"{str(dtype).removeprefix('torch.')}), {free / 2**30:.1f} GiB are available{where}")
 
 
 def _compare_loaded(a, b, ids: torch.Tensor, generate: int, per_layer: bool) -> tuple[Comparison, torch.Tensor]:
@@ -113,7 +115,7 @@ def compare_models(a, b, *, text: str | None = None, dtype: torch.dtype | None =
 
 
 def outliers(a, b=None, *, text: str | None = None, n: int = 8, length: int | None = None,
-             allow_pickle: bool = False) -> dict:
+             allow_pickle: bool = False, device: str = "auto") -> dict:
     """``analysis.outliers`` of checkpoint ``a`` and, when given, ``b`` (its rewrite: same blocks and
     vocabulary), on the same ``n`` windows of ``text`` (default: the bundled sample), in float32:
     {"a": ..., "b": ... or None}."""
@@ -122,7 +124,8 @@ def outliers(a, b=None, *, text: str | None = None, n: int = 8, length: int | No
     if sb is not None and sa.config.vocab_size != sb.config.vocab_size:
         raise SurgeryError(f"{sa.name} and {sb.name} have different vocabularies: no common text to compare on")
     ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, n, probe_length(sa.positions, length))
-    stats = [None if s is None else analysis.outliers(load(s, torch.float32), ids) for s in (sa, sb)]
+    where = devices.choose(device)
+    stats = [None if s is None else analysis.outliers(load(s, torch.float32, device=where), ids) for s in (sa, sb)]
     if stats[1] is not None and len(stats[0]["stream"]) != len(stats[1]["stream"]):
         raise SurgeryError(f"{sa.name} and {sb.name} have different numbers of blocks: their states do not pair up")
-    return {"a": stats[0], "b": stats[1]}
+    return {"a": stats[0], "b": stats[1], "device": devices.describe(where)}

@@ -12,7 +12,9 @@ import os
 import pytest
 import torch
 import transformers as T
-from hypothesis import HealthCheck, given, settings, strategies as st
+
+pytest.importorskip("hypothesis", reason="hypothesis is not installed (pip install -e '.[test]')")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 import normsurgery as ns
 from normsurgery import passes as _passes, registry  # noqa: F401  (passes: the built-in passes, for EXACT)

@@ -81,6 +81,6 @@ def test_a_resumed_run_says_where_it_resumed():
 
     r = TrainResult(steps=120, tokens=1000, seconds=3.0, processes=1, precision="no", ce_before=4.0,
                     ce_after=3.0, trainable_parameters=10, resumed_from=50)
-    assert r.done() == "trained 120 steps (resumed at step 50: 70 in this run, 1,000 tokens, 3 s)"
+    assert r.done() == "trained 120 steps (resumed at step 50: 70 in this run, 1,000 tokens, 3 s, fp32)"
     r.resumed_from = None
-    assert r.done() == "trained 120 steps (1,000 tokens, 3 s)"
+    assert r.done() == "trained 120 steps (1,000 tokens, 3 s, fp32)"

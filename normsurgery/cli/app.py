@@ -18,7 +18,7 @@ from typing import Optional
 
 import typer
 
-from .. import __version__, threads
+from .. import __version__, devices, launch, threads
 from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -61,6 +61,11 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     modelcard.COMMAND = sys.argv[1:]  # for the cards of the folders written
+    try:
+        launch.relaunch_cpu_processes()  # accelerate launch --cpu's one process becomes N, before any loading
+    except SurgeryError as e:
+        say_error(str(e))
+        sys.exit(FAILED)
     try:
         app()
     except KeyboardInterrupt as e:
@@ -169,6 +174,30 @@ def size_option(value: str) -> str:
             re.search(r"[1-9]", value):
         raise typer.BadParameter(f"{value!r} is not a size; give bytes or e.g. 500MB, 2GB")
     return value.strip()
+
+
+def device_option(value: str) -> str:
+    if not devices.SPEC.fullmatch(value):
+        raise typer.BadParameter(f"{value!r}: choose auto, cpu, cuda or cuda:N")
+    return value
+
+
+def precision_option(value: str | None) -> str | None:
+    if value is not None and value not in devices.PRECISIONS:
+        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(devices.PRECISION_CHOICES)}"
+                                 f"{did_you_mean(value, devices.PRECISION_CHOICES)}")
+    return value
+
+
+DEVICE = typer.Option("auto", "--device", metavar="auto|cpu|cuda|cuda:N", callback=device_option, help=devices.HELP)
+PRECISION = typer.Option(None, "--precision", metavar="auto|fp32|bf16|fp16", callback=precision_option,
+                         help=devices.PRECISION_HELP)
+
+
+def say_device(device: dict | None) -> None:
+    """The line naming where a command computed (``devices.describe``)."""
+    if device:
+        say(f"computed on {device['device']}" + (f" ({device['name']})" if device["name"] != "CPU" else ""))
 
 
 FORCE = typer.Option(False, "--force", help="replace OUT if it is a checkpoint (never a folder of other files); "

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from .app import ALLOW_PICKLE, FORCE, JSON, STREAMING, claimed, command, did_you_mean, \
-    dtype_option, emit_json, positive, progress_bar, read_text, say, say_warning, show, \
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, STREAMING, claimed, command, did_you_mean, \
+    dtype_option, emit_json, positive, progress_bar, read_text, say, say_device, say_warning, show, \
     size_option, torch_dtype
 
 ON_OVERFLOW = ("refuse", "keep-float32")  # precision.POLICIES, named here so --help needs no torch
@@ -62,6 +62,8 @@ def convert(
     seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="trained passes: tokens per window"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="trained passes: peak learning rate"),
     resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
+    precision: Optional[str] = PRECISION,
+    device: str = DEVICE,
     streaming: Optional[bool] = STREAMING,
     on_overflow: str = typer.Option("refuse", metavar="refuse|keep-float32", callback=overflow_option,
                                     help="a rewritten tensor that does not fit a float16/bfloat16 checkpoint "
@@ -80,7 +82,7 @@ def convert(
     if fold:
         specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
     given = {k: v for k, v in {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
-                                "resume": resume or None}.items() if v is not None}
+                                "resume": resume or None, "precision": precision}.items() if v is not None}
     specs = [(n, {**o, **{k: v for k, v in given.items() if k in registry.get(n).options}}) for n, o in specs]
     body = read_text(text)
     try:
@@ -92,7 +94,7 @@ def convert(
                 result = convert_checkpoint(source, out, specs, force=force, verify=not no_verify,
                                              work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
                                              max_shard_size=max_shard_size, progress=progress,
-                                             streaming=streaming, on_overflow=on_overflow)
+                                             streaming=streaming, on_overflow=on_overflow, device=device)
     except KeyboardInterrupt as e:
         from ..convert import state_dir
         from ..training import STATE_FILE
@@ -125,4 +127,5 @@ def convert(
             + (f"; tolerance {fmt(p.tolerance)}: {p.reason}" if p.tolerance is not None else ""))
     if result.streaming:
         say(f"rewritten one block at a time: {result.streaming}")
+    say_device(result.device)
     say(f"saved {result.saved['path']} ({len(result.saved['files'])} files); {loads_with(result.saved)}")

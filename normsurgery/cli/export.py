@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from .app import ALLOW_PICKLE, FORCE, JSON, claimed, command, did_you_mean, emit_json, positive, read_text, say
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, claimed, command, did_you_mean, emit_json, positive, read_text, \
+    say, say_device
 
 FORMATS = ("onnx",)  # export.FORMATS, named here so --help needs no torch
 
@@ -26,6 +27,7 @@ def export(
     text: Optional[Path] = typer.Option(None, metavar="FILE", help="text for the check (default: bundled Shakespeare)"),
     tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
                                         help="relative tolerance (default: float32 rounding)"),
+    device: str = DEVICE,
     force: bool = FORCE,
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
@@ -46,7 +48,7 @@ def export(
     body = read_text(text)
     with claimed(src, dest, force, allow_pickle) as source:
         r = export_api(source, dest, to=to, text=body, tolerance=tol, force=force, external_data=external_data,
-                       with_past=with_past)
+                       with_past=with_past, device=device)
     if json:
         emit_json(r.as_dict())
         return
@@ -58,6 +60,7 @@ def export(
         + f"; tolerance {fmt(p.tolerance)}: {p.reason}")
     if r.with_past:
         say(f"with the key/value cache: 16 greedy tokens in ONNX Runtime equal generate's ({p.generation:.0%} agree)")
+    say_device(p.device)
     say(f"saved {r.saved['path']}: opset {r.opset}, inputs input_ids and attention_mask, output {r.output}"
         + (", past_key_values.L.key/value in, present.L.key/value out" if r.with_past else "")
         + (", weights in model.onnx_data" if r.external_data else ""))

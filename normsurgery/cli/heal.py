@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from .app import ALLOW_PICKLE, FORCE, JSON, claimed, command, emit_json, merge, open_unit, positive, progress_bar, \
-    read_text, say, show, split_names, stderr
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, claimed, command, emit_json, merge, open_unit, \
+    positive, progress_bar, read_text, say, say_device, show, split_names, stderr
 
 #: heal's options and defaults (``heal.HealOptions``), named here so --help needs no torch
 HEAL_DEFAULTS = {"steps": 200, "rank": 8, "alpha": None, "lr": 2e-3, "target_modules": None,
@@ -42,8 +42,8 @@ def heal(
     seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="tokens per window (default: 128, or the "
                                                                           "model's positions when fewer)"),
     grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K", help="gradient-accumulation steps (default 1)"),
-    precision: Optional[str] = typer.Option(None, metavar="P",
-                                            help="auto (bf16 on a GPU that has it) | fp32 | bf16 | fp16"),
+    precision: Optional[str] = PRECISION,
+    device: str = DEVICE,
     eval_fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
                                                   help="share of --text held out (default 0.1)"),
     eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="held-out windows at most, evaluated "
@@ -67,7 +67,7 @@ def heal(
     body, held_text = read_text(text), read_text(eval_text)
     with claimed(src, out, force, allow_pickle) as source, progress_bar(not json) as progress:
         result = heal_checkpoint(source, out, body, eval_text=held_text, options=opts, save_adapter=save_adapter_,
-                                 force=force, progress=progress)
+                                 force=force, progress=progress, device=device)
     if result.saved is None:  # a secondary process of a distributed run
         return
     if json:
@@ -78,5 +78,6 @@ def heal(
     report = result.report
     show(ce_table("held-out cross-entropy", [("before", report.ce_before), ("after", report.ce_after)], None))
     print_heal_steps(report, result.seconds)
+    say_device(result.record.get("device"))
     what = f"adapter (peft; base {source.path})" if save_adapter_ else f"merged; {loads_with(result.saved)}"
     say(f"saved {result.saved['path']}: {what}")

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from .app import ALLOW_PICKLE, JSON, command, emit_json, read_text, show
+from .app import ALLOW_PICKLE, DEVICE, JSON, command, emit_json, read_text, say_device, show
 
 
 @command(preload=False)
@@ -38,7 +38,7 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
             samples: int = typer.Option(8, min=1, metavar="K", help="--outliers: token windows"),
             seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="--outliers: tokens per window "
                                                   "(default: 64, or the model's positions when fewer)"),
-            allow_pickle: bool = ALLOW_PICKLE, json: bool = JSON):
+            device: str = DEVICE, allow_pickle: bool = ALLOW_PICKLE, json: bool = JSON):
     """Architecture, norm layout, dead units, and which passes apply (and why not); --outliers: the
     stream's and weights' outlier figures (two checkpoints: side by side)."""
     if other is not None and not outliers:
@@ -46,7 +46,8 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
     if outliers:
         from ..verify import outliers as outlier_stats
 
-        r = outlier_stats(src, other, text=read_text(text), n=samples, length=seq_len, allow_pickle=allow_pickle)
+        r = outlier_stats(src, other, text=read_text(text), n=samples, length=seq_len, allow_pickle=allow_pickle,
+                          device=device)
         if json:
             emit_json(r)
             return
@@ -54,6 +55,7 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
 
         for t in outlier_tables(r, src, other):
             show(t)
+        say_device(r["device"])
         return
     from .. import checkpoint, passes as _passes, registry  # noqa: F401  (the built-in passes)
     from ..analysis import dead_units

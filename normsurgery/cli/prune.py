@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import SurgeryError
-from .app import ALLOW_PICKLE, FORCE, JSON, claimed, command, did_you_mean, emit_json, merge, open_unit, positive, \
-    progress_bar, read_text, say, show, split_names
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, claimed, command, did_you_mean, emit_json, merge, \
+    open_unit, positive, progress_bar, read_text, say, say_device, show, split_names
 from .heal import HEAL_DEFAULTS, print_heal_steps
 
 METHODS = ("angular", "block-influence", "last")  # prune.METHODS, named here so --help needs no torch
@@ -58,8 +58,8 @@ def prune(
                                                        "(default: all in the blocks)"),
     grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K",
                                              help="heal: gradient-accumulation steps (default 1)"),
-    precision: Optional[str] = typer.Option(None, metavar="P", help="heal: auto (bf16 on a GPU that has it) | fp32 | "
-                                                                   "bf16 | fp16"),
+    precision: Optional[str] = PRECISION,
+    device: str = DEVICE,
     train: Optional[str] = typer.Option(None, metavar="WHAT", help="heal: what trains: lora | norms | full "
                                         "(default lora; see `heal --help`)"),
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="heal: keep the adapter in OUT/adapter, unmerged"),
@@ -94,7 +94,7 @@ def prune(
     body, held_text = read_text(text), read_text(eval_text)
     with claimed(src, out, force, allow_pickle) as source, progress_bar(not json) as progress:
         r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=h, save_adapter=save_adapter_,
-                             streaming=streaming, force=force, progress=progress)
+                             streaming=streaming, force=force, progress=progress, device=device)
     if r.saved is None:  # a secondary process of a distributed heal
         return
     from .report import ce_table, loads_with, plot_scores, recovered_fraction, score_table
@@ -119,6 +119,7 @@ def prune(
     if r.heal:
         print_heal_steps(r.heal, r.heal_seconds)
     tail = " (adapter unmerged in adapter/)" if r.heal and save_adapter_ else ""
+    say_device(r.record.get("device"))
     say(f"saved {r.saved['path']}{tail}; {loads_with(r.saved)}")
     if plot is not None and r.scores is not None:
         say(f"plot: {plot}")

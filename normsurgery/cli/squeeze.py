@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from .app import ALLOW_PICKLE, FORCE, JSON, claimed, command, emit_json, open_unit, positive, progress_bar, \
-    read_text, say, show
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, claimed, command, emit_json, open_unit, positive, \
+    progress_bar, read_text, say, say_device, show
 
 STRUCTURES = ("units", "heads", "channels")  # squeeze.STRUCTURES, named here so --help needs no torch
 TRAIN = ("full", "norms", "lora")
@@ -49,8 +49,8 @@ def squeeze(
     eval_fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
                                                   help="share of --text held out (default 0.1)"),
     eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="held-out windows at most (default 64)"),
-    precision: Optional[str] = typer.Option(None, metavar="P",
-                                            help="auto (bf16 on a GPU that has it) | fp32 | bf16 | fp16"),
+    precision: Optional[str] = PRECISION,
+    device: str = DEVICE,
     seed: Optional[int] = typer.Option(None, min=0, metavar="N", help="seed of the release noise and the training "
                                      "batches (default 0)"),
     save_every: Optional[int] = typer.Option(None, min=0, metavar="N", help="keep the training state every N steps "
@@ -84,7 +84,7 @@ def squeeze(
             from ..squeeze import SqueezeOptions, squeeze as squeeze_checkpoint
 
             result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=SqueezeOptions(**options),
-                                        resume=resume, force=force, progress=progress)
+                                        resume=resume, force=force, progress=progress, device=device)
     except KeyboardInterrupt as e:
         from ..squeeze import state_dir
 
@@ -108,4 +108,5 @@ def squeeze(
     say(f"squeezed{resumed}: {last.params:,} of {o['params']:,} parameters ({last.params / o['params']:.1%}), "
         f"held-out CE {o['ce']:.4f} -> {last.ce_after:.4f} ({last.ce_after - o['ce']:+.4f}) in {result.seconds:.0f} s, "
         f"{sum(c.tokens for c in result.cycles):,} training tokens")
+    say_device(result.device)
     say(f"saved {result.saved['path']}: {loads_with(result.saved)}" + (f"; plot {plot}" if plot else ""))

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import FAILED
-from .app import ALLOW_PICKLE, JSON, STREAMING, command, dtype_option, emit_json, positive, \
-    read_text, say, show, torch_dtype
+from .app import ALLOW_PICKLE, DEVICE, JSON, STREAMING, command, dtype_option, emit_json, positive, \
+    read_text, say, say_device, show, torch_dtype
 
 
 @command
@@ -27,6 +27,7 @@ def verify(
     generate: int = typer.Option(16, min=0, metavar="N", help="greedy tokens to compare (0: skip)"),
     layers: bool = typer.Option(False, "--layers", help="also compare every hidden state"),
     streaming: Optional[bool] = STREAMING,
+    device: str = DEVICE,
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
@@ -36,7 +37,8 @@ def verify(
 
     body = read_text(text)
     r = verify_api(a, b, text=body, dtype=torch_dtype(dtype), tolerance=tol, n=samples, length=seq_len,
-                   generate=generate, per_layer=layers, streaming=streaming, allow_pickle=allow_pickle)
+                   generate=generate, per_layer=layers, streaming=streaming, allow_pickle=allow_pickle,
+                   device=device)
     if json:
         emit_json({"a": a, "b": b, "dtype": dtype, **r.as_dict()})
     else:
@@ -49,6 +51,7 @@ def verify(
             say("h_l: the residual stream entering block l (the last row: leaving the last block). The final "
                 "norm's output is not compared per layer (flashnorm moves its gain into the head); the "
                 f"{r.output} compared above is what the model outputs")
+        say_device(r.device)
         say("same function" if r.ok else "DIFFERENT: relative error above tolerance")
     if not r.ok:
         raise typer.Exit(FAILED)

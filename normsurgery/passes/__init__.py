@@ -2,6 +2,7 @@
 importing torch; its ``applies``, ``apply`` (and ``reference``) live in the module named and are
 imported on first use (``registry.declare``)."""
 
+from ..devices import PRECISIONS
 from ..registry import all_passes, between, declare, one_of
 
 #: options of mask and of the passes that can mask first (minimize, compensated-ln)
@@ -11,7 +12,7 @@ MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels"
                 "prune_heads": 0.0}
 PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 0,
                   "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
-                  "fold": True, "save_every": 0, "resume": False}
+                  "fold": True, "save_every": 0, "resume": False, "precision": "auto"}
 REMOVE_LN_OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
                      "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
                      "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
@@ -27,7 +28,7 @@ LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads"
           "eval_samples": between(1), "calib_samples": between(1), "momentum": between(0, 1, open_low=True,
                                                                                          open_high=False),
           "warmup": between(-1), "decay": between(-1), "start": between(-1), "gap": between(0),
-          "final_gap": between(0), "precision": one_of("auto", "fp32", "no", "bf16", "fp16"),
+          "final_gap": between(0), "precision": one_of(*PRECISIONS),
           "export": one_of("self", "stock"), "kind": one_of("hadamard", "random"), "seed": between(0)}
 
 for name, module, description, kind, families, extra in [

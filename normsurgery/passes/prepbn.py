@@ -224,7 +224,6 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         raise SurgeryError("prepbn needs the training loop: run it through convert or apply_passes")
     warmup, decay = schedule(opts["steps"], opts["warmup"], opts["decay"])
     train_ids, held, calib, seq = _data(ctx, opts, positions(model.config))
-    device = next(model.parameters()).device
     progs = install(model, layout, opts["momentum"])
     repbns = [p.repbn for p in progs]
 
@@ -238,7 +237,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
 
     workdir = ctx.workdir / "prepbn" if ctx.workdir else None
     config = {"steps": opts["steps"], "batch_size": opts["batch_size"], "seq_len": seq, "lr": opts["lr"],
-              "seed": opts["seed"], "eval_batch_size": 8, "resume": opts["resume"],
+              "seed": opts["seed"], "eval_batch_size": 8, "resume": opts["resume"], "precision": opts["precision"],
               "save_every": opts["save_every"] if workdir else 0, "state_dir": workdir}
     hook = attach_token_mask(model, repbns)
     try:
@@ -246,7 +245,6 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                            progress=ctx.train_progress)
     finally:
         hook.remove()
-    model.to(device)
     finish(model, layout, progs)
     t = time.perf_counter()
     reestimate(model, repbns, calib)

@@ -355,7 +355,6 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
               "weight_decay": o["weight_decay"], "grad_accum": o["grad_accum"], "precision": o["precision"],
               "seed": o["seed"], "eval_batch_size": o["batch_size"], "resume": o["resume"],
               "save_every": o["save_every"] if workdir else 0, "state_dir": workdir}
-    device = next(model.parameters()).device
     norms = install(model, layout, split=o["export"] != "stock")  # a stock norm has one output
     n_removals = sum(len(rn.paths) for rn in norms) + 1
     start, gap, final_gap = _auto_schedule(n_removals, o["steps"], o["start"], o["gap"], o["final_gap"])
@@ -364,7 +363,6 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     config["eval_steps"] = tuple(sorted({e[0] for i, e in enumerate(events) if i == 0 or e[1] != events[i - 1][1]}))
     result = ctx.train(model, train_ids, held, config, objective="causal-lm",
                        on_step=lambda step, m: freeze_until(norms, events, step), progress=ctx.train_progress)
-    model.to(device)
     check_ids = held[: min(4, len(held))]
     report = PassReport("remove-ln")
     report.metrics.update({"ce_before": result.ce_before, "ce_after": result.ce_after,

@@ -1,0 +1,127 @@
+"""Where work runs: the one decision of a command's device (``--device auto|cpu|cuda|cuda:N``).
+
+- ``auto``: the first GPU torch sees (``cuda:LOCAL_RANK`` in a process of a distributed launch),
+  else the CPU;
+- ``cpu``, ``cuda`` (the first GPU, or the launch's), ``cuda:N``: as named; a GPU named where
+  torch sees none, or an index it does not have, is refused.
+
+What follows from the choice, everywhere: a checkpoint's parts are read into host memory and
+moved to the device as they are entered (``checkpoint.Loader``), so the rewrites, the checks'
+forward passes and training compute there; a tensor is written from a host copy
+(``shards.ShardWriter``); training moves the model to its device and gives it back where it
+found it (``training.train``). Other code follows the model (:func:`of`) or its inputs.
+
+Checks on a GPU compute in IEEE float32 and float64: TF32 matrix products (10 bits of mantissa)
+would round about 1e-3 relative, far above a float32 check's 1e-5, so :func:`choose` turns TF32
+off for matmuls and cuDNN in the process that checks (float64 runs at full precision on any GPU
+that has it: an H200 does). Training on a GPU uses bf16 autocast by ``--precision``, not TF32.
+
+Nothing here imports torch at module level: :func:`check` answers usage errors before torch loads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import SurgeryError, UsageError
+
+SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
+HELP = "where to compute: auto (the first GPU torch sees, else the CPU), cpu, cuda or cuda:N"
+
+#: training precision, ``--precision`` -> accelerate's ``mixed_precision`` ("auto": bf16 autocast
+#: on a GPU that supports it, float32 elsewhere; ``training.mixed_precision``); "no" is fp32's old name
+PRECISIONS = {"auto": "auto", "fp32": "no", "bf16": "bf16", "fp16": "fp16", "no": "no"}
+PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
+PRECISION_HELP = "training precision: auto (bf16 autocast on a GPU that has it, else fp32) | fp32 | bf16 | fp16"
+
+
+def check(spec: str) -> str:
+    """``spec`` when it names a device this module can choose from (a usage error otherwise)."""
+    if not isinstance(spec, str) or not SPEC.fullmatch(spec):
+        raise UsageError(f"--device {spec!r}: choose auto, cpu, cuda or cuda:N")
+    return spec
+
+
+def choose(spec: str = "auto"):
+    """The device ``spec`` names (see the module docstring), made the current CUDA device when a
+    GPU, with TF32 off."""
+    import torch
+
+    check(spec)
+    if spec == "cpu":
+        return torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    if spec == "auto" and not cuda:
+        return torch.device("cpu")
+    if not cuda:
+        raise SurgeryError(f"--device {spec}: torch sees no GPU here (torch {torch.__version__}, "
+                           f"{'built without CUDA' if torch.version.cuda is None else 'CUDA ' + torch.version.cuda}); "
+                           "use --device cpu or auto")
+    index = int(spec.partition(":")[2] or os.environ.get("LOCAL_RANK", 0))
+    if index >= torch.cuda.device_count():
+        raise SurgeryError(f"--device {spec}: torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
+    torch.cuda.set_device(index)
+    exact_arithmetic()
+    return torch.device("cuda", index)
+
+
+def exact_arithmetic() -> None:
+    """IEEE float32 matrix products and convolutions on CUDA (TF32 off)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def describe(device) -> dict:
+    """{"device": "cuda:0", "name": "NVIDIA H200"}: what a result and a model card record."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {"device": str(device), "name": torch.cuda.get_device_name(device)}
+    return {"device": str(device), "name": "CPU" if device.type == "cpu" else device.type}
+
+
+def of(model):
+    """Where ``model`` computes: its first parameter's device that is not meta, else (a streamed
+    model, whose parameters wait on the meta device until their part is entered: its buffers were
+    placed on its device) its first buffer's, else the CPU."""
+    import torch
+
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return next((b.device for b in model.buffers()), torch.device("cpu"))
+
+
+def same(a, b) -> bool:
+    """Whether two devices are one (``cuda`` is the current CUDA device)."""
+    import torch
+
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def place_buffers(model, device) -> None:
+    """Move ``model``'s real buffers (rotary frequencies; a meta model's only real tensors) to ``device``."""
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is not None and b.device.type != "meta" and not same(b.device, device):
+                mod._buffers[name] = b.to(device)
+
+
+def free_bytes(device) -> int | None:
+    """Bytes free on a GPU ``device`` (None: not a GPU, host memory decides)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]

@@ -1,0 +1,104 @@
+"""The one load -> (mask / train) -> save runner of the commands that change a model on purpose:
+``heal``, ``prune`` (with ``--heal``), ``squeeze`` (and ``convert``'s trained passes, whose
+training runs inside the executor's one-part plan).
+
+A :class:`Job` is opened once per command, before any work: the checkpoint resolved
+(``checkpoint.Source``), the output checked (``output.check_output``: never the input, never a
+folder of the user's, writable) and the device chosen (``devices.choose``). Then:
+
+- :meth:`Job.training_data`: the text split into training ids and held-out windows;
+- :meth:`Job.accelerator`: the training processes' accelerator on that device, with the
+  precision asked for;
+- :meth:`Job.load`: the checkpoint whole, on the device (the one-part plan of ``pipeline``);
+- :meth:`Job.record`: what the saved config records (version, source, device, the steps');
+- :meth:`Job.save`: the model written and checked by ``pipeline.save`` on the main process (the
+  other processes of a distributed run wait for it).
+
+Training itself is ``training.train``, the one loop, which moves the model to the accelerator's
+device and gives it back where it found it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import devices
+from .calibration import fit_seq_len, split_heldout, tokenize, windows
+from .checkpoint import Source
+from .errors import SurgeryError
+from .output import check_output
+from .pipeline import Work, save
+from .training import make_accelerator
+from .version import __version__
+
+
+def training_windows(tokenizer, text: str, eval_text: str | None, opts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training ids, held-out windows) for ``opts`` (``eval_fraction``, ``seq_len``,
+    ``eval_samples``): the end of ``text`` held out unless ``eval_text``."""
+    ids = tokenize(tokenizer, text)
+    if eval_text is None:
+        train_ids, held = split_heldout(ids, opts.eval_fraction, opts.seq_len)
+    else:
+        train_ids, held = ids, tokenize(tokenizer, eval_text)
+    windows(train_ids, opts.seq_len, 1, "the training text")
+    n_eval = min(opts.eval_samples, max(1, len(held) // opts.seq_len))
+    return train_ids, windows(held, opts.seq_len, n_eval, "the held-out text")
+
+
+@dataclass
+class Job:
+    source: Source
+    out: Path
+    force: bool
+    device: torch.device
+    accelerator: object = None
+
+    @classmethod
+    def open(cls, src, out, *, force: bool = False, allow_pickle: bool = False, device: str = "auto") -> Job:
+        """``src`` resolved, ``out`` checked and ``device`` chosen, before any work."""
+        source = Source.open(src, allow_pickle)
+        check_output(Path(out), force, source.path)
+        return cls(source, Path(out), force, devices.choose(device))
+
+    def training_data(self, text: str, eval_text: str | None, opts) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`training_windows` of ``text`` with the checkpoint's tokenizer (``opts.seq_len``
+        fitted to the model's positions here)."""
+        if self.source.tokenizer is None:
+            raise SurgeryError(f"{self.source.name} has no tokenizer to read the text with")
+        opts.seq_len = fit_seq_len(self.source.positions, opts.seq_len)
+        return training_windows(self.source.tokenizer, text, eval_text, opts)
+
+    def make_accelerator(self, precision: str):
+        """The accelerator of the training processes, on the job's device."""
+        self.accelerator = make_accelerator(precision, self.device)
+        return self.accelerator
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes (the first of a distributed run, or the only one)."""
+        return self.accelerator is None or self.accelerator.is_main_process
+
+    def load(self):
+        """The checkpoint whole, in its storage dtype, on the job's device."""
+        return Work(self.source, self.source.storage, device=self.device).load_all()
+
+    def record(self, **steps) -> dict:
+        """What the saved config records under "normsurgery": version, source, device, ``steps``."""
+        return {"version": __version__, "source": self.source.name, "device": devices.describe(self.device), **steps}
+
+    def save(self, model, record: dict, ids: torch.Tensor, *, extra: Callable[[Path], None] | None = None,
+             progress=None) -> dict | None:
+        """``model`` written to the job's output and checked (``pipeline.save``) by the main process;
+        every process waits for it. Returns what was written (None on the other processes)."""
+        saved = None
+        if self.main:
+            kw = {} if progress is None else {"progress": progress}
+            saved = save(model, self.out, record=record, ids=ids, source=self.source, force=self.force, extra=extra,
+                         **kw)
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+        return saved

@@ -1,0 +1,120 @@
+"""Where work runs (``devices``), checked where no GPU is: the choice, its refusals, where it is
+recorded, and the contracts the GPU path rests on (tests/test_gpu.py runs them on a GPU)."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from normsurgery import devices
+from normsurgery.cli import app
+from normsurgery.errors import SurgeryError, UsageError
+from normsurgery.training import TrainConfig, mixed_precision, train
+
+from models import tiny_model, token_ids
+
+LLAMA = "normsurgery/demo/llama-tiny"
+SAMPLE = "normsurgery/data/sample.txt"
+runner = CliRunner()
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """A machine where torch sees no GPU (whatever this one has)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_the_spellings_and_the_choice(no_gpu):
+    for spec in ("auto", "cpu", "cuda", "cuda:0", "cuda:3"):
+        assert devices.check(spec) == spec
+    for spec in ("gpu", "cuda0", "cuda:", "CPU", "meta", ""):
+        with pytest.raises(UsageError, match="choose auto, cpu, cuda or cuda:N"):
+            devices.check(spec)
+    assert devices.choose("auto") == torch.device("cpu") == devices.choose("cpu")
+    assert devices.describe(devices.choose("auto")) == {"device": "cpu", "name": "CPU"}
+
+
+@pytest.mark.parametrize("spec", ["cuda", "cuda:1"])
+def test_a_gpu_asked_for_where_there_is_none_is_refused(no_gpu, spec):
+    with pytest.raises(SurgeryError, match=f"--device {spec}: torch sees no GPU here .*use --device cpu or auto"):
+        devices.choose(spec)
+
+
+def test_precision_auto_is_fp32_on_the_cpu():
+    cpu = torch.device("cpu")
+    assert mixed_precision("auto", cpu) == "no" and mixed_precision("fp32", cpu) == "no"
+    assert mixed_precision("bf16", cpu) == "bf16"
+    with pytest.raises(SurgeryError, match="choose auto, fp32, bf16, fp16"):
+        mixed_precision("fp8", cpu)
+
+
+def test_cli_refuses_a_bad_device_or_precision_before_loading(tmp_path):
+    r = runner.invoke(app, ["convert", LLAMA, str(tmp_path / "o"), "--pass", "flashnorm", "--device", "gpu"])
+    assert r.exit_code == 2 and "choose auto, cpu, cuda or cuda:N" in r.output
+    r = runner.invoke(app, ["heal", LLAMA, str(tmp_path / "o"), "--text", SAMPLE, "--precision", "bf32"])
+    assert r.exit_code == 2 and "choose one of auto, fp32, bf16, fp16" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_without_a_gpu_says_so_in_one_line(tmp_path, no_gpu):
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["verify", LLAMA, LLAMA, "--device", "cuda"])
+    assert r.exit_code == 1, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --device cuda: torch sees no GPU"), r.output
+    r = runner.invoke(app, ["convert", LLAMA, str(out), "--pass", "flashnorm", "--device", "cuda:0"])
+    assert r.exit_code == 1 and "torch sees no GPU" in r.output and not out.exists()
+
+
+def test_the_choice_is_printed_and_recorded(tmp_path, no_gpu):
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["convert", LLAMA, str(out), "--pass", "flashnorm", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["device"] == {"device": "cpu", "name": "CPU"}
+    assert json.loads((out / "config.json").read_text())["normsurgery"]["device"] == {"device": "cpu", "name": "CPU"}
+    assert "- computed on: cpu\n" in (out / "README.md").read_text()
+    r = runner.invoke(app, ["verify", LLAMA, str(out), "--device", "cpu"])
+    assert r.exit_code == 0 and "computed on cpu" in r.output
+    r = runner.invoke(app, ["verify", LLAMA, str(out), "--json", "--samples", "1", "--generate", "0"])
+    assert json.loads(r.stdout)["device"] == {"device": "cpu", "name": "CPU"}
+
+
+def test_train_gives_the_model_back_where_it_found_it():
+    """Every move of the model is recorded: the last one, after the last step, is back to where it
+    was (with the move-back removed, the last event is a step: fails)."""
+    model = tiny_model("llama", torch.float32)
+    events = []
+    real = type(model).to
+
+    def to(self, *args, **kwargs):
+        events.append(("to", torch.device(args[0]) if args and isinstance(args[0], (str, torch.device)) else None))
+        return real(self, *args, **kwargs)
+
+    type(model).to = to
+    try:
+        train(model, token_ids(1, 600, seed=1)[0], token_ids(2, 16, seed=2),
+              TrainConfig(steps=2, batch_size=2, seq_len=16, lr=1e-3),
+              on_step=lambda step, m: events.append(("step", step)))
+    finally:
+        type(model).to = real
+    steps = [i for i, e in enumerate(events) if e[0] == "step"]
+    moves = [i for i, e in enumerate(events) if e[0] == "to"]
+    assert steps and moves and moves[0] < steps[0] and moves[-1] > steps[-1]
+    assert events[moves[-1]] == ("to", torch.device("cpu"))
+
+
+def test_training_that_cannot_fit_the_gpu_is_refused_before_anything_moves(monkeypatch):
+    from normsurgery.training import check_fits, training_bytes
+
+    model = tiny_model("llama", torch.float32)
+    params = list(model.parameters())
+    gpu = torch.device("cuda")
+    weights = sum(p.numel() * 4 for p in params)
+    assert training_bytes(model, params, gpu) == 4 * weights  # weights, gradients, two AdamW moments
+    assert training_bytes(model, params[:1], gpu) == weights + 3 * params[0].numel() * 4
+    monkeypatch.setattr(devices, "free_bytes", lambda device: 2 * weights)
+    with pytest.raises(SurgeryError, match=r"training needs at least .* GiB on cuda .*heal --train lora or norms"):
+        check_fits(model, params, gpu)
+    check_fits(model, params[:1], gpu)  # one matrix trains: it fits
+    check_fits(model, params, torch.device("cpu"))  # host memory is not measured here

@@ -1,0 +1,116 @@
+"""Every command on a GPU gives the verdicts it gives on the CPU (``make test-gpu``; skipped, with
+the reason, where torch sees no GPU: CI never has one).
+
+Each command runs as a user runs it (the CLI, ``--device cuda``) on the demo checkpoints; the
+exact passes are judged on both devices with the same rules, and their relative errors must be of
+the same order (float32: within 10x of each other, both within tolerance; float64: both within
+1e-10)."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from normsurgery import devices
+from normsurgery.checkpoint import Source
+from normsurgery.cli import app
+from normsurgery.pipeline import Work
+from normsurgery.shards import ShardWriter
+from normsurgery.training import TrainConfig, mixed_precision, train
+
+from models import tiny_model, token_ids
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no GPU here (make test-gpu on a "
+                                 "machine with one)")]
+
+GPT2 = "normsurgery/demo/gpt2-tiny"
+LLAMA = "normsurgery/demo/llama-tiny"
+SAMPLE = "normsurgery/data/sample.txt"
+runner = CliRunner()
+
+
+def cli(*args) -> dict:
+    r = runner.invoke(app, [str(a) for a in args] + ["--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("src,passes", [(LLAMA, ["flashnorm"]), (GPT2, ["pre-rmsnorm:fold=true", "rotate"])])
+@pytest.mark.parametrize("plan", ["--streaming", "--in-memory"])
+def test_convert_on_cuda_gives_the_cpu_verdict(tmp_path, src, passes, plan):
+    flags = [a for p in passes for a in ("--pass", p)]
+    cpu = cli("convert", src, tmp_path / "cpu", *flags, plan, "--device", "cpu")
+    gpu = cli("convert", src, tmp_path / "gpu", *flags, plan, "--device", "cuda")
+    assert gpu["device"]["device"] == "cuda:0" and gpu["device"]["name"] == torch.cuda.get_device_name(0)
+    assert cpu["ok"] and gpu["ok"]
+    a, b = cpu["parity"]["relative"], gpu["parity"]["relative"]
+    assert b <= gpu["parity"]["tolerance"] and max(a, b) <= 10 * max(min(a, b), 1e-7), (a, b)
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+def test_float64_algebra_on_cuda(tmp_path):
+    r = cli("convert", LLAMA, tmp_path / "o", "--pass", "flashnorm", "--work-dtype", "float64", "--device", "cuda")
+    assert r["ok"] and r["parity"]["relative"] <= 1e-10
+
+
+def test_verify_on_cuda(tmp_path):
+    cli("convert", LLAMA, tmp_path / "o", "--pass", "flashnorm", "--device", "cpu")
+    for dtype in ("float32", "float64", "bfloat16"):
+        cpu = cli("verify", LLAMA, tmp_path / "o", "--dtype", dtype, "--device", "cpu")
+        gpu = cli("verify", LLAMA, tmp_path / "o", "--dtype", dtype, "--device", "cuda")
+        assert cpu["ok"] == gpu["ok"] is True, (dtype, cpu, gpu)
+        assert gpu["device"]["device"] == "cuda:0"
+    gpu = cli("verify", LLAMA, tmp_path / "o", "--streaming", "--device", "cuda")
+    assert gpu["ok"] and gpu["streaming"]
+
+
+def test_trained_commands_on_cuda(tmp_path):
+    """heal, prune --heal, squeeze and both trained passes run on the GPU, write one checked
+    output, and record where they ran."""
+    short = ["--text", SAMPLE, "--device", "cuda"]
+    h = cli("heal", LLAMA, tmp_path / "heal", "--steps", "3", "--seq-len", "32", *short)
+    assert h["device"]["device"] == "cuda:0" and h["heal"]["mixed_precision"] == mixed_precision(
+        "auto", torch.device("cuda"))
+    cli("prune", LLAMA, tmp_path / "prune", "--layers", "1", "--heal", "--steps", "2", "--seq-len", "32", *short)
+    cli("squeeze", LLAMA, tmp_path / "sq", "--target", "0.7", "--cycles", "2", "--steps-per-cycle", "2",
+        "--seq-len", "32", *short)
+    for p in ("remove-ln", "prepbn"):
+        r = cli("convert", GPT2, tmp_path / p, "--pass", p, "--steps", "30", "--seq-len", "32", *short)
+        assert r["steps"][0]["metrics"]["steps"] == 30
+    cli("verify", tmp_path / "heal", tmp_path / "heal", "--device", "cuda")
+
+
+def test_export_and_outliers_on_cuda(tmp_path):
+    r = cli("export", LLAMA, tmp_path / "onnx", "--to", "onnx", "--with-past", "--device", "cuda")
+    assert r["ok"] and r["parity"]["generation"] == 1.0
+    r = cli("inspect", LLAMA, "--outliers", "--samples", "2", "--device", "cuda")
+    assert r["device"]["device"] == "cuda:0"
+
+
+def test_parts_are_read_onto_the_device_and_written_from_the_host(tmp_path):
+    source = Source.open(LLAMA)
+    work = Work(source, torch.float32, streamed=True, device="cuda")
+    part = work.parts[1]
+    work.enter(part)
+    inside = [p for n, p in work.model.named_parameters() if n.startswith(part.scope[0] + ".")]
+    assert inside and all(p.device.type == "cuda" for p in inside)
+    assert all(b.device.type == "cuda" for b in work.model.buffers())
+    work.close()
+    writer = ShardWriter(tmp_path, 1 << 30, 1 << 12)
+    t = torch.randn(3, 4, device="cuda")
+    writer.add("t", t)
+    writer.close()
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(next(tmp_path.glob("*.safetensors"))))["t"], t.cpu())
+
+
+def test_train_on_cuda_gives_a_cpu_model_back_on_the_cpu():
+    model = tiny_model("llama", torch.float32)
+    from normsurgery.training import make_accelerator
+
+    r = train(model, token_ids(1, 600, seed=1)[0], token_ids(2, 16, seed=2),
+              TrainConfig(steps=2, batch_size=2, seq_len=16, lr=1e-3), accelerator=make_accelerator("fp32", "cuda"))
+    assert r.steps == 2 and devices.of(model).type == "cpu"
