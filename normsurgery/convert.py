@@ -33,10 +33,10 @@ from .version import __version__
 from . import devices, memory, passes as _passes, precision  # noqa: F401  (passes: the built-in passes)
 from .checkpoint import Source
 from .errors import SurgeryError
-from .output import check_output
 from .parity import TOLERANCE, Comparison, compare, dtype_name, output_kind, probe_ids
 from .pipeline import StepSpec, Tolerances, Work, check_applies, model_reader, save_work, source_reader, steps_of
 from .progress import Progress, no_progress
+from .runner import Job
 from .registry import PassContext, load_recipe, parse_pass  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
 
@@ -141,10 +141,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
     precision.check_policy([], torch.float32, on_overflow)
     steps = steps_of(passes)
-    source = Source.open(src, allow_pickle)
-    check_output(Path(out), force, source.path)
+    job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
+    source, where = job.source, job.device
     dtype = work_dtype_for(source.storage, work_dtype)
-    where = devices.choose(device)
     why = choose_plan(source, steps, dtype, streaming, where)
     work = Work(source, dtype, streamed=why is not None, device=where)
     workdir = state_dir(out)

@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 
 from . import devices, modelcard
-from .checkpoint import Source, finish, load
+from .checkpoint import finish, load
 from .errors import SurgeryError
-from .output import check_output, writing, written
+from .output import writing, written
 from .parity import Comparison, compare, outputs, probe_ids, unpadded
 from .pipeline import Tolerances, model_reader
+from .runner import Job
 
 FORMATS = ("onnx",)
 OPSET = 17
@@ -120,9 +121,8 @@ def export(src, dest, *, to: str = "onnx", text: str | None = None, tolerance: f
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
     require_onnx()
-    source = Source.open(src, allow_pickle)
-    check_output(Path(dest), force, source.path)
-    where = devices.choose(device)
+    job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device)
+    source, where = job.source, job.device
     model = load(source, torch.float32, device=where)
     if with_past and not model.can_generate():
         raise SurgeryError(f"--with-past: {source.name} is a {source.class_name}, which does not generate (no "

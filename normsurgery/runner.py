@@ -2,7 +2,8 @@
 ``heal``, ``prune`` (with ``--heal``), ``squeeze`` (and ``convert``'s trained passes, whose
 training runs inside the executor's one-part plan).
 
-A :class:`Job` is opened once per command, before any work: the checkpoint resolved
+A :class:`Job` is opened once per command that writes (those, ``convert`` and ``export``), before
+any work: the checkpoint resolved
 (``checkpoint.Source``), the output checked (``output.check_output``: never the input, never a
 folder of the user's, writable) and the device chosen (``devices.choose``). Then:
 
