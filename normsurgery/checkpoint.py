@@ -12,8 +12,12 @@ rebuilt modules. The :class:`Loader` maps each parameter to its tensor in the fi
 ``from_pretrained`` does (its key renamings, the base model's prefix added or removed, a
 mixture's experts stored one tensor each merged into the stacked parameter: :class:`Stored`),
 reads a part's parameters (all of them: the whole model, one part) cast to a working dtype, and
-frees them again. A missing, unexpected or mis-shaped weight is an error naming it (transformers would
-initialise it at random and only log it); so are NaN or Inf weights.
+frees them again. A missing weight is an error naming it (transformers would initialise it at
+random and only log it); so are a mis-shaped one, NaN or Inf weights, and a tensor of a module the
+class has not (a head, another base model: the config names the wrong class). A buffer older
+transformers saved (BERT's ``embeddings.position_ids``, a rotary ``inv_freq`` per layer) is skipped
+as ``from_pretrained`` skips it; any other unexpected tensor is left unread, as ``from_pretrained``
+leaves it, with a :class:`~normsurgery.errors.SurgeryWarning` naming it (the CLI: one ``warning:`` line).
 
 A rewritten model whose modules differ from its stock architecture is saved with a list of
 module records in ``config.normsurgery["modules"]``, the runtime copied beside the weights as
@@ -31,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -43,15 +48,17 @@ from torch import nn
 from transformers.initialization import no_init_weights
 
 from . import devices, memory, runtime
-from .errors import SurgeryError
+from .errors import SurgeryError, SurgeryWarning
 from .families import AUTO_CLASS, Head, class_name, family, head_of, positions, stock_class_of
 from .output import WEIGHT_SUFFIXES
 from .shards import Index, Reader, inside
 
 RUNTIME_FILE = "modeling_normsurgery.py"
 NOT_COPIED = {"config.json", RUNTIME_FILE}
-#: buffers old checkpoints store that no current class reads (GPT-2's attention constant)
-STALE_BUFFERS = (".masked_bias",)
+#: historic buffers: names old checkpoints store that no current module has, so the general rule
+#: (the model's own buffers, :func:`_stale`) cannot cover them. Only GPT-2's attention constant
+#: ``attn.masked_bias`` (GPT-J's, GPT-NeoX's ``attention.masked_bias`` too), which transformers dropped
+HISTORIC_BUFFERS = (".masked_bias",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 
 
@@ -300,20 +307,31 @@ class Loader:
                 self.buffers[name] = names[name]
                 used.update(names[name].keys)
         missing = sorted({n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in self.keys})
-        ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-        unexpected = sorted(k for k in source.index.keys() if k not in used and not k.endswith(STALE_BUFFERS)
-                            and not any(p.search(k) for p in ignore))
+        renamed = {k: n for n, s in names.items() for k in s.keys}
+        unexpected = sorted(k for k in source.index.keys() if k not in used and not _stale(k, renamed.get(k, k), model))
+        foreign = [k for k in unexpected if _outside(renamed.get(k, k), model)]
         shapes = sorted(s.label for p, s in self._entries() if tuple(p.shape) != s.shape(source.index))
-        problems = [f"{what} {_few(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected),
-                                                               ("mis-shaped", shapes)) if keys]
+        cls = type(model).__name__.removeprefix("NormSurgery")
+        problems = []
+        if missing:
+            problems.append(f"missing {_few(missing)} (transformers would fill them at random)")
+        if shapes:
+            problems.append(f"mis-shaped {_few(shapes)}")
+        if foreign:
+            tops = sorted({_top(renamed.get(k, k), model) for k in foreign})
+            problems.append(f"unexpected {_few(foreign)} ({cls} has no module {', '.join(tops)}: the checkpoint "
+                            f"was saved by another class, with a head or base model that the {cls} its config "
+                            "names has not)")
         kept = (getattr(source.config, "normsurgery", None) or {}).get("kept_float32") or ()
         if kept and dtype.is_floating_point and torch.finfo(dtype).bits < 32:
             more = f" (and {len(kept) - 1} more)" if len(kept) > 1 else ""
             raise SurgeryError(f"{source.name}: {kept[0]}{more} overflow {dtype}: convert kept them in float32 "
                                "(--on-overflow keep-float32); load the checkpoint in float32")
         if problems:
-            raise SurgeryError(f"cannot load {source.name} as {type(model).__name__.removeprefix('NormSurgery')}: "
-                               f"weights {'; '.join(problems)} (transformers would fill them at random)")
+            raise SurgeryError(f"cannot load {source.name} as {cls}: weights {'; '.join(problems)}")
+        if unexpected:  # transformers loads past them and reports them; so do we
+            warnings.warn(f"{source.name}: weights unexpected {_few(unexpected)}: no module of {cls} reads them; "
+                          "loaded without them, as transformers loads it", SurgeryWarning, stacklevel=2)
 
     def _entries(self):
         for ref, key in self.keys.values():
@@ -500,6 +518,54 @@ def _model_keys(model, source: Source) -> dict[str, Stored]:
             stored.append(tuple(k for _, k in found))
         names[name] = Stored(tuple(stored), ops[0].dim, ops[-1].dim if len(ops) > 1 else 0)
     return names
+
+
+def _stale(key: str, name: str, model) -> bool:
+    """Whether the stored ``key`` (``name`` in the model, renamed as ``from_pretrained`` renames)
+    is a buffer older transformers saved, which ``from_pretrained`` skips without a word: one of
+    the model's buffers, persistent or not (BERT's ``embeddings.position_ids``, now not
+    persistent); one stored per layer that the model now holds once (a rotary embedding's
+    ``inv_freq``, once per attention module before: the buffer's own module and name, wherever
+    it lies); a name the class ignores (``_keys_to_ignore_on_load_unexpected``: GPT-2's
+    ``attn.bias``); or one of the :data:`HISTORIC_BUFFERS`."""
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    if name in buffers or key.endswith(HISTORIC_BUFFERS):
+        return True
+    moved = {".".join(n.split(".")[-2:]) for n in buffers}
+    if any(name == m or name.endswith("." + m) for m in moved):
+        return True
+    return any(re.search(p, key) or re.search(p, name)
+               for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+
+
+def _tops(model) -> set[str]:
+    """The first components of the model's names (its children, its own tensors)."""
+    return ({n for n, _ in model.named_children()} | {n for n, _ in model.named_parameters(recurse=False)}
+            | {n for n, _ in model.named_buffers(recurse=False)})
+
+
+def _top(name: str, model) -> str:
+    """The module of ``model`` that ``name`` would lie in, the base model's prefix added or removed as
+    ``from_pretrained`` adds or removes it (for a name no tensor of the model has)."""
+    top, _, rest = name.partition(".")
+    prefix = getattr(model, "base_model_prefix", None) or ""
+    tops = _tops(model)
+    if top in tops:
+        return top
+    if prefix and top == prefix and prefix not in tops and rest:  # a head model's base in a base model
+        return rest.partition(".")[0]
+    return top
+
+
+def _outside(name: str, model) -> bool:
+    """Whether ``name`` lies outside every module of ``model``: the checkpoint was saved by a class
+    with a module (a head, another base model) that ``model`` has not."""
+    top = _top(name, model)
+    if top in _tops(model):
+        return False
+    prefix = getattr(model, "base_model_prefix", None) or ""
+    base = getattr(model, prefix, None) if prefix in _tops(model) else None
+    return base is None or top not in _tops(base)  # a base model's tensor stored without its prefix: inside
 
 
 def _check_finite(t: torch.Tensor, key: str, source: Source) -> None:

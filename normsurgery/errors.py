@@ -23,3 +23,8 @@ class SurgeryError(Exception):
 class UsageError(SurgeryError):
     """A command used wrongly (an unknown pass or option, a value out of range), found before any
     work: exit code 2."""
+
+
+class SurgeryWarning(UserWarning):
+    """Something the user should know that does not stop the work (an unexpected weight left
+    unread, as transformers leaves it): the CLI prints it as one ``warning:`` line."""

@@ -25,6 +25,13 @@ from .errors import SurgeryError
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".onnx", ".onnx_data")
 #: folders a checkpoint may hold that ``--force`` may replace with it (ours: an unmerged adapter)
 CHECKPOINT_FOLDERS = {"adapter", ".cache"}
+#: files besides the weights (WEIGHT_SUFFIXES) that ``--force`` may replace: what normsurgery writes
+#: (config, generation config, model card and the input's card kept beside it, the runtime module)
+#: and a tokenizer's files; a file the input also holds is one a run copies (``checkpoint.finish``)
+CHECKPOINT_FILES = {"config.json", "generation_config.json", "README.md", "README.source.md",
+                    "modeling_normsurgery.py", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json"}
 
 
 @dataclass
@@ -69,8 +76,9 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> list[str
     """Refuse, before any work, an output that would lose data or cannot be written: the input
     folder ``source`` itself, a folder inside it or holding it, the current folder (or one holding it), an existing
     folder without ``force``, and with ``force`` anything but a checkpoint (config.json and
-    weights; no folders of the user's); an unwritable location. First clears what killed runs
-    left beside ``out`` (:func:`remove_stale`) and returns what that did."""
+    weights; no folders or files of the user's: :func:`_not_a_checkpoint`); an unwritable
+    location. First clears what killed runs left beside ``out`` (:func:`remove_stale`) and
+    returns what that did."""
     out = Path(out).expanduser()
     target = out.resolve()
     stale = remove_stale(out)
@@ -92,7 +100,7 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> list[str
             raise SurgeryError(f"output {out} exists and is not a folder")
         if not force:
             raise SurgeryError(f"output {out} already exists; pass --force to replace it")
-        why = _not_a_checkpoint(out)
+        why = _not_a_checkpoint(out, source)
         if why:
             raise SurgeryError(f"--force replaces only a checkpoint folder, and {out} {why}; move what you "
                                "keep there or choose another output")
@@ -100,8 +108,10 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> list[str
     return stale
 
 
-def _not_a_checkpoint(folder: Path) -> str | None:
-    """Why ``--force`` may not replace ``folder`` (None: an empty folder, or a checkpoint)."""
+def _not_a_checkpoint(folder: Path, source: Path | None = None) -> str | None:
+    """Why ``--force`` may not replace ``folder`` (None: an empty folder, or a checkpoint holding
+    only what a run writes: CHECKPOINT_FOLDERS, CHECKPOINT_FILES, weights, and files the input
+    ``source`` also holds)."""
     entries = list(folder.iterdir())
     if not entries:
         return None
@@ -112,6 +122,12 @@ def _not_a_checkpoint(folder: Path) -> str | None:
     other = sorted(f.name for f in entries if f.is_dir() and f.name not in CHECKPOINT_FOLDERS)
     if other:
         return f"holds folders a checkpoint does not have ({', '.join(other[:3])})"
+    copied = {f.name for f in Path(source).iterdir() if f.is_file()} if source is not None else set()
+    other = sorted(f.name for f in entries if not f.is_dir() and f.name not in CHECKPOINT_FILES | copied
+                   and not f.name.endswith(WEIGHT_SUFFIXES))
+    if other:
+        more = f" and {len(other) - 5} more" if len(other) > 5 else ""
+        return f"holds files normsurgery did not write, which it would delete ({', '.join(other[:5])}{more})"
     return None
 
 

@@ -74,6 +74,24 @@ def test_force_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
     assert digest(out) == before
 
 
+def test_force_refuses_a_checkpoint_holding_files_it_did_not_write(tmp_path):
+    """Newcomer finding 3: a user's my_eval_results.txt inside a checkpoint OUT was deleted by
+    --force without a word (folders were protected, files were not)."""
+    src, out = tmp_path / "in", tmp_path / "out"
+    shutil.copytree(GPT2, src)
+    (src / "special_tokens_map.json").write_text("{}")  # a side file of the input: copied, so ours
+    r = run("convert", src, out, "--pass", "flashnorm", "--no-verify")
+    assert r.exit_code == 0, r.output
+    (out / "my_eval_results.txt").write_text("mine")
+    before = digest(out)
+    one_line_error(run("convert", src, out, "--pass", "flashnorm", "--no-verify", "--force"),
+                   match="did not write, which it would delete (my_eval_results.txt)")
+    assert digest(out) == before
+    (out / "my_eval_results.txt").unlink()  # what a run writes (card, tokenizer, the input's files) is replaced
+    r = run("convert", src, out, "--pass", "flashnorm", "--no-verify", "--force")
+    assert r.exit_code == 0, r.output
+
+
 def test_output_inside_the_input_is_refused(tmp_path):
     src = tmp_path / "in"
     shutil.copytree(GPT2, src)

@@ -13,13 +13,14 @@ import json
 import os
 import signal
 import sys
+import warnings
 from contextlib import contextmanager
 from typing import Optional
 
 import typer
 
 from .. import __version__, devices, launch, threads
-from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, UsageError
+from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryWarning, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
@@ -90,6 +91,14 @@ def say_warning(message: str) -> None:
     typer.echo(typer.style("warning:", fg="yellow") + " " + message, err=True)
 
 
+def _show_warning(shown, message, category, *args, **kwargs) -> None:
+    """Our warnings as one ``warning:`` line; any other as Python shows it."""
+    if issubclass(category, SurgeryWarning):
+        say_warning(str(message))
+    else:
+        shown(message, category, *args, **kwargs)
+
+
 def load_transformers() -> None:
     """Import torch and transformers with Ctrl-C and SIGTERM held until both are loaded (a signal
     inside torch's C++ start-up aborts the process instead of raising KeyboardInterrupt); then
@@ -120,9 +129,13 @@ def command(fn=None, *, preload: bool = True):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
-            if preload:
-                load_transformers()
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                warnings.simplefilter("default", SurgeryWarning)  # a warning repeated (two loads) is shown once
+                shown = warnings.showwarning
+                warnings.showwarning = functools.partial(_show_warning, shown)
+                if preload:
+                    load_transformers()
+                return fn(*args, **kwargs)
         except SurgeryError as e:
             say_error(str(e))
             raise typer.Exit(USAGE if isinstance(e, UsageError) else FAILED)
