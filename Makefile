@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE = 1
 export HF_HUB_DISABLE_PROGRESS_BARS = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-real test-gpu fuzz bench bench-gpu clean
+.PHONY: install demo test test-min test-real test-gpu fuzz bench bench-gpu clean
 
 $(PY):
 	python3 -m venv .venv
@@ -24,6 +24,21 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests -q
+
+# the lowest declared versions (constraints-min.txt) in their own venv, on a fast subset: CLI options,
+# loading an output with trust_remote_code, pruning and healing (LoRA, accelerate)
+PY_MIN = .venv-min/bin/python
+MIN_TESTS = tests/test_cli.py tests/test_verify.py tests/test_prune.py tests/test_checkpoint.py tests/test_heal.py
+$(PY_MIN): constraints-min.txt pyproject.toml
+	rm -rf .venv-min
+	python3 -m venv .venv-min
+	$(PY_MIN) -m pip install -q --upgrade pip
+	$(PY_MIN) -m pip install -q torch==2.13.0
+	$(PY_MIN) -m pip install -q -c constraints-min.txt -e . pytest hypothesis
+
+test-min: $(PY_MIN)
+	$(PY_MIN) -m pip freeze | grep -iE '^(torch|transformers|tokenizers|safetensors|typer|click|accelerate|peft)=='
+	$(PY_MIN) -m pytest $(MIN_TESTS) -q
 
 # tests on a real SmolLM2-135M (about 540 MB, unpacked once into $(REAL_MODELS) by ../shared/real-models/fetch)
 REAL_MODELS ?= .real-models

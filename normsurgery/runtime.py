@@ -246,10 +246,19 @@ def _inherit_weight_renames(base_name, name):
 def surgery_config(base):
     """The stock config class ``base`` under the model type ``normsurgery_<family>``, which stock
     transformers does not know: a checkpoint that needs this runtime names it, so loading it
-    without ``trust_remote_code=True`` fails instead of building the stock modules."""
+    without ``trust_remote_code=True`` fails instead of building the stock modules.
+
+    Its ``__name__`` is the stock one (``auto_map`` and pickle find it as ``NormSurgery<Config>``,
+    its ``__qualname__``). The model class's ``config_class`` is this class, and
+    ``AutoModel*.register`` (transformers 5.17 calls it on every remote-code load, 5.24 only for
+    a family it does not know) refuses a model whose ``config_class.__name__`` is not that of the
+    config being loaded: the stock class, for a checkpoint whose modules all compute the stock
+    function."""
     name = "NormSurgery" + base.__name__
     if name not in globals():
-        globals()[name] = type(name, (base,), {"model_type": RUNTIME_TYPE + base.model_type})
+        cls = type(name, (base,), {"model_type": RUNTIME_TYPE + base.model_type, "__qualname__": name})
+        cls.__name__ = base.__name__
+        globals()[name] = cls
     return globals()[name]
 
 
