@@ -184,8 +184,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     return result
 
 
-#: what a trained step's metrics say of its held-out loss
+#: what a trained step's metrics say of its held-out loss (and, where it ran, the vanilla control's)
 HELDOUT = {"ce_before", "ce_after", "tokens"}
+CONTROL = ("ce_control", "gap_to_control", "control_tokens")
 
 
 def _record(result: Result) -> dict:
@@ -197,7 +198,8 @@ def _record(result: Result) -> dict:
                         "relative_error": s.parity.relative if s.parity else None,
                         "tolerance": s.parity.tolerance if s.parity else None,
                         "reason": s.parity.reason if s.parity else None,
-                        **({"heldout": {k: s.metrics[k] for k in HELDOUT}} if HELDOUT <= s.metrics.keys() else {})}
+                        **({"heldout": {k: s.metrics[k] for k in (*HELDOUT, *CONTROL) if k in s.metrics}}
+                           if HELDOUT <= s.metrics.keys() else {})}
                        for s in result.steps]}
 
 

@@ -161,6 +161,10 @@ def _trained(record: dict) -> list[str]:
         h = p.get("heldout")
         if h:
             rows.append(f"| {p['name']} | {h['ce_before']:.4f} | {h['ce_after']:.4f} | {h['tokens']} |")
+            if "ce_control" in h:
+                rows.append(f"| {p['name']}: the vanilla fine-tune at the same budget (control; the pass is "
+                            f"{h['gap_to_control']:+.4f} from it) | {h['ce_before']:.4f} | {h['ce_control']:.4f} | "
+                            f"{h['control_tokens']} |")
     ce = record.get("heldout_ce") or {}
     if "original" in ce and "pruned" in ce:
         rows.append(f"| prune | {ce['original']:.4f} | {ce['pruned']:.4f} | 0 |")

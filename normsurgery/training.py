@@ -67,6 +67,9 @@ class TrainConfig:
     save_every: int = 0  # training state every this many steps (0: never)
     state_dir: Path | None = None
     resume: bool = False
+    patience: int = 0  # stop once held-out CE went this many evaluations without improving (0: run every step)
+    min_delta: float = 1e-3  # what counts as improving, in nats
+    settle: int = 0  # evaluations before this step do not count (a schedule still changing the model)
 
     def check(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_batch_size"):
@@ -78,6 +81,9 @@ class TrainConfig:
             raise SurgeryError(f"--lr must be positive, got {self.lr:g}")
         if (self.save_every or self.resume) and self.state_dir is None:
             raise SurgeryError("saving or resuming training state needs a state directory")
+        if self.patience and not (self.eval_every or self.eval_steps):
+            raise SurgeryError("stopping when held-out CE stops improving needs evaluations during training "
+                               "(eval_every)")
 
     @property
     def warmup_steps(self) -> int:
@@ -109,6 +115,7 @@ class TrainResult:
     resumed_from: int | None = None
     losses: list[float] = field(default_factory=list)  # mean training loss of each step
     curve: list[dict] = field(default_factory=list)  # one row per evaluation
+    cap: int | None = None  # the steps allowed, when training stopped before them (held-out CE stopped improving)
 
     @property
     def tokens_per_second(self) -> float:
@@ -124,7 +131,9 @@ class TrainResult:
         resumed = (f"resumed at step {self.resumed_from}: {self.steps - self.resumed_from} in this run, "
                    if self.resumed_from else "")
         precision = "fp32" if self.precision == "no" else self.precision
-        return f"trained {self.steps} steps ({resumed}{self.tokens:,} tokens, {self.seconds:.0f} s, {precision})"
+        stopped = f" of at most {self.cap}, held-out CE having stopped improving" if self.cap else ""
+        return (f"trained {self.steps} steps ({resumed}{self.tokens:,} tokens, {self.seconds:.0f} s, {precision}"
+                f"{stopped})")
 
 
 # ----------------------------------------------------------------------------- processes
@@ -382,13 +391,19 @@ def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, 
         optimizer.zero_grad(set_to_none=True)
         losses.append(acc.reduce(total, "mean").item() if procs > 1 else total.item())
         done = step + 1
-        if done in eval_at or done == config.steps:
+        evaluated = done in eval_at or done == config.steps
+        if evaluated:
             window = losses[curve[-1]["step"]:]
             curve.append({"step": done, "tokens": done * tokens_per_step,
                           "loss": sum(window) / len(window) if window else None, "heldout_ce": evaluate(),
                           "lr": config.lr_at(step), **metrics})
             metrics = {}
             wrapped.train()
+        if evaluated and done < config.steps and config.patience and plateaued(
+                curve, config.settle, config.patience, config.min_delta):
+            if main and progress:
+                progress(done, done, sum(losses[-10:]) / len(losses[-10:]))
+            break
         if config.save_every and done % config.save_every == 0 and done < config.steps:
             if main:
                 _save_state(state_path, {
@@ -404,6 +419,22 @@ def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, 
     for p, flag in saved_flags:
         p.requires_grad_(flag)
     model.eval()
-    return TrainResult(config.steps, config.steps * tokens_per_step, seconds, procs, acc.mixed_precision,
-                       ce_before, curve[-1]["heldout_ce"], sum(p.numel() for p in params), resumed, losses, curve)
+    ran = len(losses)
+    return TrainResult(ran, ran * tokens_per_step, seconds, procs, acc.mixed_precision, ce_before,
+                       curve[-1]["heldout_ce"], sum(p.numel() for p in params), resumed, losses, curve,
+                       cap=config.steps if ran < config.steps else None)
+
+
+def plateaued(curve: list[dict], settle: int, patience: int, min_delta: float) -> bool:
+    """Whether the held-out CE of the evaluations at or after step ``settle`` has gone ``patience``
+    evaluations without improving its best so far by more than ``min_delta`` (the first of them
+    is the reference)."""
+    ces = [row["heldout_ce"] for row in curve if row["step"] >= settle]
+    best, since = None, 0
+    for ce in ces:
+        if best is None or ce < best - min_delta:
+            best, since = ce, 0
+        else:
+            since += 1
+    return best is not None and since >= patience
 

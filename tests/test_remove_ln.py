@@ -210,3 +210,10 @@ def test_cli_options_reach_the_pass(tmp_path):
     assert not list(tmp_path.glob(".out*"))  # the training state went with the run
     config = json.loads((out / "config.json").read_text())
     assert {m["class"] for m in config["normsurgery"]["modules"] if "class" in m} == {"NoNorm"}
+    # the papers' comparison: the vanilla fine-tune at the same budget, in --json, the record and the card
+    m = step["metrics"]
+    assert m["control_tokens"] == 12 * 2 * 32 and m["gap_to_control"] == pytest.approx(m["ce_after"] - m["ce_control"])
+    assert m["ce_control"] != m["ce_before"]  # it trained
+    held = config["normsurgery"]["passes"][0]["heldout"]
+    assert held["ce_control"] == m["ce_control"]
+    assert "remove-ln: the vanilla fine-tune at the same budget" in (out / "README.md").read_text()

@@ -84,3 +84,32 @@ def test_a_resumed_run_says_where_it_resumed():
     assert r.done() == "trained 120 steps (resumed at step 50: 70 in this run, 1,000 tokens, 3 s, fp32)"
     r.resumed_from = None
     assert r.done() == "trained 120 steps (1,000 tokens, 3 s, fp32)"
+
+
+def test_plateau_rule():
+    from normsurgery.training import plateaued
+
+    def curve(*ces, start=0):
+        return [{"step": start + 10 * i, "heldout_ce": c} for i, c in enumerate(ces)]
+
+    assert not plateaued(curve(3.0, 2.9, 2.8, 2.7), 0, 2, 1e-3)  # improving
+    assert plateaued(curve(3.0, 2.9, 2.9, 2.95), 0, 2, 1e-3)  # two evaluations without improving
+    assert not plateaued(curve(3.0, 2.9, 2.9, 2.85), 0, 2, 1e-3)  # improved again
+    assert not plateaued(curve(3.0, 2.9, 2.8995, 2.9), 0, 3, 1e-3)  # 5e-4 is no improvement: 2 of 3
+    # evaluations before ``settle`` (a schedule still changing the model) do not count
+    assert not plateaued(curve(2.0, 3.0, 3.1, 3.2), 15, 2, 1e-3)
+    assert plateaued(curve(2.0, 3.0, 3.1, 3.2, 3.3), 15, 2, 1e-3)
+
+
+def test_training_stops_when_heldout_ce_stops_improving():
+    """A model that cannot improve (learning rate ~0) stops after ``patience`` evaluations; one
+    that can runs to the cap; the result says which."""
+    ids, held = data()
+    config = dict(steps=24, batch_size=2, seq_len=32, eval_every=4, patience=2)
+    stuck = train(tiny_model("llama", torch.float32), ids, held, TrainConfig(lr=1e-12, **config))
+    assert stuck.steps == 8 and stuck.cap == 24 and stuck.tokens == 8 * 2 * 32 and len(stuck.losses) == 8
+    assert [r["step"] for r in stuck.curve] == [0, 4, 8] and "of at most 24" in stuck.done()
+    learning = train(tiny_model("llama", torch.float32), ids, held, TrainConfig(lr=3e-3, **config))
+    assert learning.steps == 24 and learning.cap is None and learning.ce_after < learning.ce_before
+    with pytest.raises(SurgeryError, match="needs evaluations during training"):
+        TrainConfig(steps=10, patience=2).check()

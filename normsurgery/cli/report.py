@@ -67,9 +67,23 @@ def convert_tables(result, src, out) -> list:
     for s in result.steps:
         if s.metrics.get("curve"):
             out_tables.append(curve_table(s.name, s.metrics["curve"]))
+        if "ce_control" in s.metrics:
+            out_tables.append(control_table(s.name, s.metrics))
         if "layers" in s.metrics and "params" in s.metrics:
             out_tables.append(size_table(s.name, s.metrics))
     return out_tables
+
+
+def control_table(name: str, m: dict) -> Table:
+    """A trained pass's held-out CE beside the vanilla fine-tune at the same budget (the control
+    the papers judge against)."""
+    before = m["ce_before"]
+    rows = [("the input", f"{before:.4f}", "-", "0"),
+            (f"after {name}", f"{m['ce_after']:.4f}", f"{m['ce_after'] - before:+.4f}", f"{m['tokens']:,}"),
+            ("vanilla fine-tune (control)", f"{m['ce_control']:.4f}", f"{m['ce_control'] - before:+.4f}",
+             f"{m['control_tokens']:,}")]
+    return table(f"{name} vs the control: {m['gap_to_control']:+.4f} nats (held-out CE)",
+                 ("model", "held-out CE", "vs input", "tokens"), rows, right=(1, 2, 3))
 
 
 def loads_with(saved: dict) -> str:

@@ -10,13 +10,16 @@ from ..registry import all_passes, between, declare, one_of
 #: magnitude, or activation (units and heads scored on calibration text; sparsity and channels by magnitude))
 MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0, "prune_units": 0.0,
                 "prune_heads": 0.0}
+#: both trained norm passes: control (the vanilla fine-tune at the same budget, reported beside),
+#: patience (stop once held-out CE went that many evaluations, every eval_every steps, without improving)
+TRAINED_OPTIONS = {"control": True, "patience": 0, "eval_every": 25}
 PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 0,
                   "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
-                  "fold": True, "save_every": 0, "resume": False, "precision": "auto"}
+                  "fold": True, "save_every": 0, "resume": False, "precision": "auto", **TRAINED_OPTIONS}
 REMOVE_LN_OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
                      "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
                      "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
-                     "export": "self"}
+                     "export": "self", **TRAINED_OPTIONS}
 PRE_LN = "Pre-LN and parallel models of every supported family"
 #: the values options take, checked before anything is loaded (options not listed: any of their type);
 #: seq_len 0: min(128, the model's positions)
@@ -29,7 +32,7 @@ LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads"
                                                                                          open_high=False),
           "warmup": between(-1), "decay": between(-1), "start": between(-1), "gap": between(0),
           "final_gap": between(0), "precision": one_of(*PRECISIONS),
-          "export": one_of("self", "stock"), "kind": one_of("hadamard", "random"), "seed": between(0)}
+          "export": one_of("self", "stock"), "patience": between(0), "eval_every": between(1), "kind": one_of("hadamard", "random"), "seed": between(0)}
 
 for name, module, description, kind, families, extra in [
     ("pre-rmsnorm", "pre_rmsnorm", "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm",

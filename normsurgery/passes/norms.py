@@ -109,3 +109,36 @@ def untie_if_touched(model, layout: Layout, touched: set[str]) -> list[str]:
         return [f"untied {layout.head} from {layout.token_embedding}: the rewrite changes one of "
                 "them, and a shared tensor would change the other (the output stores both)"]
     return []
+
+
+# ----------------------------------------------------------------------------- trained passes
+
+def adaptive(config: dict, options: dict, settle: int) -> dict:
+    """``config`` (training.TrainConfig's fields) stopping once held-out CE has gone
+    ``options["patience"]`` evaluations (every ``eval_every`` steps) without improving, counted
+    from step ``settle`` (when the pass's schedule stops changing the model); unchanged without
+    patience: every step runs."""
+    if not options["patience"]:
+        return config
+    return {**config, "patience": options["patience"], "eval_every": options["eval_every"], "settle": settle}
+
+
+def vanilla_control(ctx, original, train_ids, held, config: dict, objective: str):
+    """The papers' comparison (Heimersheim 2024; Baroni et al. 2025): ``original``, the model as it
+    was before the pass, norms kept, fine-tuned on the same windows with the same budget and
+    schedule of learning rates (``config``, its seed included: the same batches), no state kept.
+    Returns its ``TrainResult``; its held-out CE is the reference the pass's is judged against."""
+    config = {**config, "save_every": 0, "resume": False, "state_dir": None}
+    return ctx.train(original, train_ids, held, config, objective=objective, progress=ctx.train_progress)
+
+
+def control_report(report, control) -> None:
+    """The control's figures in ``report`` (metrics and a note), beside the pass's ``ce_after``."""
+    if control is None:
+        return
+    gap = report.metrics["ce_after"] - control.ce_after
+    report.metrics.update(ce_control=control.ce_after, gap_to_control=gap, control_steps=control.steps,
+                          control_tokens=control.tokens, control_seconds=control.seconds)
+    report.notes.append(f"vanilla fine-tune at the same budget (norms kept; same text, steps, learning rates and "
+                        f"batches), the papers' control: held-out CE {control.ce_before:.4f} -> "
+                        f"{control.ce_after:.4f}; this pass is {gap:+.4f} from it")

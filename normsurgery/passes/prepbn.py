@@ -17,6 +17,7 @@ model fine-tunes on its language-modelling loss (:func:`normsurgery.training.tra
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -29,7 +30,8 @@ from ..errors import SurgeryError
 from ..registry import PassContext, PassReport
 from ..runtime import RepBN
 from . import PREPBN_OPTIONS as OPTIONS, bn_fold
-from .norms import refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln
+from .norms import (adaptive, control_report, refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln,
+                    vanilla_control)
 
 
 class ProgressiveNorm(nn.Module):
@@ -224,6 +226,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         raise SurgeryError("prepbn needs the training loop: run it through convert or apply_passes")
     warmup, decay = schedule(opts["steps"], opts["warmup"], opts["decay"])
     train_ids, held, calib, seq = _data(ctx, opts, positions(model.config))
+    original = copy.deepcopy(model) if opts["control"] else None
     progs = install(model, layout, opts["momentum"])
     repbns = [p.repbn for p in progs]
 
@@ -239,6 +242,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     config = {"steps": opts["steps"], "batch_size": opts["batch_size"], "seq_len": seq, "lr": opts["lr"],
               "seed": opts["seed"], "eval_batch_size": 8, "resume": opts["resume"], "precision": opts["precision"],
               "save_every": opts["save_every"] if workdir else 0, "state_dir": workdir}
+    config = adaptive(config, opts, settle=warmup + decay)
     hook = attach_token_mask(model, repbns)
     try:
         result = ctx.train(model, train_ids, held, config, objective=layout.objective, on_step=on_step,
@@ -265,4 +269,6 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         report.metrics["ce_folded"] = ctx.heldout_ce(model, held, objective=layout.objective)
     else:
         report.notes.append("not folded (fold=false): the norms are eval-mode RepBN; run bn-fold to fold them")
+    if original is not None:
+        control_report(report, vanilla_control(ctx, original, train_ids, held, config, layout.objective))
     return report

@@ -25,6 +25,7 @@ it is refused in fp16/bf16, where gains near 1e6 overflow or lose their precisio
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -39,7 +40,8 @@ from ..families import positions
 from ..layout import Layout
 from ..registry import PassContext, PassReport
 from ..runtime import NoNorm
-from .norms import refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln, untie_if_touched
+from .norms import (adaptive, control_report, refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln,
+                    untie_if_touched, vanilla_control)
 
 MOMENTUM = 0.9
 STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance
@@ -355,12 +357,14 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
               "weight_decay": o["weight_decay"], "grad_accum": o["grad_accum"], "precision": o["precision"],
               "seed": o["seed"], "eval_batch_size": o["batch_size"], "resume": o["resume"],
               "save_every": o["save_every"] if workdir else 0, "state_dir": workdir}
+    original = copy.deepcopy(model) if o["control"] else None
     norms = install(model, layout, split=o["export"] != "stock")  # a stock norm has one output
     n_removals = sum(len(rn.paths) for rn in norms) + 1
     start, gap, final_gap = _auto_schedule(n_removals, o["steps"], o["start"], o["gap"], o["final_gap"])
     events = schedule(norms, o["steps"], start, gap, final_gap)
     _calibrate(model, norms, windows(train_ids, o["seq_len"], 8))
     config["eval_steps"] = tuple(sorted({e[0] for i, e in enumerate(events) if i == 0 or e[1] != events[i - 1][1]}))
+    config = adaptive(config, o, settle=events[-1][0])
     result = ctx.train(model, train_ids, held, config, objective="causal-lm",
                        on_step=lambda step, m: freeze_until(norms, events, step), progress=ctx.train_progress)
     check_ids = held[: min(4, len(held))]
@@ -387,6 +391,8 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                             f"{report.metrics['fold_error_float32']:.1e} in float32)")
     report.notes.append(f"{result.done()}: held-out CE "
                         f"{result.ce_before:.4f} -> {result.ce_after:.4f} ({result.ce_after - result.ce_before:+.4f})")
+    if original is not None:
+        control_report(report, vanilla_control(ctx, original, train_ids, held, config, "causal-lm"))
     return report
 
 
