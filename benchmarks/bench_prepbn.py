@@ -34,8 +34,9 @@ from normsurgery.registry import PassContext  # noqa: E402
 DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / "normsurgery/demo/llama-tiny"}
 SAMPLE = ROOT / "normsurgery/data/sample.txt"
 #: a budget that only fixes each trained pass's structure (remove-ln needs a step per removal)
-SHORT = {"prepbn": {"steps": 2, "batch_size": 2, "seq_len": 32, "eval_samples": 2, "calib_samples": 2},
-         "remove-ln": {"steps": 40, "batch_size": 1, "seq_len": 32, "eval_samples": 2}}
+SHORT = {"prepbn": {"steps": 2, "batch_size": 2, "seq_len": 32, "eval_samples": 2, "calib_samples": 2,
+                    "control": False},
+         "remove-ln": {"steps": 40, "batch_size": 1, "seq_len": 32, "eval_samples": 2, "control": False}}
 
 
 def trained(original, path: Path, name: str):

@@ -7,8 +7,8 @@ bundled text (too few to keep quality: this times the loop), then the forward ti
 tokens through the original and the norm-free model (median of 5, one process, 2 threads).
 
 Quality (``--quality TEXT``): the pass with its defaults (or --steps/--lr/--batch) on TEXT, its
-last 10% held out, and a control: the same fine-tune with the norms untouched. Prints the
-per-stage curve and writes JSON with ``--json``.
+last 10% held out, and its control (the pass's own ``control=true``: the same fine-tune with the
+norms untouched). Prints the per-stage curve and writes JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -49,22 +49,6 @@ def run_pass(path: str, text: str, options: dict):
     return model, step.metrics, time.perf_counter() - t
 
 
-def control(path: str, text: str, metrics: dict, options: dict) -> dict:
-    """The same fine-tune (steps, batch, lr, schedule, data) with the norms left alone."""
-    from normsurgery import checkpoint, registry
-    from normsurgery.calibration import split_heldout, tokenize, windows
-    from normsurgery.training import TrainConfig, train
-
-    o = registry.check_options(registry.get("remove-ln"), options)
-    model = checkpoint.load(ROOT / path)
-    ids = tokenize(checkpoint.Source.open(ROOT / path).tokenizer, text)
-    tr, held = split_heldout(ids, o["heldout"], o["seq_len"])
-    r = train(model, tr, windows(held, o["seq_len"], o["eval_samples"]),
-              TrainConfig(steps=o["steps"], batch_size=o["batch_size"], seq_len=o["seq_len"], lr=o["lr"],
-                          seed=o["seed"], eval_batch_size=o["batch_size"]))
-    return {"ce_after": r.ce_after, "seconds": r.seconds}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quality", metavar="TEXT", help="measure held-out CE on TEXT (minutes per model)")
@@ -87,13 +71,13 @@ def main(argv=None) -> int:
         if args.quality:
             text = Path(args.quality).read_text()
             opts = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("batch_size", args.batch),
-                                      ("eval_samples", 64)) if v is not None}
+                                      ("eval_samples", 64), ("control", not args.no_control)) if v is not None}
             model, m, wall = run_pass(path, text, opts)
             row = {"model": name, "options": opts, "wall_seconds": wall, **{k: m[k] for k in (
                 "ce_before", "ce_after", "ce_delta", "steps", "tokens", "seconds", "schedule", "curve",
                 "fold_error_float64", "fold_error_float32")}}
-            if not args.no_control:
-                row["control"] = control(path, text, m, opts)
+            if "ce_control" in m:
+                row["control"] = {"ce_after": m["ce_control"], "seconds": m["control_seconds"]}
             print(f"\n{name}: held-out CE {m['ce_before']:.4f} -> {m['ce_after']:.4f} ({m['ce_delta']:+.4f}) "
                   f"in {m['steps']} steps, {m['tokens']} tokens, {m['seconds']:.0f} s training "
                   f"({wall:.0f} s in all); schedule {m['schedule']}")
@@ -111,7 +95,7 @@ def main(argv=None) -> int:
             steps = args.steps or 40  # llama-tiny has 26 removals to schedule
             original = checkpoint.load(ROOT / path)
             model, m, wall = run_pass(path, text, {"steps": steps, "batch_size": args.batch or 8,
-                                                   "eval_samples": 2, "save_every": 0})
+                                                   "eval_samples": 2, "save_every": 0, "control": False})
             ids = torch.randint(0, original.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(0))
             t0, t1 = forward_seconds(original, ids), forward_seconds(model.eval(), ids)
             row = {"model": name, "forward_original_s": t0, "forward_norm_free_s": t1, "ratio": t1 / t0,
