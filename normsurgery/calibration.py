@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .errors import SurgeryError
+from .options import SEQ_LEN  # the default window length (options.py: the CLI's help reads it)
 
 
 def bundled_path(name: str = "sample.txt") -> Path:
@@ -27,10 +28,6 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     # verbose=False: the whole text is longer than the model's positions on purpose (it is cut
     # into windows), so transformers' "Token indices sequence length is longer..." is noise
     return tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False)["input_ids"][0]
-
-
-#: tokens per window when none is given and the model has at least as many positions
-SEQ_LEN = 128
 
 
 def fit_seq_len(positions: int | None, seq_len: int | None, what: str = "--seq-len") -> int:

@@ -31,12 +31,12 @@ import torch
 from . import devices, modelcard
 from .checkpoint import finish, load
 from .errors import SurgeryError
+from .options import FORMATS  # noqa: F401  (re-exported)
 from .output import writing, written
 from .parity import Comparison, compare, outputs, probe_ids, unpadded
 from .pipeline import Tolerances, model_reader
 from .runner import Job
 
-FORMATS = ("onnx",)
 OPSET = 17
 GRAPH = "model.onnx"
 EXTERNAL = "model.onnx_data"

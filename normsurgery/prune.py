@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -31,16 +31,16 @@ from .analysis import blocks_of, forward_base, residual_capture
 from .calibration import bundled_text, fit_seq_len, tokenize, windows
 from .errors import SurgeryError
 from .families import family, layout
-from .heal import HealOptions, HealReport, check_values, summary, write_adapter
+from .heal import HealOptions, HealReport, summary, write_adapter
 from .heal import run as heal_run
 from .layout import LM_OBJECTIVES
+from .options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
 from .parity import output_kind, probe_ids
 from .pipeline import Tolerances, Work, anchor, save_work
 from .progress import Progress, no_progress
 from .runner import Job
 from .training import heldout_ce
 
-METHODS = ("angular", "block-influence", "last")
 
 
 @dataclass
@@ -236,21 +236,6 @@ def prune_model(model, layers: Iterable[int]) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # the command: score, remove, (heal), save
-
-
-@dataclass
-class PruneOptions:
-    layers: int | None = None  # how many layers to remove (or fraction)
-    fraction: float | None = None
-    method: str = "angular"  # METHODS
-    samples: int = 32  # calibration windows
-    seq_len: int | None = None  # tokens per window (default 128, or the model's positions when fewer)
-    batch_size: int = 8  # windows per forward pass (and per heal micro-batch)
-
-    def check(self) -> None:
-        if self.method not in METHODS:
-            raise SurgeryError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        check_values(asdict(self))
 
 
 @dataclass
