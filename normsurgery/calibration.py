@@ -42,10 +42,10 @@ def fit_seq_len(positions: int | None, seq_len: int | None, what: str = "--seq-l
 
 def check_length(ids: torch.Tensor, length: int, what: str = "the text") -> None:
     if length < 2:
-        raise SurgeryError(f"a sequence needs at least 2 tokens, got --seq-len {length}")
+        raise SurgeryError(f"a sequence needs at least 2 tokens, got a window of {length}")
     if len(ids) < length:
         raise SurgeryError(f"{what} has {len(ids)} tokens, fewer than one sequence of {length} "
-                           "(give more text or a smaller --seq-len)")
+                           "(give more text, or shorter windows: a smaller seq_len)")
 
 
 def windows(ids: torch.Tensor, length: int, n: int | None = None, what: str = "the text") -> torch.Tensor:

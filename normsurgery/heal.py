@@ -41,6 +41,7 @@ from .families import layout
 from .output import writing, written
 from .progress import no_progress
 from .runner import Job
+from .texts import text_of
 from .devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
 from .options import TRAIN_MODES, HealOptions, check_values  # noqa: F401
@@ -210,12 +211,14 @@ def write_adapter(peft_model, folder: Path, base, source: Source | None = None) 
             shutil.copy2(f, Path(folder) / f.name)
 
 
-def heal(src, out, text: str, *, eval_text: str | None = None, options: HealOptions | dict | None = None,
+def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: HealOptions | dict | None = None,
          save_adapter: bool = False, force: bool = False, progress=no_progress,
          allow_pickle: bool = False, device: str = "auto") -> HealResult:
     """LoRA on the remaining linears of ``src`` (LM loss; MLM for BERT) on ``text`` (its end held
     out unless ``eval_text``), merged and saved to ``out`` as a plain checkpoint (or, with
-    ``save_adapter``, the adapter alone, base ``src``); computed on ``device`` (``devices``)."""
+    ``save_adapter``, the adapter alone, base ``src``); computed on ``device`` (``devices``).
+    ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a file to read."""
+    text, eval_text = text_of(text), text_of(eval_text, "eval_text")
     opts = options if isinstance(options, HealOptions) else HealOptions(**(options or {}))
     opts.check(save_adapter)
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)

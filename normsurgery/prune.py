@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -36,9 +37,10 @@ from .heal import run as heal_run
 from .layout import LM_OBJECTIVES
 from .options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
 from .parity import output_kind, probe_ids
-from .pipeline import Tolerances, Work, anchor, save_work
+from .pipeline import Check, Tolerances, Work, anchor, save_work
 from .progress import Progress, no_progress
 from .runner import Job
+from .texts import text_of
 from .training import heldout_ce
 
 
@@ -253,14 +255,16 @@ class PruneResult:
     streaming: str | None
 
 
-def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | None = None,
-          eval_text: str | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
+def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | Path | None = None,
+          eval_text: str | Path | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
           streaming: bool = False, force: bool = False, progress: Progress = no_progress,
           allow_pickle: bool = False, device: str = "auto") -> PruneResult:
     """Score the layers of ``src`` on ``text`` (default: the bundled sample), remove the chosen
     ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``streaming``:
     scored and copied one part at a time (no cross-entropy, no healing). Computed on ``device``
-    (``devices``)."""
+    (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a
+    file to read."""
+    text, eval_text = text_of(text), text_of(eval_text, "eval_text")
     opts = options if isinstance(options, PruneOptions) else PruneOptions(**(options or {}))
     opts.check()
     hopts = heal if isinstance(heal, HealOptions) or heal is None else HealOptions(**heal)
@@ -342,7 +346,7 @@ def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor
         reference = anchor(work, probe)
         t = Tolerances(None, probe, work.dtype, None, output=output_kind(work.model), streamed=work.streamed,
                        device=work.device)
-        return save_work(work, job.out, storage=work.dtype, record=lambda: record, tolerances=t, anchor=reference,
+        return save_work(work, job.out, storage=work.dtype, record=lambda: record, check=Check(t, reference),
                          force=job.force, progress=progress).info
     model = healed
     extra = None

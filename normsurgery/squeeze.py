@@ -49,6 +49,7 @@ from .passes.mask import CALIBRATION
 from .progress import Progress, no_progress
 from .registry import PassContext
 from .runner import Job
+from .texts import text_of
 from .training import STATE_FILE, heldout_ce, is_main_process
 
 STATE = "squeeze.pt"
@@ -240,13 +241,15 @@ def _keep(state: Path, data: dict) -> None:
     shutil.rmtree(state / TRAIN_STATE, ignore_errors=True)
 
 
-def squeeze(src, out, text: str, *, eval_text: str | None = None, options: SqueezeOptions | dict | None = None,
+def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: SqueezeOptions | dict | None = None,
             resume: bool = False, force: bool = False, progress: Progress = no_progress,
             allow_pickle: bool = False, device: str = "auto") -> SqueezeResult:
     """Squeeze ``src`` to ``options.target`` of its parameters (or ``target_bytes``) and save the
     last cycle's model to ``out`` (checked as every output is: read back and compared); training
     on ``text`` (its end held out unless ``eval_text``), computed on ``device`` (``devices``),
-    through the one runner (``runner.Job``). See the module docstring."""
+    through the one runner (``runner.Job``). ``text`` and ``eval_text``: a ``str`` is the text
+    itself, a ``pathlib.Path`` a file to read. See the module docstring."""
+    text, eval_text = text_of(text), text_of(eval_text, "eval_text")
     opts = options if isinstance(options, SqueezeOptions) else SqueezeOptions(**(options or {}))
     opts.structure = tuple(opts.structure)
     opts.check()
