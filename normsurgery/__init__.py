@@ -6,9 +6,9 @@ Python API (the CLI is a thin layer over it)::
     result = ns.convert("in/", "out/", [("pre-rmsnorm", {"fold": True})])
     model = ns.load("out/")
     ns.verify("in/", "out/").relative
-    ns.prune("in/", "pruned/", {"layers": 2}, heal={"steps": 100}, text=open("train.txt").read())
-    ns.heal("pruned/", "healed/", open("train.txt").read())
-    ns.squeeze("in/", "small/", open("train.txt").read(), options={"target": 0.5, "cycles": 3})
+    ns.prune("in/", "pruned/", {"layers": 2}, heal={"steps": 100}, text=Path("train.txt"))
+    ns.heal("pruned/", "healed/", open("train.txt").read())  # text=: a str is the text, a Path a file
+    ns.squeeze("in/", "small/", Path("train.txt"), options={"target": 0.5, "cycles": 3})
     ns.export("out/", "onnx/", to="onnx").parity.relative  # ONNX Runtime vs torch
     ns.lens("out/").run_with_cache(ids)  # a TransformerLens model, the surgery visible
     [p.name for p in ns.passes()]
@@ -26,7 +26,7 @@ _API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": 
         "Source": "checkpoint", "save": "pipeline", "convert": "convert", "apply_passes": "convert",
         "load_recipe": "registry", "parse_pass": "registry", "SurgeryError": "errors", "passes": "passes",
         "register": "registry", "verify": "verify", "outliers": "verify", "prune": "prune", "heal": "heal",
-        "PruneOptions": "prune", "HealOptions": "heal", "squeeze": "squeeze", "SqueezeOptions": "squeeze",
+        "PruneOptions": "options", "HealOptions": "options", "squeeze": "squeeze", "SqueezeOptions": "options",
         "export": "export", "lens": "lens"}
 
 

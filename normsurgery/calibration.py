@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .errors import SurgeryError
+from .options import SEQ_LEN  # the default window length (options.py: the CLI's help reads it)
 
 
 def bundled_path(name: str = "sample.txt") -> Path:
@@ -29,10 +30,6 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False)["input_ids"][0]
 
 
-#: tokens per window when none is given and the model has at least as many positions
-SEQ_LEN = 128
-
-
 def fit_seq_len(positions: int | None, seq_len: int | None, what: str = "--seq-len") -> int:
     """The window length: none given (None or 0) fits the model, min(SEQ_LEN, positions); an
     explicit one longer than the model's positions is refused."""
@@ -45,10 +42,10 @@ def fit_seq_len(positions: int | None, seq_len: int | None, what: str = "--seq-l
 
 def check_length(ids: torch.Tensor, length: int, what: str = "the text") -> None:
     if length < 2:
-        raise SurgeryError(f"a sequence needs at least 2 tokens, got --seq-len {length}")
+        raise SurgeryError(f"a sequence needs at least 2 tokens, got a window of {length}")
     if len(ids) < length:
         raise SurgeryError(f"{what} has {len(ids)} tokens, fewer than one sequence of {length} "
-                           "(give more text or a smaller --seq-len)")
+                           "(give more text, or shorter windows: a smaller seq_len)")
 
 
 def windows(ids: torch.Tensor, length: int, n: int | None = None, what: str = "the text") -> torch.Tensor:

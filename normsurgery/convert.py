@@ -34,9 +34,11 @@ from . import devices, memory, passes as _passes, precision  # noqa: F401  (pass
 from .checkpoint import Source
 from .errors import SurgeryError
 from .parity import TOLERANCE, Comparison, compare, dtype_name, output_kind, probe_ids
-from .pipeline import StepSpec, Tolerances, Work, check_applies, model_reader, save_work, source_reader, steps_of
+from .pipeline import Check, StepSpec, Tolerances, Work, check_applies, model_reader, save_work, source_reader, \
+    steps_of
 from .progress import Progress, no_progress
 from .runner import Job
+from .texts import text_of
 from .registry import PassContext, load_recipe, parse_pass  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
 
@@ -125,7 +127,7 @@ def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, strea
 
 
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
-            verify: bool = True, work_dtype: torch.dtype | None = None, text: str | None = None,
+            verify: bool = True, work_dtype: torch.dtype | None = None, text: str | Path | None = None,
             tolerance: float | None = None, max_shard_size: str = "5GB",
             progress: Progress = no_progress, streaming: bool | None = None,
             on_overflow: str = "refuse", allow_pickle: bool = False, device: str = "auto") -> Result:
@@ -136,7 +138,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     ``streaming``: True rewrites one part at a time (blockwise passes only), False loads the whole
     model, None chooses (the result's ``streaming`` says why). ``on_overflow``: what to do with a
     rewritten tensor that does not fit a half-precision storage dtype (``precision``): refuse, or
-    keep it in float32."""
+    keep it in float32. ``text``: the checks' text (default: the bundled sample), a ``str`` being
+    the text itself and a ``pathlib.Path`` a file to read."""
+    text = text_of(text)
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
     precision.check_policy([], torch.float32, on_overflow)
@@ -170,9 +174,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
             outs.update(_step_outputs(work, ids, progress))
         return outs[_anchor_level(steps)]
 
-    saved = save_work(work, out, storage=source.storage, record=lambda: _record(result), tolerances=t,
-                      anchor=anchor if verify else None, failure=lambda c: _failure(steps, c),
-                      before_check=lambda: _judge_steps(result, work, outs, t, force), force=force,
+    check = Check(t, anchor if verify else None, before_check=lambda: _judge_steps(result, work, outs, t, force),
+                  failure=lambda c: _failure(steps, c))
+    saved = save_work(work, out, storage=source.storage, record=lambda: _record(result), check=check, force=force,
                       on_overflow=on_overflow, max_shard_size=max_shard_size, progress=progress)
     shutil.rmtree(workdir, ignore_errors=True)
     result.saved, result.parity = saved.info, saved.comparison

@@ -31,12 +31,13 @@ import torch
 from . import devices, modelcard
 from .checkpoint import finish, load
 from .errors import SurgeryError
+from .options import FORMATS  # noqa: F401  (re-exported)
 from .output import writing, written
 from .parity import Comparison, compare, outputs, probe_ids, unpadded
 from .pipeline import Tolerances, model_reader
 from .runner import Job
+from .texts import text_of
 
-FORMATS = ("onnx",)
 OPSET = 17
 GRAPH = "model.onnx"
 EXTERNAL = "model.onnx_data"
@@ -110,14 +111,16 @@ def output_name(model) -> str:
     return "logits" if layout(model).head is not None else "last_hidden_state"
 
 
-def export(src, dest, *, to: str = "onnx", text: str | None = None, tolerance: float | None = None,
+def export(src, dest, *, to: str = "onnx", text: str | Path | None = None, tolerance: float | None = None,
            force: bool = False, external_data: bool | None = None, with_past: bool = False,
            allow_pickle: bool = False, device: str = "auto") -> Exported:
     """Export ``src`` to ``dest`` (see the module docstring); ``external_data``: None decides by
     size; ``with_past``: the graph takes and returns the key/value cache (decoders), checked by
     greedy generation as well. The torch side (reference outputs, ``generate``) computes on
     ``device``; the graph is traced on the CPU, where ONNX Runtime runs it. Raises SurgeryError, writing nothing, when ONNX Runtime's outputs
-    are out of tolerance or its greedy tokens differ from ``generate``'s."""
+    are out of tolerance or its greedy tokens differ from ``generate``'s. ``text``: the check's text
+    (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file."""
+    text = text_of(text)
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
     require_onnx()

@@ -35,69 +35,20 @@ from pathlib import Path
 import torch
 
 from . import algebra
-from .errors import SurgeryError, UsageError
+from .errors import SurgeryError
 from .checkpoint import Source
 from .families import layout
 from .output import writing, written
 from .progress import no_progress
 from .runner import Job
-from .devices import PRECISION_CHOICES, PRECISIONS
+from .texts import text_of
+from .devices import PRECISIONS  # noqa: F401  (re-exported)
+# the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
+from .options import TRAIN_MODES, HealOptions, check_values  # noqa: F401
 from .training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
 
 __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
            "make_accelerator", "require_lm", "target_pattern"]
-
-#: --train: what trains
-TRAIN_MODES = ("lora", "norms", "full")
-
-
-@dataclass
-class HealOptions:
-    steps: int = 200
-    rank: int = 8
-    alpha: float | None = None  # default 2 x rank
-    lr: float = 2e-3
-    target_modules: list[str] | None = None  # linears to adapt, by name (default: every linear in the blocks)
-    batch_size: int = 8  # windows per micro-batch and process
-    seq_len: int | None = None  # default: calibration.SEQ_LEN, or the model's positions when fewer
-    grad_accum: int = 1
-    precision: str = "auto"  # PRECISIONS
-    eval_fraction: float = 0.1  # share of the text held out (when no held-out text is given)
-    eval_samples: int = 64  # held-out windows at most
-    seed: int = 0
-    train: str = "lora"  # TRAIN_MODES
-
-    def check(self, save_adapter: bool = False) -> None:
-        """The ranges the command line enforces, for values that came from a recipe or the API too."""
-        check_values(asdict(self))
-        if save_adapter and self.train != "lora":
-            raise UsageError(f"--save-adapter needs --train lora (--train {self.train} trains no adapter)")
-
-
-#: option ranges shared by heal and prune (``check_values``)
-AT_LEAST = {"samples": 1, "batch_size": 1, "eval_samples": 1, "steps": 1, "rank": 1, "grad_accum": 1,
-            "layers": 1, "seq_len": 2, "seed": 0}
-BETWEEN_0_1 = ("fraction", "eval_fraction")
-POSITIVE = ("lr", "alpha")
-
-
-def check_values(opts: dict) -> None:
-    """Each option's range (a whole number of at least N, a fraction, a positive number)."""
-    for k, v in opts.items():
-        flag = f"--{k.replace('_', '-')}"
-        if v is None:
-            continue
-        if k in AT_LEAST and (not isinstance(v, int) or isinstance(v, bool) or v < AT_LEAST[k]):
-            raise SurgeryError(f"{flag} must be a whole number of at least {AT_LEAST[k]}, got {v!r}")
-        if k in BETWEEN_0_1 and (not isinstance(v, (int, float)) or not 0 < v < 1):
-            raise SurgeryError(f"{flag} must be between 0 and 1 (exclusive), got {v!r}")
-        if k in POSITIVE and (not isinstance(v, (int, float)) or v <= 0):
-            raise SurgeryError(f"{flag} must be positive, got {v!r}")
-    if opts.get("train") is not None and opts["train"] not in TRAIN_MODES:
-        raise UsageError(f"--train {opts['train']!r}: choose one of {', '.join(TRAIN_MODES)}")
-    if opts.get("precision") is not None and opts["precision"] not in PRECISIONS:
-        raise SurgeryError(f"--precision {opts['precision']!r}: choose one of {', '.join(PRECISION_CHOICES)}")
-
 
 @dataclass
 class HealReport:
@@ -260,12 +211,14 @@ def write_adapter(peft_model, folder: Path, base, source: Source | None = None) 
             shutil.copy2(f, Path(folder) / f.name)
 
 
-def heal(src, out, text: str, *, eval_text: str | None = None, options: HealOptions | dict | None = None,
+def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: HealOptions | dict | None = None,
          save_adapter: bool = False, force: bool = False, progress=no_progress,
          allow_pickle: bool = False, device: str = "auto") -> HealResult:
     """LoRA on the remaining linears of ``src`` (LM loss; MLM for BERT) on ``text`` (its end held
     out unless ``eval_text``), merged and saved to ``out`` as a plain checkpoint (or, with
-    ``save_adapter``, the adapter alone, base ``src``); computed on ``device`` (``devices``)."""
+    ``save_adapter``, the adapter alone, base ``src``); computed on ``device`` (``devices``).
+    ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a file to read."""
+    text, eval_text = text_of(text), text_of(eval_text, "eval_text")
     opts = options if isinstance(options, HealOptions) else HealOptions(**(options or {}))
     opts.check(save_adapter)
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)

@@ -32,9 +32,9 @@ from torch import nn
 from . import algebra, analysis
 from .errors import SurgeryError
 from .layout import Layout
+from .options import CRITERIA  # the ranking criteria (one list, options.py)
 
 CHANNELS = "residual_channels"
-CRITERIA = ("magnitude", "activation")
 
 
 def block_weights(model, layout: Layout) -> dict[str, nn.Parameter]:

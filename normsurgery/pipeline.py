@@ -472,18 +472,29 @@ class Saved:
     warning: str | None
 
 
-def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dict], level: int | None = None,
-         tolerances: Tolerances | None = None, anchor: Callable[[], torch.Tensor] | None = None,
-         before_check: Callable[[], None] | None = None, failure: Callable[[Comparison], str] | None = None,
-         force: bool = False, on_overflow: str = "refuse", max_shard_size: str | int = "5GB",
-         progress: Progress = no_progress, extra: Callable[[Path], None] | None = None) -> Saved:
+@dataclass
+class Check:
+    """How :func:`save_work` checks what it wrote: the folder read back and its outputs compared with
+    ``anchor()`` (called once the parts are written) by ``tolerances`` (no anchor: nothing is read
+    back, and nothing is claimed); ``before_check`` runs between the writing and the reading (the
+    steps' own checks), anchor or not; ``failure(comparison)`` words the error when the folder
+    differs."""
+
+    tolerances: Tolerances | None = None
+    anchor: Callable[[], torch.Tensor] | None = None
+    before_check: Callable[[], None] | None = None
+    failure: Callable[[Comparison], str] | None = None
+
+
+def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dict], check: Check | None = None,
+              level: int | None = None, force: bool = False, on_overflow: str = "refuse",
+              max_shard_size: str | int = "5GB", progress: Progress = no_progress,
+              extra: Callable[[Path], None] | None = None) -> Saved:
     """Write ``work`` (at ``level``, default its last) to ``out`` atomically: the weights cast to
     ``storage`` (a tensor that does not fit it is refused or kept in float32, ``on_overflow``),
     the config with ``record()`` and the module records, the runtime where modules were rebuilt,
-    the source's side files (``extra(folder)`` adds more); then the folder read back and its
-    outputs compared with ``anchor()`` (called once the parts are written) by ``tolerances``:
-    nothing is claimed without them. ``before_check`` runs between the two (the steps' own
-    checks); ``failure(comparison)`` words the error when the folder differs. The work is spent."""
+    the source's side files (``extra(folder)`` adds more); then the folder read back and checked
+    as ``check`` says (:class:`Check`). The work is spent."""
     from transformers.utils.hub import convert_file_size_to_int
 
     level = len(work.steps) if level is None else level
@@ -495,9 +506,10 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
         files = writer.close()
         precision.check_policy(lost, storage, on_overflow)
         kept = [x.name for x in lost]
-        reference = anchor() if anchor is not None else None
-        if before_check is not None:
-            before_check()
+        check = check or Check()
+        reference = check.anchor() if check.anchor is not None else None
+        if check.before_check is not None:
+            check.before_check()
         if work.restore:
             work.restore()
         loads_as = torch.float32 if kept else storage
@@ -510,7 +522,8 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
         reload = None
         if reference is not None:
             progress("check", 0, 1)
-            reload = check_written(stage.path, records, tolerances, reference, storage, work.model, force, failure)
+            reload = check_written(stage.path, records, check.tolerances, reference, storage, work.model, force,
+                                   check.failure)
             progress("check", 1, 1)
         done = {**record(), **({"kept_float32": kept} if kept else {})}
         stamp(work.model, done)
@@ -541,5 +554,5 @@ def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = N
     tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model),
                             device=devices.of(model))
     return save_work(Work(source, model=model), out, storage=load_dtype(model), record=lambda: record or {},
-                     tolerances=tolerances, anchor=lambda: reference, force=force, max_shard_size=max_shard_size,
+                     check=Check(tolerances, lambda: reference), force=force, max_shard_size=max_shard_size,
                      extra=extra, progress=progress).info

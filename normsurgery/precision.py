@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from .errors import SurgeryError
+from .options import ON_OVERFLOW
 
-POLICIES = ("refuse", "keep-float32")
+POLICIES = ON_OVERFLOW  # options.py holds the choices
 HALF = (torch.float16, torch.bfloat16)
 
 

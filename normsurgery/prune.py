@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from pathlib import Path
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -31,16 +32,17 @@ from .analysis import blocks_of, forward_base, residual_capture
 from .calibration import bundled_text, fit_seq_len, tokenize, windows
 from .errors import SurgeryError
 from .families import family, layout
-from .heal import HealOptions, HealReport, check_values, summary, write_adapter
+from .heal import HealOptions, HealReport, summary, write_adapter
 from .heal import run as heal_run
 from .layout import LM_OBJECTIVES
+from .options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
 from .parity import output_kind, probe_ids
-from .pipeline import Tolerances, Work, anchor, save_work
+from .pipeline import Check, Tolerances, Work, anchor, save_work
 from .progress import Progress, no_progress
 from .runner import Job
+from .texts import text_of
 from .training import heldout_ce
 
-METHODS = ("angular", "block-influence", "last")
 
 
 @dataclass
@@ -239,21 +241,6 @@ def prune_model(model, layers: Iterable[int]) -> dict:
 
 
 @dataclass
-class PruneOptions:
-    layers: int | None = None  # how many layers to remove (or fraction)
-    fraction: float | None = None
-    method: str = "angular"  # METHODS
-    samples: int = 32  # calibration windows
-    seq_len: int | None = None  # tokens per window (default 128, or the model's positions when fewer)
-    batch_size: int = 8  # windows per forward pass (and per heal micro-batch)
-
-    def check(self) -> None:
-        if self.method not in METHODS:
-            raise SurgeryError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        check_values(asdict(self))
-
-
-@dataclass
 class PruneResult:
     selection: Selection
     scores: LayerScores | None
@@ -268,14 +255,16 @@ class PruneResult:
     streaming: str | None
 
 
-def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | None = None,
-          eval_text: str | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
+def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | Path | None = None,
+          eval_text: str | Path | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
           streaming: bool = False, force: bool = False, progress: Progress = no_progress,
           allow_pickle: bool = False, device: str = "auto") -> PruneResult:
     """Score the layers of ``src`` on ``text`` (default: the bundled sample), remove the chosen
     ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``streaming``:
     scored and copied one part at a time (no cross-entropy, no healing). Computed on ``device``
-    (``devices``)."""
+    (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a
+    file to read."""
+    text, eval_text = text_of(text), text_of(eval_text, "eval_text")
     opts = options if isinstance(options, PruneOptions) else PruneOptions(**(options or {}))
     opts.check()
     hopts = heal if isinstance(heal, HealOptions) or heal is None else HealOptions(**heal)
@@ -357,7 +346,7 @@ def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor
         reference = anchor(work, probe)
         t = Tolerances(None, probe, work.dtype, None, output=output_kind(work.model), streamed=work.streamed,
                        device=work.device)
-        return save_work(work, job.out, storage=work.dtype, record=lambda: record, tolerances=t, anchor=reference,
+        return save_work(work, job.out, storage=work.dtype, record=lambda: record, check=Check(t, reference),
                          force=job.force, progress=progress).info
     model = healed
     extra = None

@@ -39,70 +39,23 @@ import torch
 from . import devices, masks
 from .calibration import windows
 from .convert import apply_passes
-from .errors import SurgeryError, UsageError
+from .errors import SurgeryError
 from .families import layout
-from .heal import HealOptions, heal_model, require_lm
+from .heal import heal_model, require_lm
+from .options import STRUCTURES, SqueezeOptions  # noqa: F401  (re-exported: the API's names)
 from .parity import probe_ids
 from .pipeline import check_applies
 from .passes.mask import CALIBRATION
 from .progress import Progress, no_progress
 from .registry import PassContext
 from .runner import Job
+from .texts import text_of
 from .training import STATE_FILE, heldout_ce, is_main_process
 
-STRUCTURES = ("units", "heads", "channels")
 STATE = "squeeze.pt"
 TRAIN_STATE = "train"  # the folder of a cycle's training state, inside the squeeze state
 #: the largest fraction of its structure one cycle may mask
 MOST = 0.95
-
-
-@dataclass
-class SqueezeOptions:
-    target: float | None = 0.5  # fraction of the original's parameters (unless target_bytes)
-    target_bytes: int | None = None  # or: the output's size in bytes, in the storage dtype
-    cycles: int = 3
-    steps_per_cycle: int = 300
-    structure: tuple[str, ...] = STRUCTURES
-    by: str = "activation"  # how units and heads are ranked: activation | magnitude
-    sparsity: float = 0.0  # unstructured magnitude sparsity in each cycle's mask, released after minimize
-    release_scale: float = 0.1  # released noise's std, in units of the tensor's surviving RMS
-    train: str = "full"  # full | norms | lora
-    lr: float = 1e-3
-    batch_size: int = 8
-    seq_len: int | None = None
-    eval_fraction: float = 0.1
-    eval_samples: int = 64
-    precision: str = "auto"
-    save_every: int = 0  # training state every this many steps within a cycle (0: cycle ends only)
-    seed: int = 0
-
-    def check(self) -> None:
-        if self.target_bytes is not None:
-            if not isinstance(self.target_bytes, int) or self.target_bytes < 1:
-                raise UsageError(f"--target-bytes must be a positive whole number, got {self.target_bytes!r}")
-        elif self.target is None or not 0 < self.target < 1:
-            raise UsageError(f"--target must be a fraction of the parameters between 0 and 1, got {self.target!r}")
-        for k in ("cycles", "steps_per_cycle"):
-            if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
-                raise UsageError(f"--{k.replace('_', '-')} must be a whole number of at least 1, "
-                                 f"got {getattr(self, k)!r}")
-        unknown = [s for s in self.structure if s not in STRUCTURES]
-        if unknown or not self.structure:
-            raise UsageError(f"--structure {','.join(self.structure)!r}: choose among {', '.join(STRUCTURES)}")
-        if self.by not in masks.CRITERIA:
-            raise UsageError(f"--by {self.by!r}: choose one of {', '.join(masks.CRITERIA)}")
-        if not 0 <= self.sparsity < 1:
-            raise UsageError(f"--sparsity must be in [0, 1), got {self.sparsity!r}")
-        if not self.release_scale >= 0:
-            raise UsageError(f"--release-scale must be at least 0, got {self.release_scale!r}")
-        self.heal_options().check()
-
-    def heal_options(self) -> HealOptions:
-        """The retraining's options (heal's, so they are checked and read the same way)."""
-        return HealOptions(steps=self.steps_per_cycle, lr=self.lr, batch_size=self.batch_size, seq_len=self.seq_len,
-                           precision=self.precision, eval_fraction=self.eval_fraction,
-                           eval_samples=self.eval_samples, seed=self.seed, train=self.train)
 
 
 @dataclass
@@ -288,13 +241,15 @@ def _keep(state: Path, data: dict) -> None:
     shutil.rmtree(state / TRAIN_STATE, ignore_errors=True)
 
 
-def squeeze(src, out, text: str, *, eval_text: str | None = None, options: SqueezeOptions | dict | None = None,
+def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: SqueezeOptions | dict | None = None,
             resume: bool = False, force: bool = False, progress: Progress = no_progress,
             allow_pickle: bool = False, device: str = "auto") -> SqueezeResult:
     """Squeeze ``src`` to ``options.target`` of its parameters (or ``target_bytes``) and save the
     last cycle's model to ``out`` (checked as every output is: read back and compared); training
     on ``text`` (its end held out unless ``eval_text``), computed on ``device`` (``devices``),
-    through the one runner (``runner.Job``). See the module docstring."""
+    through the one runner (``runner.Job``). ``text`` and ``eval_text``: a ``str`` is the text
+    itself, a ``pathlib.Path`` a file to read. See the module docstring."""
+    text, eval_text = text_of(text), text_of(eval_text, "eval_text")
     opts = options if isinstance(options, SqueezeOptions) else SqueezeOptions(**(options or {}))
     opts.structure = tuple(opts.structure)
     opts.check()

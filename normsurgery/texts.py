@@ -1,11 +1,15 @@
 """Text files the commands read (--text, --eval-text), checked without importing torch, so a
-command reads them before it takes its output lock and loads torch."""
+command reads them before it takes its output lock and loads torch; and the API's ``text=`` /
+``eval_text=`` arguments (:func:`text_of`): a ``str`` is the text itself, a ``pathlib.Path`` a
+file read here."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 
-from .errors import SurgeryError
+from .errors import SurgeryError, SurgeryWarning
 
 
 def read_text(path) -> str:
@@ -20,4 +24,21 @@ def read_text(path) -> str:
         raise SurgeryError(f"{path} is not a text file (binary or not UTF-8): give plain text")
     if not text.strip():
         raise SurgeryError(f"text file {path} is empty")
+    return text
+
+
+def text_of(text, what: str = "text") -> str | None:
+    """An API's ``text=`` / ``eval_text=`` (named ``what``): a ``str`` is the text itself; a path
+    (``pathlib.Path``, any ``os.PathLike``) is a file, read with :func:`read_text`; None stays None.
+    A one-line ``str`` that names an existing file is still taken as the text, with a warning that
+    says how to read the file instead."""
+    if text is None:
+        return None
+    if isinstance(text, os.PathLike):
+        return read_text(text)
+    if not isinstance(text, str):
+        raise SurgeryError(f"{what}= takes the text (a str) or a file (a pathlib.Path), got {type(text).__name__}")
+    if "\n" not in text and len(text) < 4096 and Path(text).is_file():
+        warnings.warn(f"{what}={text!r} is taken as the text itself (a str), not as the file it names: pass "
+                      f"pathlib.Path({text!r}) to read the file", SurgeryWarning, stacklevel=3)
     return text

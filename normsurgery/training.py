@@ -76,7 +76,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise SurgeryError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.seq_len < 2:
-            raise SurgeryError(f"a sequence needs at least 2 tokens, got --seq-len {self.seq_len}")
+            raise SurgeryError(f"a sequence needs at least 2 tokens, got seq_len {self.seq_len}")
         if not self.lr > 0:
             raise SurgeryError(f"--lr must be positive, got {self.lr:g}")
         if (self.save_every or self.resume) and self.state_dir is None:
@@ -293,7 +293,7 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     train_ids = torch.as_tensor(train_ids).reshape(-1).cpu()
     if len(train_ids) < config.seq_len:
         raise SurgeryError(f"the training text has {len(train_ids)} tokens, fewer than one sequence of "
-                           f"{config.seq_len} (give more text or a smaller --seq-len)")
+                           f"{config.seq_len} (give more text, or shorter windows: a smaller seq_len)")
     home = devices.of(model)
     acc = accelerator or make_accelerator(config.precision, home)
     mlm = _mlm_spec(objective, model, mask_token_id)

@@ -1,6 +1,6 @@
 """A real checkpoint: SmolLM2-135M-Instruct (Llama family, tied embeddings, float32, 538 MB),
 in the folder ``NORMSURGERY_REAL_MODEL`` names. ``make test-real`` fetches it
-(``../shared/real-models/fetch``) and runs these tests; ``make test`` and CI do not (marker
+(``scripts/fetch_real_model.py``) and runs these tests; ``make test`` and CI do not (marker
 ``real``, deselected by default in pyproject.toml)."""
 
 import json

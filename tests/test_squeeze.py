@@ -202,8 +202,8 @@ def test_squeeze_command(tmp_path):
     (["--target", "1.5"], "not between 0 and 1"),
     (["--target", "0.5", "--target-bytes", "100"], "not both"),
     (["--structure", "units,layers"], "choose among units, heads, channels"),
-    (["--train", "adapters"], "choose one of full, norms, lora"),
-    (["--by", "gradient"], "choose one of activation, magnitude"),
+    (["--train", "adapters"], "choose one of lora, norms, full"),
+    (["--by", "gradient"], "choose one of magnitude, activation"),
 ])
 def test_usage_errors_exit_2_before_loading(tmp_path, args, message):
     r = run("squeeze", DEMO, tmp_path / "out", "--text", SAMPLE, *args)

@@ -20,6 +20,7 @@ from typing import Optional
 import typer
 
 from .. import __version__, devices, launch, threads
+from ..options import SEQ_LEN
 from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryWarning, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -256,6 +257,14 @@ def split_names(names: list[str] | None) -> list[str] | None:
     """``--target-modules q_proj,v_proj --target-modules o_proj`` -> [q_proj, v_proj, o_proj]."""
     out = [n.strip() for item in names or [] for n in item.split(",") if n.strip()]
     return out or None
+
+
+SEQ_LEN_HELP = f"tokens per window (default: {SEQ_LEN}, or the model's positions when fewer)"
+
+
+def one_of(choices, default=None) -> str:
+    """``a | b | c (default a)``: a flag's choices and default as --help shows them (from options.py)."""
+    return " | ".join(choices) + ("" if default is None else f" (default {default})")
 
 
 def positive(value: float | None) -> float | None:

@@ -8,11 +8,10 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
+from ..options import ON_OVERFLOW
 from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, STREAMING, claimed, command, did_you_mean, \
     dtype_option, emit_json, positive, progress_bar, read_text, say, say_device, say_warning, show, \
     size_option, torch_dtype
-
-ON_OVERFLOW = ("refuse", "keep-float32")  # precision.POLICIES, named here so --help needs no torch
 
 
 def overflow_option(value: str) -> str:
@@ -65,7 +64,7 @@ def convert(
     precision: Optional[str] = PRECISION,
     device: str = DEVICE,
     streaming: Optional[bool] = STREAMING,
-    on_overflow: str = typer.Option("refuse", metavar="refuse|keep-float32", callback=overflow_option,
+    on_overflow: str = typer.Option(ON_OVERFLOW[0], metavar="|".join(ON_OVERFLOW), callback=overflow_option,
                                     help="a rewritten tensor that does not fit a float16/bfloat16 checkpoint "
                                          "(overflow, or small values lost): refuse and write nothing, or keep "
                                          "that tensor in float32 with a warning"),

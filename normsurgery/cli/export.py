@@ -8,17 +8,16 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, claimed, command, did_you_mean, emit_json, positive, read_text, \
-    say, say_device
-
-FORMATS = ("onnx",)  # export.FORMATS, named here so --help needs no torch
+from ..options import FORMATS
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, claimed, command, did_you_mean, emit_json, one_of, positive, \
+    read_text, say, say_device
 
 
 @command(preload=False)
 def export(
     src: str = typer.Argument(..., metavar="IN", help="checkpoint: a folder or a cached hub id (stock or rewritten)"),
     dest: Path = typer.Argument(..., metavar="DEST", help="output folder, written atomically"),
-    to: str = typer.Option(..., "--to", metavar="FORMAT", help="onnx"),
+    to: str = typer.Option(..., "--to", metavar="FORMAT", help=one_of(FORMATS)),
     external_data: Optional[bool] = typer.Option(None, "--external-data/--no-external-data",
                                                  help="weights beside the graph in model.onnx_data (default: "
                                                       "when they exceed 1 GiB)"),

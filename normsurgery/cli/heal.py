@@ -7,13 +7,13 @@ from typing import Optional
 
 import typer
 
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, claimed, command, emit_json, merge, open_unit, \
-    positive, progress_bar, read_text, say, say_device, show, split_names, stderr
+from ..options import TRAIN_MODES, HealOptions, defaults
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, emit_json, merge, \
+    one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names, stderr
 
-#: heal's options and defaults (``heal.HealOptions``), named here so --help needs no torch
-HEAL_DEFAULTS = {"steps": 200, "rank": 8, "alpha": None, "lr": 2e-3, "target_modules": None,
-                 "batch_size": 8, "seq_len": None, "grad_accum": 1, "precision": "auto",
-                 "eval_fraction": 0.1, "eval_samples": 64, "seed": 0, "train": "lora"}
+#: heal's options and defaults: ``HealOptions``' own (options.py loads no torch, so --help needs none)
+HEAL_DEFAULTS = defaults(HealOptions)
+H = HealOptions  # its fields' defaults, for the help
 
 
 def print_heal_steps(report, seconds: float) -> None:
@@ -31,33 +31,34 @@ def heal(
     out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
     text: Path = typer.Option(..., metavar="FILE", help="training text; its last --eval-fraction is held out"),
     eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text instead of the end of --text"),
-    steps: Optional[int] = typer.Option(None, min=1, metavar="N", help="optimizer steps (default 200)"),
-    rank: Optional[int] = typer.Option(None, min=1, metavar="R", help="LoRA rank (default 8)"),
+    steps: Optional[int] = typer.Option(None, min=1, metavar="N", help=f"optimizer steps (default {H.steps})"),
+    rank: Optional[int] = typer.Option(None, min=1, metavar="R", help=f"LoRA rank (default {H.rank})"),
     alpha: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="LoRA alpha (default 2 x rank)"),
-    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="learning rate (default 2e-3)"),
+    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help=f"learning rate (default {H.lr:g})"),
     target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="linears to adapt, by name, e.g. "
                                                        "q_proj,v_proj (default: every linear in the blocks)"),
     batch_size: Optional[int] = typer.Option(None, min=1, metavar="B",
-                                             help="windows per micro-batch and process (default 8)"),
-    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="tokens per window (default: 128, or the "
-                                                                          "model's positions when fewer)"),
-    grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K", help="gradient-accumulation steps (default 1)"),
+                                             help=f"windows per micro-batch and process (default {H.batch_size})"),
+    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help=SEQ_LEN_HELP),
+    grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K",
+                                             help=f"gradient-accumulation steps (default {H.grad_accum})"),
     precision: Optional[str] = PRECISION,
     device: str = DEVICE,
     eval_fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
-                                                  help="share of --text held out (default 0.1)"),
+                                                  help=f"share of --text held out (default {H.eval_fraction:g})"),
     eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="held-out windows at most, evaluated "
-                                               "before and after (default 64; fewer is faster)"),
-    seed: Optional[int] = typer.Option(None, min=0, metavar="N", help="random seed (default 0)"),
-    train: Optional[str] = typer.Option(None, metavar="WHAT", help="what trains: lora (adapters, merged) | norms "
-                                        "(only the norms' gains and biases) | full (every parameter) (default lora)"),
+                                               f"before and after (default {H.eval_samples}; fewer is faster)"),
+    seed: Optional[int] = typer.Option(None, min=0, metavar="N", help=f"random seed (default {H.seed})"),
+    train: Optional[str] = typer.Option(None, metavar="WHAT", help="what trains (lora: adapters, merged; norms: "
+                                        "only the norms' gains and biases; full: every parameter): "
+                                        f"{one_of(TRAIN_MODES, H.train)}"),
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="save the peft adapter (base: IN), unmerged"),
     force: bool = FORCE,
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
     """LoRA on the remaining linears (LM loss; MLM for BERT), merge, save a plain checkpoint."""
-    from ..heal import HealOptions, heal as heal_checkpoint
+    from ..heal import heal as heal_checkpoint
 
     opts = HealOptions(**merge(HEAL_DEFAULTS, None, {
         "steps": steps, "rank": rank, "alpha": alpha, "lr": lr, "target_modules": split_names(target_modules),

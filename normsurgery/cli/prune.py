@@ -8,13 +8,14 @@ from typing import Optional
 import typer
 
 from ..errors import SurgeryError
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, claimed, command, did_you_mean, emit_json, merge, \
-    open_unit, positive, progress_bar, read_text, say, say_device, show, split_names
+from ..options import METHODS, TRAIN_MODES, HealOptions, PruneOptions, defaults
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, did_you_mean, \
+    emit_json, merge, one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names
 from .heal import HEAL_DEFAULTS, print_heal_steps
 
-METHODS = ("angular", "block-influence", "last")  # prune.METHODS, named here so --help needs no torch
-PRUNE_DEFAULTS = {"layers": None, "fraction": None, "method": "angular", "samples": 32, "seq_len": None,
-                  "batch_size": 8}
+#: prune's options and defaults: ``PruneOptions``' own (options.py loads no torch, so --help needs none)
+PRUNE_DEFAULTS = defaults(PruneOptions)
+P, H = PruneOptions, HealOptions  # their fields' defaults, for the help
 
 
 def load_prune_recipe(path: Path) -> tuple[dict, dict | None]:
@@ -38,30 +39,32 @@ def prune(
     layers: Optional[int] = typer.Option(None, "--layers", "-n", min=1, metavar="N", help="how many layers to remove"),
     fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
                                              help="or: the fraction of layers to remove (rounded)"),
-    method: Optional[str] = typer.Option(None, metavar="METHOD", help=f"{' | '.join(METHODS)} (default angular)"),
+    method: Optional[str] = typer.Option(None, metavar="METHOD", help=one_of(METHODS, P.method)),
     text: Optional[Path] = typer.Option(None, metavar="FILE", help="calibration (and healing) text; default: "
                                                                    "bundled Shakespeare"),
-    samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="calibration windows (default 32)"),
-    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="tokens per window (default: 128, or the "
-                                                                          "model's positions when fewer)"),
+    samples: Optional[int] = typer.Option(None, min=1, metavar="K", help=f"calibration windows (default {P.samples})"),
+    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help=SEQ_LEN_HELP),
     batch_size: Optional[int] = typer.Option(None, min=1, metavar="B", help="windows per forward pass and per heal "
-                                                                            "micro-batch (default 8)"),
+                                                                            f"micro-batch (default {P.batch_size})"),
     plot: Optional[Path] = typer.Option(None, metavar="PNG", help="also draw the scores into this PNG"),
     heal: bool = typer.Option(False, "--heal", help="heal with LoRA after pruning (see `heal --help`)"),
     eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text for CE (default: the end "
                                                                         "of --text)"),
-    eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="held-out windows at most (default 64)"),
-    steps: Optional[int] = typer.Option(None, min=1, metavar="N", help="heal: optimizer steps (default 200)"),
-    rank: Optional[int] = typer.Option(None, min=1, metavar="R", help="heal: LoRA rank (default 8)"),
-    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="heal: learning rate (default 2e-3)"),
+    eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K",
+                                               help=f"held-out windows at most (default {H.eval_samples})"),
+    steps: Optional[int] = typer.Option(None, min=1, metavar="N", help=f"heal: optimizer steps (default {H.steps})"),
+    rank: Optional[int] = typer.Option(None, min=1, metavar="R", help=f"heal: LoRA rank (default {H.rank})"),
+    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X",
+                                      help=f"heal: learning rate (default {H.lr:g})"),
     target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="heal: linears to adapt, by name "
                                                        "(default: all in the blocks)"),
     grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K",
-                                             help="heal: gradient-accumulation steps (default 1)"),
+                                             help=f"heal: gradient-accumulation steps (default {H.grad_accum})"),
     precision: Optional[str] = PRECISION,
     device: str = DEVICE,
-    train: Optional[str] = typer.Option(None, metavar="WHAT", help="heal: what trains: lora | norms | full "
-                                        "(default lora; see `heal --help`)"),
+    train: Optional[str] = typer.Option(None, metavar="WHAT",
+                                        help=f"heal: what trains: {one_of(TRAIN_MODES, H.train)}; "
+                                        "see `heal --help`"),
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="heal: keep the adapter in OUT/adapter, unmerged"),
     recipe: Optional[Path] = typer.Option(None, metavar="FILE", help="a TOML recipe with [prune] (and [heal]) tables"),
     force: bool = FORCE,
@@ -71,8 +74,7 @@ def prune(
     json: bool = JSON,
 ):
     """Remove the layers that change the residual stream least; optionally heal; save."""
-    from ..heal import HealOptions
-    from ..prune import PruneOptions, prune as prune_checkpoint
+    from ..prune import prune as prune_checkpoint
 
     prune_recipe, heal_recipe = load_prune_recipe(recipe) if recipe else ({}, None)
     p = merge(PRUNE_DEFAULTS, prune_recipe, {"layers": layers, "fraction": fraction, "method": method,

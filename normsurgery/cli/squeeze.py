@@ -8,12 +8,11 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, claimed, command, emit_json, open_unit, positive, \
-    progress_bar, read_text, say, say_device, show
+from ..options import CRITERIA, STRUCTURES, TRAIN_MODES, SqueezeOptions
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, emit_json, one_of, \
+    open_unit, positive, progress_bar, read_text, say, say_device, show
 
-STRUCTURES = ("units", "heads", "channels")  # squeeze.STRUCTURES, named here so --help needs no torch
-TRAIN = ("full", "norms", "lora")
-BY = ("activation", "magnitude")  # masks.CRITERIA
+S = SqueezeOptions  # its fields' defaults, for the help (options.py loads no torch, so --help needs none)
 
 
 @command(preload=False)
@@ -23,38 +22,41 @@ def squeeze(
     text: Path = typer.Option(..., metavar="FILE", help="training text; its last --eval-fraction is held out"),
     eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text instead of the end of --text"),
     target: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
-                                           help="fraction of the parameters to keep (default 0.5)"),
+                                           help=f"fraction of the parameters to keep (default {S.target:g})"),
     target_bytes: Optional[int] = typer.Option(None, min=1, metavar="N",
                                                help="or: the output's size in bytes (storage dtype)"),
     cycles: Optional[int] = typer.Option(None, min=1, metavar="N", help="mask -> minimize -> release -> retrain "
-                                          "cycles; 1 is one-shot (default 3)"),
+                                          f"cycles; 1 is one-shot (default {S.cycles})"),
     steps_per_cycle: Optional[int] = typer.Option(None, min=1, metavar="S", help="retraining steps per cycle "
-                                                   "(default 300)"),
+                                                   f"(default {S.steps_per_cycle})"),
     structure: Optional[str] = typer.Option(None, metavar="LIST", help="what the masks remove: some of "
-                                            f"{', '.join(STRUCTURES)} (default all)"),
-    by: Optional[str] = typer.Option(None, metavar="HOW", help="how units and heads are ranked: activation (the "
-                                     "energy they write on calibration windows of --text) | magnitude (default "
-                                     "activation); channels by the energy written into them"),
+                                            f"{', '.join(STRUCTURES)} (default {','.join(S.structure)})"),
+    by: Optional[str] = typer.Option(None, metavar="HOW", help="how units and heads are ranked (activation: by the "
+                                     "energy they write on calibration windows of --text; magnitude: by their weights; "
+                                     f"channels by the energy written into them): {one_of(CRITERIA, S.by)}"),
     sparsity: Optional[float] = typer.Option(None, min=0.0, max=0.999, metavar="X", help="unstructured magnitude "
                                              "sparsity added to each cycle's mask, released after minimize "
-                                             "(default 0)"),
+                                             f"(default {S.sparsity:g})"),
     release_scale: Optional[float] = typer.Option(None, min=0.0, metavar="X", help="released noise's std, in units "
-                                                  "of the RMS of the tensor's surviving weights (default 0.1)"),
-    train: Optional[str] = typer.Option(None, metavar="WHAT", help="what retrains: full | norms | lora (merged) "
-                                      "(default full)"),
-    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="learning rate (default 1e-3)"),
-    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B", help="windows per step (default 8)"),
-    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="tokens per window (default: 128, or the "
-                                                                          "model's positions when fewer)"),
+                                                  "of the RMS of the tensor's surviving weights "
+                                                  f"(default {S.release_scale:g})"),
+    train: Optional[str] = typer.Option(None, metavar="WHAT", help="what retrains (lora: merged): "
+                                      f"{one_of(TRAIN_MODES, S.train)}"),
+    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help=f"learning rate (default {S.lr:g})"),
+    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B",
+                                             help=f"windows per step (default {S.batch_size})"),
+    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help=SEQ_LEN_HELP),
     eval_fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
-                                                  help="share of --text held out (default 0.1)"),
-    eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="held-out windows at most (default 64)"),
+                                                  help=f"share of --text held out (default {S.eval_fraction:g})"),
+    eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K",
+                                               help=f"held-out windows at most (default {S.eval_samples})"),
     precision: Optional[str] = PRECISION,
     device: str = DEVICE,
     seed: Optional[int] = typer.Option(None, min=0, metavar="N", help="seed of the release noise and the training "
-                                     "batches (default 0)"),
+                                     f"batches (default {S.seed})"),
     save_every: Optional[int] = typer.Option(None, min=0, metavar="N", help="keep the training state every N steps "
-                                          "within a cycle (the state after each cycle is always kept)"),
+                                          f"within a cycle (default {S.save_every}: none; the state after each "
+                                          "cycle is always kept)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its kept state"),
     plot: Optional[Path] = typer.Option(None, metavar="PNG", help="also draw size vs held-out CE per cycle"),
     force: bool = FORCE,
@@ -65,12 +67,6 @@ def squeeze(
     if target is not None and target_bytes is not None:
         raise UsageError("give --target or --target-bytes, not both")
     parts = None if structure is None else tuple(s.strip() for s in structure.split(",") if s.strip())
-    if parts is not None and (not parts or any(s not in STRUCTURES for s in parts)):
-        raise UsageError(f"--structure {structure!r}: choose among {', '.join(STRUCTURES)}")
-    if train is not None and train not in TRAIN:
-        raise UsageError(f"--train {train!r}: choose one of {', '.join(TRAIN)}")
-    if by is not None and by not in BY:
-        raise UsageError(f"--by {by!r}: choose one of {', '.join(BY)}")
     given = {"target": target, "target_bytes": target_bytes, "cycles": cycles, "steps_per_cycle": steps_per_cycle,
              "structure": parts, "by": by, "sparsity": sparsity, "release_scale": release_scale, "train": train,
              "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "eval_fraction": eval_fraction,
@@ -78,12 +74,14 @@ def squeeze(
     options = {k: v for k, v in given.items() if v is not None}
     if target_bytes is not None:
         options["target"] = None
+    options = SqueezeOptions(**options)
+    options.check()  # every choice and range, before torch loads (the API checks the same)
     body, held_text = read_text(text), read_text(eval_text)
     try:
         with claimed(src, out, force, allow_pickle) as source, progress_bar(not json) as progress:
-            from ..squeeze import SqueezeOptions, squeeze as squeeze_checkpoint
+            from ..squeeze import squeeze as squeeze_checkpoint
 
-            result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=SqueezeOptions(**options),
+            result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=options,
                                         resume=resume, force=force, progress=progress, device=device)
     except KeyboardInterrupt as e:
         from ..squeeze import state_dir

@@ -1,0 +1,164 @@
+"""Each command's options, their defaults and their choices, once (ARCHITECTURE: "Options from one
+source"). The API's option dataclasses live here, with the checks of their values; the CLI builds
+its flags' defaults, help and choices from them, and ``heal``, ``prune``, ``squeeze``,
+``precision``, ``masks`` and ``export`` re-export what they use.
+
+Nothing here imports torch: ``--help`` and usage errors are answered from this module alone.
+A value out of range is named by its flag (:func:`flag`, the one place an option's name becomes
+``--its-name``), since the same check guards the CLI, recipes and the API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from .devices import PRECISION_CHOICES, PRECISIONS
+from .errors import SurgeryError, UsageError
+
+__all__ = ["CRITERIA", "FORMATS", "HealOptions", "METHODS", "ON_OVERFLOW", "PruneOptions", "STRUCTURES",
+           "SEQ_LEN", "SqueezeOptions", "TRAIN_MODES", "check_values", "defaults", "flag"]
+
+#: tokens per window when none is given (or the model's positions when fewer: ``calibration.fit_seq_len``)
+SEQ_LEN = 128
+#: prune --method: how the layers to remove are chosen (``prune``)
+METHODS = ("angular", "block-influence", "last")
+#: heal / squeeze --train, prune --heal --train: what trains
+TRAIN_MODES = ("lora", "norms", "full")
+#: squeeze --structure: what the masks remove (``squeeze``)
+STRUCTURES = ("units", "heads", "channels")
+#: squeeze --by, the mask pass's ``by``: how units and heads are ranked (``masks``)
+CRITERIA = ("magnitude", "activation")
+#: convert --on-overflow: a rewritten tensor that does not fit a half-precision checkpoint (``precision``)
+ON_OVERFLOW = ("refuse", "keep-float32")
+#: export --to (``export``)
+FORMATS = ("onnx",)
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of option ``name``: ``seq_len`` -> ``--seq-len``."""
+    return f"--{name.replace('_', '-')}"
+
+
+def defaults(cls) -> dict:
+    """``{field: default}`` of an options dataclass (a fresh copy: lists are not shared)."""
+    return asdict(cls())
+
+
+#: option ranges shared by heal and prune (``check_values``)
+AT_LEAST = {"samples": 1, "batch_size": 1, "eval_samples": 1, "steps": 1, "rank": 1, "grad_accum": 1,
+            "layers": 1, "seq_len": 2, "seed": 0}
+BETWEEN_0_1 = ("fraction", "eval_fraction")
+POSITIVE = ("lr", "alpha")
+
+
+def check_values(opts: dict) -> None:
+    """Each option's range (a whole number of at least N, a fraction, a positive number) and choice."""
+    for k, v in opts.items():
+        if v is None:
+            continue
+        if k in AT_LEAST and (not isinstance(v, int) or isinstance(v, bool) or v < AT_LEAST[k]):
+            raise SurgeryError(f"{flag(k)} must be a whole number of at least {AT_LEAST[k]}, got {v!r}")
+        if k in BETWEEN_0_1 and (not isinstance(v, (int, float)) or not 0 < v < 1):
+            raise SurgeryError(f"{flag(k)} must be between 0 and 1 (exclusive), got {v!r}")
+        if k in POSITIVE and (not isinstance(v, (int, float)) or v <= 0):
+            raise SurgeryError(f"{flag(k)} must be positive, got {v!r}")
+    if opts.get("train") is not None and opts["train"] not in TRAIN_MODES:
+        raise UsageError(f"{flag('train')} {opts['train']!r}: choose one of {', '.join(TRAIN_MODES)}")
+    if opts.get("precision") is not None and opts["precision"] not in PRECISIONS:
+        raise SurgeryError(f"{flag('precision')} {opts['precision']!r}: choose one of {', '.join(PRECISION_CHOICES)}")
+
+
+@dataclass
+class HealOptions:
+    steps: int = 200
+    rank: int = 8
+    alpha: float | None = None  # default 2 x rank
+    lr: float = 2e-3
+    target_modules: list[str] | None = None  # linears to adapt, by name (default: every linear in the blocks)
+    batch_size: int = 8  # windows per micro-batch and process
+    seq_len: int | None = None  # default: SEQ_LEN, or the model's positions when fewer
+    grad_accum: int = 1
+    precision: str = "auto"  # devices.PRECISIONS
+    eval_fraction: float = 0.1  # share of the text held out (when no held-out text is given)
+    eval_samples: int = 64  # held-out windows at most
+    seed: int = 0
+    train: str = "lora"  # TRAIN_MODES
+
+    def check(self, save_adapter: bool = False) -> None:
+        """The ranges the command line enforces, for values that came from a recipe or the API too."""
+        check_values(asdict(self))
+        if save_adapter and self.train != "lora":
+            raise UsageError(f"--save-adapter needs {flag('train')} lora ({flag('train')} {self.train} trains "
+                             "no adapter)")
+
+
+@dataclass
+class PruneOptions:
+    layers: int | None = None  # how many layers to remove (or fraction)
+    fraction: float | None = None
+    method: str = "angular"  # METHODS
+    samples: int = 32  # calibration windows
+    seq_len: int | None = None  # tokens per window (default 128, or the model's positions when fewer)
+    batch_size: int = 8  # windows per forward pass (and per heal micro-batch)
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise SurgeryError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        check_values(asdict(self))
+
+
+@dataclass
+class SqueezeOptions:
+    target: float | None = 0.5  # fraction of the original's parameters (unless target_bytes)
+    target_bytes: int | None = None  # or: the output's size in bytes, in the storage dtype
+    cycles: int = 3
+    steps_per_cycle: int = 300
+    structure: tuple[str, ...] = STRUCTURES
+    by: str = "activation"  # CRITERIA: how units and heads are ranked
+    sparsity: float = 0.0  # unstructured magnitude sparsity in each cycle's mask, released after minimize
+    release_scale: float = 0.1  # released noise's std, in units of the tensor's surviving RMS
+    train: str = "full"  # TRAIN_MODES
+    lr: float = 1e-3
+    batch_size: int = 8
+    seq_len: int | None = None
+    eval_fraction: float = 0.1
+    eval_samples: int = 64
+    precision: str = "auto"
+    save_every: int = 0  # training state every this many steps within a cycle (0: cycle ends only)
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.target_bytes is not None:
+            if not isinstance(self.target_bytes, int) or self.target_bytes < 1:
+                raise UsageError(f"{flag('target_bytes')} must be a positive whole number, got {self.target_bytes!r}")
+        elif self.target is None or not 0 < self.target < 1:
+            raise UsageError(f"{flag('target')} must be a fraction of the parameters between 0 and 1, "
+                             f"got {self.target!r}")
+        for k in ("cycles", "steps_per_cycle"):
+            if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
+                raise UsageError(f"{flag(k)} must be a whole number of at least 1, got {getattr(self, k)!r}")
+        unknown = [s for s in self.structure if s not in STRUCTURES]
+        if unknown or not self.structure:
+            raise UsageError(f"{flag('structure')} {','.join(self.structure)!r}: choose among "
+                             f"{', '.join(STRUCTURES)}")
+        if self.by not in CRITERIA:
+            raise UsageError(f"{flag('by')} {self.by!r}: choose one of {', '.join(CRITERIA)}")
+        if not 0 <= self.sparsity < 1:
+            raise UsageError(f"{flag('sparsity')} must be in [0, 1), got {self.sparsity!r}")
+        if not self.release_scale >= 0:
+            raise UsageError(f"{flag('release_scale')} must be at least 0, got {self.release_scale!r}")
+        self.heal_options().check()
+
+    def heal_options(self) -> HealOptions:
+        """The retraining's options (heal's, so they are checked and read the same way)."""
+        return HealOptions(steps=self.steps_per_cycle, lr=self.lr, batch_size=self.batch_size, seq_len=self.seq_len,
+                           precision=self.precision, eval_fraction=self.eval_fraction,
+                           eval_samples=self.eval_samples, seed=self.seed, train=self.train)
+
+
+#: each command's options dataclass (prune's --heal flags are HealOptions' too)
+COMMANDS = {"heal": HealOptions, "prune": PruneOptions, "squeeze": SqueezeOptions}
+
+
+def field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
