@@ -118,7 +118,7 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
                lr: float = 2e-3, target_modules: list[str] | None = None, mask_token_id: int | None = None,
                merge: bool = True, seed: int = 0, grad_accum: int = 1, accelerator=None, train_mode: str = "lora",
                progress: StepProgress = lambda step, total, loss: None, save_every: int = 0,
-               state_dir: Path | None = None, resume: bool = False):
+               state_dir: Path | None = None, resume: bool = False, patience: int = 0, eval_every: int = 25):
     """Train LoRA adapters (rank ``rank``, scale ``alpha / rank``, alpha defaulting to 2 rank) on
     random ``seq_len`` windows of ``train_ids`` for ``steps`` optimizer steps of ``batch_size``
     windows x ``grad_accum`` x processes. AdamW, linear warm-up over the first 10% of steps,
@@ -128,7 +128,8 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
     instead (rank, alpha, target_modules and merge then play no part).
 
     ``save_every``, ``state_dir``, ``resume``: the training state, kept and continued as
-    :func:`training.train` does.
+    :func:`training.train` does. ``patience``: stop once held-out CE went that many evaluations
+    (every ``eval_every`` steps) without improving; ``steps`` is then the cap.
 
     Returns (model, HealReport): the merged plain model, or the peft model when ``merge=False``.
     """
@@ -139,7 +140,7 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
         raise SurgeryError(f"--rank must be at least 1, got {rank}")
     config = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, grad_accum=grad_accum,
                          seed=seed, eval_batch_size=batch_size, save_every=save_every, state_dir=state_dir,
-                         resume=resume)
+                         resume=resume, patience=patience, eval_every=eval_every if patience else 0)
     config.check()
     objective = objective_of(model)
     alpha = float(2 * rank if alpha is None else alpha)
@@ -193,7 +194,7 @@ def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = T
                                target_modules=opts.target_modules,
                                mask_token_id=getattr(tokenizer, "mask_token_id", None), merge=merge, seed=opts.seed,
                                grad_accum=opts.grad_accum, accelerator=accelerator, train_mode=opts.train,
-                               progress=step)
+                               progress=step, patience=opts.patience, eval_every=opts.eval_every)
     return model, report, time.perf_counter() - t0
 
 

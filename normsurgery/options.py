@@ -46,7 +46,7 @@ def defaults(cls) -> dict:
 
 #: option ranges shared by heal and prune (``check_values``)
 AT_LEAST = {"samples": 1, "batch_size": 1, "eval_samples": 1, "steps": 1, "rank": 1, "grad_accum": 1,
-            "layers": 1, "seq_len": 2, "seed": 0}
+            "layers": 1, "seq_len": 2, "seed": 0, "patience": 0, "eval_every": 1}
 BETWEEN_0_1 = ("fraction", "eval_fraction")
 POSITIVE = ("lr", "alpha")
 
@@ -83,6 +83,8 @@ class HealOptions:
     eval_samples: int = 64  # held-out windows at most
     seed: int = 0
     train: str = "lora"  # TRAIN_MODES
+    patience: int = 0  # stop once held-out CE went this many evaluations without improving (0: every step runs)
+    eval_every: int = 25  # steps between those evaluations (with patience)
 
     def check(self, save_adapter: bool = False) -> None:
         """The ranges the command line enforces, for values that came from a recipe or the API too."""
@@ -126,6 +128,8 @@ class SqueezeOptions:
     precision: str = "auto"
     save_every: int = 0  # training state every this many steps within a cycle (0: cycle ends only)
     seed: int = 0
+    patience: int = 0  # a cycle's retraining stops once held-out CE went this many evaluations without improving
+    eval_every: int = 25  # steps between those evaluations (with patience)
 
     def check(self) -> None:
         if self.target_bytes is not None:
@@ -153,7 +157,8 @@ class SqueezeOptions:
         """The retraining's options (heal's, so they are checked and read the same way)."""
         return HealOptions(steps=self.steps_per_cycle, lr=self.lr, batch_size=self.batch_size, seq_len=self.seq_len,
                            precision=self.precision, eval_fraction=self.eval_fraction,
-                           eval_samples=self.eval_samples, seed=self.seed, train=self.train)
+                           eval_samples=self.eval_samples, seed=self.seed, train=self.train, patience=self.patience,
+                           eval_every=self.eval_every)
 
 
 #: each command's options dataclass (prune's --heal flags are HealOptions' too)

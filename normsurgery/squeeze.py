@@ -221,7 +221,8 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
             model, train_ids, held, steps=heal.steps, seq_len=heal.seq_len, batch_size=heal.batch_size,
             lr=heal.lr, mask_token_id=mask_token_id, seed=opts.seed + c, accelerator=accelerator,
             train_mode=heal.train, progress=step, save_every=opts.save_every if state is not None else 0,
-            state_dir=train_state, resume=resume and c == first and mid_cycle)
+            state_dir=train_state, resume=resume and c == first and mid_cycle, patience=heal.patience,
+            eval_every=heal.eval_every)
         params = parameters(model)
         cycles.append(Cycle(c, fraction, heads, params, params * storage_bytes, check.relative, check.tolerance,
                             released, ce_masked, report.ce_before, report.ce_after, report.tokens, report.seconds))

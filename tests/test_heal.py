@@ -161,3 +161,13 @@ def test_cli_train_choice(tmp_path):
     assert saved["train"] == "norms"
     pruned = run("prune", LLAMA, tmp_path / "d", "--layers", "1", "--text", SAMPLE, "--heal", "--train", "wrong")
     assert pruned.exit_code == 2 and "--train 'wrong'" in pruned.output
+
+
+def test_heal_stops_when_heldout_ce_stops_improving(tmp_path):
+    """--patience: a heal that cannot improve (learning rate ~0) stops at its first evaluation
+    without improvement; the summary says how many steps ran of the cap."""
+    r = run("heal", LLAMA, tmp_path / "o", "--text", SAMPLE, "--steps", 20, "--seq-len", 32, "--batch-size", 2,
+            "--eval-samples", 2, "--lr", 1e-12, "--patience", 1, "--eval-every", 2, "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["heal"]["steps"] == 2 and data["heal"]["tokens"] == 2 * 2 * 32 and len(data["losses"]) == 2

@@ -52,6 +52,10 @@ def heal(
     train: Optional[str] = typer.Option(None, metavar="WHAT", help="what trains (lora: adapters, merged; norms: "
                                         "only the norms' gains and biases; full: every parameter): "
                                         f"{one_of(TRAIN_MODES, H.train)}"),
+    patience: Optional[int] = typer.Option(None, min=0, metavar="N", help="stop once held-out CE went N evaluations "
+                                           f"without improving, --steps the cap (default {H.patience}: every step)"),
+    eval_every: Optional[int] = typer.Option(None, min=1, metavar="S", help="with --patience: steps between "
+                                             f"evaluations (default {H.eval_every})"),
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="save the peft adapter (base: IN), unmerged"),
     force: bool = FORCE,
     allow_pickle: bool = ALLOW_PICKLE,
@@ -63,7 +67,8 @@ def heal(
     opts = HealOptions(**merge(HEAL_DEFAULTS, None, {
         "steps": steps, "rank": rank, "alpha": alpha, "lr": lr, "target_modules": split_names(target_modules),
         "batch_size": batch_size, "seq_len": seq_len, "grad_accum": grad_accum, "precision": precision,
-        "eval_fraction": eval_fraction, "eval_samples": eval_samples, "seed": seed, "train": train}))
+        "eval_fraction": eval_fraction, "eval_samples": eval_samples, "seed": seed, "train": train,
+        "patience": patience, "eval_every": eval_every}))
     opts.check(save_adapter_)
     body, held_text = read_text(text), read_text(eval_text)
     with claimed(src, out, force, allow_pickle) as source, progress_bar(not json) as progress:

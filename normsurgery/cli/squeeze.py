@@ -57,6 +57,11 @@ def squeeze(
     save_every: Optional[int] = typer.Option(None, min=0, metavar="N", help="keep the training state every N steps "
                                           f"within a cycle (default {S.save_every}: none; the state after each "
                                           "cycle is always kept)"),
+    patience: Optional[int] = typer.Option(None, min=0, metavar="N", help="a cycle's retraining stops once held-out "
+                                           f"CE went N evaluations without improving (default {S.patience}: every "
+                                           "step)"),
+    eval_every: Optional[int] = typer.Option(None, min=1, metavar="S", help="with --patience: steps between "
+                                             f"evaluations (default {S.eval_every})"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its kept state"),
     plot: Optional[Path] = typer.Option(None, metavar="PNG", help="also draw size vs held-out CE per cycle"),
     force: bool = FORCE,
@@ -70,7 +75,8 @@ def squeeze(
     given = {"target": target, "target_bytes": target_bytes, "cycles": cycles, "steps_per_cycle": steps_per_cycle,
              "structure": parts, "by": by, "sparsity": sparsity, "release_scale": release_scale, "train": train,
              "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "eval_fraction": eval_fraction,
-             "eval_samples": eval_samples, "precision": precision, "seed": seed, "save_every": save_every}
+             "eval_samples": eval_samples, "precision": precision, "seed": seed, "save_every": save_every,
+             "patience": patience, "eval_every": eval_every}
     options = {k: v for k, v in given.items() if v is not None}
     if target_bytes is not None:
         options["target"] = None
