@@ -62,6 +62,7 @@ class Result:
     storage_dtype: str
     parity: Comparison | None = None  # the written folder vs the reference (the input, or the model the
     # last reference-changing or trained step left)
+    from_input: Comparison | None = None  # that reference vs the input, when a step changed the function
     baseline: Comparison | None = None  # the reference with its weights re-rounded in the storage dtype
     # against itself: what its tolerance was measured from, when one was needed
     saved: dict | None = None
@@ -81,7 +82,8 @@ class Result:
             return x.as_dict() if x else None
         return {"source": self.source, "ok": self.ok, "work_dtype": self.work_dtype,
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
-                "parity": c(self.parity), "baseline": c(self.baseline), "saved": self.saved,
+                "parity": c(self.parity), "from_input": c(self.from_input), "baseline": c(self.baseline),
+                "saved": self.saved,
                 "streaming": self.streaming, "kept_float32": self.kept_float32, "warnings": self.warnings,
                 "device": self.device}
 
@@ -179,6 +181,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if len(result.steps) == 1 and result.steps[0].kind == "exact" and result.parity is not None:
         result.steps[0].parity = result.parity  # its own check is the overall one
     result.baseline = t.measured.get(source.storage) if t is not None else None
+    level = _anchor_level(steps)
+    if t is not None and level and 0 in outs and level in outs:  # what the function's change measured
+        result.from_input = compare(outs[0], outs[level], t.output)
     if saved.kept_float32:
         result.kept_float32, result.warnings = saved.kept_float32, [saved.warning]
     return result

@@ -210,3 +210,20 @@ def test_cli_options_reach_the_pass(tmp_path):
     assert not list(tmp_path.glob(".out*"))  # the training state went with the run
     config = json.loads((out / "config.json").read_text())
     assert {m["class"] for m in config["normsurgery"]["modules"] if "class" in m} == {"NoNorm"}
+
+
+def test_saved_line_names_the_trained_model_and_the_difference_to_the_input(tmp_path):
+    """Issue 28: a trained pass's output is compared with the trained model, and the line says so,
+    with the measured difference to the input beside it (not "vs the input ... identical")."""
+    small_gpt2(tmp_path / "in")
+    args = ("convert", tmp_path / "in", tmp_path / "out", "--pass", "remove-ln:eval_samples=2,gap=1", "--text", SAMPLE,
+            "--steps", 12, "--batch-size", 2, "--seq-len", 32, "--lr", 1e-3)
+    r = cli(*args)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "saved folder vs the model after remove-ln (trained" in text, text
+    assert "saved folder vs the input" not in text
+    assert "that model vs the input (logits, measured, not judged): relative error" in text
+    r = cli(*args[:2], tmp_path / "out2", *args[3:], "--json")
+    data = json.loads(r.stdout)
+    assert data["from_input"]["relative"] > 0.01 and data["parity"]["relative"] < 1e-5
