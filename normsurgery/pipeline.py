@@ -225,16 +225,43 @@ class Work:
             progress("write", i + 1, len(self.parts))
 
     def step_reports(self, i: int) -> tuple[list[str], dict]:
-        """Step ``i``'s notes (distinct) and metrics (integers summed over parts)."""
+        """Step ``i``'s notes (merged over parts: :func:`merge_notes`) and metrics (integers summed
+        over parts): the same in every plan."""
         reports = list(self.reports[i].values())
-        notes = list(dict.fromkeys(n for r in reports for n in r.notes))
         metrics = {}
         for r in reports:
             for k, v in r.metrics.items():
-                metrics[k] = metrics.get(k, 0) + v if isinstance(v, int) and not isinstance(v, bool) else v
-        if len(self.parts) > 1:
-            notes.insert(0, f"rewritten in {len(self.parts)} parts, one at a time (notes per part)")
-        return notes, metrics
+                if k in r.sums and k in metrics:
+                    v = [a + b for a, b in zip(metrics[k], v)]
+                metrics[k] = metrics.get(k, 0) + v if _summed(v) else v
+        return merge_notes(reports), metrics
+
+
+def _summed(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def merge_notes(reports: list[PassReport]) -> list[str]:
+    """The notes of the parts' reports as one report's: each distinct note once, the notes of one
+    template (``PassReport.count``) as one with its integers summed; in the order each part gives
+    them (a note one part adds goes before the next note of that part already placed)."""
+    order: list[str] = []
+    values: dict[str, dict | None] = {}
+    for r in reports:
+        keys = []
+        for note in r.notes:
+            key, v = r.counted.get(note, (note, None))
+            keys.append(key)
+            if key not in values:
+                values[key] = None if v is None else dict(v)
+            elif v is not None:
+                total = values[key]
+                for k, x in v.items():
+                    total[k] = total.get(k, 0) + x if _summed(x) else total.get(k, x)
+        for j, key in enumerate(keys):
+            if key not in order:
+                order.insert(next((order.index(k) for k in keys[j + 1:] if k in order), len(order)), key)
+    return [key if values[key] is None else key.format(**values[key]) for key in order]
 
 
 @contextmanager

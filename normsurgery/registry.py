@@ -60,6 +60,16 @@ class PassReport:
     name: str
     notes: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    counted: dict[str, tuple[str, dict]] = field(default_factory=dict)  # note -> (template, values): see count
+    sums: tuple[str, ...] = ()  # metrics that are lists of integers summed element by element over parts
+
+    def count(self, template: str, **values) -> None:
+        """A note, ``template`` formatted with ``values``. Where the model is rewritten in parts
+        (``pipeline``), the parts' notes of one template become one, its integer values summed
+        (others: the first part's), so every plan says the same of the whole model."""
+        note = template.format(**values)
+        self.notes.append(note)
+        self.counted[note] = (template, values)
 
 
 @dataclass(frozen=True)

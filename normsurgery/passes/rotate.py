@@ -73,14 +73,14 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     base = rotation.hadamard_base(d) if kind == "hadamard" else None
     what = (f"a randomised Hadamard matrix ({'Sylvester' if base == 1 else f'Paley {base} x Sylvester'})"
             if kind == "hadamard" else "a random orthogonal matrix")
-    report.notes.append(f"rotated the {d}-channel stream by {what}, seed {seed}: {len(layout.embeddings)} "
-                        f"embeddings and {len(layout.writers)} writers on the output side, {len(readers)} "
-                        "readers on the input side")
+    report.count(f"rotated the {d}-channel stream by {what}, seed {seed}: {{embeddings}} embeddings and "
+                 "{writers} writers on the output side, {readers} readers on the input side",
+                 embeddings=len(layout.embeddings), writers=len(layout.writers), readers=len(readers))
     if layout.tied and layout.head in {r for s in layout.norms for r in s.readers}:
         report.notes.append(f"{layout.head} is tied to {layout.token_embedding}: the rotated embedding is the "
                             "rotated head, so it stays tied")
     if layout.qk_norms:
-        report.notes.append(f"{len(layout.qk_norms)} QK-norms act inside attention, after the readers: unchanged")
+        report.count("{n} QK-norms act inside attention, after the readers: unchanged", n=len(layout.qk_norms))
     report.metrics["rotated_writers"] = len(layout.embeddings) + len(layout.writers)
     report.metrics["rotated_readers"] = len(readers)
     return report
