@@ -53,6 +53,8 @@ class PassContext:
     train_progress: Callable[[int, int, float], None] | None = None
     workdir: Path | None = None
     calibration: Any = None  # token windows [n, T] to calibrate on, instead of tokenizing ``text``
+    storage_bytes: int | None = None  # bytes per floating-point value as the checkpoint stores it (sizes
+    # reported in bytes count that, not the working dtype's; None: as held)
 
 
 @dataclass

@@ -71,7 +71,7 @@ def _own(model, layout: Layout) -> list:
 
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("crmsnorm")
-    before = _shrink.size(_own(model, layout))
+    before = _shrink.size(_own(model, layout), ctx.storage_bytes)
     if layout.norm_kinds == {"layernorm"}:
         centred = pre_rmsnorm.apply(model, layout, PassContext(options={"fold": False}))
         report.notes += centred.notes
@@ -94,7 +94,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         model.set_submodule(site.path, CRMSNorm(d - 1, eps=site.eps).to(device=norm.weight.device))
     for path in layout.embeddings + layout.writers:
         _shrink.keep_outputs(model.get_submodule(path), stored)
-    after = _shrink.size(_own(model, layout))
+    after = _shrink.size(_own(model, layout), ctx.storage_bytes)
     report.count(f"the residual stream is stored in {d - 1} of {d} dimensions; {{norms}} norms are weightless "
                  "CRMSNorm, their gains and biases folded into the readers; saving needs the self-contained loader "
                  f"(config hidden_size stays {d})", norms=len(layout.norms))
