@@ -34,7 +34,8 @@ from . import devices, memory, passes as _passes, precision  # noqa: F401  (pass
 from .checkpoint import Source
 from .errors import SurgeryError
 from .parity import TOLERANCE, Comparison, compare, dtype_name, output_kind, probe_ids
-from .pipeline import StepSpec, Tolerances, Work, check_applies, model_reader, save_work, source_reader, steps_of
+from .pipeline import (StepSpec, Tolerances, Work, check_applies, check_before_reading, model_reader, save_work,
+                       source_reader, steps_of)
 from .progress import Progress, no_progress
 from .runner import Job
 from .registry import PassContext, load_recipe, parse_pass  # noqa: F401  (API)
@@ -148,6 +149,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     dtype = work_dtype_for(source.storage, work_dtype)
     why = choose_plan(source, steps, dtype, streaming, where)
     work = Work(source, dtype, streamed=why is not None, device=where)
+    check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
     workdir = state_dir(out)
     work.steps, work.context = steps, PassContext(
         tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,

@@ -319,6 +319,19 @@ def check_applies(model, name: str, lay: Layout | None = None) -> registry.Pass:
     return p
 
 
+def check_before_reading(model, steps: list[StepSpec]) -> None:
+    """Each pass's own ``check`` of its options against the model's Layout, before any weight is
+    read (``model``: built on the meta device will do)."""
+    lay = None
+    for s in steps:
+        p = registry.get(s.pass_name)
+        if p.check is not None and s.kind != "reference":
+            lay = lay or layout(model)
+            reason = None if p.applies(model, lay) else p.check(model, lay, s.options)  # (else: applies says why)
+            if reason:
+                raise SurgeryError(reason)
+
+
 def steps_of(passes: list[tuple[str, dict]]) -> list[StepSpec]:
     """The passes as steps, each pass's reference step (a mask first) before it."""
     steps = []

@@ -86,6 +86,8 @@ class Pass:
     reference: Callable[..., PassReport | None] | None = None  # changes the function first, on purpose
     blockwise: bool = False  # may run one part of the model at a time (see the module docstring)
     limits: dict[str, Limit] = field(default_factory=dict)  # option name -> the values it takes
+    # (model, layout, options) -> why not, before any weight is read (the model may be on the meta device)
+    check: Callable[..., str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,14 +140,15 @@ class Lazy:
 
 
 def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
-            reference: bool = False, blockwise: bool = False, limits=None) -> None:
-    """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference`` when said)
-    are functions of ``module``, imported on first use."""
+            reference: bool = False, blockwise: bool = False, limits=None, check: bool = False) -> None:
+    """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference`` and ``check``
+    when said) are functions of ``module``, imported on first use."""
     if kind not in KINDS:
         raise ValueError(kind)
     PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"), Lazy(module, "apply"),
                         dict(options or {}), Lazy(module, "reference") if reference else None, blockwise,
-                        {k: v for k, v in (limits or {}).items() if k in (options or {})})
+                        {k: v for k, v in (limits or {}).items() if k in (options or {})},
+                        Lazy(module, "check") if check else None)
 
 
 def get(name: str) -> Pass:

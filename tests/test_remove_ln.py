@@ -185,7 +185,7 @@ def test_bad_text_is_one_line_and_writes_nothing(tmp_path, text, match):
     files["empty"].write_text("")
     files["short"].write_text(SAMPLE.read_text()[:400])  # enough for the logit check, not for a window
     out = tmp_path / "out"
-    r = cli("convert", GPT2, out, "--pass", "remove-ln:steps=4", *(["--text", files[text]] if text else []))
+    r = cli("convert", GPT2, out, "--pass", "remove-ln:steps=22", *(["--text", files[text]] if text else []))
     one_line_error(r, out, match)
 
 
@@ -227,3 +227,30 @@ def test_saved_line_names_the_trained_model_and_the_difference_to_the_input(tmp_
     r = cli(*args[:2], tmp_path / "out2", *args[3:], "--json")
     data = json.loads(r.stdout)
     assert data["from_input"]["relative"] > 0.01 and data["parity"]["relative"] < 1e-5
+
+
+def test_a_step_budget_too_small_is_refused_before_the_weights_are_read(tmp_path, monkeypatch):
+    """Issue 28: the schedule's needs follow from the Layout (no weights): refused before loading,
+    naming the smallest budget that fits."""
+    from normsurgery import pipeline
+
+    def no_reading(*a, **k):
+        raise AssertionError("weights read before the step budget was checked")
+
+    monkeypatch.setattr(pipeline.Loader, "load", no_reading)
+    out = tmp_path / "out"
+    r = cli("convert", GPT2, out, "--pass", "remove-ln", "--text", SAMPLE, "--steps", 20)
+    one_line_error(r, out, "the smallest budget that fits is steps=22 (start and gaps chosen from the steps)")
+    r = cli("convert", GPT2, out, "--pass", "remove-ln:gap=3", "--text", SAMPLE, "--steps", 20)
+    one_line_error(r, out, "steps=64 with gap=3 as given; a smaller gap needs fewer")
+    monkeypatch.undo()
+    model = checkpoint.load(GPT2)
+    options = {**get("remove-ln").options, "steps": 22}
+    assert R.check(model, layout(model), options) is None  # 22 fits: the budget named is the smallest
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama", "phi"])
+def test_removal_paths_from_the_layout_are_installs(family):
+    model = tiny_model(family)
+    lay = layout(model)
+    assert R.removal_paths(lay) == [rn.paths for rn in R.install(model, lay)]
