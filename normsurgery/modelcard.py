@@ -51,6 +51,11 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
              *_device(record.get("device")),
              ""]
     lines += _done(record)
+    if record.get("history"):
+        lines += ["", "## Earlier steps (the input's own record, earliest first)", ""]
+        for i, h in enumerate(record["history"], 1):
+            lines.append(f"{i}. from `{h.get('source', '?')}` (normsurgery {h.get('version', '?')})")
+            lines += [f"   {row}" for row in _done(h)]
     lines += ["", "## Parity", ""] + _parity(record, reload)
     trained = _trained(record)
     if trained:

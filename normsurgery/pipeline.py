@@ -527,6 +527,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
     from transformers.utils.hub import convert_file_size_to_int
 
     level = len(work.steps) if level is None else level
+    history = earlier_records(getattr(work.model.config, "normsurgery", None))  # before stamp replaces it
     with writing(out, force=force, source=work.source.path if work.source is not None else None) as stage:
         lost = []
         writer = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size),
@@ -552,7 +553,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
             progress("check", 0, 1)
             reload = check_written(stage.path, records, tolerances, reference, storage, work.model, force, failure)
             progress("check", 1, 1)
-        done = {**record(), **({"kept_float32": kept} if kept else {})}
+        done = {**record(), **({"kept_float32": kept} if kept else {}), **({"history": history} if history else {})}
         stamp(work.model, done)
         save_config(work.model.config, stage.path)
         modelcard.write(stage.path, done, reload, work.model.config, Path(out).name)
@@ -561,6 +562,15 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
     if reload is not None:
         comparison = Comparison(**{k: v for k, v in reload["comparison"].items() if k != "ok"})
     return Saved(info, comparison, kept, precision.warning(lost, storage) if lost else None)
+
+
+def earlier_records(record: dict | None) -> list[dict]:
+    """The steps that made the input, earliest first: its record's own history, then its record
+    (without the module records, which describe that folder's modules: the output's are its own)."""
+    if not record:
+        return []
+    own = {k: v for k, v in record.items() if k not in ("history", "modules")}
+    return [*(record.get("history") or []), *([own] if own else [])]
 
 
 def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,

@@ -49,3 +49,14 @@ def test_prune_and_heal_cards_give_the_held_out_loss(tmp_path):
     header, body = card(tmp_path / "healed")
     assert header["base_model"] == str(tmp_path / "pruned") and "heal" in header["tags"]
     assert f"| heal | {h.report.ce_before:.4f} | {h.report.ce_after:.4f} | {h.report.tokens} |" in body
+    # records append (issue 28): the pruned input's record is the healed output's history
+    import json
+    record = json.loads((tmp_path / "healed" / "config.json").read_text())["normsurgery"]
+    assert "heal" in record and "prune" not in record
+    assert [("prune" in h, h["source"]) for h in record["history"]] == [(True, GPT2)]
+    assert "## Earlier steps" in body and f"1. from `{GPT2}`" in body
+    assert f"   - **prune**: removed layers {list(r.selection.layers)}" in body
+    ns.convert(tmp_path / "healed", tmp_path / "folded", [("flashnorm", {})])  # a third step: history grows
+    record = json.loads((tmp_path / "folded" / "config.json").read_text())["normsurgery"]
+    assert [h["source"] for h in record["history"]] == [GPT2, str(tmp_path / "pruned")]
+    assert "heal" in record["history"][1] and "modules" not in record["history"][1]
