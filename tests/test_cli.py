@@ -234,7 +234,7 @@ def test_did_you_mean(tmp_path, args, match):
 
 
 def test_a_bug_of_ours_has_its_own_exit_code_and_says_where_to_report_it(monkeypatch):
-    from normsurgery import registry
+    from normsurgery import passes, registry  # noqa: F401  (the built-in passes)
 
     def broken():
         raise ZeroDivisionError("division by zero")
@@ -311,3 +311,18 @@ def test_an_interrupt_names_the_training_state_it_keeps(tmp_path, monkeypatch):
     assert r.exit_code == 130
     assert f"nothing was written; the training state is kept in {tmp_path / '.out.train-state'}" in r.output
     assert "--resume continues from it" in r.output and not out.exists()
+
+
+def test_readme_pass_table_and_streaming_help_say_what_the_code_does():
+    """Issue 28: README's pass kinds are the registry's; --streaming's help states convert's rule
+    (streams whenever every pass is blockwise), and README says the plans write the same tensors."""
+    import re
+
+    from normsurgery import passes, registry  # noqa: F401  (the built-in passes)
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (exact|reference|trained) \|", readme, re.M))
+    assert rows == {p.name: p.kind for p in registry.all_passes()}
+    assert "bit-identical to the in-memory" not in readme
+    help_text = " ".join(run("convert", "--help").output.split())
+    assert "convert streams when every pass is blockwise" in help_text.replace("│ ", "").replace(" │", "")
