@@ -40,8 +40,11 @@ def applies(model, layout: Layout) -> str | None:
             return f"{site.path} is a {site.kind}: rotation needs a gain-free RMSNorm over the whole stream"
         w = model.get_submodule(site.path).weight  # on the meta device until its part is read
         if w is not None and not w.is_meta and w.numel() and not bool((w == w.reshape(-1)[0]).all()):
+            kept = site is layout.final_norm and layout.tied  # what flashnorm:keep_tied=true leaves
             return (f"{site.path} has per-channel gains (Q (g * n) != g * (Q n)): fold them into the "
-                    "readers first (--pass flashnorm --pass rotate)")
+                    "readers first (--pass flashnorm --pass rotate)" + (
+                        f"; flashnorm:keep_tied=true leaves this final norm's gain (to keep {layout.head} tied), "
+                        "which rotate refuses: drop keep_tied (flashnorm then unties the head)" if kept else ""))
     return None
 
 
