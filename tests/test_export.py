@@ -57,6 +57,8 @@ def test_remote_code_output_crmsnorm_gpt2(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text()).get("auto_map")  # remote code
     r = ns.export(tmp_path / "out", tmp_path / "onnx", external_data=True)
     assert r.parity.ok and r.external_data and "model.onnx_data" in r.saved["files"]
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "onnx").iterdir()}
+    assert modes["model.onnx_data"] == modes["model.onnx"] == modes["config.json"], modes  # not 0600 (issue 28)
     assert ort_against(tmp_path / "onnx", ns.load(GPT2, torch.float32)) <= 1e-5
 
 
