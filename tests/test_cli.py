@@ -326,3 +326,11 @@ def test_readme_pass_table_and_streaming_help_say_what_the_code_does():
     assert "bit-identical to the in-memory" not in readme
     help_text = " ".join(run("convert", "--help").output.split())
     assert "convert streams when every pass is blockwise" in help_text.replace("│ ", "").replace(" │", "")
+
+
+@pytest.mark.parametrize("command", ["export", "squeeze", "convert"])
+def test_force_help_names_no_other_command(command):
+    """Issue 28: --force's help, shared by every writing command, names none of them."""
+    text = " ".join(run(command, "--help").output.replace("│", " ").split())
+    assert "--force" in text and "convert, prune, heal" not in text
+    assert "kept even if its reload check fails" in text

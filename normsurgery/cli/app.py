@@ -214,7 +214,8 @@ def say_device(device: dict | None) -> None:
 
 
 FORCE = typer.Option(False, "--force", help="replace OUT if it is a checkpoint (never a folder of other files); "
-                                            "convert, prune, heal: save even if the saved folder's check fails")
+                                            "a checkpoint written (not an ONNX export) is kept even if its "
+                                            "reload check fails")
 STREAMING = typer.Option(None, "--streaming/--in-memory", help="read and rewrite one block at a time (default: "
                          "convert streams when every pass is blockwise, else loads the model whole when it fits; "
                          "verify streams only when the models do not fit); --in-memory loads it whole")
