@@ -224,6 +224,8 @@ def test_saved_line_names_the_trained_model_and_the_difference_to_the_input(tmp_
     assert "saved folder vs the model after remove-ln (trained" in text, text
     assert "saved folder vs the input" not in text
     assert "that model vs the input (logits, measured, not judged): relative error" in text
+    card = (tmp_path / "out" / "README.md").read_text()  # placeholders shown as what they mean (issue 28)
+    assert "warmup=auto" in card and "start=auto" in card and "seq_len=32" in card and "=-1" not in card
     r = cli(*args[:2], tmp_path / "out2", *args[3:], "--json")
     data = json.loads(r.stdout)
     assert data["from_input"]["relative"] > 0.01 and data["parity"]["relative"] < 1e-5
