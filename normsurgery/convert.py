@@ -223,9 +223,10 @@ def _step_outputs(work: Work, ids: torch.Tensor, progress: Progress) -> dict[int
     steps = work.steps
     levels = [0] + (list(range(1, len(steps) + 1)) if len(steps) > 1 or steps[0].kind != "exact" else [])
     outs = {}
-    for level in levels:  # a streamed part goes through the steps once per read
-        progress("outputs", level, len(steps))
+    for i, level in enumerate(levels):  # a streamed part goes through the steps once per read
+        progress("outputs", i, len(levels))
         outs[level] = (work if work.resident else work.fresh()).outputs(ids, level)
+    progress("outputs", len(levels), len(levels))
     return outs
 
 

@@ -249,3 +249,14 @@ def test_streaming_prune_copies_the_in_memory_result(tmp_path, demo):
     prune_model(model, got.selection.layers)
     pruned = ns.load(tmp_path / "stream")
     assert torch.equal(pruned(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_every_progress_bar_reaches_its_total(tmp_path, streaming):
+    """Issue 28: "outputs 0/1" never moved."""
+    src = checkpoint_at(tmp_path, "llama")
+    last = {}
+    convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=streaming,
+                        progress=lambda stage, done, total, note="": last.__setitem__(stage, (done, total)))
+    assert {"outputs", "write", "check"} <= last.keys()
+    assert all(done == total for done, total in last.values()), last
