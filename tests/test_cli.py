@@ -334,3 +334,19 @@ def test_force_help_names_no_other_command(command):
     text = " ".join(run(command, "--help").output.replace("│", " ").split())
     assert "--force" in text and "convert, prune, heal" not in text
     assert "kept even if its reload check fails" in text
+
+
+def test_dead_units_table_fits_80_columns():
+    """Issue 28: at 80 columns the last header was cut to "channel"."""
+    from rich.console import Console
+
+    from normsurgery.cli.report import dead_table
+
+    layer = {"layer": 0, "dead_units": [], "mlp_units": 384, "dead_heads": [], "heads": 4, "removable_heads": [],
+             "removable_kv_heads": [], "kv_heads": 2, "unwritten_channels": []}
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
+    console.print(dead_table({"width": 128, "dead_channels": [], "removable_channels": [], "layers": [layer] * 2}))
+    text = console.export_text()
+    header = " ".join(line for line in text.split("─")[0].splitlines() if "dead units" not in line).split()
+    assert "channels" in header and "unwritten" in header and "removable" in header, text
+    assert max(len(line) for line in text.splitlines()) <= 80
