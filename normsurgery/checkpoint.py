@@ -76,6 +76,8 @@ def resolve(src: str | os.PathLike) -> Path:
     try:
         return Path(snapshot_download(str(src), local_files_only=True))
     except Exception:
+        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(src)):  # a path, not a hub id owner/name
+            raise SurgeryError(f"no checkpoint at {src!r}: no such folder") from None
         raise SurgeryError(f"no checkpoint at {src!r}: not a folder, and not a hub id in the local Hugging Face "
                            "cache (normsurgery reads local files only and never downloads, as if offline): "
                            f"download it first, e.g. `hf download {src} --local-dir DIR`, and pass DIR") from None

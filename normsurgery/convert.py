@@ -34,8 +34,8 @@ from . import devices, memory, passes as _passes, precision  # noqa: F401  (pass
 from .checkpoint import Source
 from .errors import SurgeryError
 from .parity import TOLERANCE, Comparison, compare, dtype_name, output_kind, probe_ids
-from .pipeline import Check, StepSpec, Tolerances, Work, check_applies, model_reader, save_work, source_reader, \
-    steps_of
+from .pipeline import (Check, StepSpec, Tolerances, Work, check_applies, check_before_reading, model_reader,
+                       save_work, source_reader, steps_of)
 from .progress import Progress, no_progress
 from .runner import Job
 from .texts import text_of
@@ -64,6 +64,7 @@ class Result:
     storage_dtype: str
     parity: Comparison | None = None  # the written folder vs the reference (the input, or the model the
     # last reference-changing or trained step left)
+    from_input: Comparison | None = None  # that reference vs the input, when a step changed the function
     baseline: Comparison | None = None  # the reference with its weights re-rounded in the storage dtype
     # against itself: what its tolerance was measured from, when one was needed
     saved: dict | None = None
@@ -83,7 +84,8 @@ class Result:
             return x.as_dict() if x else None
         return {"source": self.source, "ok": self.ok, "work_dtype": self.work_dtype,
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
-                "parity": c(self.parity), "baseline": c(self.baseline), "saved": self.saved,
+                "parity": c(self.parity), "from_input": c(self.from_input), "baseline": c(self.baseline),
+                "saved": self.saved,
                 "streaming": self.streaming, "kept_float32": self.kept_float32, "warnings": self.warnings,
                 "device": self.device}
 
@@ -150,9 +152,11 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     dtype = work_dtype_for(source.storage, work_dtype)
     why = choose_plan(source, steps, dtype, streaming, where)
     work = Work(source, dtype, streamed=why is not None, device=where)
+    check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
     workdir = state_dir(out)
     work.steps, work.context = steps, PassContext(
         tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
+        storage_bytes=source.storage.itemsize,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,
                     device=devices.describe(where))
@@ -183,6 +187,9 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if len(result.steps) == 1 and result.steps[0].kind == "exact" and result.parity is not None:
         result.steps[0].parity = result.parity  # its own check is the overall one
     result.baseline = t.measured.get(source.storage) if t is not None else None
+    level = _anchor_level(steps)
+    if t is not None and level and 0 in outs and level in outs:  # what the function's change measured
+        result.from_input = compare(outs[0], outs[level], t.output)
     if saved.kept_float32:
         result.kept_float32, result.warnings = saved.kept_float32, [saved.warning]
     return result
@@ -221,9 +228,10 @@ def _step_outputs(work: Work, ids: torch.Tensor, progress: Progress) -> dict[int
     steps = work.steps
     levels = [0] + (list(range(1, len(steps) + 1)) if len(steps) > 1 or steps[0].kind != "exact" else [])
     outs = {}
-    for level in levels:  # a streamed part goes through the steps once per read
-        progress("outputs", level, len(steps))
+    for i, level in enumerate(levels):  # a streamed part goes through the steps once per read
+        progress("outputs", i, len(levels))
         outs[level] = (work if work.resident else work.fresh()).outputs(ids, level)
+    progress("outputs", len(levels), len(levels))
     return outs
 
 

@@ -177,6 +177,8 @@ def write_graph(model, folder: Path, external: bool, past: list[tuple] | None = 
             f.unlink()
     onnx.save_model(graph, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
                     location=EXTERNAL, size_threshold=0)
+    if (folder / EXTERNAL).is_file():  # onnx writes it 0600: readable as the graph beside it is
+        (folder / EXTERNAL).chmod(path.stat().st_mode & 0o777)
 
 
 def _trace(model, path: Path, past: list[tuple] | None) -> None:

@@ -10,10 +10,12 @@ side files, is kept as README.source.md.
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from pathlib import Path
 
+from .registry import AUTO
 from .version import __version__
 
 CARD = "README.md"
@@ -39,7 +41,7 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
                                                                   if k in record]
     tags = ["normsurgery", config.model_type, *dict.fromkeys(passes)]
     arch = (getattr(config, "architectures", None) or ["?"])[0]
-    lines = ["---", f"base_model: {record.get('source', '?')}", "library_name: normsurgery", "tags:",
+    lines = ["---", *_base_model(record, config), "library_name: normsurgery", "tags:",
              *(f"- {t}" for t in tags), "---", "", f"# {name}", "",
              f"`{arch}` ({config.model_type}) written by normsurgery {record.get('version', __version__)} from "
              f"`{record.get('source', '?')}`" + (" (its own card: README.source.md)" if source_card else "") + ".", "",
@@ -51,6 +53,11 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
              *_device(record.get("device")),
              ""]
     lines += _done(record)
+    if record.get("history"):
+        lines += ["", "## Earlier steps (the input's own record, earliest first)", ""]
+        for i, h in enumerate(record["history"], 1):
+            lines.append(f"{i}. from `{h.get('source', '?')}` (normsurgery {h.get('version', '?')})")
+            lines += [f"   {row}" for row in _done(h)]
     lines += ["", "## Parity", ""] + _parity(record, reload)
     trained = _trained(record)
     if trained:
@@ -73,7 +80,7 @@ def write_export(folder: Path, name: str, source: str, config, parity: dict, wit
         (folder / CARD).rename(folder / SOURCE_CARD)
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     p = parity
-    lines = ["---", f"base_model: {source}", "library_name: onnx", "tags:", "- normsurgery", "- onnx",
+    lines = ["---", *_base_model({"source": source}, config), "library_name: onnx", "tags:", "- normsurgery", "- onnx",
              f"- {config.model_type}", "---", "", f"# {name}", "",
              f"`{arch}` ({config.model_type}) from `{source}`, exported to ONNX by normsurgery {__version__} "
              f"(torch {torch.__version__}, TorchScript exporter), checked in onnxruntime {onnxruntime.__version__}.",
@@ -94,6 +101,21 @@ def write_export(folder: Path, name: str, source: str, config, parity: dict, wit
     (folder / CARD).write_text("\n".join(lines) + "\n")
 
 
+def hub_id(name) -> bool:
+    """``name`` looks like a hub id (owner/name) and is no local path."""
+    return (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None
+            and not Path(name).exists())
+
+
+def _base_model(record: dict, config) -> list[str]:
+    """The header's ``base_model``: a hub id only (the source, else the config's ``_name_or_path``);
+    a local folder is no model on the hub, so the line is left out."""
+    for name in (record.get("source"), getattr(config, "_name_or_path", None)):
+        if hub_id(name):
+            return [f"base_model: {name}"]
+    return []
+
+
 def _device(device: dict | None) -> list[str]:
     """Where the command computed (``devices.describe``)."""
     if not device:
@@ -104,7 +126,8 @@ def _device(device: dict | None) -> list[str]:
 def _done(record: dict) -> list[str]:
     rows = []
     for p in record.get("passes") or []:
-        opts = ", ".join(f"{k}={v}" for k, v in (p.get("options") or {}).items()) or "defaults"
+        opts = ", ".join(f"{k}={'auto' if k in AUTO and v == AUTO[k] and not isinstance(v, bool) else v}"
+                         for k, v in (p.get("options") or {}).items()) or "defaults"
         rows.append(f"- pass **{p['name']}** ({opts})")
         rows += [f"  - {n}" for n in p.get("notes") or []]
     if "prune" in record:

@@ -225,16 +225,43 @@ class Work:
             progress("write", i + 1, len(self.parts))
 
     def step_reports(self, i: int) -> tuple[list[str], dict]:
-        """Step ``i``'s notes (distinct) and metrics (integers summed over parts)."""
+        """Step ``i``'s notes (merged over parts: :func:`merge_notes`) and metrics (integers summed
+        over parts): the same in every plan."""
         reports = list(self.reports[i].values())
-        notes = list(dict.fromkeys(n for r in reports for n in r.notes))
         metrics = {}
         for r in reports:
             for k, v in r.metrics.items():
-                metrics[k] = metrics.get(k, 0) + v if isinstance(v, int) and not isinstance(v, bool) else v
-        if len(self.parts) > 1:
-            notes.insert(0, f"rewritten in {len(self.parts)} parts, one at a time (notes per part)")
-        return notes, metrics
+                if k in r.sums and k in metrics:
+                    v = [a + b for a, b in zip(metrics[k], v)]
+                metrics[k] = metrics.get(k, 0) + v if _summed(v) else v
+        return merge_notes(reports), metrics
+
+
+def _summed(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def merge_notes(reports: list[PassReport]) -> list[str]:
+    """The notes of the parts' reports as one report's: each distinct note once, the notes of one
+    template (``PassReport.count``) as one with its integers summed; in the order each part gives
+    them (a note one part adds goes before the next note of that part already placed)."""
+    order: list[str] = []
+    values: dict[str, dict | None] = {}
+    for r in reports:
+        keys = []
+        for note in r.notes:
+            key, v = r.counted.get(note, (note, None))
+            keys.append(key)
+            if key not in values:
+                values[key] = None if v is None else dict(v)
+            elif v is not None:
+                total = values[key]
+                for k, x in v.items():
+                    total[k] = total.get(k, 0) + x if _summed(x) else total.get(k, x)
+        for j, key in enumerate(keys):
+            if key not in order:
+                order.insert(next((order.index(k) for k in keys[j + 1:] if k in order), len(order)), key)
+    return [key if values[key] is None else key.format(**values[key]) for key in order]
 
 
 @contextmanager
@@ -290,6 +317,19 @@ def check_applies(model, name: str, lay: Layout | None = None) -> registry.Pass:
     if reason:
         raise SurgeryError(f"pass {name} does not apply to this {layout(model).family} model: {reason}")
     return p
+
+
+def check_before_reading(model, steps: list[StepSpec]) -> None:
+    """Each pass's own ``check`` of its options against the model's Layout, before any weight is
+    read (``model``: built on the meta device will do)."""
+    lay = None
+    for s in steps:
+        p = registry.get(s.pass_name)
+        if p.check is not None and s.kind != "reference":
+            lay = lay or layout(model)
+            reason = None if p.applies(model, lay) else p.check(model, lay, s.options)  # (else: applies says why)
+            if reason:
+                raise SurgeryError(reason)
 
 
 def steps_of(passes: list[tuple[str, dict]]) -> list[StepSpec]:
@@ -498,6 +538,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
     from transformers.utils.hub import convert_file_size_to_int
 
     level = len(work.steps) if level is None else level
+    history = earlier_records(getattr(work.model.config, "normsurgery", None))  # before stamp replaces it
     with writing(out, force=force, source=work.source.path if work.source is not None else None) as stage:
         lost = []
         writer = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size),
@@ -525,7 +566,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
             reload = check_written(stage.path, records, check.tolerances, reference, storage, work.model, force,
                                    check.failure)
             progress("check", 1, 1)
-        done = {**record(), **({"kept_float32": kept} if kept else {})}
+        done = {**record(), **({"kept_float32": kept} if kept else {}), **({"history": history} if history else {})}
         stamp(work.model, done)
         save_config(work.model.config, stage.path)
         modelcard.write(stage.path, done, reload, work.model.config, Path(out).name)
@@ -534,6 +575,15 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
     if reload is not None:
         comparison = Comparison(**{k: v for k, v in reload["comparison"].items() if k != "ok"})
     return Saved(info, comparison, kept, precision.warning(lost, storage) if lost else None)
+
+
+def earlier_records(record: dict | None) -> list[dict]:
+    """The steps that made the input, earliest first: its record's own history, then its record
+    (without the module records, which describe that folder's modules: the output's are its own)."""
+    if not record:
+        return []
+    own = {k: v for k, v in record.items() if k not in ("history", "modules")}
+    return [*(record.get("history") or []), *([own] if own else [])]
 
 
 def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,

@@ -53,6 +53,8 @@ class PassContext:
     train_progress: Callable[[int, int, float], None] | None = None
     workdir: Path | None = None
     calibration: Any = None  # token windows [n, T] to calibrate on, instead of tokenizing ``text``
+    storage_bytes: int | None = None  # bytes per floating-point value as the checkpoint stores it (sizes
+    # reported in bytes count that, not the working dtype's; None: as held)
 
 
 @dataclass
@@ -60,6 +62,16 @@ class PassReport:
     name: str
     notes: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    counted: dict[str, tuple[str, dict]] = field(default_factory=dict)  # note -> (template, values): see count
+    sums: tuple[str, ...] = ()  # metrics that are lists of integers summed element by element over parts
+
+    def count(self, template: str, **values) -> None:
+        """A note, ``template`` formatted with ``values``. Where the model is rewritten in parts
+        (``pipeline``), the parts' notes of one template become one, its integer values summed
+        (others: the first part's), so every plan says the same of the whole model."""
+        note = template.format(**values)
+        self.notes.append(note)
+        self.counted[note] = (template, values)
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,8 @@ class Pass:
     reference: Callable[..., PassReport | None] | None = None  # changes the function first, on purpose
     blockwise: bool = False  # may run one part of the model at a time (see the module docstring)
     limits: dict[str, Limit] = field(default_factory=dict)  # option name -> the values it takes
+    # (model, layout, options) -> why not, before any weight is read (the model may be on the meta device)
+    check: Callable[..., str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,9 @@ def one_of(*values: str) -> Limit:
 
 
 KINDS = ("exact", "reference", "trained")
+#: option values that mean "chosen from the model and the other options" (seq_len 0: min(128, the
+#: model's positions); warmup, start, min_lr -1 and gap, final_gap 0: from the steps): "auto" in a card
+AUTO = {"seq_len": 0, "min_lr": -1, "warmup": -1, "decay": -1, "start": -1, "gap": 0, "final_gap": 0}
 PASSES: dict[str, Pass] = {}
 
 
@@ -126,14 +143,15 @@ class Lazy:
 
 
 def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
-            reference: bool = False, blockwise: bool = False, limits=None) -> None:
-    """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference`` when said)
-    are functions of ``module``, imported on first use."""
+            reference: bool = False, blockwise: bool = False, limits=None, check: bool = False) -> None:
+    """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference`` and ``check``
+    when said) are functions of ``module``, imported on first use."""
     if kind not in KINDS:
         raise ValueError(kind)
     PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"), Lazy(module, "apply"),
                         dict(options or {}), Lazy(module, "reference") if reference else None, blockwise,
-                        {k: v for k, v in (limits or {}).items() if k in (options or {})})
+                        {k: v for k, v in (limits or {}).items() if k in (options or {})},
+                        Lazy(module, "check") if check else None)
 
 
 def get(name: str) -> Pass:

@@ -99,3 +99,12 @@ def test_refuses_a_model_without_affine_norms():
     new, _ = folded(with_repbn(tiny_model("gpt2")))
     with pytest.raises(SurgeryError, match="per-token statistics"):  # folding twice: nothing left
         ns.apply_passes(new, [("bn-fold", {})])
+
+
+def test_post_ln_refusal_does_not_send_to_prepbn():
+    """Issue 28: prepbn refuses Post-LN, so bn-fold's refusal on BERT says what is true there."""
+    with pytest.raises(SurgeryError, match="on a Post-LN model no pass here replaces them") as e:
+        ns.apply_passes(tiny_model("bert"), [("bn-fold", {})])
+    assert "run prepbn first" not in str(e.value)
+    with pytest.raises(SurgeryError, match="Post-LN"):  # and prepbn says so itself
+        ns.apply_passes(tiny_model("bert"), [("prepbn", {})])

@@ -244,3 +244,15 @@ def test_tensors_stored_per_expert_merge_as_transformers_merges_them(tmp_path, s
     assert stored.shape(index) == tuple(expected.shape)
     got = stored.read_into(Reader(index), torch.empty(expected.shape, dtype=torch.float64))
     assert torch.equal(got, expected.double())
+
+
+def test_a_missing_folder_is_not_sent_to_hf_download(tmp_path):
+    """Issue 28: only something shaped like a hub id (owner/name) gets the `hf download` advice."""
+    from normsurgery.checkpoint import resolve
+    from normsurgery.errors import SurgeryError
+
+    with pytest.raises(SurgeryError, match="no such folder") as e:
+        resolve(tmp_path / "missing")
+    assert "hf download" not in str(e.value)
+    with pytest.raises(SurgeryError, match="hf download someone/no-such-model-28"):
+        resolve("someone/no-such-model-28")

@@ -234,7 +234,7 @@ def test_did_you_mean(tmp_path, args, match):
 
 
 def test_a_bug_of_ours_has_its_own_exit_code_and_says_where_to_report_it(monkeypatch):
-    from normsurgery import registry
+    from normsurgery import passes, registry  # noqa: F401  (the built-in passes)
 
     def broken():
         raise ZeroDivisionError("division by zero")
@@ -311,3 +311,42 @@ def test_an_interrupt_names_the_training_state_it_keeps(tmp_path, monkeypatch):
     assert r.exit_code == 130
     assert f"nothing was written; the training state is kept in {tmp_path / '.out.train-state'}" in r.output
     assert "--resume continues from it" in r.output and not out.exists()
+
+
+def test_readme_pass_table_and_streaming_help_say_what_the_code_does():
+    """Issue 28: README's pass kinds are the registry's; --streaming's help states convert's rule
+    (streams whenever every pass is blockwise), and README says the plans write the same tensors."""
+    import re
+
+    from normsurgery import passes, registry  # noqa: F401  (the built-in passes)
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (exact|reference|trained) \|", readme, re.M))
+    assert rows == {p.name: p.kind for p in registry.all_passes()}
+    assert "bit-identical to the in-memory" not in readme
+    help_text = " ".join(run("convert", "--help").output.split())
+    assert "convert streams when every pass is blockwise" in help_text.replace("│ ", "").replace(" │", "")
+
+
+@pytest.mark.parametrize("command", ["export", "squeeze", "convert"])
+def test_force_help_names_no_other_command(command):
+    """Issue 28: --force's help, shared by every writing command, names none of them."""
+    text = " ".join(run(command, "--help").output.replace("│", " ").split())
+    assert "--force" in text and "convert, prune, heal" not in text
+    assert "kept even if its reload check fails" in text
+
+
+def test_dead_units_table_fits_80_columns():
+    """Issue 28: at 80 columns the last header was cut to "channel"."""
+    from rich.console import Console
+
+    from normsurgery.cli.report import dead_table
+
+    layer = {"layer": 0, "dead_units": [], "mlp_units": 384, "dead_heads": [], "heads": 4, "removable_heads": [],
+             "removable_kv_heads": [], "kv_heads": 2, "unwritten_channels": []}
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
+    console.print(dead_table({"width": 128, "dead_channels": [], "removable_channels": [], "layers": [layer] * 2}))
+    text = console.export_text()
+    header = " ".join(line for line in text.split("─")[0].splitlines() if "dead units" not in line).split()
+    assert "channels" in header and "unwritten" in header and "removable" in header, text
+    assert max(len(line) for line in text.splitlines()) <= 80

@@ -47,7 +47,7 @@ def test_stock_output_flashnorm_llama(tmp_path):
     assert data["parity"]["relative"] <= data["parity"]["tolerance"] == 1e-5
     assert {"model.onnx", "config.json", "tokenizer.json", "README.md"} <= set(data["saved"]["files"])
     card = (tmp_path / "onnx" / "README.md").read_text()
-    assert "base_model: " + str(tmp_path / "flash") in card and "library_name: onnx" in card
+    assert "base_model:" not in card and "library_name: onnx" in card  # a local folder is no hub id (issue 28)
     assert f"relative error {data['parity']['relative']:.2e}, top-1 agreement 1.0000; tolerance 1.0e-05" in card
     assert ort_against(tmp_path / "onnx", ns.load(LLAMA, torch.float32)) <= 1e-5
 
@@ -57,6 +57,8 @@ def test_remote_code_output_crmsnorm_gpt2(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text()).get("auto_map")  # remote code
     r = ns.export(tmp_path / "out", tmp_path / "onnx", external_data=True)
     assert r.parity.ok and r.external_data and "model.onnx_data" in r.saved["files"]
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "onnx").iterdir()}
+    assert modes["model.onnx_data"] == modes["model.onnx"] == modes["config.json"], modes  # not 0600 (issue 28)
     assert ort_against(tmp_path / "onnx", ns.load(GPT2, torch.float32)) <= 1e-5
 
 

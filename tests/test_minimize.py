@@ -401,3 +401,19 @@ def test_a_loaded_minimized_checkpoint_saves_again(tmp_path):
     ids = token_ids()
     ref = new(ids).logits
     assert ((third(ids).logits - ref).abs().max() / ref.abs().max()).item() <= 1e-12
+
+
+def test_bytes_are_counted_in_the_storage_dtype(tmp_path):
+    """Issue 28: a bf16 checkpoint's sizes in bytes are bf16's (2 per value), not the working
+    float32's: the "after" figure is what the written tensors hold."""
+    from safetensors.torch import load_file
+    from importlib import import_module
+
+    tiny_model("llama", torch.float32).to(torch.bfloat16).save_pretrained(tmp_path / "in")
+    result = import_module("normsurgery.convert").convert(tmp_path / "in", tmp_path / "out",
+                                                          [("minimize", {"prune_units": 0.25})], verify=False)
+    step = result.steps[-1]
+    written = sum(t.numel() * t.element_size() for f in (tmp_path / "out").glob("*.safetensors")
+                  for t in load_file(f).values())
+    assert step.metrics["bytes"] == [2 * step.metrics["params"][0], written]
+    assert f"bytes {2 * step.metrics['params'][0]:,} -> {written:,}" in step.notes[-1]

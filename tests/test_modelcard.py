@@ -25,7 +25,7 @@ def test_convert_card_and_the_input_card_kept(tmp_path):
     r = ns.convert(src, tmp_path / "out", [("pre-rmsnorm", {"fold": True}), ("crmsnorm", {})])
     assert (tmp_path / "out" / "README.source.md").read_text() == "# the input's own card\n"
     header, body = card(tmp_path / "out")
-    assert header == {"base_model": str(src), "library_name": "normsurgery",
+    assert header == {"library_name": "normsurgery",  # no base_model: a local folder is no hub id (issue 28)
                       "tags": ["normsurgery", "gpt2", "pre-rmsnorm", "crmsnorm"]}
     assert "pass **pre-rmsnorm** (fold=True)" in body and "pass **crmsnorm** (defaults)" in body
     assert "rewritten in float32, stored in float32" in body
@@ -47,5 +47,27 @@ def test_prune_and_heal_cards_give_the_held_out_loss(tmp_path):
     h = ns.heal(tmp_path / "pruned", tmp_path / "healed", bundled_text()[:20000],
                 options={"steps": 2, "seq_len": 32, "batch_size": 2, "rank": 2})
     header, body = card(tmp_path / "healed")
-    assert header["base_model"] == str(tmp_path / "pruned") and "heal" in header["tags"]
+    assert "base_model" not in header and "heal" in header["tags"]
     assert f"| heal | {h.report.ce_before:.4f} | {h.report.ce_after:.4f} | {h.report.tokens} |" in body
+    # records append (issue 28): the pruned input's record is the healed output's history
+    import json
+    record = json.loads((tmp_path / "healed" / "config.json").read_text())["normsurgery"]
+    assert "heal" in record and "prune" not in record
+    assert [("prune" in h, h["source"]) for h in record["history"]] == [(True, GPT2)]
+    assert "## Earlier steps" in body and f"1. from `{GPT2}`" in body
+    assert f"   - **prune**: removed layers {list(r.selection.layers)}" in body
+    ns.convert(tmp_path / "healed", tmp_path / "folded", [("flashnorm", {})])  # a third step: history grows
+    record = json.loads((tmp_path / "folded" / "config.json").read_text())["normsurgery"]
+    assert [h["source"] for h in record["history"]] == [GPT2, str(tmp_path / "pruned")]
+    assert "heal" in record["history"][1] and "modules" not in record["history"][1]
+
+
+def test_base_model_is_a_hub_id_only():
+    from types import SimpleNamespace
+
+    from normsurgery.modelcard import _base_model
+
+    assert _base_model({"source": "HuggingFaceTB/SmolLM2-135M"}, SimpleNamespace()) == \
+        ["base_model: HuggingFaceTB/SmolLM2-135M"]
+    assert _base_model({"source": "/tmp/x/model"}, SimpleNamespace(_name_or_path="/tmp/x/model")) == []
+    assert _base_model({"source": "/tmp/x"}, SimpleNamespace(_name_or_path="org/base")) == ["base_model: org/base"]

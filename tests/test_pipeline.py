@@ -44,6 +44,7 @@ def tensors(path):
 
 @pytest.mark.parametrize("family,passes,verify", [
     ("gpt2", [("pre-rmsnorm", {"fold": True})], True),  # tied head: untied in the first part
+    ("gemma3_text", [("flashnorm", {})], False),  # output norms left in every block: one note
     ("llama", [("flashnorm", {})], False),
     ("gpt_neox", [("crmsnorm", {})], True),  # the stream shrinks to d-1: parts change widths
     ("phi", [("pre-rmsnorm", {}), ("flashnorm", {})], True),
@@ -56,6 +57,8 @@ def test_both_plans_write_the_same_tensors_and_check_the_folder(tmp_path, family
     out = tmp_path / "stream"
     res = convert_mod.convert(src, out, passes, verify=verify, streaming=True, max_shard_size="20KB")
     assert res.streaming and mem.streaming is None
+    # one line per fact of the whole model, not per part (issue 28): the same notes in both plans
+    assert [(s.name, s.notes, s.metrics) for s in res.steps] == [(s.name, s.notes, s.metrics) for s in mem.steps]
     a, b = tensors(tmp_path / "mem"), tensors(out)
     assert a.keys() == b.keys()
     for k in a:
@@ -246,3 +249,14 @@ def test_streaming_prune_copies_the_in_memory_result(tmp_path, demo):
     prune_model(model, got.selection.layers)
     pruned = ns.load(tmp_path / "stream")
     assert torch.equal(pruned(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_every_progress_bar_reaches_its_total(tmp_path, streaming):
+    """Issue 28: "outputs 0/1" never moved."""
+    src = checkpoint_at(tmp_path, "llama")
+    last = {}
+    convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=streaming,
+                        progress=lambda stage, done, total, note="": last.__setitem__(stage, (done, total)))
+    assert {"outputs", "write", "check"} <= last.keys()
+    assert all(done == total for done, total in last.values()), last

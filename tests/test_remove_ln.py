@@ -185,7 +185,7 @@ def test_bad_text_is_one_line_and_writes_nothing(tmp_path, text, match):
     files["empty"].write_text("")
     files["short"].write_text(SAMPLE.read_text()[:400])  # enough for the logit check, not for a window
     out = tmp_path / "out"
-    r = cli("convert", GPT2, out, "--pass", "remove-ln:steps=4", *(["--text", files[text]] if text else []))
+    r = cli("convert", GPT2, out, "--pass", "remove-ln:steps=22", *(["--text", files[text]] if text else []))
     one_line_error(r, out, match)
 
 
@@ -217,3 +217,49 @@ def test_cli_options_reach_the_pass(tmp_path):
     held = config["normsurgery"]["passes"][0]["heldout"]
     assert held["ce_control"] == m["ce_control"]
     assert "remove-ln: the vanilla fine-tune at the same budget" in (out / "README.md").read_text()
+
+
+def test_saved_line_names_the_trained_model_and_the_difference_to_the_input(tmp_path):
+    """Issue 28: a trained pass's output is compared with the trained model, and the line says so,
+    with the measured difference to the input beside it (not "vs the input ... identical")."""
+    small_gpt2(tmp_path / "in")
+    args = ("convert", tmp_path / "in", tmp_path / "out", "--pass", "remove-ln:eval_samples=2,gap=1", "--text", SAMPLE,
+            "--steps", 12, "--batch-size", 2, "--seq-len", 32, "--lr", 1e-3)
+    r = cli(*args)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "saved folder vs the model after remove-ln (trained" in text, text
+    assert "saved folder vs the input" not in text
+    assert "that model vs the input (logits, measured, not judged): relative error" in text
+    card = (tmp_path / "out" / "README.md").read_text()  # placeholders shown as what they mean (issue 28)
+    assert "warmup=auto" in card and "start=auto" in card and "seq_len=32" in card and "=-1" not in card
+    r = cli(*args[:2], tmp_path / "out2", *args[3:], "--json")
+    data = json.loads(r.stdout)
+    assert data["from_input"]["relative"] > 0.01 and data["parity"]["relative"] < 1e-5
+
+
+def test_a_step_budget_too_small_is_refused_before_the_weights_are_read(tmp_path, monkeypatch):
+    """Issue 28: the schedule's needs follow from the Layout (no weights): refused before loading,
+    naming the smallest budget that fits."""
+    from normsurgery import pipeline
+
+    def no_reading(*a, **k):
+        raise AssertionError("weights read before the step budget was checked")
+
+    monkeypatch.setattr(pipeline.Loader, "load", no_reading)
+    out = tmp_path / "out"
+    r = cli("convert", GPT2, out, "--pass", "remove-ln", "--text", SAMPLE, "--steps", 20)
+    one_line_error(r, out, "the smallest budget that fits is steps=22 (start and gaps chosen from the steps)")
+    r = cli("convert", GPT2, out, "--pass", "remove-ln:gap=3", "--text", SAMPLE, "--steps", 20)
+    one_line_error(r, out, "steps=64 with gap=3 as given; a smaller gap needs fewer")
+    monkeypatch.undo()
+    model = checkpoint.load(GPT2)
+    options = {**get("remove-ln").options, "steps": 22}
+    assert R.check(model, layout(model), options) is None  # 22 fits: the budget named is the smallest
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama", "phi"])
+def test_removal_paths_from_the_layout_are_installs(family):
+    model = tiny_model(family)
+    lay = layout(model)
+    assert R.removal_paths(lay) == [rn.paths for rn in R.install(model, lay)]

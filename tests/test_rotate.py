@@ -149,3 +149,12 @@ def test_llama_output_is_plain_and_inspect_outliers(tmp_path):
     g = ns.convert(gsrc, tmp_path / "g-rot", [("pre-rmsnorm", {"fold": True}), ("rotate", {})])
     assert g.ok and g.saved["plain_transformers"] is False
     assert CliRunner().invoke(app, ["inspect", str(src), str(out)]).exit_code == 2
+
+
+def test_advice_after_keep_tied_names_it():
+    """Issue 28: flashnorm:keep_tied=true then rotate is refused with advice that does not loop:
+    keep_tied leaves the final norm's gain, so drop it."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    with pytest.raises(ns.SurgeryError, match="keep_tied=true leaves this final norm's gain .*drop keep_tied"):
+        ns.apply_passes(copy.deepcopy(model), [("flashnorm", {"keep_tied": True}), ("rotate", {})])
+    ns.apply_passes(model, [("flashnorm", {}), ("rotate", {})])  # the advice followed

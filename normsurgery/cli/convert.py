@@ -118,12 +118,16 @@ def convert(
             say(f"  {s.name}: {note}")
     if result.parity:
         p = result.parity
-        changed = [s.name for s in result.steps if s.kind == "reference"]
-        against = (f"the model after {changed[-1]} (it changes the function on purpose)" if changed
-                   else "the input")
+        changed = [s for s in result.steps if s.kind != "exact"]  # a mask or a trained pass: the anchor
+        against = (f"the model after {changed[-1].name} ({changed[-1].kind}: it changes the function on purpose)"
+                   if changed else "the input")
         say(f"saved folder vs {against} ({p.output}): relative error {fmt(p.relative)}"
             + (f", top-1 agreement {p.top1:.4f}" if p.top1 is not None else "")
             + (f"; tolerance {fmt(p.tolerance)}: {p.reason}" if p.tolerance is not None else ""))
+        if result.from_input is not None:
+            d = result.from_input
+            say(f"that model vs the input ({d.output}, measured, not judged): relative error {fmt(d.relative)}"
+                + (f", top-1 agreement {d.top1:.4f}" if d.top1 is not None else ""))
     if result.streaming:
         say(f"rewritten one block at a time: {result.streaming}")
     say_device(result.device)

@@ -201,8 +201,8 @@ def dead_table(dead: dict) -> Table:
              str(len(d["unwritten_channels"]))) for d in dead["layers"]]
     return table(f"dead units (stream: {dead['width']} channels, {len(dead['dead_channels'])} unwritten, "
                  f"{len(dead['removable_channels'])} removable)",
-                 ("layer", "MLP units dead", "heads dead", "heads removable", "KV heads removable",
-                  "channels unwritten"), rows)
+                 ("layer", "MLP units\ndead", "heads\ndead", "heads\nremovable", "KV heads\nremovable",
+                  "channels\nunwritten"), rows)  # two-line headers: the table fits 80 columns
 
 
 # ---- prune, heal ----

@@ -52,7 +52,7 @@ for name, module, description, kind, families, extra in [
      "(exact)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True}),
     ("remove-ln", "remove_ln", "remove every norm by staged fine-tuning, then fold the frozen divisors: no "
      "normalization left", "trained", "Pre-LN and parallel models with LayerNorm or RMSNorm (GPT-2, GPT-NeoX, OPT, "
-     "Phi, Llama-like)", {"options": REMOVE_LN_OPTIONS}),
+     "Phi, Llama-like)", {"options": REMOVE_LN_OPTIONS, "check": True}),
     ("bn-fold", "bn_fold", "fold inference-time BatchNorm / RepBN / per-channel affine norms into their readers",
      "exact", "any model whose stream norms are RepBN, BatchNorm or ChannelAffine (after prepbn); Post-LN norms "
      "stay as a per-channel affine map", {}),

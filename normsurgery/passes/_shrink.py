@@ -49,19 +49,21 @@ def add_to_bias(mod: nn.Module, delta: torch.Tensor) -> None:
     algebra.set_bias(mod, (c if c is not None else torch.zeros_like(delta)) + delta)
 
 
-def size(params) -> tuple[int, int]:
-    """(parameter count, bytes) of distinct parameters (a tied weight counts once)."""
+def size(params, storage_bytes: int | None = None) -> tuple[int, int]:
+    """(parameter count, bytes) of distinct parameters (a tied weight counts once); floating-point
+    values count ``storage_bytes`` each when given (the checkpoint's dtype, not the working one)."""
     seen = {id(p): p for p in params}.values()
-    return sum(p.numel() for p in seen), sum(p.numel() * p.element_size() for p in seen)
+    return sum(p.numel() for p in seen), sum(
+        p.numel() * (storage_bytes if storage_bytes and p.is_floating_point() else p.element_size()) for p in seen)
 
 
-def sizes(model, layers: str) -> dict:
-    """Parameters and bytes per block and for everything outside the blocks."""
+def sizes(model, layers: str, storage_bytes: int | None = None) -> dict:
+    """Parameters and bytes (``size``) per block and for everything outside the blocks."""
     blocks = model.get_submodule(layers)
     inside = {id(p) for p in blocks.parameters()}
-    per_layer = [size(b.parameters()) for b in blocks]
-    other = size(p for p in model.parameters() if id(p) not in inside)
-    total = size(model.parameters())
+    per_layer = [size(b.parameters(), storage_bytes) for b in blocks]
+    other = size((p for p in model.parameters() if id(p) not in inside), storage_bytes)
+    total = size(model.parameters(), storage_bytes)
     return {"layers": [{"params": n, "bytes": b} for n, b in per_layer],
             "other": {"params": other[0], "bytes": other[1]},
             "total": {"params": total[0], "bytes": total[1]}}

@@ -50,8 +50,12 @@ def foldable(model, layout: Layout) -> list[NormSite]:
 
 def applies(model, layout: Layout) -> str | None:
     if not foldable(model, layout):
-        return ("no stream norm is a per-channel affine map (RepBN, BatchNorm with running statistics or "
-                "ChannelAffine): the norms compute per-token statistics (run prepbn first)")
+        why = ("no stream norm is a per-channel affine map (RepBN, BatchNorm with running statistics or "
+               "ChannelAffine): the norms compute per-token statistics")
+        if layout.placement == "post":  # prepbn refuses Post-LN: it cannot prepare this model
+            return (why + "; on a Post-LN model no pass here replaces them (prepbn is built for Pre-LN and "
+                    "parallel decoders only): bn-fold needs a checkpoint trained with BatchNorm or RepBN norms")
+        return why + " (run prepbn first)"
     return None
 
 

@@ -11,4 +11,4 @@ from .minimize import applies, reference  # noqa: F401  (applies and masks first
 
 
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
-    return minimize.shrink(model, layout, "compensated-ln", blocks=False)
+    return minimize.shrink(model, layout, "compensated-ln", blocks=False, storage_bytes=ctx.storage_bytes)

@@ -21,6 +21,7 @@ from ..layout import Layout
 from ..norms import is_stock_rmsnorm
 from ..registry import PassContext, PassReport
 from ..runtime import CRMSNorm
+from ..shards import inside
 from . import _shrink, pre_rmsnorm
 from .norms import refuse_norms, refuse_output_norms, refuse_post_ln, untie_if_touched
 
@@ -63,11 +64,18 @@ def applies(model, layout: Layout) -> str | None:
     return None
 
 
+def _own(model, layout: Layout) -> list:
+    """The parameters of the part ``layout`` covers (all of them in memory)."""
+    return [p for name, p in model.named_parameters() if not layout.scope or inside(name, layout.scope)]
+
+
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("crmsnorm")
-    before = _shrink.size(model.parameters())
+    before = _shrink.size(_own(model, layout), ctx.storage_bytes)
     if layout.norm_kinds == {"layernorm"}:
-        report.notes += pre_rmsnorm.apply(model, layout, PassContext(options={"fold": False})).notes
+        centred = pre_rmsnorm.apply(model, layout, PassContext(options={"fold": False}))
+        report.notes += centred.notes
+        report.counted.update(centred.counted)
         layout = families.layout(model, layout.scope)
     report.notes += untie_if_touched(model, layout, {layout.token_embedding})
     d = layout.stream_width
@@ -86,10 +94,11 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         model.set_submodule(site.path, CRMSNorm(d - 1, eps=site.eps).to(device=norm.weight.device))
     for path in layout.embeddings + layout.writers:
         _shrink.keep_outputs(model.get_submodule(path), stored)
-    after = _shrink.size(model.parameters())
-    report.notes.append(f"the residual stream is stored in {d - 1} of {d} dimensions; {len(layout.norms)} norms "
-                        "are weightless CRMSNorm, their gains and biases folded into the readers; saving needs the "
-                        f"self-contained loader (config hidden_size stays {d})")
+    after = _shrink.size(_own(model, layout), ctx.storage_bytes)
+    report.count(f"the residual stream is stored in {d - 1} of {d} dimensions; {{norms}} norms are weightless "
+                 "CRMSNorm, their gains and biases folded into the readers; saving needs the self-contained loader "
+                 f"(config hidden_size stays {d})", norms=len(layout.norms))
     report.metrics.update({"stream_width": [d, d - 1], "params": [before[0], after[0]],
                            "bytes": [before[1], after[1]]})
+    report.sums = ("params", "bytes")  # [before, after] of this part: the parts' sum is the model's
     return report

@@ -33,11 +33,12 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report.notes += untie_if_touched(model, layout, touched)
     for site in sites:
         fold_into_readers(model, layout, site)
-    report.notes.append(f"folded {len(sites)} norms into {len(touched)} readers; their gains are 1")
-    report.notes += output_note(layout)
+    report.count("folded {norms} norms into {readers} readers; their gains are 1", norms=len(sites),
+                 readers=len(touched))
+    output_note(report, layout)
     if layout.qk_norms:
-        report.notes.append(f"left {len(layout.qk_norms)} QK-norms as they are: rotary embeddings mix "
-                            "pairs of dimensions after them, so their gains cannot be folded")
+        report.count("left {n} QK-norms as they are: rotary embeddings mix pairs of dimensions after them, so "
+                     "their gains cannot be folded", n=len(layout.qk_norms))
     report.metrics["norms_folded"] = len(sites)
     report.metrics["qk_norms_left"] = len(layout.qk_norms)
     return report

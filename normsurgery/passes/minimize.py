@@ -36,10 +36,11 @@ def reference(model, layout: Layout, ctx: PassContext) -> PassReport | None:
     return mask.apply(model, layout, ctx) if mask.wants_mask(ctx.options) else None
 
 
-def shrink(model, layout: Layout, name: str, blocks: bool) -> PassReport:
-    """Remove dead units (``blocks``) and dead channels; report sizes per layer."""
+def shrink(model, layout: Layout, name: str, blocks: bool, storage_bytes: int | None = None) -> PassReport:
+    """Remove dead units (``blocks``) and dead channels; report sizes per layer (bytes: ``storage_bytes``
+    per floating-point value, the checkpoint's dtype; None: as held)."""
     report = PassReport(name)
-    before = _shrink.sizes(model, layout.layers_path)
+    before = _shrink.sizes(model, layout.layers_path, storage_bytes)
     widths = [{} for _ in layout.attention]
     if blocks:
         plans = analysis.head_plans(model, layout)
@@ -52,7 +53,7 @@ def shrink(model, layout: Layout, name: str, blocks: bool) -> PassReport:
     stream = _shrink.channels(model, layout, removable) if bool(removable.any()) else (len(dead),) * 2
     report.notes += _shrink.record_widths(model, families.layout(model),
                                           any(w["mlp_units"][0] != w["mlp_units"][1] for w in widths if w))
-    after = _shrink.sizes(model, layout.layers_path)
+    after = _shrink.sizes(model, layout.layers_path, storage_bytes)
     for i, w in enumerate(widths):
         w.update({k: [before["layers"][i][k], after["layers"][i][k]] for k in ("params", "bytes")})
     report.metrics.update({
@@ -78,4 +79,4 @@ def shrink(model, layout: Layout, name: str, blocks: bool) -> PassReport:
 
 
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
-    return shrink(model, layout, "minimize", blocks=True)
+    return shrink(model, layout, "minimize", blocks=True, storage_bytes=ctx.storage_bytes)

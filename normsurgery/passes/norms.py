@@ -89,17 +89,16 @@ def foldable(layout: Layout) -> tuple[NormSite, ...]:
     return tuple(s for s in layout.norms if s is not layout.output_norm and s.role != "output")
 
 
-def output_note(layout: Layout) -> list[str]:
-    notes = []
+def output_note(report, layout: Layout) -> None:
+    """Notes, on ``report``, of the norms a fold leaves because nothing reads them."""
     if layout.output_norm is not None:
-        notes.append(f"left the final norm ({layout.output_norm.path}) as it is: it gives the model's output "
-                     "(a base model), so there is no reader to fold its gain into")
+        report.notes.append(f"left the final norm ({layout.output_norm.path}) as it is: it gives the model's "
+                            "output (a base model), so there is no reader to fold its gain into")
     out = output_norms(layout)
     if out:
-        notes.append(f"left {len(out)} output norms ({out[0].path}, ...) as they are: each normalises a "
-                     "sub-block's output, which is added to the stream, so no linear layer reads it and its "
-                     "gain has nowhere to go")
-    return notes
+        report.count("left {n} output norms ({first}, ...) as they are: each normalises a sub-block's output, "
+                     "which is added to the stream, so no linear layer reads it and its gain has nowhere to go",
+                     n=len(out), first=out[0].path)
 
 
 def untie_if_touched(model, layout: Layout, touched: set[str]) -> list[str]:

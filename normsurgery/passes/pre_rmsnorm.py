@@ -30,10 +30,10 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         model.set_submodule(site.path, rmsnorm_like(model.get_submodule(site.path), stock_equivalent=True))
         if ctx.options.get("fold") and site in foldable(layout):
             fold_into_readers(model, layout, site)
-    report.notes.append(f"centred {len(layout.embeddings)} embeddings and {len(layout.writers)} writers; "
-                        f"{len(layout.norms)} LayerNorms are now RMSNorm"
-                        + ("; gains and biases folded into the readers" if ctx.options.get("fold") else ""))
+    report.count("centred {embeddings} embeddings and {writers} writers; {norms} LayerNorms are now RMSNorm"
+                 + ("; gains and biases folded into the readers" if ctx.options.get("fold") else ""),
+                 embeddings=len(layout.embeddings), writers=len(layout.writers), norms=len(layout.norms))
     if ctx.options.get("fold"):
-        report.notes += output_note(layout)
+        output_note(report, layout)
     report.metrics["norms_swapped"] = len(layout.norms)
     return report

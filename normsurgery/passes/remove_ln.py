@@ -171,9 +171,17 @@ def schedule(norms: list[RemovableNorm], steps: int, start: int, gap: int,
              final_gap: int) -> list[tuple[int, str, list[tuple[int, int]]]]:
     """(step, stage, [(norm index, path index)]): MLP paths block by block, then q/k (fused
     attention), then v, then the final norm, then position 0's special case (empty list)."""
+    events = _events([rn.paths for rn in norms], start, gap, final_gap)
+    if events[-1][0] >= steps:
+        raise SurgeryError(_too_few(events, steps, start, gap, final_gap, [rn.paths for rn in norms]))
+    return events
+
+
+def _events(paths: list[list[str]], start: int, gap: int, final_gap: int) -> list:
+    """``schedule``'s events for norms with these paths (``install``'s, in layout order)."""
     groups: dict[str, list[list[tuple[int, int]]]] = {k: [] for k in ("mlp", "qk", "v", "final")}
-    for i, rn in enumerate(norms):
-        for p, name in enumerate(rn.paths):
+    for i, names in enumerate(paths):
+        for p, name in enumerate(names):
             groups["qk" if name == "attn" else name].append([(i, p)])
     events, step = [], start
     for stage in ("mlp", "qk", "v"):
@@ -185,11 +193,46 @@ def schedule(norms: list[RemovableNorm], steps: int, start: int, gap: int,
         events.append((step, "final", groups["final"][0]))
         step += final_gap
     events.append((step, "position 0", []))
-    if step >= steps:
-        raise SurgeryError(f"remove-ln: the schedule needs {step + 1} steps (start {start}, gap {gap}, final gap "
-                           f"{final_gap} for {len(events)} removals) but steps={steps}; give more steps or "
-                           "smaller gaps")
     return events
+
+
+def _too_few(events, steps: int, start: int, gap: int, final_gap: int, paths: list[list[str]],
+             options: dict | None = None) -> str:
+    """Why ``steps`` are too few, with the smallest number of steps that fits (``options``: as
+    given, start/gap/final_gap chosen from the steps where they are -1/0)."""
+    text = (f"remove-ln: the schedule needs {events[-1][0] + 1} steps (start {start}, gap {gap}, final gap "
+            f"{final_gap} for {len(events)} removals) but steps={steps}")
+    o = options or {"start": start, "gap": gap, "final_gap": final_gap}
+    n = sum(len(p) for p in paths) + 1
+    for more in range(steps + 1, 100 * (events[-1][0] + 2)):
+        s, g, f = _auto_schedule(n, more, o["start"], o["gap"], o["final_gap"])
+        if _events(paths, s, g, f)[-1][0] < more:
+            fixed = [k for k in ("start", "gap", "final_gap") if (o[k] >= 0 if k == "start" else o[k] > 0)]
+            above = [k for k in fixed if o[k] > (0 if k == "start" else 1)]
+            return (text + f"; the smallest budget that fits is steps={more}"
+                    + (f" with {', '.join(f'{k}={o[k]}' for k in fixed)} as given" if fixed else
+                       " (start and gaps chosen from the steps)")
+                    + (f"; a smaller {' or '.join(above)} needs fewer" if above else ""))
+    return text
+
+
+def removal_paths(layout: Layout, split: bool = True) -> list[list[str]]:
+    """Each norm's paths (``install``'s), from the Layout alone: no weight needed."""
+    return [sorted({_path_of(r, layout, site.role, split) for r in site.readers}, key=PATH_ORDER.index)
+            for site in layout.norms]
+
+
+def check(model, layout: Layout, options: dict) -> str | None:
+    """Before any weight is read (``model`` may be on the meta device): a step budget the schedule
+    cannot fit in."""
+    paths = removal_paths(layout, split=options["export"] != "stock")
+    n = sum(len(p) for p in paths) + 1
+    start, gap, final_gap = _auto_schedule(n, options["steps"], options["start"], options["gap"],
+                                           options["final_gap"])
+    events = _events(paths, start, gap, final_gap)
+    if events[-1][0] >= options["steps"]:
+        return _too_few(events, options["steps"], start, gap, final_gap, paths, options)
+    return None
 
 
 def _auto_schedule(n_removals: int, steps: int, start: int, gap: int, final_gap: int) -> tuple[int, int, int]:
@@ -345,6 +388,9 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                            "cannot hold accurately; use the default export or a float32 working dtype")
     if not ctx.text:
         raise SurgeryError("remove-ln trains the model: give it text (--text FILE)")
+    refused = check(model, layout, o)
+    if refused:
+        raise SurgeryError(refused)
     o = {**o, "seq_len": fit_seq_len(positions(model.config), o["seq_len"], "remove-ln: seq_len")}
     ids = tokenize(ctx.tokenizer, ctx.text)
     train_ids, held_ids = split_heldout(ids, o["heldout"], o["seq_len"])

@@ -40,8 +40,11 @@ def applies(model, layout: Layout) -> str | None:
             return f"{site.path} is a {site.kind}: rotation needs a gain-free RMSNorm over the whole stream"
         w = model.get_submodule(site.path).weight  # on the meta device until its part is read
         if w is not None and not w.is_meta and w.numel() and not bool((w == w.reshape(-1)[0]).all()):
+            kept = site is layout.final_norm and layout.tied  # what flashnorm:keep_tied=true leaves
             return (f"{site.path} has per-channel gains (Q (g * n) != g * (Q n)): fold them into the "
-                    "readers first (--pass flashnorm --pass rotate)")
+                    "readers first (--pass flashnorm --pass rotate)" + (
+                        f"; flashnorm:keep_tied=true leaves this final norm's gain (to keep {layout.head} tied), "
+                        "which rotate refuses: drop keep_tied (flashnorm then unties the head)" if kept else ""))
     return None
 
 
@@ -73,14 +76,14 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     base = rotation.hadamard_base(d) if kind == "hadamard" else None
     what = (f"a randomised Hadamard matrix ({'Sylvester' if base == 1 else f'Paley {base} x Sylvester'})"
             if kind == "hadamard" else "a random orthogonal matrix")
-    report.notes.append(f"rotated the {d}-channel stream by {what}, seed {seed}: {len(layout.embeddings)} "
-                        f"embeddings and {len(layout.writers)} writers on the output side, {len(readers)} "
-                        "readers on the input side")
+    report.count(f"rotated the {d}-channel stream by {what}, seed {seed}: {{embeddings}} embeddings and "
+                 "{writers} writers on the output side, {readers} readers on the input side",
+                 embeddings=len(layout.embeddings), writers=len(layout.writers), readers=len(readers))
     if layout.tied and layout.head in {r for s in layout.norms for r in s.readers}:
         report.notes.append(f"{layout.head} is tied to {layout.token_embedding}: the rotated embedding is the "
                             "rotated head, so it stays tied")
     if layout.qk_norms:
-        report.notes.append(f"{len(layout.qk_norms)} QK-norms act inside attention, after the readers: unchanged")
+        report.count("{n} QK-norms act inside attention, after the readers: unchanged", n=len(layout.qk_norms))
     report.metrics["rotated_writers"] = len(layout.embeddings) + len(layout.writers)
     report.metrics["rotated_readers"] = len(readers)
     return report
