@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from . import devices, memory, modelcard, precision, registry
-from .checkpoint import Loader, Source, claims, finish, load_dtype, mark_not_stock, save_config, stamp, write_config
+from .checkpoint import Loader, Source, check_finite, claims, finish, load_dtype, mark_not_stock, save_config, stamp, write_config
 from .errors import SurgeryError
 from .families import layout, positions
 from .layout import Layout
@@ -161,7 +161,9 @@ class Work:
             lay = layout(self.model, part.scope)
             check_applies(self.model, step.pass_name, lay)
             self.context.options = step.options
+            before = versions(self.model)
             report = step.run(self.model, lay, self.context)
+            mark_changed(self.model, before, everything=step.kind == "trained")
             if report is not None:  # a part rewritten again (read again) reports again
                 self.reports[i][part] = report
             self.level[part] = i + 1
@@ -213,16 +215,65 @@ class Work:
         given in memory is left as it was, its tensors cast to new memory where they are)."""
         for i, part in enumerate(self.parts):
             progress("write", i, len(self.parts))
+            if self._copy_untouched(part, level, writer, storage):
+                progress("write", i + 1, len(self.parts))
+                continue
             self.enter(part, level)
             saved = saved_tensors(self.model, part.scope or None)
             users = Counter(t.untyped_storage().data_ptr() for t in saved.values())
+            params = dict(self.model.named_parameters(remove_duplicate=False))
             for name, t in saved.items():  # a storage two names write is cast, not spent
+                key = self._unchanged(params.get(name), storage)
+                if key is not None:  # read (and checked) on entering, no pass changed it: its bytes
+                    writer.copy(name, self.loader.reader, key)
+                    continue
                 spend = self.loader is not None and users[t.untyped_storage().data_ptr()] == 1
                 writer.add(name, precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t)
             saved = t = None  # no view left: the loader reuses the part's tensors
             if self.loader is not None:  # a model given in memory stays as it was
                 self.leave(part, force=True)
             progress("write", i + 1, len(self.parts))
+
+    def _unchanged(self, p, storage: torch.dtype, held: bool = True) -> str | None:
+        """The stored key whose bytes are what writing parameter ``p`` in ``storage`` would write,
+        or None: ``p`` was read from one stored tensor (not merged from several, not pickled) in a
+        dtype that holds it exactly, is written in the dtype it is stored in, and no step changed
+        it (:func:`mark_changed`); ``held``: it is in memory (else: not read yet, on the meta
+        device)."""
+        if p is None or self.loader is None or (p.device.type == "meta") == held:
+            return None
+        stored = self.loader.stored(p)
+        if stored is None or stored.stack is not None or getattr(p, CHANGED, False):
+            return None
+        e = self.loader.source.index[stored.keys[0]]
+        if e.tensor is not None or tuple(p.shape) != e.shape:
+            return None
+        if e.dtype.is_floating_point:
+            exact = e.dtype == self.dtype or (torch.finfo(self.dtype).bits > torch.finfo(e.dtype).bits
+                                              and self.dtype != torch.bfloat16)
+            if e.dtype != storage or not exact:
+                return None
+        elif e.dtype != p.dtype:
+            return None
+        return stored.keys[0]
+
+    def _copy_untouched(self, part: Part, level: int, writer: ShardWriter, storage: torch.dtype) -> bool:
+        """Write ``part`` without reading it when no step is to run on it (``level`` 0: a prune's
+        kept blocks under their new names, a checkpoint written unchanged) and each of its tensors
+        is one stored tensor written as stored (:meth:`_unchanged`): its bytes are copied, each
+        chunk checked for NaN or Inf as reading it would. False: it must be read."""
+        if self.loader is None or level != 0 or part in self.level or part in self.rewritten:
+            return False
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        keys = {}
+        for name in saved_tensors(self.model, part.scope or None, meta=True):
+            keys[name] = self._unchanged(params.get(name), storage, held=False)
+            if keys[name] is None:  # a buffer, a merged tensor, a cast: read it
+                return False
+        source = self.loader.source
+        for name, key in keys.items():
+            writer.copy(name, self.loader.reader, key, lambda t, key=key: check_finite(t, key, source))
+        return True
 
     def step_reports(self, i: int) -> tuple[list[str], dict]:
         """Step ``i``'s notes (distinct) and metrics (integers summed over parts)."""
@@ -235,6 +286,31 @@ class Work:
         if len(self.parts) > 1:
             notes.insert(0, f"rewritten in {len(self.parts)} parts, one at a time (notes per part)")
         return notes, metrics
+
+
+#: set on a parameter a rewrite step changed (its values, or its tensor replaced): it is written
+#: from memory; one read and left alone is copied as stored (:meth:`Work.write`)
+CHANGED = "_normsurgery_changed"
+
+
+def versions(model) -> dict[int, tuple]:
+    """{id(parameter): (parameter, version counter, data pointer)} of ``model``'s parameters in
+    memory, before a step runs (:func:`mark_changed` after it)."""
+    return {id(p): (p, p._version, p.data_ptr()) for p in model.parameters() if p.device.type != "meta"}
+
+
+def mark_changed(model, before: dict[int, tuple], everything: bool = False) -> None:
+    """Mark (:data:`CHANGED`) each parameter in memory that a step changed since ``before``
+    (:func:`versions`): written in place (torch counts in-place writes in ``_version``, those
+    under ``no_grad`` too, but not through ``.data``: a pass writes through the parameter or
+    ``detach()``), given another tensor (``.data =``), or new; ``everything``: all of them (a
+    trained step: the optimiser may write in any way)."""
+    for p in model.parameters():
+        if p.device.type == "meta":
+            continue
+        was = before.get(id(p))
+        if everything or was is None or was[0] is not p or was[1] != p._version or was[2] != p.data_ptr():
+            setattr(p, CHANGED, True)
 
 
 @contextmanager

@@ -3,6 +3,7 @@ the same tensors, check the written folder the same way, and hold one part at a 
 
 import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -246,3 +247,163 @@ def test_streaming_prune_copies_the_in_memory_result(tmp_path, demo):
     prune_model(model, got.selection.layers)
     pruned = ns.load(tmp_path / "stream")
     assert torch.equal(pruned(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# unchanged tensors are copied as bytes (issue 30)
+
+
+def raw(path):
+    """{name: (dtype, shape, bytes)} of every tensor in a folder's shards."""
+    from normsurgery.shards import read_header
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        header, start = read_header(f)
+        data = f.read_bytes()
+        for k, v in header.items():
+            a, b = v["data_offsets"]
+            out[k] = (v["dtype"], v["shape"], data[start + a:start + b])
+    return out
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """The names ShardWriter.copy wrote (as stored bytes) and those ShardWriter.add wrote (from memory)."""
+    from normsurgery.shards import ShardWriter
+
+    seen = {"copied": [], "added": []}
+    copy, add = ShardWriter.copy, ShardWriter.add
+
+    def copying(self, name, *a, **k):
+        seen["copied"].append(name)
+        return copy(self, name, *a, **k)
+
+    def adding(self, name, *a, **k):
+        seen["added"].append(name)
+        return add(self, name, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "copy", copying)
+    monkeypatch.setattr(ShardWriter, "add", adding)
+    return seen
+
+
+FLASHNORM_UNTOUCHED = ("embed_tokens.weight", "o_proj.weight", "down_proj.weight")
+
+
+@pytest.mark.parametrize("dtype,work", [(torch.bfloat16, None), (torch.float32, torch.float64)])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_flashnorm_copies_the_tensors_it_leaves_as_stored_bytes(tmp_path, copies, dtype, work, streaming):
+    """flashnorm changes the norms and their readers: every other tensor is written as the input
+    stores it (bytes, dtype, shape), copied without being cast; the changed ones from memory."""
+    src = checkpoint_at(tmp_path, "llama", dtype)
+    out = tmp_path / "out"
+    convert_mod.convert(src, out, [("flashnorm", {})], streaming=streaming, work_dtype=work, verify=False,
+                        max_shard_size="20KB")
+    before, after = raw(src), raw(out)
+    assert before.keys() == after.keys()
+    untouched = {k for k in before if k.endswith(FLASHNORM_UNTOUCHED)}
+    assert set(copies["copied"]) == untouched and len(untouched) == 1 + 2 * CONFIGS["llama"]().num_hidden_layers
+    assert set(copies["added"]) == set(before) - untouched
+    for k in untouched:
+        assert after[k] == before[k]
+    assert all(after[k][0] == before[k][0] for k in before)  # stored as the input stores it
+    ns.verify(src, out, dtype=torch.float64).ok  # noqa: B018  (loads: the headers are valid)
+
+
+def test_a_pass_that_changes_nothing_writes_the_input_bytes(tmp_path, copies):
+    """A blockwise pass that rewrites nothing: every tensor copied as stored, in both plans; flashnorm
+    run again on a folded model (it writes gains of 1 and scales by them) gives the same bytes."""
+    from normsurgery import registry
+    from normsurgery.registry import PassReport
+
+    def nothing(model, lay, ctx):
+        for p in model.parameters():  # reads every value of the part, writes none
+            if p.device.type == "meta":
+                continue
+            float(p.detach().float().abs().sum())
+        return PassReport("test-nothing")
+
+    registry.register("test-nothing", "changes nothing", "exact", "tests", lambda m, lay: None,
+                      blockwise=True)(nothing)
+    try:
+        src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+        before = raw(src)
+        for streaming in (True, False):
+            copies["copied"].clear()
+            out = tmp_path / f"same-{streaming}"
+            convert_mod.convert(src, out, [("test-nothing", {})], streaming=streaming, max_shard_size="20KB")
+            assert raw(out) == before and sorted(copies["copied"]) == sorted(before)
+    finally:
+        registry.PASSES.pop("test-nothing")
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    convert_mod.convert(src, once, [("flashnorm", {})], streaming=True, verify=False, max_shard_size="20KB")
+    convert_mod.convert(once, twice, [("flashnorm", {})], streaming=True, max_shard_size="20KB")
+    assert raw(twice) == raw(once)
+
+
+def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
+    """prune --streaming (no step runs on a kept block) copies each kept tensor's bytes under its
+    renumbered name, reading nothing while it writes; the folder loads as the in-memory prune's."""
+    from normsurgery import pipeline, shards
+
+    src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+    reads, writing = [], []
+    read_into, write = shards.Reader.read_into, pipeline.Work.write
+
+    def spying(self, key, out):
+        if writing:
+            reads.append(key)
+        return read_into(self, key, out)
+
+    def spied_write(self, *a, **k):
+        writing.append(True)
+        try:
+            return write(self, *a, **k)
+        finally:
+            writing.clear()
+
+    monkeypatch.setattr(shards.Reader, "read_into", spying)
+    monkeypatch.setattr(pipeline.Work, "write", spied_write)
+    opts = {"layers": 1, "method": "last", "seq_len": 16}
+    got = ns.prune(src, tmp_path / "stream", opts, streaming=True)
+    assert reads == [] and copies["added"] == [] and len(copies["copied"]) == len(raw(tmp_path / "stream"))
+    mem = ns.prune(src, tmp_path / "mem", opts)
+    assert raw(tmp_path / "stream") == raw(tmp_path / "mem")
+    assert got.saved["reload"]["comparison"]["relative"] == 0.0
+    before = raw(src)
+    kept = [i for i in range(CONFIGS["llama"]().num_hidden_layers) if i not in got.selection.layers]
+    assert kept != list(range(len(kept)))  # the test renumbers blocks
+    for k, v in raw(tmp_path / "stream").items():  # block j holds input block kept[j]'s bytes
+        parts = k.split(".")
+        if parts[1] == "layers":
+            parts[2] = str(kept[int(parts[2])])
+        assert before[".".join(parts)] == v, k
+
+
+def test_a_copied_tensor_is_still_checked_for_nan(tmp_path, monkeypatch):
+    """An unread part's tensors are checked for NaN or Inf as they are copied (not only when the
+    check reads the input again: without it, nothing else would), as reading refuses them."""
+    from normsurgery import pipeline
+
+    write, raised = pipeline.Work.write, []
+
+    def spied_write(self, *a, **k):
+        try:
+            return write(self, *a, **k)
+        except ns.SurgeryError:
+            raised.append(True)
+            raise
+
+    monkeypatch.setattr(pipeline.Work, "write", spied_write)
+    src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+    sd = tensors(src)
+    name = next(k for k in sd if ".layers.0.mlp." in k)  # kept (--method last removes a later block)
+    sd[name][0, 0] = float("nan")
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    (src / "model.safetensors.index.json").unlink()
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ns.SurgeryError, match=f"^{re.escape(str(src))} holds NaN or Inf weights: {name}"):
+        ns.prune(src, tmp_path / "out", {"layers": 1, "method": "last", "seq_len": 16}, streaming=True)
+    assert raised  # refused while copying
