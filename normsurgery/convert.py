@@ -12,7 +12,11 @@ to the storage dtype as they are written. The checks compare what the model's cl
 - per step, for recipes of several steps: each step's outputs against those before it, in the
   working dtype.
 A one-step convert thus costs two forward passes (the reference and the written folder), plus
-one where a tolerance beyond the arithmetic's must be measured.
+one where a tolerance beyond the arithmetic's must be measured (only when the first comparison
+exceeds the arithmetic's own: the re-rounded reference, or the jittered one); the reference's
+outputs are computed once and serve the tolerance too. The result (and ``--json``) reports the
+forwards run and their seconds (``forwards``, ``seconds_check``; streamed: with the reads of the
+parts they entered).
 
 Plans (``pipeline``): every pass blockwise, the model is read and rewritten one part at a time
 (``streaming=None`` chooses it: it is the faster path at every size measured, and bounded in
@@ -34,7 +38,7 @@ from . import devices, memory, passes as _passes, precision  # noqa: F401  (pass
 from .checkpoint import Source
 from .errors import SurgeryError
 from .parity import TOLERANCE, Comparison, compare, dtype_name, output_kind, probe_ids
-from .pipeline import StepSpec, Tolerances, Work, check_applies, model_reader, save_work, source_reader, steps_of
+from .pipeline import FORWARDS, StepSpec, Tolerances, Work, check_applies, model_reader, save_work, source_reader, steps_of
 from .progress import Progress, no_progress
 from .runner import Job
 from .registry import PassContext, load_recipe, parse_pass  # noqa: F401  (API)
@@ -70,6 +74,8 @@ class Result:
     kept_float32: list[str] | None = None  # tensors that do not fit the storage dtype, stored in float32
     warnings: list[str] | None = None
     device: dict | None = None  # where it computed (devices.describe)
+    forwards: int = 0  # forward passes run for the checks (the reference, the written folder, a baseline)
+    seconds_check: float = 0.0  # what they took (streamed: with the reads of the parts they entered)
 
     @property
     def ok(self) -> bool:
@@ -83,7 +89,7 @@ class Result:
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
                 "parity": c(self.parity), "baseline": c(self.baseline), "saved": self.saved,
                 "streaming": self.streaming, "kept_float32": self.kept_float32, "warnings": self.warnings,
-                "device": self.device}
+                "device": self.device, "forwards": self.forwards, "seconds_check": self.seconds_check}
 
 
 def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -140,6 +146,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
     precision.check_policy([], torch.float32, on_overflow)
+    mark = FORWARDS.mark()
     steps = steps_of(passes)
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     source, where = job.source, job.device
@@ -162,8 +169,10 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         work.enter(work.parts[0], len(steps))  # every step runs here, in every process
     if not is_main_process():  # one of several training processes: the main one saves
         return result
-    t = Tolerances(source_reader(source, ids, dtype, work.streamed, where), ids, dtype, outs.get(0), tolerance,
-                   source.head_output, work.streamed, where) if verify else None
+    # the reference's outputs: those the anchor computes (streamed: once the parts are written),
+    # not read a second time for a tolerance
+    t = Tolerances(source_reader(source, ids, dtype, work.streamed, where), ids, dtype, lambda: outs.get(0),
+                   tolerance, source.head_output, work.streamed, where) if verify else None
 
     def anchor() -> torch.Tensor:  # streamed: the outputs are read once the parts are written
         if not outs:
@@ -181,6 +190,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     result.baseline = t.measured.get(source.storage) if t is not None else None
     if saved.kept_float32:
         result.kept_float32, result.warnings = saved.kept_float32, [saved.warning]
+    result.forwards, result.seconds_check = FORWARDS.since(mark)
     return result
 
 

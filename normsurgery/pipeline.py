@@ -24,6 +24,7 @@ tensors. Memory is about one part plus one tensor being read or written when str
 from __future__ import annotations
 
 import copy
+import time
 import zlib
 from collections import Counter, defaultdict
 from contextlib import contextmanager, nullcontext
@@ -196,7 +197,7 @@ class Work:
         brought to ``level`` first: a step may run forward passes of its own (training)."""
         if self.resident:
             self.enter(self.parts[0], level)
-        with self.running(level), jittered(self.model) if jitter else nullcontext():
+        with FORWARDS.timed(), self.running(level), jittered(self.model) if jitter else nullcontext():
             out = outputs(self.model, ids, self.device)
         memory.trim()  # the forward's activations, freed after the last part: back to the system
         return out
@@ -384,6 +385,34 @@ def steps_of(passes: list[tuple[str, dict]]) -> list[StepSpec]:
 # checks: the reference, the tolerance, the written folder
 
 
+class Meter:
+    """Forward passes run for checks in this process, and the seconds they took (streamed: the
+    parts they read included): a command reads the difference across its run."""
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    @contextmanager
+    def timed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.count += 1
+            self.seconds += time.perf_counter() - start
+
+    def since(self, mark: tuple[int, float]) -> tuple[int, float]:
+        """(forwards, seconds) since ``mark`` (:meth:`mark`)."""
+        return self.count - mark[0], self.seconds - mark[1]
+
+    def mark(self) -> tuple[int, float]:
+        return self.count, self.seconds
+
+
+#: every model forward the executor runs (:meth:`Work.outputs`, :func:`model_reader`)
+FORWARDS = Meter()
+
+
 Reader = Callable[..., torch.Tensor]  # (dtype=, jitter=, on_load=) -> a reference's outputs on the probe
 
 
@@ -401,7 +430,7 @@ class Tolerances:
     - half-precision arithmetic: ``ROUNDING_FACTOR`` x its own rounding against float32."""
 
     def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype,
-                 reference: torch.Tensor | None = None, given: float | None = None, output: str = "logits",
+                 reference: torch.Tensor | Callable[[], torch.Tensor | None] | None = None, given: float | None = None, output: str = "logits",
                  streamed: bool = False, device: torch.device | str = "cpu"):
         self.read, self.ids, self.dtype, self.streamed = read, ids, dtype, streamed
         self.device = torch.device(device)  # where a written folder is read back to be compared
@@ -410,6 +439,10 @@ class Tolerances:
 
     @property
     def reference(self) -> torch.Tensor:
+        """The reference's outputs: given (a tensor, or a function returning them once computed
+        elsewhere, e.g. by the check's own first forward; None: not yet), else read again."""
+        if callable(self._reference):
+            self._reference = self._reference()
         if self._reference is None:
             self._reference = self.read()
         return self._reference
@@ -472,7 +505,7 @@ def model_reader(model, ids: torch.Tensor) -> Reader:
         m = model if dtype is None and on_load is None else copy.deepcopy(model).to(dtype or model.dtype)
         if on_load is not None:
             on_load(m, Part((), ()))
-        with jittered(m) if jitter else nullcontext():
+        with FORWARDS.timed(), jittered(m) if jitter else nullcontext():
             return outputs(m, ids)
     return read
 

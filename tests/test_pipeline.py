@@ -407,3 +407,54 @@ def test_a_copied_tensor_is_still_checked_for_nan(tmp_path, monkeypatch):
     with pytest.raises(ns.SurgeryError, match=f"^{re.escape(str(src))} holds NaN or Inf weights: {name}"):
         ns.prune(src, tmp_path / "out", {"layers": 1, "method": "last", "seq_len": 16}, streaming=True)
     assert raised  # refused while copying
+
+
+# ---------------------------------------------------------------------------------------------
+# the check's floor (issue 30): two forwards, a third only when the first comparison needs it
+
+
+@pytest.fixture
+def forwards(monkeypatch):
+    """Every model forward the executor runs, counted at parity.outputs as the pipeline calls it."""
+    from normsurgery import pipeline
+
+    calls, real = [], pipeline.outputs
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline, "outputs", counting)
+    return calls
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("dtype,passes,expected", [
+    (torch.float32, [("flashnorm", {})], 2),  # within float32's 1e-5: the reference and the folder
+    (torch.bfloat16, [("flashnorm", {})], 3),  # bf16 rounding of folded weights: + the re-rounded reference
+])
+def test_a_checked_convert_runs_two_forwards_and_a_baseline_only_when_needed(tmp_path, forwards, streaming,
+                                                                            dtype, passes, expected):
+    src = checkpoint_at(tmp_path, "llama", dtype)
+    res = convert_mod.convert(src, tmp_path / "out", passes, streaming=streaming)
+    assert res.ok and len(forwards) == expected == res.forwards
+    assert (res.baseline is not None) == (expected == 3)
+    assert 0 < res.seconds_check and res.as_dict()["seconds_check"] == res.seconds_check
+    forwards.clear()
+    res = convert_mod.convert(src, tmp_path / "fast", passes, streaming=streaming, verify=False, force=True)
+    assert forwards == [] and res.forwards == 0 and res.seconds_check == 0.0
+
+
+def test_identical_outputs_need_no_baseline(tmp_path, forwards):
+    """bf16 weights the pass leaves as they were: the folder's outputs equal the input's, no baseline."""
+    from normsurgery import registry
+    from normsurgery.registry import PassReport
+
+    registry.register("test-nothing2", "changes nothing", "exact", "tests", lambda m, lay: None,
+                      blockwise=True)(lambda model, lay, ctx: PassReport("test-nothing2"))
+    try:
+        src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+        res = convert_mod.convert(src, tmp_path / "out", [("test-nothing2", {})], streaming=True)
+    finally:
+        registry.PASSES.pop("test-nothing2")
+    assert res.ok and res.parity.relative == 0 and len(forwards) == 2 and res.baseline is None
