@@ -227,7 +227,7 @@ def _step_outputs(work: Work, ids: torch.Tensor, progress: Progress) -> dict[int
     outs = {}
     for level in levels:  # a streamed part goes through the steps once per read
         progress("outputs", level, len(steps))
-        outs[level] = (work if work.resident else work.fresh()).outputs(ids, level)
+        outs[level] = (work if work.resident else work.fresh()).outputs(ids, level, compact=True)
     return outs
 
 

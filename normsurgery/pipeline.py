@@ -41,11 +41,11 @@ from .families import layout, positions
 from .layout import Layout
 from .norms import faithful_norms
 from .output import writing, written
-from .parity import (TOLERANCE, Comparison, compare, dtype_name, jittered, needs_rounding_tolerance, output_kind,
+from .parity import (TOLERANCE, Comparison, HeadInput, compare, dtype_name, jittered, needs_rounding_tolerance, output_kind,
                      outputs, probe_ids, rounding_tolerance, tolerance)
 from .progress import Progress, no_progress
 from .registry import PassContext, PassReport
-from .shards import ShardWriter, header_room, inside, saved_tensors
+from .shards import Reader as ShardReader, ShardWriter, header_room, inside, saved_tensors
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,8 @@ class Work:
             check_applies(self.model, step.pass_name, lay)
             self.context.options = step.options
             before = versions(self.model)
-            report = step.run(self.model, lay, self.context)
+            with tracking_data():
+                report = step.run(self.model, lay, self.context)
             mark_changed(self.model, before, everything=step.kind == "trained")
             if report is not None:  # a part rewritten again (read again) reports again
                 self.reports[i][part] = report
@@ -191,16 +192,45 @@ class Work:
         with part_by_part(self.model, self.parts, lambda p: self.enter(p, level), self.leave):
             yield self.model
 
-    def outputs(self, ids: torch.Tensor, level: int = 0, jitter: bool = False) -> torch.Tensor:
+    def outputs(self, ids: torch.Tensor, level: int = 0, jitter: bool = False, compact: bool = False):
         """What the model outputs on ``ids`` with steps up to ``level`` applied (``jitter``: under
         ``parity.jittered``), entering and leaving each part as the forward goes. A resident model is
-        brought to ``level`` first: a step may run forward passes of its own (training)."""
+        brought to ``level`` first: a step may run forward passes of its own (training).
+
+        ``compact``: where the logits are a plain linear head's, read as stored (level 0, nothing
+        altered on loading), a :class:`parity.HeadInput` instead: the head's input, its rows read
+        from the checkpoint a slab at a time when compared (no positions x vocabulary tensor)."""
         if self.resident:
             self.enter(self.parts[0], level)
-        with FORWARDS.timed(), self.running(level), jittered(self.model) if jitter else nullcontext():
+        head = self._compact_head() if compact and not jitter and level == 0 else None
+        with FORWARDS.timed(), self.running(level), jittered(self.model) if jitter else nullcontext(), \
+                capture(head) if head is not None else nullcontext() as seen:
             out = outputs(self.model, ids, self.device)
         memory.trim()  # the forward's activations, freed after the last part: back to the system
-        return out
+        if head is None:
+            return out
+        key, vocab = self.loader.stored(head.weight).keys[0], head.weight.shape[0]
+        reader, dtype = ShardReader(self.loader.source.index), self.dtype
+        rows = lambda i, j: reader.read_rows(key, i, j, dtype)  # noqa: E731
+        return HeadInput(seen["hidden"], rows, seen["bias"], vocab)
+
+    def _compact_head(self):
+        """The head module when this model's logits are a plain linear map of the head's input
+        stored as one tensor (:meth:`outputs`), else None."""
+        if self.loader is None or self.on_load is not None or self.model.config.model_type not in COMPACT_FAMILIES:
+            return None
+        lay = layout(self.model)
+        if lay.head is None or lay.objective != "causal-lm":
+            return None
+        head = self.model.get_submodule(lay.head)
+        if type(head) is not torch.nn.Linear:
+            return None
+        stored = self.loader.stored(head.weight)
+        if stored is None or stored.stack is not None or self.loader.source.index[stored.keys[0]].tensor is not None:
+            return None
+        if self.resident and getattr(head.weight, CHANGED, False):
+            return None
+        return head
 
     def load_all(self, level: int = 0):
         """The whole model in memory at ``level`` (one-part plans: the model to train or mask)."""
@@ -289,6 +319,30 @@ class Work:
         return notes, metrics
 
 
+#: families whose causal LM's logits are its head's output as it is (no scale, no soft cap): their
+#: checks may keep them compact (:meth:`Work.outputs`)
+COMPACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "mixtral", "phi3", "smollm3", "olmo2",
+                    "starcoder2", "gpt_neox", "gpt2", "opt", "phi", "gemma", "stablelm")
+
+
+@contextmanager
+def capture(head):
+    """While active, ``head`` computes nothing: it records its input (``hidden``, detached) and a
+    copy of its bias, and gives an empty output (no vocabulary columns)."""
+    seen = {}
+
+    def forward(x):
+        seen["hidden"] = x.detach()
+        seen["bias"] = None if head.bias is None else head.bias.detach().clone()
+        return x.new_zeros(*x.shape[:-1], 0)
+
+    head.forward = forward
+    try:
+        yield seen
+    finally:
+        del head.forward
+
+
 #: set on a parameter a rewrite step changed (its values, or its tensor replaced): it is written
 #: from memory; one read and left alone is copied as stored (:meth:`Work.write`)
 CHANGED = "_normsurgery_changed"
@@ -300,11 +354,37 @@ def versions(model) -> dict[int, tuple]:
     return {id(p): (p, p._version, p.data_ptr()) for p in model.parameters() if p.device.type != "meta"}
 
 
+@contextmanager
+def tracking_data():
+    """While active, a parameter whose ``.data`` is taken or set is marked :data:`CHANGED`: a
+    write through ``.data`` escapes torch's version counter (a pass may write that way; reading
+    that way costs only the copy of its bytes)."""
+    base = torch._C.TensorBase.__dict__["data"]
+    old = torch.nn.Parameter.__dict__.get("data")
+
+    def get(p):
+        setattr(p, CHANGED, True)
+        return base.__get__(p)
+
+    def put(p, value):
+        setattr(p, CHANGED, True)
+        base.__set__(p, value)
+
+    torch.nn.Parameter.data = property(get, put)
+    try:
+        yield
+    finally:
+        if old is None:
+            del torch.nn.Parameter.data
+        else:
+            torch.nn.Parameter.data = old
+
+
 def mark_changed(model, before: dict[int, tuple], everything: bool = False) -> None:
     """Mark (:data:`CHANGED`) each parameter in memory that a step changed since ``before``
     (:func:`versions`): written in place (torch counts in-place writes in ``_version``, those
-    under ``no_grad`` too, but not through ``.data``: a pass writes through the parameter or
-    ``detach()``), given another tensor (``.data =``), or new; ``everything``: all of them (a
+    under ``no_grad`` too; not those through ``.data``: :func:`tracking_data` marks those), given
+    another tensor (``.data =``), or new; ``everything``: all of them (a
     trained step: the optimiser may write in any way)."""
     for p in model.parameters():
         if p.device.type == "meta":
@@ -493,7 +573,7 @@ def anchor(work: Work, ids: torch.Tensor, level: int = 0) -> Callable[[], torch.
 def source_reader(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool,
                   device: torch.device | str = "cpu") -> Reader:
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
-        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device)
+        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device, compact=True)
     return read
 
 
@@ -522,11 +602,12 @@ def _rerounding(storage: torch.dtype) -> Callable:
 
 def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool, *, stock: bool = False,
                  jitter: bool = False, on_load: Callable | None = None,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
-    """``source``'s outputs on ``ids`` in ``dtype`` on ``device``, read part by part (or whole)."""
+                 device: torch.device | str = "cpu", compact: bool = False) -> torch.Tensor:
+    """``source``'s outputs on ``ids`` in ``dtype`` on ``device``, read part by part (or whole);
+    ``compact``: logits as a :class:`parity.HeadInput` where they can be (:meth:`Work.outputs`)."""
     work = Work(source, dtype, streamed=streamed, stock=stock, on_load=on_load, device=device)
     try:
-        return work.outputs(ids, jitter=jitter)
+        return work.outputs(ids, jitter=jitter, compact=compact)
     finally:
         work.close()
 
@@ -542,7 +623,7 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
     t = tolerances
 
     def check(stock: bool) -> Comparison:
-        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock, device=t.device)
+        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock, device=t.device, compact=True)
         return t.judge(compare(anchor, out, t.output), storage)
 
     plain = None
@@ -604,6 +685,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
         files = writer.close()
         precision.check_policy(lost, storage, on_overflow)
         kept = [x.name for x in lost]
+        work.close()  # the spare tensors too: the checks' forwards read parts of their own
         reference = anchor() if anchor is not None else None
         if before_check is not None:
             before_check()
@@ -615,7 +697,6 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
         finish(stage.path, records, work.source)
         if extra is not None:
             extra(stage.path)
-        work.close()
         reload = None
         if reference is not None:
             progress("check", 0, 1)

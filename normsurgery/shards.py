@@ -137,6 +137,9 @@ class Reader:
         e = self.index[key]
         if e.tensor is not None:
             return out.copy_(e.tensor)
+        return self._read_entry(e, key, out)
+
+    def _read_entry(self, e: Entry, key: str, out: torch.Tensor) -> torch.Tensor:
         self._seek(e, 0)
         if e.dtype == out.dtype:
             self._read(memoryview(out.view(-1).view(torch.uint8).numpy()), key)
@@ -149,6 +152,15 @@ class Reader:
             self._read(memoryview(self._stage.numpy())[:n * e.dtype.itemsize], key)
             flat[i:i + n].copy_(self._stage[:n * e.dtype.itemsize].view(e.dtype))
         return out
+
+    def read_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows start..stop of ``key`` (along its first axis: contiguous bytes), in ``dtype``."""
+        e = self.index[key]
+        out = torch.empty((stop - start, *e.shape[1:]), dtype=dtype or e.dtype)
+        if e.tensor is not None:
+            return out.copy_(e.tensor[start:stop])
+        row = torch.Size(e.shape[1:]).numel() * e.dtype.itemsize
+        return self._read_entry(Entry(e.file, e.offset + start * row, e.dtype, tuple(out.shape)), key, out)
 
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``key`` as a new tensor (in ``dtype``, default as stored)."""

@@ -4,6 +4,7 @@ the same tensors, check the written folder the same way, and hold one part at a 
 import importlib
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,6 +343,30 @@ def test_a_pass_that_changes_nothing_writes_the_input_bytes(tmp_path, copies):
     assert raw(twice) == raw(once)
 
 
+def test_a_write_through_data_is_not_copied(tmp_path, copies):
+    """A pass that writes a parameter through ``.data`` (which torch's version counter does not
+    see) has it written from memory, with its new values."""
+    from normsurgery import registry
+    from normsurgery.registry import PassReport
+
+    def halve(model, lay, ctx):
+        for site in lay.norms:
+            model.get_submodule(site.path).weight.data.mul_(0.5)
+        return PassReport("test-halve")
+
+    registry.register("test-halve", "halves the norms' gains", "exact", "tests", lambda m, lay: None,
+                      blockwise=True)(halve)
+    try:
+        src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+        convert_mod.convert(src, tmp_path / "out", [("test-halve", {})], streaming=True, verify=False)
+    finally:
+        registry.PASSES.pop("test-halve")
+    a, b = tensors(src), tensors(tmp_path / "out")
+    norms = [k for k in a if k.endswith("norm.weight")]  # the final norm too
+    assert norms and all(torch.equal(b[k], a[k] * 0.5) for k in norms)
+    assert not set(norms) & set(copies["copied"]) and set(copies["copied"]) == set(a) - set(norms)
+
+
 def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
     """prune --streaming (no step runs on a kept block) copies each kept tensor's bytes under its
     renumbered name, reading nothing while it writes; the folder loads as the in-memory prune's."""
@@ -458,3 +483,82 @@ def test_identical_outputs_need_no_baseline(tmp_path, forwards):
     finally:
         registry.PASSES.pop("test-nothing2")
     assert res.ok and res.parity.relative == 0 and len(forwards) == 2 and res.baseline is None
+
+
+# ---------------------------------------------------------------------------------------------
+# compact logits (issue 30): compared from the head's input and its rows, a slab at a time
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.bfloat16), ("gpt2", torch.float32), ("qwen2", torch.float32)])
+def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
+    """Logits kept as the head's input (rows read from the files when compared) give the full
+    comparison's figures to float rounding, either side compact, in both plans."""
+    from normsurgery import pipeline
+    from normsurgery.parity import HeadInput, compare, probe_ids
+
+    src = checkpoint_at(tmp_path, family, dtype)
+    out = tmp_path / "out"
+    convert_mod.convert(src, out, [("flashnorm", {})], verify=False)
+    ids = probe_ids(None, CONFIGS[family]().vocab_size, None, 3, 16)
+    for streamed in (True, False):
+        got = {}
+        for name, path in (("a", src), ("b", out)):
+            for compact in (False, True):
+                got[name, compact] = pipeline.read_outputs(Source.open(path), ids, torch.float32, streamed,
+                                                           compact=compact)
+        assert isinstance(got["a", True], HeadInput) and not isinstance(got["a", False], HeadInput)
+        full = compare(got["a", False], got["b", False])
+        assert full.relative > 0
+        for a, b in ((True, True), (True, False), (False, True)):
+            c = compare(got["a", a], got["b", b])
+            assert c.max_abs == pytest.approx(full.max_abs, rel=1e-4, abs=1e-6)
+            assert c.relative == pytest.approx(full.relative, rel=1e-4, abs=1e-9)
+            assert c.mean_abs == pytest.approx(full.mean_abs, rel=1e-4)
+            assert c.kl == pytest.approx(full.kl, rel=1e-3, abs=1e-12) and c.top1 == full.top1
+        assert compare(got["a", True], got["a", False]).relative < 1e-6  # the same logits
+
+
+PEAK = """
+import importlib, json, sys
+import torch
+conv = importlib.import_module("normsurgery.convert")
+import normsurgery.passes  # noqa: F401
+
+def mb(field):
+    return next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith(field))
+
+base = mb("VmRSS:")
+r = conv.convert(sys.argv[1], sys.argv[2], [("flashnorm", {})], streaming=True, verify=sys.argv[3] == "1",
+                 max_shard_size="50MB")
+print(json.dumps({"base": base, "peak": mb("VmHWM:"), "ok": r.ok}))
+"""
+
+
+def test_a_large_vocabulary_does_not_raise_the_checks_peak(tmp_path):
+    """A Qwen2-shaped bf16 checkpoint with a 151936-token vocabulary (small width and depth): the
+    checked streaming convert's peak RSS (/proc, a fresh process, above its RSS after imports)
+    stays within a third of one probe's float32 logits (4 x 64 x 151936: 156 MB) of the
+    unchecked convert's: the check holds no positions x vocabulary tensor."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = T.Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, vocab_size=151936, max_position_embeddings=128,
+                        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src = tmp_path / "in"
+    T.Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    above = {}
+    for verify in ("0", "1"):
+        run = subprocess.run([sys.executable, str(script), str(src), str(tmp_path / f"out{verify}"), verify],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        assert got["ok"]
+        above[verify] = got["peak"] - got["base"]
+    logits_mb = 4 * 64 * 151936 * 4 / 2**20
+    assert above["1"] - above["0"] < logits_mb / 3, above
