@@ -518,6 +518,21 @@ def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
         assert compare(got["a", True], got["a", False]).relative < 1e-6  # the same logits
 
 
+@pytest.mark.parametrize("family", sorted(set(__import__("normsurgery.pipeline").pipeline.COMPACT_FAMILIES)))
+def test_every_compact_family_gives_its_logits(tmp_path, family):
+    """Each family kept compact: its logits are exactly its head applied to the head's input
+    (no scale or soft cap after it), as the full forward gives them."""
+    from normsurgery import pipeline
+    from normsurgery.parity import HeadInput, compare, probe_ids
+
+    src = checkpoint_at(tmp_path, family)
+    ids = probe_ids(None, CONFIGS[family]().vocab_size, None, 2, 8)
+    full = pipeline.read_outputs(Source.open(src), ids, torch.float32, False)
+    compact = pipeline.read_outputs(Source.open(src), ids, torch.float32, False, compact=True)
+    assert isinstance(compact, HeadInput)
+    assert compare(full, compact).relative < 1e-6
+
+
 PEAK = """
 import importlib, json, sys
 import torch
