@@ -577,3 +577,14 @@ def test_a_large_vocabulary_does_not_raise_the_checks_peak(tmp_path):
         above[verify] = got["peak"] - got["base"]
     logits_mb = 4 * 64 * 151936 * 4 / 2**20
     assert above["1"] - above["0"] < logits_mb / 3, above
+
+
+def test_convert_states_what_each_plan_needs(tmp_path):
+    """Before loading: the in-memory plan's bytes and the streamed plan's (its largest part),
+    in the result, --json and the streaming reason."""
+    src = checkpoint_at(tmp_path, "llama", torch.bfloat16, layers=6)
+    res = convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=True, verify=False)
+    total = Source.open(src).index.numel * 4  # float32 working copies
+    m = res.as_dict()["memory"]
+    assert m["parts"] == 6 and m["in_memory"] > total and total / 6 < m["streamed"] < total
+    assert "GiB at a time in 6 parts; in memory about" in res.streaming
