@@ -588,3 +588,25 @@ def test_convert_states_what_each_plan_needs(tmp_path):
     m = res.as_dict()["memory"]
     assert m["parts"] == 6 and m["in_memory"] > total and total / 6 < m["streamed"] < total
     assert "GiB at a time in 6 parts; in memory about" in res.streaming
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_tied_embedding_left_alone_is_copied_once(tmp_path, copies, streaming):
+    """flashnorm keep_tied=true leaves a tied embedding (and head) as stored: its bytes are copied
+    once, under the one name the output stores, and the folder loads tied."""
+    cfg = CONFIGS["llama"]()
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    src = tmp_path / "in"
+    model.save_pretrained(src, max_shard_size="20KB")
+    before = raw(src)
+    assert "lm_head.weight" not in before
+    out = tmp_path / "out"
+    res = convert_mod.convert(src, out, [("flashnorm", {"keep_tied": True})], streaming=streaming,
+                              max_shard_size="20KB")
+    after = raw(out)
+    assert res.ok and after.keys() == before.keys()
+    assert copies["copied"].count("model.embed_tokens.weight") == 1
+    assert after["model.embed_tokens.weight"] == before["model.embed_tokens.weight"]
+    assert T.AutoConfig.from_pretrained(out).tie_word_embeddings
