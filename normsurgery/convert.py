@@ -38,7 +38,8 @@ from . import devices, memory, passes as _passes, precision  # noqa: F401  (pass
 from .checkpoint import Source
 from .errors import SurgeryError
 from .parity import TOLERANCE, Comparison, compare, dtype_name, output_kind, probe_ids
-from .pipeline import FORWARDS, StepSpec, Tolerances, Work, check_applies, model_reader, save_work, source_reader, steps_of
+from .pipeline import (FORWARDS, StepSpec, Tolerances, Work, check_applies, model_reader, save_work, source_reader,
+                       steps_of)
 from .progress import Progress, no_progress
 from .runner import Job
 from .registry import PassContext, load_recipe, parse_pass  # noqa: F401  (API)

@@ -207,9 +207,10 @@ def compare_slabs(ref, out) -> Comparison:
     n = math.prod(ref.shape[:-1])
     step = max(256, (1 << 20) // max(n, 1))
     neg = torch.full((n,), -math.inf, dtype=torch.float64)
-    m_a, s_a, cross, m_b, s_b = neg.clone(), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), \
-        neg.clone(), torch.zeros(n, dtype=torch.float64)
-    best_a, arg_a, best_b, arg_b = neg.clone(), torch.zeros(n, dtype=torch.long), neg.clone(), torch.zeros(n, dtype=torch.long)
+    zero = torch.zeros(n, dtype=torch.float64)
+    m_a, s_a, cross, m_b, s_b = neg.clone(), zero.clone(), zero.clone(), neg.clone(), zero.clone()
+    best_a, best_b = neg.clone(), neg.clone()
+    arg_a, arg_b = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
     max_abs = abs_sum = ref_max = 0.0
     finite = True
     for i in range(0, width, step):
@@ -235,7 +236,8 @@ def compare_slabs(ref, out) -> Comparison:
     if not finite:
         max_abs = relative = float("nan")
     kl = (cross / s_a + (m_b + s_b.log()) - (m_a + s_a.log())).sum().item()
-    return Comparison(max_abs, abs_sum / (n * width), relative, max(kl / n, 0.0), (arg_a == arg_b).double().mean().item())
+    top1 = (arg_a == arg_b).double().mean().item()
+    return Comparison(max_abs, abs_sum / (n * width), relative, max(kl / n, 0.0), top1)
 
 
 def _logsumexp(x: torch.Tensor) -> torch.Tensor:

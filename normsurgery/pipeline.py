@@ -35,14 +35,15 @@ from typing import Any, Callable
 import torch
 
 from . import devices, memory, modelcard, precision, registry
-from .checkpoint import Loader, Source, check_finite, claims, finish, load_dtype, mark_not_stock, save_config, stamp, write_config
+from .checkpoint import (Loader, Source, check_finite, claims, finish, load_dtype, mark_not_stock, save_config, stamp,
+                         write_config)
 from .errors import SurgeryError
 from .families import layout, positions
 from .layout import Layout
 from .norms import faithful_norms
 from .output import writing, written
-from .parity import (TOLERANCE, Comparison, HeadInput, compare, dtype_name, jittered, needs_rounding_tolerance, output_kind,
-                     outputs, probe_ids, rounding_tolerance, tolerance)
+from .parity import (TOLERANCE, Comparison, HeadInput, compare, dtype_name, jittered, needs_rounding_tolerance,
+                     output_kind, outputs, probe_ids, rounding_tolerance, tolerance)
 from .progress import Progress, no_progress
 from .registry import PassContext, PassReport
 from .shards import Reader as ShardReader, ShardWriter, header_room, inside, saved_tensors
@@ -510,7 +511,8 @@ class Tolerances:
     - half-precision arithmetic: ``ROUNDING_FACTOR`` x its own rounding against float32."""
 
     def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype,
-                 reference: torch.Tensor | Callable[[], torch.Tensor | None] | None = None, given: float | None = None, output: str = "logits",
+                 reference: torch.Tensor | Callable[[], torch.Tensor | None] | None = None,
+                 given: float | None = None, output: str = "logits",
                  streamed: bool = False, device: torch.device | str = "cpu"):
         self.read, self.ids, self.dtype, self.streamed = read, ids, dtype, streamed
         self.device = torch.device(device)  # where a written folder is read back to be compared
@@ -573,7 +575,8 @@ def anchor(work: Work, ids: torch.Tensor, level: int = 0) -> Callable[[], torch.
 def source_reader(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool,
                   device: torch.device | str = "cpu") -> Reader:
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
-        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device, compact=True)
+        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device,
+                            compact=True)
     return read
 
 
@@ -623,7 +626,8 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
     t = tolerances
 
     def check(stock: bool) -> Comparison:
-        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock, device=t.device, compact=True)
+        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock, device=t.device,
+                           compact=True)
         return t.judge(compare(anchor, out, t.output), storage)
 
     plain = None

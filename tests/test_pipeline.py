@@ -393,7 +393,7 @@ def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
     opts = {"layers": 1, "method": "last", "seq_len": 16}
     got = ns.prune(src, tmp_path / "stream", opts, streaming=True)
     assert reads == [] and copies["added"] == [] and len(copies["copied"]) == len(raw(tmp_path / "stream"))
-    mem = ns.prune(src, tmp_path / "mem", opts)
+    ns.prune(src, tmp_path / "mem", opts)
     assert raw(tmp_path / "stream") == raw(tmp_path / "mem")
     assert got.saved["reload"]["comparison"]["relative"] == 0.0
     before = raw(src)
