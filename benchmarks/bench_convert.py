@@ -116,7 +116,8 @@ def op_measure(args) -> dict:
         try:
             r = conv.convert(src, out, spec["passes"], verify="noverify" not in args.op,
                              streaming=args.op.startswith("stream"), max_shard_size=spec["shard"])
-            info = {"relative_error": r.parity.relative if r.parity else None, "ok": r.ok}
+            info = {"relative_error": r.parity.relative if r.parity else None, "ok": r.ok,
+                    "forwards": r.forwards, "seconds_check": r.seconds_check}
         except SurgeryError as e:  # parity out of tolerance: the cost was paid all the same
             info = {"refused": str(e), "ok": False}
     seconds = time.perf_counter() - t
@@ -298,6 +299,17 @@ def summarise(res: dict) -> list[str]:
             if "seconds" in ops.get(op, {}) and "seconds" in ops.get(base, {}):
                 x = ops[op]["seconds"] / ops[base]["seconds"]
                 lines.append(f"{name}: {op} time {x:.2f}x {base} (target <= {target}x): {'met' if x <= target else 'MISSED'}")
+        if "seconds" in ops.get("stream-noverify", {}) and "seconds" in ops.get("copy", {}):
+            x = ops["stream-noverify"]["seconds"] / ops["copy"]["seconds"]
+            lines.append(f"{name}: stream-noverify time {x:.2f}x copy (target <= 1.5x): {'met' if x <= 1.5 else 'MISSED'}")
+        for op in ("stream", "mem"):  # the check's floor: the round trip plus two of its forwards
+            o, rt = ops.get(op, {}), ops.get("roundtrip", {}).get("seconds")
+            if o.get("forwards") and rt:
+                floor = rt + 2 * o["seconds_check"] / o["forwards"]
+                x = o["seconds"] / floor
+                lines.append(f"{name}: {op} time {o['seconds']:.1f} s = {x:.2f}x (round trip + two forwards: "
+                             f"{floor:.1f} s; it ran {o['forwards']} forwards, {o['seconds_check']:.1f} s) "
+                             f"(target <= 1.25x): {'met' if x <= 1.25 else 'MISSED'}")
         mk = ops.get("mergekit", {})
         if "peak_mb" in mk and "peak_mb" in ops.get("stream-noverify", {}):
             p, q = ops["stream-noverify"]["peak_mb"], mk["peak_mb"]

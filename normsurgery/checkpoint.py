@@ -383,7 +383,7 @@ class Loader:
             if self.device.type != "cpu":
                 out = staging.get((shape, dtype))
             out = stored.read_into(self.reader, torch.empty(shape, dtype=dtype) if out is None else out)
-            _check_finite(out, stored.label, self.source)
+            check_finite(out, stored.label, self.source)
             if self.device.type != "cpu":
                 staging[(shape, dtype)] = out
                 out = out.to(self.device)
@@ -570,7 +570,7 @@ def _outside(name: str, model) -> bool:
     return base is None or top not in _tops(base)  # a base model's tensor stored without its prefix: inside
 
 
-def _check_finite(t: torch.Tensor, key: str, source: Source) -> None:
+def check_finite(t: torch.Tensor, key: str, source: Source) -> None:
     """Refuse NaN or Inf weights: every check downstream would compare NaN with NaN. A sum is NaN
     or infinite when an entry is (or when it overflows: then each entry is tested)."""
     if not t.is_floating_point() or bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()):

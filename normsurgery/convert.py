@@ -12,7 +12,11 @@ to the storage dtype as they are written. The checks compare what the model's cl
 - per step, for recipes of several steps: each step's outputs against those before it, in the
   working dtype.
 A one-step convert thus costs two forward passes (the reference and the written folder), plus
-one where a tolerance beyond the arithmetic's must be measured.
+one where a tolerance beyond the arithmetic's must be measured (only when the first comparison
+exceeds the arithmetic's own: the re-rounded reference, or the jittered one); the reference's
+outputs are computed once and serve the tolerance too. The result (and ``--json``) reports the
+forwards run and their seconds (``forwards``, ``seconds_check``; streamed: with the reads of the
+parts they entered).
 
 Plans (``pipeline``): every pass blockwise, the model is read and rewritten one part at a time
 (``streaming=None`` chooses it: it is the faster path at every size measured, and bounded in
@@ -34,8 +38,8 @@ from . import devices, memory, passes as _passes, precision  # noqa: F401  (pass
 from .checkpoint import Source
 from .errors import SurgeryError
 from .parity import TOLERANCE, Comparison, compare, dtype_name, output_kind, probe_ids
-from .pipeline import (Check, StepSpec, Tolerances, Work, check_applies, check_before_reading, model_reader,
-                       save_work, source_reader, steps_of)
+from .pipeline import (FORWARDS, Check, StepSpec, Tolerances, Work, check_applies, check_before_reading,
+                       model_reader, save_work, source_reader, steps_of)
 from .progress import Progress, no_progress
 from .runner import Job
 from .texts import text_of
@@ -73,6 +77,9 @@ class Result:
     kept_float32: list[str] | None = None  # tensors that do not fit the storage dtype, stored in float32
     warnings: list[str] | None = None
     device: dict | None = None  # where it computed (devices.describe)
+    memory: dict | None = None  # bytes each plan needs, stated before loading (plan_memory)
+    forwards: int = 0  # forward passes run for the checks (the reference, the written folder, a baseline)
+    seconds_check: float = 0.0  # what they took (streamed: with the reads of the parts they entered)
 
     @property
     def ok(self) -> bool:
@@ -87,7 +94,8 @@ class Result:
                 "parity": c(self.parity), "from_input": c(self.from_input), "baseline": c(self.baseline),
                 "saved": self.saved,
                 "streaming": self.streaming, "kept_float32": self.kept_float32, "warnings": self.warnings,
-                "device": self.device}
+                "device": self.device, "memory": self.memory, "forwards": self.forwards,
+                "seconds_check": self.seconds_check}
 
 
 def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -103,6 +111,29 @@ def state_dir(out) -> Path:
     return Path(out).parent / f".{Path(out).name}.train-state"
 
 
+def in_memory_bytes(source: Source, dtype: torch.dtype) -> float:
+    """About what the one-part plan needs: every tensor in ``dtype``, half as much again for the
+    rewrite's and the cast's temporaries, and 1 GiB for the rest."""
+    return source.index.numel * torch.finfo(dtype).bits // 8 * 1.5 + 2**30
+
+
+def plan_memory(work: Work) -> dict:
+    """What each plan needs, stated before anything is read: {"in_memory": bytes, "streamed":
+    bytes: the largest part's tensors in the working dtype (the loader gives the last part's back
+    before reading the next: the 2.7 GB bf16 Llama's 467 MB largest part, 470 MB measured above
+    the imports), "parts": how many}."""
+    from .families import layout
+    from .pipeline import plan
+    from .shards import inside
+
+    size = torch.finfo(work.dtype).bits // 8
+    params = {id(p): (n, p) for n, p in work.model.named_parameters()}
+    largest = max(sum(p.numel() for n, p in params.values() if inside(n, part.scope)) * size
+                  for part in plan(work.model, layout(work.model), True))
+    return {"in_memory": int(in_memory_bytes(work.source, work.dtype)), "streamed": int(largest),
+            "parts": len(plan(work.model, layout(work.model), True))}
+
+
 def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, streaming: bool | None,
                 device: torch.device = torch.device("cpu")) -> str | None:
     """Why the model is rewritten one part at a time (None: in memory, one part, on ``device``)."""
@@ -110,7 +141,7 @@ def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, strea
     if streaming is False:
         return None
     if streaming is None:
-        need = source.index.numel * torch.finfo(dtype).bits // 8 * 1.5 + 2**30
+        need = in_memory_bytes(source, dtype)
         free, where = memory.room(device)
         if whole and need <= free:
             return None
@@ -146,6 +177,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
     precision.check_policy([], torch.float32, on_overflow)
+    mark = FORWARDS.mark()
     steps = steps_of(passes)
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     source, where = job.source, job.device
@@ -153,13 +185,17 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     why = choose_plan(source, steps, dtype, streaming, where)
     work = Work(source, dtype, streamed=why is not None, device=where)
     check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
+    needs = plan_memory(work)
+    if why is not None:
+        why += (f" (about {needs['streamed'] / 2**30:.2f} GiB at a time in {needs['parts']} parts; in memory about "
+                f"{needs['in_memory'] / 2**30:.1f} GiB)")
     workdir = state_dir(out)
     work.steps, work.context = steps, PassContext(
         tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
         storage_bytes=source.storage.itemsize,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,
-                    device=devices.describe(where))
+                    device=devices.describe(where), memory=needs)
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, _length(source)) if verify else None
     outs: dict[int, torch.Tensor] = {}
     if work.resident:
@@ -170,8 +206,10 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         work.enter(work.parts[0], len(steps))  # every step runs here, in every process
     if not is_main_process():  # one of several training processes: the main one saves
         return result
-    t = Tolerances(source_reader(source, ids, dtype, work.streamed, where), ids, dtype, outs.get(0), tolerance,
-                   source.head_output, work.streamed, where) if verify else None
+    # the reference's outputs: those the anchor computes (streamed: once the parts are written),
+    # not read a second time for a tolerance
+    t = Tolerances(source_reader(source, ids, dtype, work.streamed, where), ids, dtype, lambda: outs.get(0),
+                   tolerance, source.head_output, work.streamed, where) if verify else None
 
     def anchor() -> torch.Tensor:  # streamed: the outputs are read once the parts are written
         if not outs:
@@ -192,6 +230,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         result.from_input = compare(outs[0], outs[level], t.output)
     if saved.kept_float32:
         result.kept_float32, result.warnings = saved.kept_float32, [saved.warning]
+    result.forwards, result.seconds_check = FORWARDS.since(mark)
     return result
 
 
@@ -230,7 +269,7 @@ def _step_outputs(work: Work, ids: torch.Tensor, progress: Progress) -> dict[int
     outs = {}
     for i, level in enumerate(levels):  # a streamed part goes through the steps once per read
         progress("outputs", i, len(levels))
-        outs[level] = (work if work.resident else work.fresh()).outputs(ids, level)
+        outs[level] = (work if work.resident else work.fresh()).outputs(ids, level, compact=True)
     progress("outputs", len(levels), len(levels))
     return outs
 

@@ -132,6 +132,8 @@ def compare(ref: torch.Tensor, out: torch.Tensor, output: str = "logits") -> Com
     vocabulary-sized float64 copies would cost more memory than the model).
 
     KL per position: sum_v p_v (a_v - b_v) + lse(b) - lse(a), p = softmax(a)."""
+    if isinstance(ref, HeadInput) or isinstance(out, HeadInput):
+        return compare_slabs(ref, out)
     if ref.shape != out.shape:
         raise SurgeryError(f"the models' {output} differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}")
     hidden = output != "logits"
@@ -161,6 +163,81 @@ def compare(ref: torch.Tensor, out: torch.Tensor, output: str = "logits") -> Com
         return Comparison(max_abs, abs_sum / ref.numel(), relative, None, None, cosine, output)
     positions = ref[..., 0].numel()
     return Comparison(max_abs, abs_sum / ref.numel(), relative, max(kl / positions, 0.0), agree / positions)
+
+
+@dataclass
+class HeadInput:
+    """Logits kept compact: the head's input and its rows, read a slab at a time when compared
+    (:func:`compare`), instead of positions x vocabulary values (152k columns: 155 MB per 256
+    positions in float32, held several times by a check).
+
+    ``hidden``: the head's input [..., T, d]; ``rows(start, stop)``: rows start..stop of the head's
+    weight [n, d] (read from the checkpoint, in ``hidden``'s dtype); ``bias``: the head's bias or None."""
+
+    hidden: torch.Tensor
+    rows: Callable[[int, int], torch.Tensor]
+    bias: torch.Tensor | None
+    vocab: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.hidden.shape[:-1], self.vocab)
+
+    def slab(self, start: int, stop: int) -> torch.Tensor:
+        """The logits of columns start..stop, [..., T, stop - start]."""
+        w = self.rows(start, stop).to(self.hidden.device, self.hidden.dtype)
+        b = None if self.bias is None else self.bias[start:stop]
+        return torch.nn.functional.linear(self.hidden, w, b)
+
+
+def _columns(x, start: int, stop: int) -> torch.Tensor:
+    """Columns start..stop of full outputs or of :class:`HeadInput`, as [positions, n] float64 on the CPU."""
+    c = x.slab(start, stop) if isinstance(x, HeadInput) else x[..., start:stop]
+    return c.reshape(-1, stop - start).to("cpu", torch.float64)
+
+
+def compare_slabs(ref, out) -> Comparison:
+    """:func:`compare` of logits a slab of the vocabulary at a time, either side full outputs or a
+    :class:`HeadInput`: what is kept per position is a running maximum and sum for each
+    logsumexp, the KL's cross term (rescaled as the maximum moves) and each side's best column,
+    so no positions x vocabulary tensor is held (temporaries of about 8 MB)."""
+    if tuple(ref.shape) != tuple(out.shape):
+        raise SurgeryError(f"the models' logits differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}")
+    width = ref.shape[-1]
+    n = math.prod(ref.shape[:-1])
+    step = max(256, (1 << 20) // max(n, 1))
+    neg = torch.full((n,), -math.inf, dtype=torch.float64)
+    zero = torch.zeros(n, dtype=torch.float64)
+    m_a, s_a, cross, m_b, s_b = neg.clone(), zero.clone(), zero.clone(), neg.clone(), zero.clone()
+    best_a, best_b = neg.clone(), neg.clone()
+    arg_a, arg_b = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    max_abs = abs_sum = ref_max = 0.0
+    finite = True
+    for i in range(0, width, step):
+        j = min(width, i + step)
+        a, b = _columns(ref, i, j), _columns(out, i, j)
+        finite = finite and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())
+        d = (a - b).abs()
+        max_abs, abs_sum = max(max_abs, d.max().item()), abs_sum + d.sum().item()
+        ref_max = max(ref_max, a.abs().max().item())
+        for x, m, s, best, arg in ((a, m_a, s_a, best_a, arg_a), (b, m_b, s_b, best_b, arg_b)):
+            top, where = x.max(-1)
+            better = top > best  # strictly: the first of equal maxima, as argmax over the whole row
+            best.copy_(torch.where(better, top, best))
+            arg.copy_(torch.where(better, where + i, arg))
+            new = torch.maximum(m, top)
+            scale = (m - new).exp()
+            e = (x - new[:, None]).exp()
+            if x is a:
+                cross.mul_(scale).add_((e * (a - b)).sum(-1))
+            s.mul_(scale).add_(e.sum(-1))
+            m.copy_(new)
+    relative = max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else 1.0)
+    if not finite:
+        max_abs = relative = float("nan")
+    kl = (cross / s_a + (m_b + s_b.log()) - (m_a + s_a.log())).sum().item()
+    top1 = (arg_a == arg_b).double().mean().item()
+    return Comparison(max_abs, abs_sum / (n * width), relative, max(kl / n, 0.0), top1)
 
 
 def _logsumexp(x: torch.Tensor) -> torch.Tensor:

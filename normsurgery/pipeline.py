@@ -24,6 +24,7 @@ tensors. Memory is about one part plus one tensor being read or written when str
 from __future__ import annotations
 
 import copy
+import time
 import zlib
 from collections import Counter, defaultdict
 from contextlib import contextmanager, nullcontext
@@ -34,17 +35,18 @@ from typing import Any, Callable
 import torch
 
 from . import devices, memory, modelcard, precision, registry
-from .checkpoint import Loader, Source, claims, finish, load_dtype, mark_not_stock, save_config, stamp, write_config
+from .checkpoint import (Loader, Source, check_finite, claims, finish, load_dtype, mark_not_stock, save_config, stamp,
+                         write_config)
 from .errors import SurgeryError
 from .families import layout, positions
 from .layout import Layout
 from .norms import faithful_norms
 from .output import writing, written
-from .parity import (TOLERANCE, Comparison, compare, dtype_name, jittered, needs_rounding_tolerance, output_kind,
-                     outputs, probe_ids, rounding_tolerance, tolerance)
+from .parity import (TOLERANCE, Comparison, HeadInput, compare, dtype_name, jittered, needs_rounding_tolerance,
+                     output_kind, outputs, probe_ids, rounding_tolerance, tolerance)
 from .progress import Progress, no_progress
 from .registry import PassContext, PassReport
-from .shards import ShardWriter, header_room, inside, saved_tensors
+from .shards import Reader as ShardReader, ShardWriter, header_room, inside, saved_tensors
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,10 @@ class Work:
             lay = layout(self.model, part.scope)
             check_applies(self.model, step.pass_name, lay)
             self.context.options = step.options
-            report = step.run(self.model, lay, self.context)
+            before = versions(self.model)
+            with tracking_data():
+                report = step.run(self.model, lay, self.context)
+            mark_changed(self.model, before, everything=step.kind == "trained")
             if report is not None:  # a part rewritten again (read again) reports again
                 self.reports[i][part] = report
             self.level[part] = i + 1
@@ -188,16 +193,45 @@ class Work:
         with part_by_part(self.model, self.parts, lambda p: self.enter(p, level), self.leave):
             yield self.model
 
-    def outputs(self, ids: torch.Tensor, level: int = 0, jitter: bool = False) -> torch.Tensor:
+    def outputs(self, ids: torch.Tensor, level: int = 0, jitter: bool = False, compact: bool = False):
         """What the model outputs on ``ids`` with steps up to ``level`` applied (``jitter``: under
         ``parity.jittered``), entering and leaving each part as the forward goes. A resident model is
-        brought to ``level`` first: a step may run forward passes of its own (training)."""
+        brought to ``level`` first: a step may run forward passes of its own (training).
+
+        ``compact``: where the logits are a plain linear head's, read as stored (level 0, nothing
+        altered on loading), a :class:`parity.HeadInput` instead: the head's input, its rows read
+        from the checkpoint a slab at a time when compared (no positions x vocabulary tensor)."""
         if self.resident:
             self.enter(self.parts[0], level)
-        with self.running(level), jittered(self.model) if jitter else nullcontext():
+        head = self._compact_head() if compact and not jitter and level == 0 else None
+        with FORWARDS.timed(), self.running(level), jittered(self.model) if jitter else nullcontext(), \
+                capture(head) if head is not None else nullcontext() as seen:
             out = outputs(self.model, ids, self.device)
         memory.trim()  # the forward's activations, freed after the last part: back to the system
-        return out
+        if head is None:
+            return out
+        key, vocab = self.loader.stored(head.weight).keys[0], head.weight.shape[0]
+        reader, dtype = ShardReader(self.loader.source.index), self.dtype
+        rows = lambda i, j: reader.read_rows(key, i, j, dtype)  # noqa: E731
+        return HeadInput(seen["hidden"], rows, seen["bias"], vocab)
+
+    def _compact_head(self):
+        """The head module when this model's logits are a plain linear map of the head's input
+        stored as one tensor (:meth:`outputs`), else None."""
+        if self.loader is None or self.on_load is not None or self.model.config.model_type not in COMPACT_FAMILIES:
+            return None
+        lay = layout(self.model)
+        if lay.head is None or lay.objective != "causal-lm":
+            return None
+        head = self.model.get_submodule(lay.head)
+        if type(head) is not torch.nn.Linear:
+            return None
+        stored = self.loader.stored(head.weight)
+        if stored is None or stored.stack is not None or self.loader.source.index[stored.keys[0]].tensor is not None:
+            return None
+        if self.resident and getattr(head.weight, CHANGED, False):
+            return None
+        return head
 
     def load_all(self, level: int = 0):
         """The whole model in memory at ``level`` (one-part plans: the model to train or mask)."""
@@ -213,16 +247,65 @@ class Work:
         given in memory is left as it was, its tensors cast to new memory where they are)."""
         for i, part in enumerate(self.parts):
             progress("write", i, len(self.parts))
+            if self._copy_untouched(part, level, writer, storage):
+                progress("write", i + 1, len(self.parts))
+                continue
             self.enter(part, level)
             saved = saved_tensors(self.model, part.scope or None)
             users = Counter(t.untyped_storage().data_ptr() for t in saved.values())
+            params = dict(self.model.named_parameters(remove_duplicate=False))
             for name, t in saved.items():  # a storage two names write is cast, not spent
+                key = self._unchanged(params.get(name), storage)
+                if key is not None:  # read (and checked) on entering, no pass changed it: its bytes
+                    writer.copy(name, self.loader.reader, key)
+                    continue
                 spend = self.loader is not None and users[t.untyped_storage().data_ptr()] == 1
                 writer.add(name, precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t)
             saved = t = None  # no view left: the loader reuses the part's tensors
             if self.loader is not None:  # a model given in memory stays as it was
                 self.leave(part, force=True)
             progress("write", i + 1, len(self.parts))
+
+    def _unchanged(self, p, storage: torch.dtype, held: bool = True) -> str | None:
+        """The stored key whose bytes are what writing parameter ``p`` in ``storage`` would write,
+        or None: ``p`` was read from one stored tensor (not merged from several, not pickled) in a
+        dtype that holds it exactly, is written in the dtype it is stored in, and no step changed
+        it (:func:`mark_changed`); ``held``: it is in memory (else: not read yet, on the meta
+        device)."""
+        if p is None or self.loader is None or (p.device.type == "meta") == held:
+            return None
+        stored = self.loader.stored(p)
+        if stored is None or stored.stack is not None or getattr(p, CHANGED, False):
+            return None
+        e = self.loader.source.index[stored.keys[0]]
+        if e.tensor is not None or tuple(p.shape) != e.shape:
+            return None
+        if e.dtype.is_floating_point:
+            exact = e.dtype == self.dtype or (torch.finfo(self.dtype).bits > torch.finfo(e.dtype).bits
+                                              and self.dtype != torch.bfloat16)
+            if e.dtype != storage or not exact:
+                return None
+        elif e.dtype != p.dtype:
+            return None
+        return stored.keys[0]
+
+    def _copy_untouched(self, part: Part, level: int, writer: ShardWriter, storage: torch.dtype) -> bool:
+        """Write ``part`` without reading it when no step is to run on it (``level`` 0: a prune's
+        kept blocks under their new names, a checkpoint written unchanged) and each of its tensors
+        is one stored tensor written as stored (:meth:`_unchanged`): its bytes are copied, each
+        chunk checked for NaN or Inf as reading it would. False: it must be read."""
+        if self.loader is None or level != 0 or part in self.level or part in self.rewritten:
+            return False
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        keys = {}
+        for name in saved_tensors(self.model, part.scope or None, meta=True):
+            keys[name] = self._unchanged(params.get(name), storage, held=False)
+            if keys[name] is None:  # a buffer, a merged tensor, a cast: read it
+                return False
+        source = self.loader.source
+        for name, key in keys.items():
+            writer.copy(name, self.loader.reader, key, lambda t, key=key: check_finite(t, key, source))
+        return True
 
     def step_reports(self, i: int) -> tuple[list[str], dict]:
         """Step ``i``'s notes (merged over parts: :func:`merge_notes`) and metrics (integers summed
@@ -262,6 +345,81 @@ def merge_notes(reports: list[PassReport]) -> list[str]:
             if key not in order:
                 order.insert(next((order.index(k) for k in keys[j + 1:] if k in order), len(order)), key)
     return [key if values[key] is None else key.format(**values[key]) for key in order]
+
+
+#: families whose causal LM's logits are its head's output as it is (no scale, no soft cap): their
+#: checks may keep them compact (:meth:`Work.outputs`)
+COMPACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "mixtral", "phi3", "smollm3", "olmo2",
+                    "starcoder2", "gpt_neox", "gpt2", "opt", "phi", "gemma", "stablelm")
+
+
+@contextmanager
+def capture(head):
+    """While active, ``head`` computes nothing: it records its input (``hidden``, detached) and a
+    copy of its bias, and gives an empty output (no vocabulary columns)."""
+    seen = {}
+
+    def forward(x):
+        seen["hidden"] = x.detach()
+        seen["bias"] = None if head.bias is None else head.bias.detach().clone()
+        return x.new_zeros(*x.shape[:-1], 0)
+
+    head.forward = forward
+    try:
+        yield seen
+    finally:
+        del head.forward
+
+
+#: set on a parameter a rewrite step changed (its values, or its tensor replaced): it is written
+#: from memory; one read and left alone is copied as stored (:meth:`Work.write`)
+CHANGED = "_normsurgery_changed"
+
+
+def versions(model) -> dict[int, tuple]:
+    """{id(parameter): (parameter, version counter, data pointer)} of ``model``'s parameters in
+    memory, before a step runs (:func:`mark_changed` after it)."""
+    return {id(p): (p, p._version, p.data_ptr()) for p in model.parameters() if p.device.type != "meta"}
+
+
+@contextmanager
+def tracking_data():
+    """While active, a parameter whose ``.data`` is taken or set is marked :data:`CHANGED`: a
+    write through ``.data`` escapes torch's version counter (a pass may write that way; reading
+    that way costs only the copy of its bytes)."""
+    base = torch._C.TensorBase.__dict__["data"]
+    old = torch.nn.Parameter.__dict__.get("data")
+
+    def get(p):
+        setattr(p, CHANGED, True)
+        return base.__get__(p)
+
+    def put(p, value):
+        setattr(p, CHANGED, True)
+        base.__set__(p, value)
+
+    torch.nn.Parameter.data = property(get, put)
+    try:
+        yield
+    finally:
+        if old is None:
+            del torch.nn.Parameter.data
+        else:
+            torch.nn.Parameter.data = old
+
+
+def mark_changed(model, before: dict[int, tuple], everything: bool = False) -> None:
+    """Mark (:data:`CHANGED`) each parameter in memory that a step changed since ``before``
+    (:func:`versions`): written in place (torch counts in-place writes in ``_version``, those
+    under ``no_grad`` too; not those through ``.data``: :func:`tracking_data` marks those), given
+    another tensor (``.data =``), or new; ``everything``: all of them (a
+    trained step: the optimiser may write in any way)."""
+    for p in model.parameters():
+        if p.device.type == "meta":
+            continue
+        was = before.get(id(p))
+        if everything or was is None or was[0] is not p or was[1] != p._version or was[2] != p.data_ptr():
+            setattr(p, CHANGED, True)
 
 
 @contextmanager
@@ -348,6 +506,34 @@ def steps_of(passes: list[tuple[str, dict]]) -> list[StepSpec]:
 # checks: the reference, the tolerance, the written folder
 
 
+class Meter:
+    """Forward passes run for checks in this process, and the seconds they took (streamed: the
+    parts they read included): a command reads the difference across its run."""
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    @contextmanager
+    def timed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.count += 1
+            self.seconds += time.perf_counter() - start
+
+    def since(self, mark: tuple[int, float]) -> tuple[int, float]:
+        """(forwards, seconds) since ``mark`` (:meth:`mark`)."""
+        return self.count - mark[0], self.seconds - mark[1]
+
+    def mark(self) -> tuple[int, float]:
+        return self.count, self.seconds
+
+
+#: every model forward the executor runs (:meth:`Work.outputs`, :func:`model_reader`)
+FORWARDS = Meter()
+
+
 Reader = Callable[..., torch.Tensor]  # (dtype=, jitter=, on_load=) -> a reference's outputs on the probe
 
 
@@ -365,7 +551,8 @@ class Tolerances:
     - half-precision arithmetic: ``ROUNDING_FACTOR`` x its own rounding against float32."""
 
     def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype,
-                 reference: torch.Tensor | None = None, given: float | None = None, output: str = "logits",
+                 reference: torch.Tensor | Callable[[], torch.Tensor | None] | None = None,
+                 given: float | None = None, output: str = "logits",
                  streamed: bool = False, device: torch.device | str = "cpu"):
         self.read, self.ids, self.dtype, self.streamed = read, ids, dtype, streamed
         self.device = torch.device(device)  # where a written folder is read back to be compared
@@ -374,6 +561,10 @@ class Tolerances:
 
     @property
     def reference(self) -> torch.Tensor:
+        """The reference's outputs: given (a tensor, or a function returning them once computed
+        elsewhere, e.g. by the check's own first forward; None: not yet), else read again."""
+        if callable(self._reference):
+            self._reference = self._reference()
         if self._reference is None:
             self._reference = self.read()
         return self._reference
@@ -424,7 +615,8 @@ def anchor(work: Work, ids: torch.Tensor, level: int = 0) -> Callable[[], torch.
 def source_reader(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool,
                   device: torch.device | str = "cpu") -> Reader:
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
-        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device)
+        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device,
+                            compact=True)
     return read
 
 
@@ -436,7 +628,7 @@ def model_reader(model, ids: torch.Tensor) -> Reader:
         m = model if dtype is None and on_load is None else copy.deepcopy(model).to(dtype or model.dtype)
         if on_load is not None:
             on_load(m, Part((), ()))
-        with jittered(m) if jitter else nullcontext():
+        with FORWARDS.timed(), jittered(m) if jitter else nullcontext():
             return outputs(m, ids)
     return read
 
@@ -453,11 +645,12 @@ def _rerounding(storage: torch.dtype) -> Callable:
 
 def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool, *, stock: bool = False,
                  jitter: bool = False, on_load: Callable | None = None,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
-    """``source``'s outputs on ``ids`` in ``dtype`` on ``device``, read part by part (or whole)."""
+                 device: torch.device | str = "cpu", compact: bool = False) -> torch.Tensor:
+    """``source``'s outputs on ``ids`` in ``dtype`` on ``device``, read part by part (or whole);
+    ``compact``: logits as a :class:`parity.HeadInput` where they can be (:meth:`Work.outputs`)."""
     work = Work(source, dtype, streamed=streamed, stock=stock, on_load=on_load, device=device)
     try:
-        return work.outputs(ids, jitter=jitter)
+        return work.outputs(ids, jitter=jitter, compact=compact)
     finally:
         work.close()
 
@@ -473,7 +666,8 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
     t = tolerances
 
     def check(stock: bool) -> Comparison:
-        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock, device=t.device)
+        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock, device=t.device,
+                           compact=True)
         return t.judge(compare(anchor, out, t.output), storage)
 
     plain = None
@@ -547,6 +741,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
         files = writer.close()
         precision.check_policy(lost, storage, on_overflow)
         kept = [x.name for x in lost]
+        work.close()  # the spare tensors too: the checks' forwards read parts of their own
         check = check or Check()
         reference = check.anchor() if check.anchor is not None else None
         if check.before_check is not None:
@@ -559,7 +754,6 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
         finish(stage.path, records, work.source)
         if extra is not None:
             extra(stage.path)
-        work.close()
         reload = None
         if reference is not None:
             progress("check", 0, 1)

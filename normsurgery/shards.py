@@ -18,6 +18,7 @@ shards and writes the index as transformers does: the same files, memory bounded
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,9 @@ class Reader:
         e = self.index[key]
         if e.tensor is not None:
             return out.copy_(e.tensor)
+        return self._read_entry(e, key, out)
+
+    def _read_entry(self, e: Entry, key: str, out: torch.Tensor) -> torch.Tensor:
         self._seek(e, 0)
         if e.dtype == out.dtype:
             self._read(memoryview(out.view(-1).view(torch.uint8).numpy()), key)
@@ -148,6 +152,15 @@ class Reader:
             self._read(memoryview(self._stage.numpy())[:n * e.dtype.itemsize], key)
             flat[i:i + n].copy_(self._stage[:n * e.dtype.itemsize].view(e.dtype))
         return out
+
+    def read_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows start..stop of ``key`` (along its first axis: contiguous bytes), in ``dtype``."""
+        e = self.index[key]
+        out = torch.empty((stop - start, *e.shape[1:]), dtype=dtype or e.dtype)
+        if e.tensor is not None:
+            return out.copy_(e.tensor[start:stop])
+        row = torch.Size(e.shape[1:]).numel() * e.dtype.itemsize
+        return self._read_entry(Entry(e.file, e.offset + start * row, e.dtype, tuple(out.shape)), key, out)
 
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``key`` as a new tensor (in ``dtype``, default as stored)."""
@@ -166,6 +179,44 @@ class Reader:
             n = self._fh.readinto(view[done:])
             if not n:
                 raise SurgeryError(f"{self._file.name} ended inside tensor {key}")
+            done += n
+
+    def copy_to(self, key: str, out, check=None) -> None:
+        """Append ``key``'s stored bytes to the open binary file ``out`` at its position, unchanged
+        (dtype and bytes as stored; a safetensors entry only). ``check(tensor)``: called on each
+        chunk, viewed in the stored dtype, before it is written (e.g. refuse NaN): the bytes then
+        go through one buffer; without it the kernel copies them file to file."""
+        e = self.index[key]
+        if e.tensor is not None:
+            raise SurgeryError(f"internal: {key} is not stored as safetensors bytes")
+        size, done = e.numel * e.dtype.itemsize, 0
+        if check is None and hasattr(os, "copy_file_range"):
+            self._seek(e, 0)
+            out.flush()
+            src, dst = self._fh.fileno(), out.fileno()
+            at = out.tell()
+            try:
+                while done < size:
+                    n = os.copy_file_range(src, dst, size - done, e.offset + done, at + done)
+                    if not n:
+                        raise SurgeryError(f"{self._file.name} ended inside tensor {key}")
+                    done += n
+            except OSError:  # a file system without it: through the buffer below
+                pass
+            out.seek(at + done)
+        if done == size:
+            return
+        self._seek(e, done)
+        if self._stage is None:
+            self._stage = torch.empty(STAGE, dtype=torch.uint8)
+        step = STAGE - STAGE % e.dtype.itemsize
+        while done < size:
+            n = min(step, size - done)
+            view = memoryview(self._stage.numpy())[:n]
+            self._read(view, key)
+            if check is not None:
+                check(self._stage[:n].view(e.dtype))
+            out.write(view)
             done += n
 
     def close(self) -> None:
@@ -187,23 +238,41 @@ class ShardWriter:
         self.done: list[tuple[Path, list[str]]] = []
         self.fh, self.header, self.used = None, {}, 0
         self.total, self.params = 0, 0
+        self.copied = 0  # bytes copied as stored (:meth:`copy`)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Append ``tensor`` (from any device: written from a host copy)."""
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         size = t.numel() * t.element_size()
+        self._open(size)
+        self.fh.write(memoryview(t.view(torch.uint8).numpy()))
+        self._entry(name, t.dtype, tuple(tensor.shape), size)
+
+    def copy(self, name: str, reader: Reader, key: str, check=None) -> None:
+        """Append the tensor stored as ``key`` (``reader``'s index) under ``name``, its bytes copied
+        as stored (:meth:`Reader.copy_to`; ``check`` on each chunk): nothing decoded or cast."""
+        e = reader.index[key]
+        size = e.numel * e.dtype.itemsize
+        self._open(size)
+        reader.copy_to(key, self.fh, check)
+        self._entry(name, e.dtype, e.shape, size)
+        self.copied += size
+
+    def _open(self, size: int) -> None:
+        """The shard the next ``size`` bytes go to (a new one when they would overflow this one)."""
         if self.fh is not None and self.used and self.used + size > self.max:
             self._finish_shard()
         if self.fh is None:
             path = self.folder / f".shard-{len(self.done)}"
             self.fh, self.header, self.used = open(path, "wb"), {}, 0
             self.fh.seek(8 + self.room)
-        self.fh.write(memoryview(t.view(torch.uint8).numpy()))
-        self.header[name] = {"dtype": CODES[t.dtype], "shape": list(tensor.shape),
+
+    def _entry(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], size: int) -> None:
+        self.header[name] = {"dtype": CODES[dtype], "shape": list(shape),
                              "data_offsets": [self.used, self.used + size]}
         self.used += size
         self.total += size
-        self.params += t.numel()
+        self.params += torch.Size(shape).numel()
 
     def _finish_shard(self) -> None:
         head = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()

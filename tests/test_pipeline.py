@@ -3,6 +3,8 @@ the same tensors, check the written folder the same way, and hold one part at a 
 
 import importlib
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,3 +262,365 @@ def test_every_progress_bar_reaches_its_total(tmp_path, streaming):
                         progress=lambda stage, done, total, note="": last.__setitem__(stage, (done, total)))
     assert {"outputs", "write", "check"} <= last.keys()
     assert all(done == total for done, total in last.values()), last
+
+
+# ---------------------------------------------------------------------------------------------
+# unchanged tensors are copied as bytes (issue 30)
+
+
+def raw(path):
+    """{name: (dtype, shape, bytes)} of every tensor in a folder's shards."""
+    from normsurgery.shards import read_header
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        header, start = read_header(f)
+        data = f.read_bytes()
+        for k, v in header.items():
+            a, b = v["data_offsets"]
+            out[k] = (v["dtype"], v["shape"], data[start + a:start + b])
+    return out
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """The names ShardWriter.copy wrote (as stored bytes) and those ShardWriter.add wrote (from memory)."""
+    from normsurgery.shards import ShardWriter
+
+    seen = {"copied": [], "added": []}
+    copy, add = ShardWriter.copy, ShardWriter.add
+
+    def copying(self, name, *a, **k):
+        seen["copied"].append(name)
+        return copy(self, name, *a, **k)
+
+    def adding(self, name, *a, **k):
+        seen["added"].append(name)
+        return add(self, name, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "copy", copying)
+    monkeypatch.setattr(ShardWriter, "add", adding)
+    return seen
+
+
+FLASHNORM_UNTOUCHED = ("embed_tokens.weight", "o_proj.weight", "down_proj.weight")
+
+
+@pytest.mark.parametrize("dtype,work", [(torch.bfloat16, None), (torch.float32, torch.float64)])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_flashnorm_copies_the_tensors_it_leaves_as_stored_bytes(tmp_path, copies, dtype, work, streaming):
+    """flashnorm changes the norms and their readers: every other tensor is written as the input
+    stores it (bytes, dtype, shape), copied without being cast; the changed ones from memory."""
+    src = checkpoint_at(tmp_path, "llama", dtype)
+    out = tmp_path / "out"
+    convert_mod.convert(src, out, [("flashnorm", {})], streaming=streaming, work_dtype=work, verify=False,
+                        max_shard_size="20KB")
+    before, after = raw(src), raw(out)
+    assert before.keys() == after.keys()
+    untouched = {k for k in before if k.endswith(FLASHNORM_UNTOUCHED)}
+    assert set(copies["copied"]) == untouched and len(untouched) == 1 + 2 * CONFIGS["llama"]().num_hidden_layers
+    assert set(copies["added"]) == set(before) - untouched
+    for k in untouched:
+        assert after[k] == before[k]
+    assert all(after[k][0] == before[k][0] for k in before)  # stored as the input stores it
+    ns.verify(src, out, dtype=torch.float64).ok  # noqa: B018  (loads: the headers are valid)
+
+
+def test_a_pass_that_changes_nothing_writes_the_input_bytes(tmp_path, copies):
+    """A blockwise pass that rewrites nothing: every tensor copied as stored, in both plans; flashnorm
+    run again on a folded model (it writes gains of 1 and scales by them) gives the same bytes."""
+    from normsurgery import registry
+    from normsurgery.registry import PassReport
+
+    def nothing(model, lay, ctx):
+        for p in model.parameters():  # reads every value of the part, writes none
+            if p.device.type == "meta":
+                continue
+            float(p.detach().float().abs().sum())
+        return PassReport("test-nothing")
+
+    registry.register("test-nothing", "changes nothing", "exact", "tests", lambda m, lay: None,
+                      blockwise=True)(nothing)
+    try:
+        src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+        before = raw(src)
+        for streaming in (True, False):
+            copies["copied"].clear()
+            out = tmp_path / f"same-{streaming}"
+            convert_mod.convert(src, out, [("test-nothing", {})], streaming=streaming, max_shard_size="20KB")
+            assert raw(out) == before and sorted(copies["copied"]) == sorted(before)
+    finally:
+        registry.PASSES.pop("test-nothing")
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    convert_mod.convert(src, once, [("flashnorm", {})], streaming=True, verify=False, max_shard_size="20KB")
+    convert_mod.convert(once, twice, [("flashnorm", {})], streaming=True, max_shard_size="20KB")
+    assert raw(twice) == raw(once)
+
+
+def test_a_write_through_data_is_not_copied(tmp_path, copies):
+    """A pass that writes a parameter through ``.data`` (which torch's version counter does not
+    see) has it written from memory, with its new values."""
+    from normsurgery import registry
+    from normsurgery.registry import PassReport
+
+    def halve(model, lay, ctx):
+        for site in lay.norms:
+            model.get_submodule(site.path).weight.data.mul_(0.5)
+        return PassReport("test-halve")
+
+    registry.register("test-halve", "halves the norms' gains", "exact", "tests", lambda m, lay: None,
+                      blockwise=True)(halve)
+    try:
+        src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+        convert_mod.convert(src, tmp_path / "out", [("test-halve", {})], streaming=True, verify=False)
+    finally:
+        registry.PASSES.pop("test-halve")
+    a, b = tensors(src), tensors(tmp_path / "out")
+    norms = [k for k in a if k.endswith("norm.weight")]  # the final norm too
+    assert norms and all(torch.equal(b[k], a[k] * 0.5) for k in norms)
+    assert not set(norms) & set(copies["copied"]) and set(copies["copied"]) == set(a) - set(norms)
+
+
+def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
+    """prune --streaming (no step runs on a kept block) copies each kept tensor's bytes under its
+    renumbered name, reading nothing while it writes; the folder loads as the in-memory prune's."""
+    from normsurgery import pipeline, shards
+
+    src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+    reads, writing = [], []
+    read_into, write = shards.Reader.read_into, pipeline.Work.write
+
+    def spying(self, key, out):
+        if writing:
+            reads.append(key)
+        return read_into(self, key, out)
+
+    def spied_write(self, *a, **k):
+        writing.append(True)
+        try:
+            return write(self, *a, **k)
+        finally:
+            writing.clear()
+
+    monkeypatch.setattr(shards.Reader, "read_into", spying)
+    monkeypatch.setattr(pipeline.Work, "write", spied_write)
+    opts = {"layers": 1, "method": "last", "seq_len": 16}
+    got = ns.prune(src, tmp_path / "stream", opts, streaming=True)
+    assert reads == [] and copies["added"] == [] and len(copies["copied"]) == len(raw(tmp_path / "stream"))
+    ns.prune(src, tmp_path / "mem", opts)
+    assert raw(tmp_path / "stream") == raw(tmp_path / "mem")
+    assert got.saved["reload"]["comparison"]["relative"] == 0.0
+    before = raw(src)
+    kept = [i for i in range(CONFIGS["llama"]().num_hidden_layers) if i not in got.selection.layers]
+    assert kept != list(range(len(kept)))  # the test renumbers blocks
+    for k, v in raw(tmp_path / "stream").items():  # block j holds input block kept[j]'s bytes
+        parts = k.split(".")
+        if parts[1] == "layers":
+            parts[2] = str(kept[int(parts[2])])
+        assert before[".".join(parts)] == v, k
+
+
+def test_a_copied_tensor_is_still_checked_for_nan(tmp_path, monkeypatch):
+    """An unread part's tensors are checked for NaN or Inf as they are copied (not only when the
+    check reads the input again: without it, nothing else would), as reading refuses them."""
+    from normsurgery import pipeline
+
+    write, raised = pipeline.Work.write, []
+
+    def spied_write(self, *a, **k):
+        try:
+            return write(self, *a, **k)
+        except ns.SurgeryError:
+            raised.append(True)
+            raise
+
+    monkeypatch.setattr(pipeline.Work, "write", spied_write)
+    src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+    sd = tensors(src)
+    name = next(k for k in sd if ".layers.0.mlp." in k)  # kept (--method last removes a later block)
+    sd[name][0, 0] = float("nan")
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    (src / "model.safetensors.index.json").unlink()
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ns.SurgeryError, match=f"^{re.escape(str(src))} holds NaN or Inf weights: {name}"):
+        ns.prune(src, tmp_path / "out", {"layers": 1, "method": "last", "seq_len": 16}, streaming=True)
+    assert raised  # refused while copying
+
+
+# ---------------------------------------------------------------------------------------------
+# the check's floor (issue 30): two forwards, a third only when the first comparison needs it
+
+
+@pytest.fixture
+def forwards(monkeypatch):
+    """Every model forward the executor runs, counted at parity.outputs as the pipeline calls it."""
+    from normsurgery import pipeline
+
+    calls, real = [], pipeline.outputs
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline, "outputs", counting)
+    return calls
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("dtype,passes,expected", [
+    (torch.float32, [("flashnorm", {})], 2),  # within float32's 1e-5: the reference and the folder
+    (torch.bfloat16, [("flashnorm", {})], 3),  # bf16 rounding of folded weights: + the re-rounded reference
+])
+def test_a_checked_convert_runs_two_forwards_and_a_baseline_only_when_needed(tmp_path, forwards, streaming,
+                                                                            dtype, passes, expected):
+    src = checkpoint_at(tmp_path, "llama", dtype)
+    res = convert_mod.convert(src, tmp_path / "out", passes, streaming=streaming)
+    assert res.ok and len(forwards) == expected == res.forwards
+    assert (res.baseline is not None) == (expected == 3)
+    assert 0 < res.seconds_check and res.as_dict()["seconds_check"] == res.seconds_check
+    forwards.clear()
+    res = convert_mod.convert(src, tmp_path / "fast", passes, streaming=streaming, verify=False, force=True)
+    assert forwards == [] and res.forwards == 0 and res.seconds_check == 0.0
+
+
+def test_identical_outputs_need_no_baseline(tmp_path, forwards):
+    """bf16 weights the pass leaves as they were: the folder's outputs equal the input's, no baseline."""
+    from normsurgery import registry
+    from normsurgery.registry import PassReport
+
+    registry.register("test-nothing2", "changes nothing", "exact", "tests", lambda m, lay: None,
+                      blockwise=True)(lambda model, lay, ctx: PassReport("test-nothing2"))
+    try:
+        src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
+        res = convert_mod.convert(src, tmp_path / "out", [("test-nothing2", {})], streaming=True)
+    finally:
+        registry.PASSES.pop("test-nothing2")
+    assert res.ok and res.parity.relative == 0 and len(forwards) == 2 and res.baseline is None
+
+
+# ---------------------------------------------------------------------------------------------
+# compact logits (issue 30): compared from the head's input and its rows, a slab at a time
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.bfloat16), ("gpt2", torch.float32), ("qwen2", torch.float32)])
+def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
+    """Logits kept as the head's input (rows read from the files when compared) give the full
+    comparison's figures to float rounding, either side compact, in both plans."""
+    from normsurgery import pipeline
+    from normsurgery.parity import HeadInput, compare, probe_ids
+
+    src = checkpoint_at(tmp_path, family, dtype)
+    out = tmp_path / "out"
+    convert_mod.convert(src, out, [("flashnorm", {})], verify=False)
+    ids = probe_ids(None, CONFIGS[family]().vocab_size, None, 3, 16)
+    for streamed in (True, False):
+        got = {}
+        for name, path in (("a", src), ("b", out)):
+            for compact in (False, True):
+                got[name, compact] = pipeline.read_outputs(Source.open(path), ids, torch.float32, streamed,
+                                                           compact=compact)
+        assert isinstance(got["a", True], HeadInput) and not isinstance(got["a", False], HeadInput)
+        full = compare(got["a", False], got["b", False])
+        assert full.relative > 0
+        for a, b in ((True, True), (True, False), (False, True)):
+            c = compare(got["a", a], got["b", b])
+            assert c.max_abs == pytest.approx(full.max_abs, rel=1e-4, abs=1e-6)
+            assert c.relative == pytest.approx(full.relative, rel=1e-4, abs=1e-9)
+            assert c.mean_abs == pytest.approx(full.mean_abs, rel=1e-4)
+            assert c.kl == pytest.approx(full.kl, rel=1e-3, abs=1e-12) and c.top1 == full.top1
+        assert compare(got["a", True], got["a", False]).relative < 1e-6  # the same logits
+
+
+@pytest.mark.parametrize("family", sorted(set(__import__("normsurgery.pipeline").pipeline.COMPACT_FAMILIES)))
+def test_every_compact_family_gives_its_logits(tmp_path, family):
+    """Each family kept compact: its logits are exactly its head applied to the head's input
+    (no scale or soft cap after it), as the full forward gives them."""
+    from normsurgery import pipeline
+    from normsurgery.parity import HeadInput, compare, probe_ids
+
+    src = checkpoint_at(tmp_path, family)
+    ids = probe_ids(None, CONFIGS[family]().vocab_size, None, 2, 8)
+    full = pipeline.read_outputs(Source.open(src), ids, torch.float32, False)
+    compact = pipeline.read_outputs(Source.open(src), ids, torch.float32, False, compact=True)
+    assert isinstance(compact, HeadInput)
+    assert compare(full, compact).relative < 1e-6
+
+
+PEAK = """
+import importlib, json, sys
+import torch
+conv = importlib.import_module("normsurgery.convert")
+import normsurgery.passes  # noqa: F401
+
+def mb(field):
+    return next(int(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith(field))
+
+base = mb("VmRSS:")
+r = conv.convert(sys.argv[1], sys.argv[2], [("flashnorm", {})], streaming=True, verify=sys.argv[3] == "1",
+                 max_shard_size="50MB")
+print(json.dumps({"base": base, "peak": mb("VmHWM:"), "ok": r.ok}))
+"""
+
+
+def test_a_large_vocabulary_does_not_raise_the_checks_peak(tmp_path):
+    """A Qwen2-shaped bf16 checkpoint with a 151936-token vocabulary (small width and depth): the
+    checked streaming convert's peak RSS (/proc, a fresh process, above its RSS after imports)
+    stays within a third of one probe's float32 logits (4 x 64 x 151936: 156 MB) of the
+    unchecked convert's: the check holds no positions x vocabulary tensor."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = T.Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, vocab_size=151936, max_position_embeddings=128,
+                        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src = tmp_path / "in"
+    T.Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    above = {}
+    for verify in ("0", "1"):
+        run = subprocess.run([sys.executable, str(script), str(src), str(tmp_path / f"out{verify}"), verify],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        assert got["ok"]
+        above[verify] = got["peak"] - got["base"]
+    logits_mb = 4 * 64 * 151936 * 4 / 2**20
+    assert above["1"] - above["0"] < logits_mb / 3, above
+
+
+def test_convert_states_what_each_plan_needs(tmp_path):
+    """Before loading: the in-memory plan's bytes and the streamed plan's (its largest part),
+    in the result, --json and the streaming reason."""
+    src = checkpoint_at(tmp_path, "llama", torch.bfloat16, layers=6)
+    res = convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=True, verify=False)
+    total = Source.open(src).index.numel * 4  # float32 working copies
+    m = res.as_dict()["memory"]
+    assert m["parts"] == 6 and m["in_memory"] > total and total / 6 < m["streamed"] < total
+    assert "GiB at a time in 6 parts; in memory about" in res.streaming
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_tied_embedding_left_alone_is_copied_once(tmp_path, copies, streaming):
+    """flashnorm keep_tied=true leaves a tied embedding (and head) as stored: its bytes are copied
+    once, under the one name the output stores, and the folder loads tied."""
+    cfg = CONFIGS["llama"]()
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    src = tmp_path / "in"
+    model.save_pretrained(src, max_shard_size="20KB")
+    before = raw(src)
+    assert "lm_head.weight" not in before
+    out = tmp_path / "out"
+    res = convert_mod.convert(src, out, [("flashnorm", {"keep_tied": True})], streaming=streaming,
+                              max_shard_size="20KB")
+    after = raw(out)
+    assert res.ok and after.keys() == before.keys()
+    assert copies["copied"].count("model.embed_tokens.weight") == 1
+    assert after["model.embed_tokens.weight"] == before["model.embed_tokens.weight"]
+    assert T.AutoConfig.from_pretrained(out).tie_word_embeddings
