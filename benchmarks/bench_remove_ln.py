@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int)
     p.add_argument("--no-control", action="store_true")
     p.add_argument("--patience", type=int, help="stop once held-out CE stops improving (--steps: the cap)")
+    p.add_argument("--eval-samples", type=int, default=64, help="held-out windows (the pass's default: 32)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the results as JSON to FILE")
     args = p.parse_args(argv)
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
         if args.quality:
             text = Path(args.quality).read_text()
             opts = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("batch_size", args.batch),
-                                      ("eval_samples", 64), ("control", not args.no_control),
+                                      ("eval_samples", args.eval_samples), ("control", not args.no_control),
                                       ("patience", args.patience)) if v is not None}
             model, m, wall = run_pass(path, text, opts)
             row = {"model": name, "options": opts, "wall_seconds": wall, **{k: m[k] for k in (

@@ -16,10 +16,12 @@ TRAINED_OPTIONS = {"control": True, "patience": 0, "eval_every": 25}
 PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 0,
                   "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
                   "fold": True, "save_every": 0, "resume": False, "precision": "auto", **TRAINED_OPTIONS}
-REMOVE_LN_OPTIONS = {"steps": 300, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
+#: remove-ln: up to 900 steps, stopping once held-out CE has gone 4 evaluations (100 steps) without improving
+#: after the last removal (measured on the demo models against the control: README, remove-ln)
+REMOVE_LN_OPTIONS = {"steps": 900, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
                      "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
                      "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
-                     "export": "self", **TRAINED_OPTIONS}
+                     "export": "self", **TRAINED_OPTIONS, "patience": 4}
 PRE_LN = "Pre-LN and parallel models of every supported family"
 #: the values options take, checked before anything is loaded (options not listed: any of their type);
 #: seq_len 0: min(128, the model's positions)
