@@ -131,7 +131,7 @@ def op_llama(args) -> dict:
 
 
 def op_measure(args) -> dict:
-    """One timed operation (after the imports): roundtrip | convert | verify | heal | remove-ln."""
+    """One timed ``--action`` (after the imports): roundtrip | convert | verify | heal | remove-ln."""
     torch, T = quiet_imports()
     import normsurgery as ns
 
@@ -140,28 +140,29 @@ def op_measure(args) -> dict:
         shutil.rmtree(out, ignore_errors=True)
     info = {}
     t = time.perf_counter()
-    if args.op == "roundtrip":
+    if args.action == "roundtrip":
         T.AutoModelForCausalLM.from_pretrained(src, dtype="auto").save_pretrained(out, max_shard_size="5GB")
-    elif args.op == "convert":
+    elif args.action == "convert":
         r = ns.convert(src, out, [("flashnorm", {})], streaming=True, device=args.device)
         info = {"ok": r.ok, "relative": r.parity.relative, "tolerance": r.parity.tolerance}
-    elif args.op == "verify":
+    elif args.action == "verify":
         r = ns.verify(src, args.ref, streaming=True, device=args.device)
         info = {"ok": r.ok, "relative": r.relative, "tolerance": r.tolerance}
-    elif args.op == "heal":
+    elif args.action == "heal":
         train_text, held = texts()
         r = ns.heal(src, out, train_text, eval_text=held, device=args.device,
                     options={"steps": args.steps, "seq_len": 128, "batch_size": 16})
         rep = r.report
         info = {"tokens_per_second": rep.tokens / rep.seconds, "tokens": rep.tokens, "train_seconds": rep.seconds,
                 "precision": rep.mixed_precision, "ce_before": rep.ce_before, "ce_after": rep.ce_after}
-    elif args.op == "remove-ln":
+    elif args.action == "remove-ln":
         r = ns.convert(src, out, [("remove-ln", {"steps": args.steps, "seq_len": 128, "batch_size": 16,
                                                  "precision": args.precision})],
                        text=texts()[0], device=args.device)
         m = r.steps[0].metrics
         info = {"ok": r.ok, "steps": m["steps"], "tokens": m["tokens"], "train_seconds": m["seconds"],
-                "precision": m["precision"], "ce_before": m["ce_before"], "ce_after": m["ce_after"]}
+                "precision": m["precision"], "ce_before": m["ce_before"], "ce_after": m["ce_after"],
+                "ce_control": m.get("ce_control"), "gap_to_control": m.get("gap_to_control")}
     return {"seconds": time.perf_counter() - t, "peak_mb": peak_rss_mb(), **info}
 
 
@@ -184,24 +185,29 @@ def run(args, log) -> dict:
                             steps=steps["pretrain"])
     for dev in (args.device, "cpu"):
         log(f"heal on {dev} ...")
-        res[f"heal_{dev}"] = spawn(__file__, "measure", cpus, op="heal", src=gpt2, out=WORK / "healed",
+        res[f"heal_{dev}"] = spawn(__file__, "measure", cpus, action="heal", src=gpt2, out=WORK / "healed",
                                    device=dev, steps=steps["heal"])
     for precision in ("auto", "fp32"):
         log(f"remove-ln ({precision}) ...")
-        res[f"remove_ln_{precision}"] = spawn(__file__, "measure", cpus, op="remove-ln", src=gpt2,
+        res[f"remove_ln_{precision}"] = spawn(__file__, "measure", cpus, action="remove-ln", src=gpt2,
                                               out=WORK / "ln-free", device=args.device, steps=steps["remove-ln"],
                                               precision=precision)
     log("the 7B-shaped checkpoint ...")
     res["llama"] = spawn(__file__, "llama", cpus, size=args.size, device=args.device, out=llama)
     for op in ("roundtrip", "convert", "verify"):
         log(f"{op} ...")
-        res[op] = spawn(__file__, "measure", cpus, op=op, device=args.device,
+        res[op] = spawn(__file__, "measure", cpus, action=op, device=args.device,
                         src=llama if op != "verify" else WORK / "flash", ref=llama,
                         out={"roundtrip": WORK / "roundtrip", "convert": WORK / "flash"}.get(op, ""))
         if op == "roundtrip":
             shutil.rmtree(WORK / "roundtrip", ignore_errors=True)  # the disk holds three copies at most
     res["machine"]["loadavg_end"] = os.getloadavg()[0]
     return res
+
+
+def named(precision: str) -> str:
+    """accelerate's mixed-precision name as --precision spells it."""
+    return "fp32" if precision == "no" else precision
 
 
 def table(res: dict) -> list[str]:
@@ -212,15 +218,16 @@ def table(res: dict) -> list[str]:
         f"bench_gpu ({res['size']}; {res['device']} {res.get('gpu', '')}; {res['machine']['cpus']} CPUs; load "
         f"{res['machine']['loadavg_start']:.1f}-{res['machine']['loadavg_end']:.1f})",
         "| measure | figure |", "|---|---|",
-        f"| heal tokens/s, {res['device']} ({h_gpu['precision']}) | {h_gpu['tokens_per_second']:,.0f} "
+        f"| heal tokens/s, {res['device']} ({named(h_gpu['precision'])}) | {h_gpu['tokens_per_second']:,.0f} "
         f"({h_gpu['tokens_per_second'] / h_cpu['tokens_per_second']:.1f}x the CPU's) |",
-        f"| heal tokens/s, CPU ({h_cpu['precision']}, {res['machine']['cpus']} threads) | "
+        f"| heal tokens/s, CPU ({named(h_cpu['precision'])}, {res['machine']['cpus']} threads) | "
         f"{h_cpu['tokens_per_second']:,.0f} |",
         f"| model trained first | {res['pretrain']['tokens']:,} tokens, {res['pretrain']['seconds']:.0f} s, "
         f"held-out CE {res['pretrain']['ce']:.3f} |",
-        *(f"| remove-ln ({ln['precision']}) | {ln['steps']} steps, {ln['tokens']:,} tokens, {ln['seconds']:.0f} s; "
-          f"held-out CE {ln['ce_before']:.3f} -> {ln['ce_after']:.3f} ({ln['ce_after'] - ln['ce_before']:+.3f}) |"
-          for ln in (res["remove_ln_auto"], res["remove_ln_fp32"])),
+        *(f"| remove-ln ({named(ln['precision'])}) | {ln['steps']} steps, {ln['tokens']:,} tokens, "
+          f"{ln['seconds']:.0f} s with its control; held-out CE {ln['ce_before']:.3f} -> {ln['ce_after']:.3f} "
+          f"({ln['ce_after'] - ln['ce_before']:+.3f}); vanilla control {ln['ce_control']:.3f}, gap "
+          f"{ln['gap_to_control']:+.3f} |" for ln in (res["remove_ln_auto"], res["remove_ln_fp32"])),
         f"| 7B-shaped checkpoint | {res['llama']['bytes'] / 1e9:.2f} GB |",
         f"| HF round trip | {rt['seconds']:.1f} s, peak RSS {rt['peak_mb']:,.0f} MB |",
         f"| convert --streaming, checked | {cv['seconds']:.1f} s ({ratio:.2f}x the round trip; target "
@@ -240,7 +247,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep bench-out/gpu (about 27 GB at full size)")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    for k in ("op", "src", "out", "ref", "size", "steps", "threads", "precision"):
+    for k in ("action", "src", "out", "ref", "size", "steps", "threads", "precision"):
         p.add_argument(f"--{k}", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
