@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
     results = []
     for name in args.models.split(","):
-        path = DEMOS[name]
+        path = DEMOS.get(name, name)  # a demo model, or a folder (held-back models: scripts/make_demo.py --out)
         if args.quality:
             text = Path(args.quality).read_text()
             opts = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("batch_size", args.batch),

@@ -14,6 +14,12 @@ the first 90% is used to train the tokenizer and the models.
 Usage (from the repository root):
   HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_demo.py \
       --text tinyshakespeare.txt [--steps 1400]
+
+Held-back models (issue 29: models the trained passes' defaults were not tuned on): ``--out DIR``
+writes the models there (as DIR/gpt2-tiny, DIR/llama-tiny) and nothing into the repository;
+``--seed``, ``--width`` and ``--steps`` make them differ from the demo's:
+  .venv/bin/python scripts/make_demo.py --text tinyshakespeare.txt --out held/seed7 --seed 7 \
+      --width 160 --steps 800
 """
 from __future__ import annotations
 
@@ -100,11 +106,11 @@ def encode(tok: PreTrainedTokenizerFast, text: str) -> torch.Tensor:
 # --------------------------------------------------------------------------- models
 
 
-def make_gpt2(eot: int) -> GPT2LMHeadModel:
+def make_gpt2(eot: int, width: int = 128) -> GPT2LMHeadModel:
     cfg = GPT2Config(
         vocab_size=VOCAB,
         n_positions=256,
-        n_embd=128,
+        n_embd=width,
         n_layer=8,
         n_head=4,
         # No dropout: it costs ~1/3 of the CPU step time and only hurts a model this
@@ -120,11 +126,11 @@ def make_gpt2(eot: int) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(cfg)
 
 
-def make_llama(eot: int) -> LlamaForCausalLM:
+def make_llama(eot: int, width: int = 128) -> LlamaForCausalLM:
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=384,
+        hidden_size=width,
+        intermediate_size=3 * width,
         num_hidden_layers=8,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -279,6 +285,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-windows", type=int, default=128)
     ap.add_argument("--models", default="gpt2-tiny,llama-tiny")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--width", type=int, default=128, help="residual width (4 attention heads share it)")
+    ap.add_argument("--out", help="write held-back models here instead of the repository's demo folder")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -294,16 +302,17 @@ def main(argv=None) -> int:
           f"held-out {len(held_text):,}", flush=True)
 
     data_dir = REPO / "normsurgery" / "data"
-    demo_dir = REPO / "normsurgery" / "demo"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    demo_dir = Path(args.out) if args.out else REPO / "normsurgery" / "demo"
     demo_dir.mkdir(parents=True, exist_ok=True)
     sample = held_text[:SAMPLE_CHARS]
     heldout = held_text[SAMPLE_CHARS : SAMPLE_CHARS + HELDOUT_CHARS]
-    # newline="" so the bytes on disk are exactly the slice
-    with open(data_dir / "sample.txt", "w", encoding="utf-8", newline="") as f:
-        f.write(sample)
-    with open(data_dir / "heldout.txt", "w", encoding="utf-8", newline="") as f:
-        f.write(heldout)
+    if not args.out:  # the shipped samples; held-back models leave the repository alone
+        data_dir.mkdir(parents=True, exist_ok=True)
+        # newline="" so the bytes on disk are exactly the slice
+        with open(data_dir / "sample.txt", "w", encoding="utf-8", newline="") as f:
+            f.write(sample)
+        with open(data_dir / "heldout.txt", "w", encoding="utf-8", newline="") as f:
+            f.write(heldout)
 
     t0 = time.perf_counter()
     tok = train_tokenizer(train_text)
@@ -320,7 +329,7 @@ def main(argv=None) -> int:
     for i, name in enumerate(args.models.split(",")):
         print(f"== {name}", flush=True)
         torch.manual_seed(args.seed + i)
-        model = builders[name](eot)
+        model = builders[name](eot, args.width)
         model.eval()
         params = n_params(model)
         ce0 = heldout_ce(model, windows)
