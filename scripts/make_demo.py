@@ -259,7 +259,8 @@ def verify(model, folder: Path, windows: torch.Tensor, text: str) -> None:
         assert torch.equal(v, sd_b[k]), f"weight {k} differs after reload"
     gc = GenerationConfig.from_pretrained(folder)
     assert gc.max_new_tokens == 64 and gc.eos_token_id == eot and gc.pad_token_id == eot
-    print(f"  reload OK: {folder.relative_to(REPO)} (max |dlogit| = {diff:.2e})", flush=True)
+    shown = folder.relative_to(REPO) if folder.is_relative_to(REPO) else folder
+    print(f"  reload OK: {shown} (max |dlogit| = {diff:.2e})", flush=True)
 
 
 def folder_size(folder: Path) -> int:
