@@ -3,12 +3,12 @@
 training runs inside the executor's one-part plan).
 
 A :class:`Job` is opened once per command that writes (those, ``convert`` and ``export``), before
-any work: the checkpoint resolved
-(``checkpoint.Source``), the output checked (``output.check_output``: never the input, never a
-folder of the user's, writable) and the device chosen (``devices.choose``). Then:
+any work: the checkpoint resolved (``checkpoint.Source``), the output checked
+(``output.check_output``: never the input, never a folder of the user's, writable) and the device
+chosen (``devices.choose``). Then:
 
 - :meth:`Job.training_data`: the text split into training ids and held-out windows;
-- :meth:`Job.accelerator`: the training processes' accelerator on that device, with the
+- :meth:`Job.make_accelerator`: the training processes' accelerator on that device, with the
   precision asked for;
 - :meth:`Job.load`: the checkpoint whole, on the device (the one-part plan of ``pipeline``);
 - :meth:`Job.record`: what the saved config records (version, source, device, the steps');
