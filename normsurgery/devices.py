@@ -67,11 +67,20 @@ def choose(spec: str = "auto"):
 
 
 def exact_arithmetic() -> None:
-    """IEEE float32 matrix products and convolutions on CUDA (TF32 off)."""
+    """IEEE float32 matrix products and convolutions on CUDA (TF32 off), through the
+    ``allow_tf32`` flags: torch >= 2.9 also has ``fp32_precision`` settings, but once those are
+    set, reading ``allow_tf32`` (as accelerate and transformers do) raises, while these set both."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+def tf32_off() -> bool:
+    """Whether CUDA's float32 matrix products and cuDNN compute in IEEE float32."""
+    import torch
+
+    return not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
 
 def describe(device) -> dict:

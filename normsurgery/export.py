@@ -117,8 +117,9 @@ def export(src, dest, *, to: str = "onnx", text: str | Path | None = None, toler
     """Export ``src`` to ``dest`` (see the module docstring); ``external_data``: None decides by
     size; ``with_past``: the graph takes and returns the key/value cache (decoders), checked by
     greedy generation as well. The torch side (reference outputs, ``generate``) computes on
-    ``device``; the graph is traced on the CPU, where ONNX Runtime runs it. Raises SurgeryError, writing nothing, when ONNX Runtime's outputs
-    are out of tolerance or its greedy tokens differ from ``generate``'s. ``text``: the check's text
+    ``device``; the graph is traced on the CPU, where ONNX Runtime runs it. Raises SurgeryError,
+    writing nothing, when ONNX Runtime's outputs are out of tolerance or its greedy tokens differ
+    from ``generate``'s. ``text``: the check's text
     (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file."""
     text = text_of(text)
     if to not in FORMATS:

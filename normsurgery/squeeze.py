@@ -242,7 +242,8 @@ def _keep(state: Path, data: dict) -> None:
     shutil.rmtree(state / TRAIN_STATE, ignore_errors=True)
 
 
-def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: SqueezeOptions | dict | None = None,
+def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
+            options: SqueezeOptions | dict | None = None,
             resume: bool = False, force: bool = False, progress: Progress = no_progress,
             allow_pickle: bool = False, device: str = "auto") -> SqueezeResult:
     """Squeeze ``src`` to ``options.target`` of its parameters (or ``target_bytes``) and save the

@@ -163,7 +163,9 @@ def make_accelerator(precision: str = "auto", device: torch.device | str = "cpu"
     device = torch.device(device)
     mixed = mixed_precision(precision, device)
     try:
-        return Accelerator(mixed_precision=mixed, cpu=device.type != "cuda")
+        acc = Accelerator(mixed_precision=mixed, cpu=device.type != "cuda")
+        devices.exact_arithmetic()  # accelerate turns TF32 on with a dynamo backend: the checks that follow need it off
+        return acc
     except ValueError as e:  # accelerate's state is per process: its precision is fixed once set
         raise SurgeryError(str(e)) from None
 

@@ -113,8 +113,15 @@ def test_training_that_cannot_fit_the_gpu_is_refused_before_anything_moves(monke
     weights = sum(p.numel() * 4 for p in params)
     assert training_bytes(model, params, gpu) == 4 * weights  # weights, gradients, two AdamW moments
     assert training_bytes(model, params[:1], gpu) == weights + 3 * params[0].numel() * 4
-    monkeypatch.setattr(devices, "free_bytes", lambda device: 2 * weights if torch.device(device).type == "cuda" else None)
+    monkeypatch.setattr(devices, "free_bytes",
+                        lambda device: 2 * weights if torch.device(device).type == "cuda" else None)
     with pytest.raises(SurgeryError, match=r"training needs at least .* GiB on cuda .*heal --train lora or norms"):
         check_fits(model, params, gpu)
     check_fits(model, params[:1], gpu)  # one matrix trains: it fits
     check_fits(model, params, torch.device("cpu"))  # host memory is not measured here
+
+
+def test_checks_turn_tf32_off():
+    """TF32 (10 mantissa bits) would round a float32 check far past its 1e-5: choosing a GPU turns it off."""
+    devices.exact_arithmetic()
+    assert devices.tf32_off()

@@ -47,7 +47,7 @@ def test_convert_on_cuda_gives_the_cpu_verdict(tmp_path, src, passes, plan):
     assert cpu["ok"] and gpu["ok"]
     a, b = cpu["parity"]["relative"], gpu["parity"]["relative"]
     assert b <= gpu["parity"]["tolerance"] and max(a, b) <= 10 * max(min(a, b), 1e-7), (a, b)
-    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert devices.tf32_off()
 
 
 def test_float64_algebra_on_cuda(tmp_path):

@@ -34,7 +34,8 @@ LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads"
                                                                                          open_high=False),
           "warmup": between(-1), "decay": between(-1), "start": between(-1), "gap": between(0),
           "final_gap": between(0), "precision": one_of(*PRECISIONS),
-          "export": one_of("self", "stock"), "patience": between(0), "eval_every": between(1), "kind": one_of("hadamard", "random"), "seed": between(0)}
+          "export": one_of("self", "stock"), "patience": between(0), "eval_every": between(1),
+          "kind": one_of("hadamard", "random"), "seed": between(0)}
 
 for name, module, description, kind, families, extra in [
     ("pre-rmsnorm", "pre_rmsnorm", "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm",
