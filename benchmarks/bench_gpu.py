@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import folder_bytes, machine, peak_rss_mb, quiet_imports, result, spawn  # noqa: E402
+from benchmarks.common import (folder_bytes, machine, peak_rss_mb, quiet_imports, result, spawn,  # noqa: E402
+                               write_json)
 
 WORK = ROOT / "bench-out" / "gpu"
 DEMO = ROOT / "normsurgery" / "demo" / "gpt2-tiny"
@@ -277,7 +278,7 @@ def main(argv=None) -> int:
     print("\n".join(table(res)))
     print(f"bench_gpu: {res['total_s']:.0f} s in all")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        write_json(args.json, res)
     return 0
 
 

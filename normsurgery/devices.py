@@ -83,12 +83,31 @@ def tf32_off() -> bool:
     return not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
 
+def is_gpu(device) -> bool:
+    """Whether ``device`` is a GPU (where accelerate, autocast and TF32 apply)."""
+    import torch
+
+    return torch.device(device).type == "cuda"
+
+
+def mixed_precision(precision: str, device) -> str:
+    """accelerate's ``mixed_precision`` for a :data:`PRECISIONS` spelling on ``device``: ``auto``
+    is bf16 autocast on a GPU that supports it, else none (float32)."""
+    import torch
+
+    if precision not in PRECISIONS:
+        raise SurgeryError(f"unknown precision {precision!r}; choose {', '.join(PRECISION_CHOICES)}")
+    if precision == "auto":
+        return "bf16" if is_gpu(device) and torch.cuda.is_bf16_supported() else "no"
+    return PRECISIONS[precision]
+
+
 def describe(device) -> dict:
     """{"device": "cuda:0", "name": "NVIDIA H200"}: what a result and a model card record."""
     import torch
 
     device = torch.device(device)
-    if device.type == "cuda":
+    if is_gpu(device):
         return {"device": str(device), "name": torch.cuda.get_device_name(device)}
     return {"device": str(device), "name": "CPU" if device.type == "cpu" else device.type}
 
@@ -130,7 +149,6 @@ def free_bytes(device) -> int | None:
     """Bytes free on a GPU ``device`` (None: not a GPU, host memory decides)."""
     import torch
 
-    device = torch.device(device)
-    if device.type != "cuda":
+    if not is_gpu(device):
         return None
-    return torch.cuda.mem_get_info(device)[0]
+    return torch.cuda.mem_get_info(torch.device(device))[0]

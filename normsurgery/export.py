@@ -218,7 +218,7 @@ def run_graph(path: Path, ids: torch.Tensor, past: list[tuple] | None = None, *,
     import numpy as np
 
     graph = graph or session(path)
-    feed = {"input_ids": ids.numpy(), "attention_mask": np.ones((ids.shape[0], total + ids.shape[1]), np.int64)}
+    feed = {"input_ids": ids.cpu().numpy(), "attention_mask": np.ones((ids.shape[0], total + ids.shape[1]), np.int64)}
     if past:
         empty = [np.zeros((ids.shape[0], s[1], 0, *s[3:]), np.float32) for s in past]
         feed.update(zip(past_names(len(past))[0], cache if cache is not None else empty))

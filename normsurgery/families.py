@@ -66,6 +66,8 @@ class Family:
     eps_keys: tuple[str, ...] = ()  # config keys the stock norms read their eps from
     bias_flags: tuple[str, ...] = ()  # config flags that give the stock linears biases
     pruning: Pruning = Pruning()
+    # the causal LM's logits are its head's linear output as it is (no scale or soft cap after it)
+    plain_logits: bool = True
 
     def positions(self, config) -> int | None:
         """The longest sequence the model's positions allow (None: no limit known)."""
@@ -113,12 +115,13 @@ FAMILIES = {
     "gemma": Family(adapters.llama_like, "GemmaForCausalLM", _decoder("Gemma"), rmsnorm=("GemmaRMSNorm", 1.0),
                     eps_keys=RMS_EPS, bias_flags=("attention_bias",)),
     "gemma2": Family(adapters.sandwich, "Gemma2ForCausalLM", _decoder("Gemma2"), rmsnorm=("Gemma2RMSNorm", 1.0),
-                     eps_keys=RMS_EPS, bias_flags=("attention_bias",), pruning=Pruning(lists=("layer_types",))),
+                     eps_keys=RMS_EPS, bias_flags=("attention_bias",), pruning=Pruning(lists=("layer_types",)),
+                     plain_logits=False),
     "gemma3_text": Family(adapters.sandwich, "Gemma3ForCausalLM",
                           _classes("Gemma3ForCausalLM", "Gemma3TextModel",
                                    seq=("Gemma3TextForSequenceClassification", "score")),
                           rmsnorm=("Gemma3RMSNorm", 1.0), module="gemma3", eps_keys=RMS_EPS,
-                          bias_flags=("attention_bias",), pruning=Pruning(lists=("layer_types",))),
+                          bias_flags=("attention_bias",), pruning=Pruning(lists=("layer_types",)), plain_logits=False),
     "phi3": Family(adapters.fused, "Phi3ForCausalLM", _decoder("Phi3"), rmsnorm=("Phi3RMSNorm", 0.0),
                    eps_keys=RMS_EPS),
     "mixtral": Family(adapters.llama_like, "MixtralForCausalLM", _decoder("Mixtral"),
@@ -128,7 +131,8 @@ FAMILIES = {
                         pruning=Pruning(lists=("layer_types",), counted=("max_window_layers",),
                                         indices=("mlp_only_layers",), strides=("decoder_sparse_step",))),
     "granite": Family(adapters.llama_like, "GraniteForCausalLM", _classes("GraniteForCausalLM", "GraniteModel"),
-                      rmsnorm=("GraniteRMSNorm", 0.0), eps_keys=RMS_EPS, bias_flags=("attention_bias", "mlp_bias")),
+                      rmsnorm=("GraniteRMSNorm", 0.0), eps_keys=RMS_EPS, bias_flags=("attention_bias", "mlp_bias"),
+                      plain_logits=False),
     "smollm3": Family(adapters.llama_like, "SmolLM3ForCausalLM", _decoder("SmolLM3"), rmsnorm=("SmolLM3RMSNorm", 0.0),
                       eps_keys=RMS_EPS, bias_flags=("attention_bias", "mlp_bias"),
                       pruning=Pruning(lists=("layer_types", "no_rope_layers"))),
@@ -144,18 +148,19 @@ FAMILIES = {
                        bias_flags=("use_qkv_bias",)),
     "gptj": Family(adapters.gptj, "GPTJForCausalLM",
                    _classes("GPTJForCausalLM", "GPTJModel", seq=("GPTJForSequenceClassification", "score")),
-                   positions_key="n_positions", eps_keys=("layer_norm_epsilon",)),
+                   positions_key="n_positions", eps_keys=("layer_norm_epsilon",), plain_logits=False),
     "cohere": Family(adapters.cohere, "CohereForCausalLM", _classes("CohereForCausalLM", "CohereModel"),
-                     layernorm="CohereLayerNorm", eps_keys=("layer_norm_eps",), bias_flags=("attention_bias",)),
+                     layernorm="CohereLayerNorm", eps_keys=("layer_norm_eps",), bias_flags=("attention_bias",),
+                     plain_logits=False),
     "falcon": Family(adapters.falcon, "FalconForCausalLM",
                      _classes("FalconForCausalLM", "FalconModel", seq=("FalconForSequenceClassification", "score"),
                               tok=("FalconForTokenClassification", "classifier")),
-                     eps_keys=("layer_norm_epsilon",), bias_flags=("bias",)),
+                     eps_keys=("layer_norm_epsilon",), bias_flags=("bias",), plain_logits=False),
     "phi": Family(adapters.phi, "PhiForCausalLM", _decoder("Phi"), eps_keys=LN_EPS),
     "bert": Family(adapters.bert, "BertForMaskedLM",
                    _classes("BertForMaskedLM", "BertModel", lm_head="cls.predictions.decoder",
                             objective="masked-lm", seq=("BertForSequenceClassification", "classifier"),
-                            tok=("BertForTokenClassification", "classifier")), eps_keys=LN_EPS),
+                            tok=("BertForTokenClassification", "classifier")), eps_keys=LN_EPS, plain_logits=False),
 }
 
 
@@ -232,7 +237,7 @@ def layout(model, scope: tuple[str, ...] = ()) -> Layout:
         model.get_submodule(lay.token_embedding).weight
     fam = family(model.config.model_type)
     return dataclasses.replace(lay, norms=tuple(sites), stream_width=width, objective=head.objective, tied=tied,
-                               eps_keys=fam.eps_keys, bias_flags=fam.bias_flags)
+                               eps_keys=fam.eps_keys, bias_flags=fam.bias_flags, plain_logits=fam.plain_logits)
 
 
 @functools.cache

@@ -116,6 +116,7 @@ class Layout:
     bias_flags: tuple[str, ...] = ()  # config flags that give the stock linears biases
     # the forward reads head counts off the config all blocks share: every block keeps as many heads
     shared_head_counts: bool = False
+    plain_logits: bool = True  # the logits are the head's linear output as it is (``families.Family``)
     undescribed: str = ""  # why ``attention`` and ``mlps`` are left empty, where the adapter says
 
     @property

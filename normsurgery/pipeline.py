@@ -218,10 +218,10 @@ class Work:
     def _compact_head(self):
         """The head module when this model's logits are a plain linear map of the head's input
         stored as one tensor (:meth:`outputs`), else None."""
-        if self.loader is None or self.on_load is not None or self.model.config.model_type not in COMPACT_FAMILIES:
+        if self.loader is None or self.on_load is not None:
             return None
         lay = layout(self.model)
-        if lay.head is None or lay.objective != "causal-lm":
+        if lay.head is None or lay.objective != "causal-lm" or not lay.plain_logits:
             return None
         head = self.model.get_submodule(lay.head)
         if type(head) is not torch.nn.Linear:
@@ -345,12 +345,6 @@ def merge_notes(reports: list[PassReport]) -> list[str]:
             if key not in order:
                 order.insert(next((order.index(k) for k in keys[j + 1:] if k in order), len(order)), key)
     return [key if values[key] is None else key.format(**values[key]) for key in order]
-
-
-#: families whose causal LM's logits are its head's output as it is (no scale, no soft cap): their
-#: checks may keep them compact (:meth:`Work.outputs`)
-COMPACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "mixtral", "phi3", "smollm3", "olmo2",
-                    "starcoder2", "gpt_neox", "gpt2", "opt", "phi", "gemma", "stablelm")
 
 
 @contextmanager

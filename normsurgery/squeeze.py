@@ -161,7 +161,8 @@ def state_dir(out) -> Path:
 
 def _fingerprint(opts: SqueezeOptions, train_ids: torch.Tensor, held: torch.Tensor) -> str:
     text = repr(sorted({k: v for k, v in asdict(opts).items() if k != "save_every"}.items()))
-    return hashlib.sha256(text.encode() + train_ids.numpy().tobytes() + held.numpy().tobytes()).hexdigest()[:16]
+    data = train_ids.cpu().numpy().tobytes() + held.cpu().numpy().tobytes()
+    return hashlib.sha256(text.encode() + data).hexdigest()[:16]
 
 
 def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: SqueezeOptions, *, storage_bytes: int,

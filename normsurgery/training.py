@@ -16,7 +16,7 @@ Processes: one CPU, one GPU, or several under ``torchrun`` / ``accelerate launch
 CPU, NCCL on GPUs; each process its own batches, gradients averaged). Only the main process
 writes state and reports progress. The model trains on the accelerator's device (the one
 ``devices.choose`` made current) and is given back where it was found. Precision
-(:data:`PRECISIONS`): ``auto`` is bf16 autocast on a GPU that supports it, float32 elsewhere.
+(``devices.PRECISIONS``): ``auto`` is bf16 autocast on a GPU that supports it, float32 elsewhere.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import devices
-from .devices import PRECISION_CHOICES, PRECISIONS
+from .devices import mixed_precision  # noqa: F401  (the API's name)
 from .errors import SurgeryError
 from .families import layout, stock_class_of
 from .layout import LM_OBJECTIVES
@@ -144,16 +144,6 @@ def is_main_process() -> bool:
         or torch.distributed.get_rank() == 0
 
 
-def mixed_precision(precision: str, device: torch.device) -> str:
-    """accelerate's ``mixed_precision`` for a :data:`PRECISIONS` spelling on ``device``: ``auto``
-    is bf16 on a GPU that supports it, else none (float32)."""
-    if precision not in PRECISIONS:
-        raise SurgeryError(f"unknown precision {precision!r}; choose {', '.join(PRECISION_CHOICES)}")
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
-    return PRECISIONS[precision]
-
-
 def make_accelerator(precision: str = "auto", device: torch.device | str = "cpu"):
     """An Accelerator on ``device`` (``devices.choose``: a GPU is the current CUDA device) with
     ``precision`` (:func:`mixed_precision`). On the CPU it asks for the CPU, so ``torchrun``
@@ -163,7 +153,7 @@ def make_accelerator(precision: str = "auto", device: torch.device | str = "cpu"
     device = torch.device(device)
     mixed = mixed_precision(precision, device)
     try:
-        acc = Accelerator(mixed_precision=mixed, cpu=device.type != "cuda")
+        acc = Accelerator(mixed_precision=mixed, cpu=not devices.is_gpu(device))
         devices.exact_arithmetic()  # accelerate turns TF32 on with a dynamo backend: the checks that follow need it off
         return acc
     except ValueError as e:  # accelerate's state is per process: its precision is fixed once set
@@ -251,7 +241,7 @@ def _fingerprint(config: TrainConfig, ids: torch.Tensor, objective: str, process
     keys = ("steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "weight_decay", "grad_accum", "clip",
             "precision", "seed")
     text = repr(([getattr(config, k) for k in keys], objective, processes, len(ids)))
-    return hashlib.sha256(text.encode() + ids.numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(text.encode() + ids.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def _save_state(path: Path, state: dict) -> None:
