@@ -8,7 +8,15 @@ every norm a NoNorm (y = x), its statistics folded into the readers (which gain 
 Forward median (no_grad, batch x seq tokens, interleaved runs after a warm-up); ratio = time /
 original's time.
 
+Quality (``--quality TEXT``): prepbn at its defaults on TEXT (its last 10% held out) with its
+control (``control=true``: the same fine-tune with the norms kept), on the demo models and with
+``--held DIR`` the held-back ones (``scripts/make_demo.py --held-back DIR``); prints each model's gap
+to the control against the bound (+0.10 nats), per family its mean and worst. ``--summarize
+JSON...`` prints the table of earlier runs' ``--json`` files together (6-8 minutes a model on one
+thread).
+
 Usage: python benchmarks/bench_prepbn.py [--json FILE|-] [--repeats N] [--threads N]
+       python benchmarks/bench_prepbn.py --quality TEXT [--models A,B] [--held DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import DEMOS, print_spread, quality_models, saved_rows, trained_pass, write_json  # noqa: E402
 
 import torch  # noqa: E402
 from timing import forward_ms  # noqa: E402
@@ -31,7 +39,7 @@ import normsurgery as ns  # noqa: E402
 from normsurgery import checkpoint, registry  # noqa: E402
 from normsurgery.registry import PassContext  # noqa: E402
 
-DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / "normsurgery/demo/llama-tiny"}
+BOUND = 0.10  # prepbn's held-out CE over its vanilla control (README)
 SAMPLE = ROOT / "normsurgery/data/sample.txt"
 #: a budget that only fixes each trained pass's structure (remove-ln needs a step per removal)
 SHORT = {"prepbn": {"steps": 2, "batch_size": 2, "seq_len": 32, "eval_samples": 2, "calib_samples": 2,
@@ -65,6 +73,16 @@ def run(demo: str, path: Path, repeats: int, batch: int, seq: int) -> list[dict]
              "params": sum(p.numel() for p in m.parameters())} for name, m in models.items()]
 
 
+def quality(path: Path, name: str, family: str, text: str) -> dict:
+    """prepbn at its defaults with its control on ``text``: the row of the quality table."""
+    _, m, wall = trained_pass(path, "prepbn", text, {"control": True})
+    row = {"model": name, "family": family, "wall_seconds": wall, **{k: m[k] for k in (
+        "ce_before", "ce_after", "ce_control", "gap_to_control", "steps", "tokens", "seconds", "control_seconds")}}
+    print(f"{name}: held-out CE {m['ce_before']:.4f} -> {m['ce_after']:.4f}, control {m['ce_control']:.4f}: "
+          f"gap {m['gap_to_control']:+.4f} ({m['steps']} steps, {m['tokens']} tokens, {wall:.0f} s)", flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the rows as JSON to FILE (- for stdout)")
@@ -72,8 +90,23 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--quality", metavar="TEXT", help="held-out CE against the control on TEXT (minutes per model)")
+    ap.add_argument("--models", default=",".join(DEMOS), help="demo models or folders, comma-separated")
+    ap.add_argument("--held", metavar="DIR", help="also every held-back model under DIR (with --quality)")
+    ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print the quality table of earlier --json files")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    title = "prepbn: held-out CE minus the control's"
+    if args.summarize:
+        print_spread(title, saved_rows(args.summarize), "gap_to_control", BOUND)
+        return 0
+    if args.quality:
+        text = Path(args.quality).read_text()
+        rows = [quality(path, name, family, text) for name, family, path in quality_models(args.models, args.held)]
+        print_spread(title, rows, "gap_to_control", BOUND)
+        if args.json:
+            write_json(args.json, rows)
+        return 0
     rows = [r for demo, path in DEMOS.items() for r in run(demo, path, args.repeats, args.batch, args.seq)]
     print(f"forward time, batch {args.batch} x {args.seq} tokens, {args.threads} threads, median of {args.repeats}")
     print(f"{'model':<12} {'variant':<10} {'params':>10} {'forward ms':>11} {'ratio':>7}")

@@ -8,20 +8,27 @@ tokens through the original and the norm-free model (median of 5, one process, 2
 
 Quality (``--quality TEXT``): the pass with its defaults (or --steps/--lr/--batch) on TEXT, its
 last 10% held out, and its control (the pass's own ``control=true``: the same fine-tune with the
-norms untouched). Prints the per-stage curve and writes JSON with ``--json``.
+norms untouched). Prints the per-stage curve and the gap to the control against the bound (+0.05
+nats), per family its mean and worst; ``--held DIR`` adds the held-back models
+(``scripts/make_demo.py --held-back DIR``), ``--summarize JSON...`` prints the table of earlier
+runs' ``--json`` files together (a model takes 7-15 minutes on one thread).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMOS = {"gpt2-tiny": "normsurgery/demo/gpt2-tiny", "llama-tiny": "normsurgery/demo/llama-tiny"}
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import DEMOS, print_spread, quality_models, saved_rows, trained_pass, write_json  # noqa: E402
+
+BOUND = 0.05  # remove-ln's held-out CE over its vanilla control (README; Heimersheim 2024)
 
 
 def forward_seconds(model, ids, repeats: int = 5) -> float:
@@ -37,22 +44,12 @@ def forward_seconds(model, ids, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def run_pass(path: str, text: str, options: dict):
-    from normsurgery import checkpoint
-    from normsurgery.convert import apply_passes
-    from normsurgery.registry import PassContext
-
-    model = checkpoint.load(ROOT / path, )
-    ctx = PassContext(tokenizer=checkpoint.Source.open(ROOT / path).tokenizer, text=text)
-    t = time.perf_counter()
-    [step] = apply_passes(model, [("remove-ln", options)], context=ctx)
-    return model, step.metrics, time.perf_counter() - t
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quality", metavar="TEXT", help="measure held-out CE on TEXT (minutes per model)")
-    p.add_argument("--models", default=",".join(DEMOS))
+    p.add_argument("--models", default=",".join(DEMOS), help="demo models or folders, comma-separated")
+    p.add_argument("--held", metavar="DIR", help="also every held-back model under DIR (with --quality)")
+    p.add_argument("--summarize", nargs="+", metavar="JSON", help="print the quality table of earlier --json files")
     p.add_argument("--steps", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--batch", type=int)
@@ -62,25 +59,28 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the results as JSON to FILE")
     args = p.parse_args(argv)
+    if args.summarize:
+        print_spread("remove-ln: held-out CE minus the control's", saved_rows(args.summarize), "gap_to_control", BOUND)
+        return 0
     import torch
 
     torch.set_num_threads(args.threads)
     from normsurgery import checkpoint
 
     results = []
-    for name in args.models.split(","):
-        path = DEMOS.get(name, name)  # a demo model, or a folder (held-back models: scripts/make_demo.py --out)
+    for name, family, path in quality_models(args.models, args.held if args.quality else None):
         if args.quality:
             text = Path(args.quality).read_text()
             opts = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("batch_size", args.batch),
                                       ("eval_samples", args.eval_samples), ("control", not args.no_control),
                                       ("patience", args.patience)) if v is not None}
-            model, m, wall = run_pass(path, text, opts)
-            row = {"model": name, "options": opts, "wall_seconds": wall, **{k: m[k] for k in (
+            model, m, wall = trained_pass(path, "remove-ln", text, opts)
+            row = {"model": name, "family": family, "options": opts, "wall_seconds": wall, **{k: m[k] for k in (
                 "ce_before", "ce_after", "ce_delta", "steps", "tokens", "seconds", "schedule", "curve",
                 "fold_error_float64", "fold_error_float32")}}
             if "ce_control" in m:
                 row["control"] = {"ce_after": m["ce_control"], "seconds": m["control_seconds"]}
+                row["gap_to_control"] = m["gap_to_control"]
             print(f"\n{name}: held-out CE {m['ce_before']:.4f} -> {m['ce_after']:.4f} ({m['ce_delta']:+.4f}) "
                   f"in {m['steps']} steps, {m['tokens']} tokens, {m['seconds']:.0f} s training "
                   f"({wall:.0f} s in all); schedule {m['schedule']}")
@@ -96,14 +96,16 @@ def main(argv=None) -> int:
         else:
             text = (ROOT / "normsurgery/data/sample.txt").read_text()
             steps = args.steps or 40  # llama-tiny has 26 removals to schedule
-            original = checkpoint.load(ROOT / path)
-            model, m, wall = run_pass(path, text, {"steps": steps, "batch_size": args.batch or 8,
+            original = checkpoint.load(path)
+            model, m, wall = trained_pass(path, "remove-ln", text, {"steps": steps, "batch_size": args.batch or 8,
                                                    "eval_samples": 2, "save_every": 0, "control": False})
             ids = torch.randint(0, original.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(0))
             t0, t1 = forward_seconds(original, ids), forward_seconds(model.eval(), ids)
             row = {"model": name, "forward_original_s": t0, "forward_norm_free_s": t1, "ratio": t1 / t0,
                    "train_tokens_per_second": m["tokens"] / m["seconds"], "steps": steps}
         results.append(row)
+    if args.quality and not args.no_control:
+        print_spread("remove-ln: held-out CE minus the control's", results, "gap_to_control", BOUND)
     if not args.quality:
         print(f"remove-ln speed, {args.threads} threads: forward of 8 x 128 tokens (median of 5), training loop")
         print(f"{'model':<12}{'original ms':>12}{'norm-free ms':>13}{'ratio':>7}{'train tokens/s':>16}")
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
             print(f"{r['model']:<12}{1e3 * r['forward_original_s']:>12.1f}{1e3 * r['forward_norm_free_s']:>13.1f}"
                   f"{r['ratio']:>7.2f}{r['train_tokens_per_second']:>16.0f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
     return 0
 
 

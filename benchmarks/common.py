@@ -116,3 +116,70 @@ def write_json(dest: str, data) -> None:
     """A benchmark's ``--json DEST``: ``data`` as JSON into the file DEST, or on stdout for "-"."""
     text = json.dumps(data, indent=1)
     print(text) if dest == "-" else Path(dest).write_text(text)
+
+
+#: the demo models the trained passes were developed on
+DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / "normsurgery/demo/llama-tiny"}
+
+
+def quality_models(names: str, held: str | None = None) -> list[tuple[str, str, Path]]:
+    """(label, family, folder) of each model a quality benchmark runs on: the demo models named in
+    ``names`` (comma-separated; a folder is taken as given, its family its folder's name), then
+    with ``held`` every held-back model of those families under it (``scripts/make_demo.py
+    --held-back HELD`` writes HELD/seedN/gpt2-tiny and HELD/seedN/llama-tiny)."""
+    models = [(name, Path(DEMOS.get(name, name)).name, Path(DEMOS.get(name, name))) for name in names.split(",")]
+    if held:
+        families = sorted({family for _, family, _ in models})
+        models += [(f"{d.name}/{family}", family, d / family) for d in sorted(Path(held).iterdir())
+                   for family in families if (d / family / "config.json").is_file()]
+    return models
+
+
+def spread(rows: list[dict], value: str, bound: float) -> list[dict]:
+    """Per family (each row's ``family``): how many models, the mean and the worst (largest) of
+    their ``value`` (a loss gap: larger is worse), and the models over ``bound``."""
+    out = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        got = [(r[value], r["model"]) for r in rows if r["family"] == family]
+        out.append({"family": family, "models": len(got), "mean": sum(v for v, _ in got) / len(got),
+                    "worst": max(got)[0], "worst_model": max(got)[1], "bound": bound,
+                    "over": [m for v, m in got if v > bound]})
+    return out
+
+
+def print_spread(title: str, rows: list[dict], value: str, bound: float) -> list[dict]:
+    """Print every row's ``value`` and each family's mean and worst against ``bound`` (see
+    :func:`spread`), with the load average; returns the spread."""
+    print(f"\n{title} (bound {bound:+.3f}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
+    for r in rows:
+        print(f"  {r['model']:<22}{r[value]:>+9.4f}  {'met' if r[value] <= bound else 'MISSED'}")
+    summary = spread(rows, value, bound)
+    for s in summary:
+        over = ", ".join(s["over"]) or "none"
+        print(f"  {s['family']:<11} {s['models']} models: mean {s['mean']:+.4f}, worst {s['worst']:+.4f} "
+              f"({s['worst_model']}); over the bound: {over}")
+    return summary
+
+
+def saved_rows(files: list[str]) -> list[dict]:
+    """The rows of earlier ``--json`` files of a benchmark (a list, or a dict holding ``rows``):
+    long quality runs are split over processes and summarized together."""
+    rows = []
+    for f in files:
+        data = json.loads(Path(f).read_text())
+        rows += data["rows"] if isinstance(data, dict) else data
+    return rows
+
+
+def trained_pass(path: Path, name: str, text: str, options: dict):
+    """The trained pass ``name`` with ``options`` on the model at ``path`` (in memory; TEXT its
+    training text, the pass holding out its last 10%): (model, the pass's metrics, wall seconds)."""
+    from normsurgery import checkpoint
+    from normsurgery.convert import apply_passes
+    from normsurgery.registry import PassContext
+
+    model = checkpoint.load(path)
+    ctx = PassContext(tokenizer=checkpoint.Source.open(path).tokenizer, text=text)
+    t = time.perf_counter()
+    [step] = apply_passes(model, [(name, options)], context=ctx)
+    return model, step.metrics, time.perf_counter() - t
