@@ -61,7 +61,7 @@ for name, module, description, kind, families, extra in [
      "stay as a per-channel affine map", {}),
     ("prepbn", "prepbn", "PRepBN: LayerNorm/RMSNorm to re-parameterised BatchNorm by progressive fine-tuning, then "
      "folded (bn-fold): no normalisation statistics at run time", "trained",
-     "Pre-LN and parallel decoders with LayerNorm or RMSNorm", {"options": PREPBN_OPTIONS}),
+     "Pre-LN and parallel decoders with LayerNorm or RMSNorm", {"options": PREPBN_OPTIONS, "check": True}),
     ("rotate", "rotate", "rotate the residual stream by an orthogonal Q (randomised Hadamard or random), folded "
      "into the writers and readers", "exact", "models whose stream norms are gain-free RMSNorms: Pre-LN and "
      "parallel models after pre-rmsnorm with fold=true, RMSNorm models after flashnorm",

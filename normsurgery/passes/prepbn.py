@@ -69,6 +69,16 @@ def schedule(steps: int, warmup: int, decay: int) -> tuple[int, int]:
     return warmup, decay
 
 
+def check(model, layout: Layout, options: dict) -> str | None:
+    """Before any weight is read (``model`` may be on the meta device): a λ schedule the step
+    budget cannot hold."""
+    try:
+        schedule(options["steps"], options["warmup"], options["decay"])
+    except SurgeryError as e:
+        return str(e)
+    return None
+
+
 def masked_tokens(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """x [..., C] as [N, C] rows, only where ``mask`` (the leading shape, bool) is true."""
     flat = x.reshape(-1, x.shape[-1])
