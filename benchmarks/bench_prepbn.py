@@ -73,10 +73,10 @@ def run(demo: str, path: Path, repeats: int, batch: int, seq: int) -> list[dict]
              "params": sum(p.numel() for p in m.parameters())} for name, m in models.items()]
 
 
-def quality(path: Path, name: str, family: str, text: str) -> dict:
-    """prepbn at its defaults with its control on ``text``: the row of the quality table."""
-    _, m, wall = trained_pass(path, "prepbn", text, {"control": True})
-    row = {"model": name, "family": family, "wall_seconds": wall, **{k: m[k] for k in (
+def quality(path: Path, name: str, family: str, text: str, options: dict) -> dict:
+    """prepbn with ``options`` (else its defaults) and its control on ``text``: the row of the quality table."""
+    _, m, wall = trained_pass(path, "prepbn", text, {**options, "control": True})
+    row = {"model": name, "family": family, "options": options, "wall_seconds": wall, **{k: m[k] for k in (
         "ce_before", "ce_after", "ce_control", "gap_to_control", "steps", "tokens", "seconds", "control_seconds")}}
     print(f"{name}: held-out CE {m['ce_before']:.4f} -> {m['ce_after']:.4f}, control {m['ce_control']:.4f}: "
           f"gap {m['gap_to_control']:+.4f} ({m['steps']} steps, {m['tokens']} tokens, {wall:.0f} s)", flush=True)
@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quality", metavar="TEXT", help="held-out CE against the control on TEXT (minutes per model)")
     ap.add_argument("--models", default=",".join(DEMOS), help="demo models or folders, comma-separated")
     ap.add_argument("--held", metavar="DIR", help="also every held-back model under DIR (with --quality)")
+    ap.add_argument("--steps", type=int, help="with --quality: the step budget (default: the pass's)")
+    ap.add_argument("--lr", type=float, help="with --quality: the learning rate (default: the pass's)")
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print the quality table of earlier --json files")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -102,7 +104,9 @@ def main(argv=None) -> int:
         return 0
     if args.quality:
         text = Path(args.quality).read_text()
-        rows = [quality(path, name, family, text) for name, family, path in quality_models(args.models, args.held)]
+        options = {k: v for k, v in (("steps", args.steps), ("lr", args.lr)) if v is not None}
+        rows = [quality(path, name, family, text, options)
+                for name, family, path in quality_models(args.models, args.held)]
         print_spread(title, rows, "gap_to_control", BOUND)
         if args.json:
             write_json(args.json, rows)
