@@ -93,7 +93,7 @@ def main() -> None:
                                 "train": args.train,
                                 "structure": args.structure and tuple(args.structure.split(","))}.items()
               if v is not None}
-    common.update(batch_size=8, seq_len=64, eval_samples=16)
+    common.update(batch_size=8, seq_len=64, eval_samples=16, control=False)  # one-shot runs as its own row
     text, text_name = training_text(args.text)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -150,6 +150,10 @@ def _done(record: dict) -> list[str]:
         rows += [f"  - cycle {c['cycle']}: masked {c['fraction']:.3f} of each structure ({c['heads_fraction']:.3f} "
                  f"of the KV-head groups), {c['params']:,} parameters; minimize's relative error "
                  f"{c['minimize_relative']:.2e}; {c['released']:,} zeros released" for c in cycles]
+        if sq.get("control"):
+            c = sq["control"]
+            rows.append(f"  - control: one-shot from the input (one cycle, {c['steps']} steps), {c['params']:,} "
+                        f"parameters, held-out CE {c['ce_after']:.4f} (squeeze {cycles[-1]['ce_after']:.4f})")
     if record.get("streaming"):
         rows.append("- rewritten one block at a time (streaming)")
     if record.get("kept_float32"):
@@ -194,8 +198,13 @@ def _trained(record: dict) -> list[str]:
     h = record.get("heal")
     if h and h.get("ce_before") is not None:
         rows.append(f"| heal | {h['ce_before']:.4f} | {h['ce_after']:.4f} | {h['tokens']} |")
-    for c in (record.get("squeeze") or {}).get("cycles") or []:
+    sq = record.get("squeeze") or {}
+    for c in sq.get("cycles") or []:
         rows.append(f"| squeeze cycle {c['cycle']} | {c['ce_released']:.4f} | {c['ce_after']:.4f} | {c['tokens']} |")
+    if sq.get("control"):
+        c, gap = sq["control"], sq["cycles"][-1]["ce_after"] - sq["control"]["ce_after"]
+        rows.append(f"| squeeze: one-shot from the input at the same target and tokens (control; squeeze is "
+                    f"{gap:+.4f} from it) | {c['ce_released']:.4f} | {c['ce_after']:.4f} | {c['tokens']} |")
     return rows
 
 

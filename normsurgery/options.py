@@ -130,6 +130,7 @@ class SqueezeOptions:
     seed: int = 0
     patience: int = 0  # a cycle's retraining stops once held-out CE went this many evaluations without improving
     eval_every: int = 25  # steps between those evaluations (with patience)
+    control: bool = True  # also one-shot from the input (one cycle, the cycles' steps in one retraining), beside
 
     def check(self) -> None:
         if self.target_bytes is not None:

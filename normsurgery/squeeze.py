@@ -20,6 +20,9 @@ mask -> minimize -> release -> retrain, each on the model the previous one left.
 - retrain: heal's loop (``train``: full | norms | lora, merged) for ``steps_per_cycle`` steps.
 
 ``cycles=1`` is one-shot: mask to the target, minimize, release, retrain with all the steps.
+With ``control`` (the default) and more than one cycle, one-shot also runs from the input after
+the cycles, at the same target with as many training steps as the cycles took together (the
+papers' comparison at equal size and tokens: :func:`one_shot`), and is reported beside.
 After each cycle the model and the records are kept in ``.OUT.squeeze-state`` beside OUT (the
 training state too, every ``save_every`` steps), so ``resume`` continues an interrupted run to
 the same result as an uninterrupted one.
@@ -31,7 +34,7 @@ import copy
 import hashlib
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -76,6 +79,7 @@ class Cycle:
     ce_after: float  # after retraining
     tokens: int
     seconds: float
+    steps: int = 0  # retraining steps run
 
 
 @dataclass
@@ -87,10 +91,12 @@ class SqueezeResult:
     saved: dict | None = None
     resumed_at: int | None = None  # the cycle a resumed run started in
     device: dict | None = None  # where it computed (devices.describe)
+    control: Cycle | None = None  # one-shot from the input at the same target and steps (:func:`one_shot`)
 
     def as_dict(self) -> dict:
         return {"original": self.original, "cycles": [asdict(c) for c in self.cycles], "options": self.options,
-                "seconds": self.seconds, "saved": self.saved, "resumed_at": self.resumed_at, "device": self.device}
+                "seconds": self.seconds, "saved": self.saved, "resumed_at": self.resumed_at, "device": self.device,
+                "control": self.control and asdict(self.control)}
 
 
 def mask_options(model, fraction: float, opts: SqueezeOptions, heads: float | None = None) -> dict:
@@ -160,7 +166,7 @@ def state_dir(out) -> Path:
 
 
 def _fingerprint(opts: SqueezeOptions, train_ids: torch.Tensor, held: torch.Tensor) -> str:
-    text = repr(sorted({k: v for k, v in asdict(opts).items() if k != "save_every"}.items()))
+    text = repr(sorted({k: v for k, v in asdict(opts).items() if k not in ("save_every", "control")}.items()))
     data = train_ids.cpu().numpy().tobytes() + held.cpu().numpy().tobytes()
     return hashlib.sha256(text.encode() + data).hexdigest()[:16]
 
@@ -226,12 +232,28 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
             eval_every=heal.eval_every)
         params = parameters(model)
         cycles.append(Cycle(c, fraction, heads, params, params * storage_bytes, check.relative, check.tolerance,
-                            released, ce_masked, report.ce_before, report.ce_after, report.tokens, report.seconds))
+                            released, ce_masked, report.ce_before, report.ce_after, report.tokens, report.seconds,
+                            report.steps))
         if state is not None and is_main_process():
             _keep(state, {"fingerprint": fingerprint, "model": model, "original": original,
                           "cycles": [asdict(x) for x in cycles]})
     progress("squeeze", opts.cycles, opts.cycles, "done")
     return model, SqueezeResult(original, cycles, asdict(opts), time.perf_counter() - t0, resumed_at=resumed)
+
+
+def one_shot(model, cycles: list[Cycle], train_ids: torch.Tensor, held: torch.Tensor, opts: SqueezeOptions,
+             progress: Progress = no_progress, **kw) -> Cycle:
+    """The control of a squeeze that ran ``cycles``: ``model`` (the input) masked to the same
+    target at once, minimized, released and retrained for as many steps as the cycles took
+    together (every step: no patience), same seed and options. Its one :class:`Cycle`."""
+    steps = sum(c.steps for c in cycles)
+    once = replace(opts, cycles=1, steps_per_cycle=steps, patience=0, control=False)
+
+    def step(task, done, total, message=""):
+        progress("one-shot", done, total, f"the control, {message.removeprefix('cycle 1: ')}")
+
+    _, result = squeeze_model(model, train_ids, held, once, progress=step, **kw)
+    return result.cycles[0]
 
 
 def _keep(state: Path, data: dict) -> None:
@@ -264,12 +286,15 @@ def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
     model = job.load()
     require_lm(model)
     state = state_dir(out)
-    model, result = squeeze_model(model, train_ids, held, opts, storage_bytes=job.source.storage.itemsize,
-                                  mask_token_id=getattr(job.source.tokenizer, "mask_token_id", None), state=state,
-                                  resume=resume, accelerator=acc, progress=progress)
+    same = {"storage_bytes": job.source.storage.itemsize, "accelerator": acc,
+            "mask_token_id": getattr(job.source.tokenizer, "mask_token_id", None)}
+    model, result = squeeze_model(model, train_ids, held, opts, state=state, resume=resume, progress=progress, **same)
+    if opts.control and opts.cycles > 1:
+        result.control = one_shot(job.load(), result.cycles, train_ids, held, opts, progress, **same)
     result.device = devices.describe(job.device)
     record = job.record(squeeze={"options": result.options, "original": result.original,
-                                 "cycles": [asdict(c) for c in result.cycles]})
+                                 "cycles": [asdict(c) for c in result.cycles],
+                                 "control": result.control and asdict(result.control)})
     result.saved = job.save(model, record, held[:4])
     if job.main:
         shutil.rmtree(state, ignore_errors=True)

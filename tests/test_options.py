@@ -72,7 +72,9 @@ def test_the_help_states_the_apis_defaults_and_choices(command):
         if d is not None and name != "precision":  # --precision: devices.PRECISION_HELP, checked below
             assert stated, (command, name, p.help)
             shown = stated.group(1).strip()
-            if isinstance(d, tuple):
+            if isinstance(d, bool):
+                assert shown == ("on" if d else "off"), (command, name, shown, d)
+            elif isinstance(d, tuple):
                 assert tuple(shown.split(",")) == d, (command, name, shown, d)
             elif isinstance(d, (int, float)):
                 assert float(shown) == d, (command, name, shown, d)

@@ -7,6 +7,7 @@ release against the tensor it was given; resume against an uninterrupted run, fi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -183,6 +184,13 @@ def test_squeeze_command(tmp_path):
     card = (out / "README.md").read_text()
     assert "- squeeze" in card and "**squeeze**: 2 cycles" in card and "no pass" not in card
     assert f"| squeeze cycle 2 | {data['cycles'][1]['ce_released']:.4f} | {data['cycles'][1]['ce_after']:.4f} |" in card
+    # the control: one-shot from the input at the same target and tokens, in --json, the record and the card
+    control = data["control"]
+    assert control["steps"] == 4 and control["tokens"] == sum(c["tokens"] for c in data["cycles"])
+    assert control["params"] <= 0.7 * data["original"]["params"] and record["control"] == control
+    gap = data["cycles"][-1]["ce_after"] - control["ce_after"]
+    assert f"one-shot from the input at the same target and tokens (control; squeeze is {gap:+.4f}" in card
+    assert f"held-out CE {control['ce_after']:.4f}" in card
     r = runner.invoke(app, ["squeeze", DEMO, str(tmp_path / "bytes"), "--text", SAMPLE, "--target-bytes", "5000000",
                             "--cycles", "1", "--steps-per-cycle", "1", "--batch-size", "2", "--seq-len", "16",
                             "--eval-samples", "2", "--json"], env={"COLUMNS": "80"})
@@ -196,6 +204,25 @@ def test_squeeze_command(tmp_path):
     for figure in (f"{cycle['ce_masked']:.4f}", f"{cycle['ce_after']:.4f}", f"{cycle['minimize_relative']:.2e}"):
         assert figure in r.stdout, (figure, r.stdout)  # the table cuts no number at 80 columns
     assert sum(f.stat().st_size for f in (tmp_path / "bytes").glob("*.safetensors")) <= 5_000_000 + 20_000
+
+
+def test_the_control_is_one_shot_at_the_same_target_and_steps(tmp_path):
+    """The control squeeze reports equals a one-cycle squeeze run by itself with every cycle's
+    steps (same seed): the papers' comparison at equal size and tokens; --no-control and one
+    cycle run none."""
+    text, held = open(SAMPLE).read()[:20000], open(HELD).read()[:4000]
+    opts = {"target": 0.6, "cycles": 2, "steps_per_cycle": 3, **SMALL}
+    squeezed = ns.squeeze(DEMO, tmp_path / "squeezed", text, eval_text=held, options=opts)
+    alone = ns.squeeze(DEMO, tmp_path / "alone", text, eval_text=held,
+                       options={**opts, "cycles": 1, "steps_per_cycle": 6})
+    assert alone.control is None and squeezed.control.steps == 6
+    same = [{**dataclasses.asdict(c), "seconds": 0} for c in (squeezed.control, alone.cycles[0])]
+    assert same[0] == same[1]  # every figure but the wall time
+    assert squeezed.cycles[-1].ce_after != squeezed.control.ce_after
+    r = run("squeeze", DEMO, tmp_path / "none", "--text", SAMPLE, "--eval-text", HELD, "--target", "0.6", "--cycles",
+            "2", "--steps-per-cycle", "1", "--batch-size", "2", "--seq-len", "16", "--eval-samples", "2",
+            "--no-control", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["control"] is None, r.output
 
 
 @pytest.mark.parametrize("args, message", [

@@ -306,12 +306,18 @@ def squeeze_table(result) -> Table:
         masked = units if heads == units else f"{units}/{heads}"
         rows.append((str(c.cycle), masked, human(c.params), human(c.bytes, "B"),
                      fmt(c.minimize_relative), human(c.released), f"{c.ce_masked:.4f}", f"{c.ce_after:.4f}"))
+    if result.control:
+        c = result.control
+        rows.append(("one-shot", f"{c.fraction:.2f}", human(c.params), human(c.bytes, "B"), fmt(c.minimize_relative),
+                     human(c.released), f"{c.ce_masked:.4f}", f"{c.ce_after:.4f}"))
     t = table("squeeze: one row per cycle (held-out CE never trained on)",
               ("cycle", "masked", "params", "bytes", "min. err", "released", "CE min.", "CE after"), rows,
               right=tuple(range(1, 8)))
     t.caption = Text("masked: the fraction of each structure masked (/ of the KV-head groups, where other); "
                      "min. err: minimize's relative error against the masked model; released: zeros given back "
-                     "to training; CE min.: once minimized, before retraining")
+                     "to training; CE min.: once minimized, before retraining"
+                     + ("; one-shot: the control, the input masked to the target at once and retrained with "
+                        "the cycles' steps" if result.control else ""))
     return t
 
 

@@ -62,6 +62,9 @@ def squeeze(
                                            "step)"),
     eval_every: Optional[int] = typer.Option(None, min=1, metavar="S", help="with --patience: steps between "
                                              f"evaluations (default {S.eval_every})"),
+    control: Optional[bool] = typer.Option(None, "--control/--no-control", help="also one-shot from the input at "
+                                           "the same target and training steps, reported beside (default "
+                                           f"{'on' if S.control else 'off'}; not with --cycles 1)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its kept state"),
     plot: Optional[Path] = typer.Option(None, metavar="PNG", help="also draw size vs held-out CE per cycle"),
     force: bool = FORCE,
@@ -76,7 +79,7 @@ def squeeze(
              "structure": parts, "by": by, "sparsity": sparsity, "release_scale": release_scale, "train": train,
              "lr": lr, "batch_size": batch_size, "seq_len": seq_len, "eval_fraction": eval_fraction,
              "eval_samples": eval_samples, "precision": precision, "seed": seed, "save_every": save_every,
-             "patience": patience, "eval_every": eval_every}
+             "patience": patience, "eval_every": eval_every, "control": control}
     options = {k: v for k, v in given.items() if v is not None}
     if target_bytes is not None:
         options["target"] = None
@@ -112,5 +115,9 @@ def squeeze(
     say(f"squeezed{resumed}: {last.params:,} of {o['params']:,} parameters ({last.params / o['params']:.1%}), "
         f"held-out CE {o['ce']:.4f} -> {last.ce_after:.4f} ({last.ce_after - o['ce']:+.4f}) in {result.seconds:.0f} s, "
         f"{sum(c.tokens for c in result.cycles):,} training tokens")
+    if result.control:
+        c = result.control
+        say(f"one-shot at the same target and tokens (the control): {c.params:,} parameters, held-out CE "
+            f"{c.ce_after:.4f}; squeeze is {last.ce_after - c.ce_after:+.4f} from it")
     say_device(result.device)
     say(f"saved {result.saved['path']}: {loads_with(result.saved)}" + (f"; plot {plot}" if plot else ""))
