@@ -216,7 +216,21 @@ def test_cli_options_reach_the_pass(tmp_path):
     assert m["ce_control"] != m["ce_before"]  # it trained
     held = config["normsurgery"]["passes"][0]["heldout"]
     assert held["ce_control"] == m["ce_control"]
-    assert "remove-ln: the vanilla fine-tune at the same budget" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "remove-ln: the vanilla fine-tune at the same budget" in card
+    # the schedule as it ran: stages in order, back to back, the last ending at the last step, each
+    # with the held-out CE of its last evaluation
+    stages = m["stages"]
+    assert [s["stage"] for s in stages] == ["live", "mlp", "qk", "final", "position 0"]  # GPT-2: q, k, v fused
+    assert stages[0]["from"] == 0 and stages[-1]["to"] == 12
+    assert all(a["to"] + 1 == b["from"] for a, b in zip(stages, stages[1:]))
+    last = {}
+    for row in m["curve"][1:]:
+        last[row["stage"]] = row["heldout_ce"]
+    assert [s["heldout_ce"] for s in stages if s["heldout_ce"] is not None] == [last[s["stage"]] for s in stages
+                                                                                  if s["stage"] in last]
+    assert stages[-1]["heldout_ce"] == m["ce_after"]
+    assert "stages as run (steps: held-out CE at the stage's last evaluation): live 0-" in card
 
 
 def test_saved_line_names_the_trained_model_and_the_difference_to_the_input(tmp_path):

@@ -245,6 +245,22 @@ def _auto_schedule(n_removals: int, steps: int, start: int, gap: int, final_gap:
     return start, gap, final_gap
 
 
+def stages_run(events, curve: list[dict], steps: int) -> list[dict]:
+    """The schedule as it ran: each stage in order ("live" first: every norm still computing) with
+    the steps it held, [from, to], and the held-out CE at its last evaluation (``curve``: the
+    training's evaluations, each labelled with the stage of its step; ``steps``: how many ran)."""
+    starts = {"live": 0}
+    for step, stage, _ in events:
+        starts.setdefault(stage, step)
+    order = [s for s in starts if starts[s] < steps]
+    out = []
+    for i, stage in enumerate(order):
+        end = starts[order[i + 1]] - 1 if i + 1 < len(order) else steps
+        ces = [row["heldout_ce"] for row in curve[1:] if row.get("stage", "live") == stage]
+        out.append({"stage": stage, "from": starts[stage], "to": end, "heldout_ce": ces[-1] if ces else None})
+    return out
+
+
 def freeze_until(norms: list[RemovableNorm], events, step: int) -> dict:
     """Apply every removal scheduled at or before ``step`` (idempotent: a resumed run calls it
     at its first step only)."""
@@ -437,6 +453,10 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                             f"{report.metrics['fold_error_float32']:.1e} in float32)")
     report.notes.append(f"{result.done()}: held-out CE "
                         f"{result.ce_before:.4f} -> {result.ce_after:.4f} ({result.ce_after - result.ce_before:+.4f})")
+    report.metrics["stages"] = stages_run(events, result.curve, result.steps)
+    report.notes.append("stages as run (steps: held-out CE at the stage's last evaluation): " + "; ".join(
+        f"{s['stage']} {s['from']}-{s['to']}" + ("" if s["heldout_ce"] is None else f": {s['heldout_ce']:.4f}")
+        for s in report.metrics["stages"]))
     if original is not None:
         control_report(report, vanilla_control(ctx, original, train_ids, held, config, "causal-lm"))
     return report
