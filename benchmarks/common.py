@@ -124,10 +124,12 @@ DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / 
 
 def quality_models(names: str, held: str | None = None) -> list[tuple[str, str, Path]]:
     """(label, family, folder) of each model a quality benchmark runs on: the demo models named in
-    ``names`` (comma-separated; a folder is taken as given, its family its folder's name), then
+    ``names`` (comma-separated; a folder is taken as given, labelled by its last two parts, its
+    family its folder's name), then
     with ``held`` every held-back model of those families under it (``scripts/make_demo.py
     --held-back HELD`` writes HELD/seedN/gpt2-tiny and HELD/seedN/llama-tiny)."""
-    models = [(name, Path(DEMOS.get(name, name)).name, Path(DEMOS.get(name, name))) for name in names.split(",")]
+    models = [(name if name in DEMOS else "/".join(Path(name).parts[-2:]), Path(DEMOS.get(name, name)).name,
+               Path(DEMOS.get(name, name))) for name in names.split(",")]
     if held:
         families = sorted({family for _, family, _ in models})
         models += [(f"{d.name}/{family}", family, d / family) for d in sorted(Path(held).iterdir())
