@@ -246,7 +246,7 @@ def one_shot(model, cycles: list[Cycle], train_ids: torch.Tensor, held: torch.Te
     """The control of a squeeze that ran ``cycles``: ``model`` (the input) masked to the same
     target at once, minimized, released and retrained for as many steps as the cycles took
     together (every step: no patience), same seed and options. Its one :class:`Cycle`."""
-    steps = sum(c.steps for c in cycles)
+    steps = sum(c.steps for c in cycles) or opts.cycles * opts.steps_per_cycle  # (a state from before steps were kept)
     once = replace(opts, cycles=1, steps_per_cycle=steps, patience=0, control=False)
 
     def step(task, done, total, message=""):
