@@ -8,8 +8,9 @@
 What follows from the choice, everywhere: a checkpoint's parts are read into host memory and
 moved to the device as they are entered (``checkpoint.Loader``), so the rewrites, the checks'
 forward passes and training compute there; a tensor is written from a host copy
-(``shards.ShardWriter``); training moves the model to its device and gives it back where it
-found it (``training.train``). Other code follows the model (:func:`of`) or its inputs.
+(``shards.ShardWriter``); training runs on :func:`make_accelerator`'s device and precision,
+moving the model there and giving it back where it found it (``training.train``), its random
+state kept per device (:func:`rng_state`). Other code follows the model (:func:`of`) or its inputs.
 
 Checks on a GPU compute in IEEE float32 and float64: TF32 matrix products (10 bits of mantissa)
 would round about 1e-3 relative, far above a float32 check's 1e-5, so :func:`choose` turns TF32
@@ -30,7 +31,7 @@ SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
 HELP = "where to compute: auto (the first GPU torch sees, else the CPU), cpu, cuda or cuda:N"
 
 #: training precision, ``--precision`` -> accelerate's ``mixed_precision`` ("auto": bf16 autocast
-#: on a GPU that supports it, float32 elsewhere; ``training.mixed_precision``); "no" is fp32's old name
+#: on a GPU that supports it, float32 elsewhere; :func:`mixed_precision`); "no" is fp32's old name
 PRECISIONS = {"auto": "auto", "fp32": "no", "bf16": "bf16", "fp16": "fp16", "no": "no"}
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
 PRECISION_HELP = "training precision: auto (bf16 autocast on a GPU that has it, else fp32) | fp32 | bf16 | fp16"
@@ -100,6 +101,41 @@ def mixed_precision(precision: str, device) -> str:
     if precision == "auto":
         return "bf16" if is_gpu(device) and torch.cuda.is_bf16_supported() else "no"
     return PRECISIONS[precision]
+
+
+def make_accelerator(precision: str = "auto", device="cpu"):
+    """The training processes' Accelerator on ``device`` (:func:`choose`: a GPU is the current
+    CUDA device) with ``precision`` (:func:`mixed_precision`). On the CPU it asks for the CPU, so
+    ``torchrun`` processes join one gloo group."""
+    import torch
+    from accelerate import Accelerator
+
+    device = torch.device(device)
+    mixed = mixed_precision(precision, device)
+    try:
+        acc = Accelerator(mixed_precision=mixed, cpu=not is_gpu(device))
+        exact_arithmetic()  # accelerate turns TF32 on with a dynamo backend: the checks that follow need it off
+        return acc
+    except ValueError as e:  # accelerate's state is per process: its precision is fixed once set
+        raise SurgeryError(str(e)) from None
+
+
+def rng_state() -> dict:
+    """The random generators' states for a training state file: the CPU's, and every GPU's
+    where torch sees one (``rng``, ``cuda_rng``)."""
+    import torch
+
+    return {"rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def restore_rng(state: dict) -> None:
+    """The generators as :func:`rng_state` kept them (the GPUs' where both runs have them)."""
+    import torch
+
+    torch.set_rng_state(state["rng"])
+    if torch.cuda.is_available() and state.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
 def describe(device) -> dict:

@@ -33,7 +33,6 @@ from .checkpoint import Source
 from .errors import SurgeryError
 from .output import check_output
 from .pipeline import Work, save
-from .training import make_accelerator
 from .version import __version__
 
 
@@ -75,7 +74,7 @@ class Job:
 
     def make_accelerator(self, precision: str):
         """The accelerator of the training processes, on the job's device."""
-        self.accelerator = make_accelerator(precision, self.device)
+        self.accelerator = devices.make_accelerator(precision, self.device)
         return self.accelerator
 
     @property

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import devices
-from .devices import mixed_precision  # noqa: F401  (the API's name)
+from .devices import make_accelerator, mixed_precision  # noqa: F401  (the API's names)
 from .errors import SurgeryError
 from .families import layout, stock_class_of
 from .layout import LM_OBJECTIVES
@@ -142,22 +142,6 @@ def is_main_process() -> bool:
     """False in every process but the first of a distributed group."""
     return not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
         or torch.distributed.get_rank() == 0
-
-
-def make_accelerator(precision: str = "auto", device: torch.device | str = "cpu"):
-    """An Accelerator on ``device`` (``devices.choose``: a GPU is the current CUDA device) with
-    ``precision`` (:func:`mixed_precision`). On the CPU it asks for the CPU, so ``torchrun``
-    processes join one gloo group."""
-    from accelerate import Accelerator
-
-    device = torch.device(device)
-    mixed = mixed_precision(precision, device)
-    try:
-        acc = Accelerator(mixed_precision=mixed, cpu=not devices.is_gpu(device))
-        devices.exact_arithmetic()  # accelerate turns TF32 on with a dynamo backend: the checks that follow need it off
-        return acc
-    except ValueError as e:  # accelerate's state is per process: its precision is fixed once set
-        raise SurgeryError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- data and loss
@@ -351,9 +335,7 @@ def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, 
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        if torch.cuda.is_available() and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        devices.restore_rng(state)
         start = resumed = state["step"]
         losses, curve, ce_before = state["losses"], state["curve"], state["ce_before"]
     else:
@@ -401,8 +383,7 @@ def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, 
                 _save_state(state_path, {
                     "fingerprint": fingerprint, "step": done, "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                    **devices.rng_state(),
                     "losses": losses, "curve": curve, "ce_before": ce_before})
             acc.wait_for_everyone()
         if main and progress:
