@@ -50,7 +50,7 @@ from transformers.initialization import no_init_weights
 from . import devices, memory, runtime
 from .errors import SurgeryError, SurgeryWarning
 from .families import AUTO_CLASS, Head, class_name, family, head_of, positions, stock_class_of
-from .output import WEIGHT_SUFFIXES
+from .output import WEIGHT_SUFFIXES, copied_folders
 from .shards import Index, Reader, inside
 
 RUNTIME_FILE = "modeling_normsurgery.py"
@@ -644,7 +644,8 @@ def stamp(model, record: dict | None) -> list[dict]:
 
 def finish(folder: Path, records: list[dict], source: Source | None = None) -> None:
     """The runtime beside the weights when modules were rebuilt; the source's side files
-    (tokenizer, generation config, ...: every file but the config, the weights and ours)."""
+    (tokenizer, generation config, ...: every file but the config, the weights and ours) and the
+    subfolders ``output.copied_folders`` names (sentence-transformers modules), as they are."""
     if records:
         shutil.copyfile(runtime.__file__, folder / RUNTIME_FILE)
     if source is not None:
@@ -652,6 +653,8 @@ def finish(folder: Path, records: list[dict], source: Source | None = None) -> N
             if f.is_file() and f.name not in NOT_COPIED and not f.name.startswith(".") \
                     and not f.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(f, folder / f.name)
+        for f in copied_folders(source.path):
+            shutil.copytree(f, folder / f.name)
 
 
 def mark_not_stock(model, records: list[dict], folder: Path) -> None:

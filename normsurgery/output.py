@@ -4,13 +4,16 @@ A run fills a temporary sibling folder ``.OUT.tmp-PID`` (:func:`writing`) that r
 one rename once everything is written and checked; on any error, Ctrl-C or SIGTERM it is removed
 and ``OUT`` is as it was. Before any work, an output that would lose data is refused
 (:func:`check_output`), what killed runs left beside it is cleared (:func:`remove_stale`), and the
-output path is locked against a second run writing it (:func:`output_lock`).
+output path is locked against a second run writing it (:func:`output_lock`). Every output moved
+into place is recorded (:data:`REPLACED`), so an interrupt after that is never reported as having
+written nothing.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -32,6 +35,12 @@ CHECKPOINT_FILES = {"config.json", "generation_config.json", "README.md", "READM
                     "modeling_normsurgery.py", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
                     "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json"}
+#: the model card a run writes (``modelcard.py``): ``--force`` replaces it only when it is ours
+CARD = "README.md"
+#: the line in the YAML header of every card normsurgery writes (its tags)
+CARD_TAG = "- normsurgery"
+#: every output this process moved into place (:func:`_replace`), in order
+REPLACED: list[Path] = []
 
 
 @dataclass
@@ -110,8 +119,9 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> list[str
 
 def _not_a_checkpoint(folder: Path, source: Path | None = None) -> str | None:
     """Why ``--force`` may not replace ``folder`` (None: an empty folder, or a checkpoint holding
-    only what a run writes: CHECKPOINT_FOLDERS, CHECKPOINT_FILES, weights, and files the input
-    ``source`` also holds)."""
+    only what a run writes: CHECKPOINT_FOLDERS and the input ``source``'s folders a run copies
+    (:func:`copied_folders`), CHECKPOINT_FILES, weights, files ``source`` also holds, and a
+    README.md that is a card of ours (:func:`_our_card`))."""
     entries = list(folder.iterdir())
     if not entries:
         return None
@@ -119,16 +129,50 @@ def _not_a_checkpoint(folder: Path, source: Path | None = None) -> str | None:
         return "has no config.json (it is not a checkpoint)"
     if not any(f.is_file() and f.name.endswith(WEIGHT_SUFFIXES) for f in entries):
         return "holds no weights (it is not a checkpoint)"
-    other = sorted(f.name for f in entries if f.is_dir() and f.name not in CHECKPOINT_FOLDERS)
+    copied = {f.name for f in copied_folders(Path(source))} if source is not None else set()
+    other = sorted(f.name for f in entries if f.is_dir() and f.name not in CHECKPOINT_FOLDERS | copied)
     if other:
         return f"holds folders a checkpoint does not have ({', '.join(other[:3])})"
-    copied = {f.name for f in Path(source).iterdir() if f.is_file()} if source is not None else set()
+    if (folder / CARD).exists() and not _our_card(folder / CARD):
+        return f"holds a {CARD} normsurgery did not write, which it would delete"
+    copied = {f.name for f in Path(source).iterdir() if f.is_file()} - {CARD} if source is not None else set()
     other = sorted(f.name for f in entries if not f.is_dir() and f.name not in CHECKPOINT_FILES | copied
                    and not f.name.endswith(WEIGHT_SUFFIXES))
     if other:
         more = f" and {len(other) - 5} more" if len(other) > 5 else ""
         return f"holds files normsurgery did not write, which it would delete ({', '.join(other[:5])}{more})"
     return None
+
+
+def _our_card(card: Path) -> bool:
+    """Whether ``card`` is a model card normsurgery wrote: its YAML header tags it ``normsurgery``."""
+    try:
+        text = card.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    head, sep, _ = text.removeprefix("---\n").partition("\n---\n")
+    return text.startswith("---\n") and bool(sep) and CARD_TAG in head.splitlines()
+
+
+def copied_folders(source: Path) -> list[Path]:
+    """The input ``source``'s subfolders a run copies beside its weights (``checkpoint.finish``):
+    those holding no weights (a sentence-transformers ``1_Pooling/``), and those its
+    ``modules.json`` names (a module with its own weights, ``2_Dense/``, which a rewrite of the
+    transformer leaves as they are); never hidden ones, nor other copies of the input's weights
+    (``onnx/``, ``original/``, ``checkpoint-N/``), which the rewrite would leave stale."""
+    modules = _module_folders(source)
+    return [f for f in sorted(source.iterdir()) if f.is_dir() and not f.name.startswith(".")
+            and (f.name in modules or not any(w.name.endswith(WEIGHT_SUFFIXES) for w in f.rglob("*")))]
+
+
+def _module_folders(source: Path) -> set[str]:
+    """The folders ``source/modules.json`` (sentence-transformers) names as modules."""
+    try:
+        modules = json.loads((source / "modules.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return set()
+    paths = [m.get("path") for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
+    return {Path(p).parts[0] for p in paths if isinstance(p, str) and Path(p).parts}
 
 
 def _check_writable(folder: Path) -> None:
@@ -234,8 +278,9 @@ def _lock(path: Path, out) -> int:
 
 def _replace(tmp: Path, out: Path) -> None:
     """Move ``tmp`` to ``out``; an old ``out`` is only removed once the new one is in place.
-    Ctrl-C and SIGTERM wait for the two renames; a SIGKILL between them leaves the previous
-    output as ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`)."""
+    Ctrl-C and SIGTERM wait for the two renames and for ``out`` to be recorded in :data:`REPLACED`;
+    a SIGKILL between them leaves the previous output as ``.OUT.old-PID``, which the next run puts
+    back (:func:`remove_stale`)."""
     old = None
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
@@ -243,6 +288,7 @@ def _replace(tmp: Path, out: Path) -> None:
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
         tmp.rename(out)
+        REPLACED.append(out)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if old is not None:

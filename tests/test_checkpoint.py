@@ -256,3 +256,44 @@ def test_a_missing_folder_is_not_sent_to_hf_download(tmp_path):
     assert "hf download" not in str(e.value)
     with pytest.raises(SurgeryError, match="hf download someone/no-such-model-28"):
         resolve("someone/no-such-model-28")
+
+
+def sentence_transformers_folder(tmp_path) -> Path:
+    """The demo GPT-2 laid out as sentence-transformers saves a model: ``modules.json`` naming the
+    transformer (the folder itself), a pooling module (a folder of config only) and a dense module
+    with its own weights; and an ``onnx/`` folder holding a copy of the model's weights."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "st"
+    shutil.copytree(GPT2, src)
+    (src / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 64, "pooling_mode_mean_tokens": true}')
+    (src / "2_Dense").mkdir()
+    (src / "2_Dense" / "config.json").write_text('{"in_features": 64, "out_features": 8}')
+    save_file({"linear.weight": torch.ones(8, 64)}, src / "2_Dense" / "model.safetensors")
+    (src / "onnx").mkdir()
+    (src / "onnx" / "model.onnx").write_bytes(b"a stale copy of the input's weights")
+    return src
+
+
+def test_sentence_transformers_modules_are_copied_as_they_are(tmp_path):
+    """Issue 34, finding 3: the module folders modules.json names were left behind (1_Pooling/), so
+    SentenceTransformer(OUT) failed. Copied, the dense module's own weights too; a folder holding
+    another copy of the input's weights is not; the output's copied folders do not stop --force."""
+    src, out = sentence_transformers_folder(tmp_path), tmp_path / "out"
+    ns.convert(src, out, [("flashnorm", {})], verify=False)
+    for module in ("1_Pooling", "2_Dense"):
+        assert _digest(out / module) == _digest(src / module)
+    assert (out / "modules.json").read_text() == (src / "modules.json").read_text()
+    assert not (out / "onnx").exists()
+    ns.convert(src, out, [("flashnorm", {})], verify=False, force=True)
+    assert _digest(out / "2_Dense") == _digest(src / "2_Dense")
+
+
+def _digest(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -15,6 +15,7 @@ import normsurgery as ns
 from normsurgery.cli import app
 from normsurgery.export import GRAPH, run_graph
 from normsurgery.parity import compare, outputs, output_kind, probe_ids
+from test_checkpoint import sentence_transformers_folder
 from test_heads import make
 from test_remove_ln import frozen_model
 from normsurgery.passes import remove_ln as R
@@ -118,6 +119,15 @@ def test_force_replaces_an_export(tmp_path):
     assert ns.export(GPT2, tmp_path / "onnx").parity.ok
     assert run("export", GPT2, tmp_path / "onnx", "--to", "onnx").exit_code == 1
     assert run("export", GPT2, tmp_path / "onnx", "--to", "onnx", "--force").exit_code == 0
+
+
+def test_sentence_transformers_modules_go_with_the_export(tmp_path):
+    """Issue 34, finding 3: export copied modules.json but not the module folders it names."""
+    src = sentence_transformers_folder(tmp_path)
+    assert ns.export(src, tmp_path / "onnx").parity.ok
+    for f in ("modules.json", "1_Pooling/config.json", "2_Dense/config.json", "2_Dense/model.safetensors"):
+        assert (tmp_path / "onnx" / f).read_bytes() == (src / f).read_bytes()
+    assert (tmp_path / "onnx" / GRAPH).read_bytes() != (src / "onnx" / GRAPH).read_bytes()  # ours, not the stale copy
 
 
 @pytest.mark.parametrize("src", [LLAMA, GPT2])

@@ -92,6 +92,20 @@ def test_force_refuses_a_checkpoint_holding_files_it_did_not_write(tmp_path):
     assert r.exit_code == 0, r.output
 
 
+def test_force_keeps_a_readme_normsurgery_did_not_write(tmp_path):
+    """Issue 34, finding 4: --force replaced a hand-written README.md inside an existing output
+    without a word. Refused, naming it; the card a run wrote (tagged normsurgery) is replaced."""
+    out = tmp_path / "out"
+    assert run("convert", GPT2, out, "--pass", "flashnorm", "--no-verify").exit_code == 0
+    ours = (out / "README.md").read_text()
+    (out / "README.md").write_text("# My notes on this model\n\nEvaluated on our data: see below.\n")
+    before = digest(out)
+    one_line_error(run("convert", GPT2, out, "--pass", "flashnorm", "--no-verify", "--force"),
+                   match="holds a README.md normsurgery did not write, which it would delete")
+    assert digest(out) == before
+    (out / "README.md").write_text(ours)
+    assert run("convert", GPT2, out, "--pass", "flashnorm", "--no-verify", "--force").exit_code == 0
+
 def test_output_inside_the_input_is_refused(tmp_path):
     src = tmp_path / "in"
     shutil.copytree(GPT2, src)
