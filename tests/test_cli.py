@@ -351,3 +351,22 @@ def test_dead_units_table_fits_80_columns():
     header = " ".join(line for line in text.split("─")[0].splitlines() if "dead units" not in line).split()
     assert "channels" in header and "unwritten" in header and "removable" in header, text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_a_failure_with_json_prints_an_error_object(tmp_path, monkeypatch):
+    """Issue 34, finding 11: with --json a failed command printed nothing on stdout. Scripts get
+    {"ok": false, "error": ..., "exit_code": N} there, the exit code and the stderr line as before."""
+    from normsurgery import passes, registry  # noqa: F401  (the built-in passes)
+
+    def failure(*args) -> int:
+        r = run(*args, "--json")
+        assert json.loads(r.stdout) == {"ok": False, "error": r.stderr.strip().removeprefix("error: "),
+                                        "exit_code": r.exit_code}, r.output
+        assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+        return r.exit_code
+
+    assert failure("convert", tmp_path / "nope", tmp_path / "out", "--pass", "flashnorm") == 1
+    assert failure("verify", GPT2, tmp_path / "nope") == 1
+    assert failure("convert", GPT2, tmp_path / "out", "--pass", "nonsense") == 2
+    monkeypatch.setattr(registry, "all_passes", lambda: 1 / 0)
+    assert failure("passes") == 3

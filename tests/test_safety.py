@@ -125,31 +125,36 @@ def test_output_holding_the_current_folder_is_refused(tmp_path, monkeypatch):
 
 # ---- data safety 3 and hardening: signals, SIGKILL, stale folders, concurrent writers ----
 
-SLOW_SAVE = """import os, sys, time
-from normsurgery import shards
+SLOW_SAVE = """import importlib, os, sys, time
 from normsurgery.cli import main
-close = shards.ShardWriter.close
-def slow(writer):
-    names = close(writer)
+module, name = os.environ["NS_WAIT_AFTER"].split(":")
+owner, _, name = name.rpartition(".")
+owner = getattr(importlib.import_module(module), owner) if owner else importlib.import_module(module)
+done = getattr(owner, name)
+def slow(*args):
+    value = done(*args)
     open(os.environ["NS_READY"], "w").close()
     for _ in range(600):
         if os.path.exists(os.environ["NS_GO"]):
             break
         time.sleep(0.1)
-    return names
-shards.ShardWriter.close = slow
+    return value
+setattr(owner, name, slow)
 sys.argv = ["normsurgery", *sys.argv[1:]]
 main()
 """
 
 
-def slow_convert(tmp_path, out, *extra):
-    """A convert whose save waits (after writing the weights) until ``tmp_path/go`` exists."""
+def slow_convert(tmp_path, out, *extra, wait_after="normsurgery.shards:ShardWriter.close"):
+    """A convert whose save waits after ``wait_after`` (module:function; default: once the weights
+    are written) until ``tmp_path/go`` exists. Ctrl-C acts as from a terminal (see
+    :func:`test_ctrl_c_during_start_up_is_one_line`)."""
     env = {**os.environ, "NS_READY": str(tmp_path / "ready"), "NS_GO": str(tmp_path / "go"),
-           "PYTHONPATH": str(ROOT)}
+           "NS_WAIT_AFTER": wait_after, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, "convert", GPT2, str(out), "--pass", "flashnorm",
                              "--no-verify", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 180
     while not (tmp_path / "ready").exists():
         assert proc.poll() is None, proc.communicate()
@@ -167,6 +172,42 @@ def test_sigterm_while_saving_leaves_nothing(tmp_path):
     assert proc.returncode == 130
     assert err.strip() == "error: terminated: nothing was written"
     assert not out.exists() and not leftovers(out)
+
+
+def test_ctrl_c_once_the_output_is_in_place_says_it_was_written(tmp_path):
+    """Issue 34, finding 2: Ctrl-C just after the new output replaced the previous one said
+    "nothing was written". It names the output written instead (exit 130: the run was cut short)."""
+    out = tmp_path / "out"
+    shutil.copytree(GPT2, out)  # the previous output
+    before = digest(out)
+    proc = slow_convert(tmp_path, out, "--force", wait_after="normsurgery.output:_replace")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == f"error: interrupted after {out} was written in full (only the report was cut short)"
+    assert digest(out) != before and (out / "README.md").is_file() and not leftovers(out)
+
+
+LATE_SIGNAL = """import os, signal, sys
+from normsurgery.cli import main
+class Late:  # dropped as Python clears __main__, after it has put back the default signal handlers
+    def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGINT):
+        kill(pid, sig)
+late = Late()
+sys.argv = ["normsurgery", *sys.argv[1:]]
+main()
+"""
+
+
+def test_ctrl_c_while_python_shuts_down_after_a_save_changes_nothing(tmp_path):
+    """Issue 34, finding 2: Ctrl-C after "saved OUT" was printed, while Python shut down, killed the
+    process: exit 130 and no line, which says nothing was written. The command's own exit stands."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL, "convert", GPT2, str(out), "--pass", "flashnorm",
+                           "--no-verify"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=300, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.returncode == 0 and not proc.stderr, (proc.returncode, proc.stderr)
+    assert f"saved {out}" in proc.stdout and (out / "model.safetensors").is_file()
 
 
 def test_a_second_writer_fails_clearly_sigkill_keeps_the_previous_output_the_next_run_cleans_up(tmp_path):

@@ -15,11 +15,11 @@ import signal
 import sys
 import warnings
 from contextlib import contextmanager
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 
-from .. import __version__, devices, launch, threads
+from .. import __version__, devices, launch, output, threads
 from ..options import SEQ_LEN
 from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryWarning, UsageError
 
@@ -58,7 +58,8 @@ def _on_sigterm(signum, frame):
 
 
 def main() -> None:
-    """The entry point: SIGTERM unwinds like Ctrl-C; an interrupt anywhere is one line."""
+    """The entry point: SIGTERM unwinds like Ctrl-C; an interrupt anywhere is one line, and once
+    the command has ended, none (:func:`_ignore_interrupts`)."""
     from .. import modelcard
 
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -68,18 +69,41 @@ def main() -> None:
     except SurgeryError as e:
         say_error(str(e))
         sys.exit(FAILED)
+    mark = len(output.REPLACED)
     try:
         app()
     except KeyboardInterrupt as e:
-        say_error(interrupted(e))
+        say_error(interrupted(e, output.REPLACED[mark:]))
         sys.exit(INTERRUPTED)
+    finally:
+        _ignore_interrupts()
 
 
-def interrupted(e: KeyboardInterrupt) -> str:
-    """What an interrupt leaves: no output; a training state kept (``e.kept``) is named."""
+def _ignore_interrupts() -> None:
+    """Ignore Ctrl-C and SIGTERM from here on: the command has ended and said how. Python puts
+    back the default handlers while it shuts down (torch's teardown takes a while), and a signal
+    then would kill the process silently with 130, which says nothing was written."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def interrupted(e: KeyboardInterrupt, saved=()) -> str:
+    """What an interrupt leaves: no output, or the outputs ``saved`` (moved into place before it:
+    complete, only the report cut short); a training state kept (``e.kept``) is named."""
     kept = getattr(e, "kept", None)
-    return (f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: nothing was written"
-            + (f"; {kept}" if kept else ""))
+    what = "terminated" if isinstance(e, Terminated) else "interrupted"
+    left = (f"{what} after {', '.join(map(str, saved))} was written in full (only the report was cut short)"
+            if saved else f"{what}: nothing was written")
+    return left + (f"; {kept}" if kept else "")
+
+
+def failed(message: str, code: int, as_json: bool = False) -> NoReturn:
+    """End a command that failed with exit ``code``: one ``error:`` line on stderr and, for
+    ``--json``, ``{"ok": false, "error": message, "exit_code": code}`` on stdout."""
+    say_error(message)
+    if as_json:
+        emit_json({"ok": False, "error": message, "exit_code": code})
+    raise typer.Exit(code)
 
 
 def say_error(message: str) -> None:
@@ -121,7 +145,8 @@ def load_transformers() -> None:
 def command(fn=None, *, preload: bool = True):
     """Register ``fn`` as a command. SurgeryError and OSError (a bad or unwritable path) are one
     line and exit 1; an interrupt exits 130; anything else is a bug of ours: one line saying
-    where to report it, exit 3 (NORMSURGERY_DEBUG=1 shows the traceback). ``preload=False``:
+    where to report it, exit 3 (NORMSURGERY_DEBUG=1 shows the traceback); with ``--json``, each
+    also a JSON error object on stdout (:func:`failed`). ``preload=False``:
     the command calls :func:`load_transformers` itself, after the checks that need neither
     (``passes`` never does), so those answer at once."""
     if fn is None:
@@ -129,6 +154,8 @@ def command(fn=None, *, preload: bool = True):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        fail = functools.partial(failed, as_json=kwargs.get("json", False))
+        mark = len(output.REPLACED)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("default", SurgeryWarning)  # a warning repeated (two loads) is shown once
@@ -138,23 +165,19 @@ def command(fn=None, *, preload: bool = True):
                     load_transformers()
                 return fn(*args, **kwargs)
         except SurgeryError as e:
-            say_error(str(e))
-            raise typer.Exit(USAGE if isinstance(e, UsageError) else FAILED)
+            fail(str(e), USAGE if isinstance(e, UsageError) else FAILED)
         except KeyboardInterrupt as e:
-            say_error(interrupted(e))
-            raise typer.Exit(INTERRUPTED)
+            fail(interrupted(e, output.REPLACED[mark:]), INTERRUPTED)
         except (typer.Exit, typer.Abort):
             raise
         except OSError as e:
             if os.environ.get("NORMSURGERY_DEBUG"):
                 raise
-            say_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
-            raise typer.Exit(FAILED)
+            fail(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}", FAILED)
         except Exception as e:
             if os.environ.get("NORMSURGERY_DEBUG"):
                 raise
-            say_error(f"internal error, {type(e).__name__}: {e}; {REPORT_BUGS}")
-            raise typer.Exit(BUG)
+            fail(f"internal error, {type(e).__name__}: {e}; {REPORT_BUGS}", BUG)
 
     return app.command()(run)
 
