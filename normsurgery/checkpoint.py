@@ -76,11 +76,18 @@ def resolve(src: str | os.PathLike) -> Path:
     try:
         return Path(snapshot_download(str(src), local_files_only=True))
     except Exception:
-        if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(src)):  # a path, not a hub id owner/name
+        if _looks_local(src) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(src)):  # not owner/name
             raise SurgeryError(f"no checkpoint at {src!r}: no such folder") from None
         raise SurgeryError(f"no checkpoint at {src!r}: not a folder, and not a hub id in the local Hugging Face "
                            "cache (normsurgery reads local files only and never downloads, as if offline): "
                            f"download it first, e.g. `hf download {src} --local-dir DIR`, and pass DIR") from None
+
+
+def _looks_local(src) -> bool:
+    """``src`` names a local path, not a hub id: it starts with ``./``, ``../``, ``/`` or ``~``,
+    or it has a folder part that exists (``models/nope`` beside ``models/``)."""
+    text = str(src)
+    return text.startswith(("./", "../", "/", "~")) or (os.sep in text and Path(text).expanduser().parent.is_dir())
 
 
 def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:

@@ -297,3 +297,20 @@ def test_sentence_transformers_modules_are_copied_as_they_are(tmp_path):
 def _digest(folder: Path) -> dict:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_mistyped_local_path_is_no_such_folder(tmp_path, monkeypatch):
+    """Issue 34, finding 11: `models/nope` (a typo beside an existing models/ folder) got the
+    `hf download models/nope` advice. A path that looks local is "no such folder"; owner/name
+    whose owner is no folder here is still taken for a hub id."""
+    from normsurgery.checkpoint import resolve
+    from normsurgery.errors import SurgeryError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    for typo in ("models/nope", "./nope", "../nope", "~/no-such-folder-34"):
+        with pytest.raises(SurgeryError, match="no such folder") as e:
+            resolve(typo)
+        assert "hf download" not in str(e.value)
+    with pytest.raises(SurgeryError, match="hf download someone/no-such-model-34"):
+        resolve("someone/no-such-model-34")
