@@ -370,3 +370,17 @@ def test_a_failure_with_json_prints_an_error_object(tmp_path, monkeypatch):
     assert failure("convert", GPT2, tmp_path / "out", "--pass", "nonsense") == 2
     monkeypatch.setattr(registry, "all_passes", lambda: 1 / 0)
     assert failure("passes") == 3
+
+
+def test_python_run_beside_a_clone_named_normsurgery_says_so(tmp_path):
+    """Issue 34, finding 11: from the folder holding a clone named normsurgery, Python imported the
+    clone's folder (an empty namespace package, found before an editable install's package), and
+    `normsurgery.verify` was an AttributeError. The import fails at once, saying what happened."""
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "normsurgery").symlink_to(root, target_is_directory=True)
+    r = subprocess.run([sys.executable, "-c", "import normsurgery; normsurgery.verify"], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "no attribute" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"ImportError: Python imported the normsurgery repository ({tmp_path / 'normsurgery'}) instead of the "
+        "package inside it, because it runs from the folder holding the clone: run it from any other folder")
