@@ -129,14 +129,15 @@ def _not_a_checkpoint(folder: Path, source: Path | None = None) -> str | None:
         return "has no config.json (it is not a checkpoint)"
     if not any(f.is_file() and f.name.endswith(WEIGHT_SUFFIXES) for f in entries):
         return "holds no weights (it is not a checkpoint)"
-    copied = {f.name for f in copied_folders(Path(source))} if source is not None else set()
-    other = sorted(f.name for f in entries if f.is_dir() and f.name not in CHECKPOINT_FOLDERS | copied)
+    source = Path(source) if source is not None else None
+    folders = {f.name for f in copied_folders(source)} if source is not None else set()
+    other = sorted(f.name for f in entries if f.is_dir() and f.name not in CHECKPOINT_FOLDERS | folders)
     if other:
         return f"holds folders a checkpoint does not have ({', '.join(other[:3])})"
     if (folder / CARD).exists() and not _our_card(folder / CARD):
         return f"holds a {CARD} normsurgery did not write, which it would delete"
-    copied = {f.name for f in Path(source).iterdir() if f.is_file()} - {CARD} if source is not None else set()
-    other = sorted(f.name for f in entries if not f.is_dir() and f.name not in CHECKPOINT_FILES | copied
+    files = {f.name for f in source.iterdir() if f.is_file()} - {CARD} if source is not None else set()
+    other = sorted(f.name for f in entries if not f.is_dir() and f.name not in CHECKPOINT_FILES | files
                    and not f.name.endswith(WEIGHT_SUFFIXES))
     if other:
         more = f" and {len(other) - 5} more" if len(other) > 5 else ""
@@ -278,19 +279,18 @@ def _lock(path: Path, out) -> int:
 
 def _replace(tmp: Path, out: Path) -> None:
     """Move ``tmp`` to ``out``; an old ``out`` is only removed once the new one is in place.
-    Ctrl-C and SIGTERM wait for the two renames and for ``out`` to be recorded in :data:`REPLACED`;
-    a SIGKILL between them leaves the previous output as ``.OUT.old-PID``, which the next run puts
-    back (:func:`remove_stale`)."""
-    old = None
+    Ctrl-C and SIGTERM wait for the swap (the two renames, ``out`` recorded in :data:`REPLACED`,
+    the old one removed); a SIGKILL between the renames leaves the previous output as
+    ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`)."""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        if out.exists() or out.is_symlink():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
+        old = out.parent / f".{out.name}.old-{os.getpid()}" if out.exists() or out.is_symlink() else None
+        if old is not None:
             out.rename(old)
         tmp.rename(out)
         REPLACED.append(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 

@@ -188,6 +188,30 @@ def test_ctrl_c_once_the_output_is_in_place_says_it_was_written(tmp_path):
     assert digest(out) != before and (out / "README.md").is_file() and not leftovers(out)
 
 
+def test_ctrl_c_during_the_swap_waits_for_the_whole_swap(tmp_path, monkeypatch):
+    """Issue 34, finding 2: a signal held during the two renames was raised before the previous
+    output was removed, leaving it beside the new one as .out.old-PID. The swap ends first."""
+    out, tmp = tmp_path / "out", tmp_path / ".out.tmp-1"
+    for folder, name in ((out, "previous"), (tmp, "new")):
+        folder.mkdir()
+        (folder / name).write_text(name)
+    rename = Path.rename
+
+    def interrupted(self, target):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during the swap
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", interrupted)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            output._replace(tmp, out)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in out.iterdir()] == ["new"]
+    assert output.REPLACED[-1] == out
+
+
 LATE_SIGNAL = """import os, signal, sys
 from normsurgery.cli import main
 class Late:  # dropped as Python clears __main__, after it has put back the default signal handlers
