@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,10 +281,9 @@ def _lock(path: Path, out) -> int:
 def _replace(tmp: Path, out: Path) -> None:
     """Move ``tmp`` to ``out``; an old ``out`` is only removed once the new one is in place.
     Ctrl-C and SIGTERM wait for the swap (the two renames, ``out`` recorded in :data:`REPLACED`,
-    the old one removed); a SIGKILL between the renames leaves the previous output as
-    ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`)."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
+    the old one removed: :func:`_held`); a SIGKILL between the renames leaves the previous output
+    as ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`)."""
+    with _held(signal.SIGINT, signal.SIGTERM):
         old = out.parent / f".{out.name}.old-{os.getpid()}" if out.exists() or out.is_symlink() else None
         if old is not None:
             out.rename(old)
@@ -291,6 +291,24 @@ def _replace(tmp: Path, out: Path) -> None:
         REPLACED.append(out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
+
+@contextmanager
+def _held(*signals: int):
+    """``signals`` arriving inside the block are acted on when it ends, as their handlers say.
+    Their Python handlers are swapped, not the thread's signal mask: another thread (torch's)
+    takes a signal the main thread blocks, and Python still runs its handler in the main thread.
+    Only the main thread runs handlers: elsewhere nothing needs holding."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    handlers = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in signals
+                if signal.getsignal(s) is not None}  # (None: a handler set outside Python, left alone)
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(arrived):
+            signal.raise_signal(s)

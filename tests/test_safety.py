@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -190,7 +191,9 @@ def test_ctrl_c_once_the_output_is_in_place_says_it_was_written(tmp_path):
 
 def test_ctrl_c_during_the_swap_waits_for_the_whole_swap(tmp_path, monkeypatch):
     """Issue 34, finding 2: a signal held during the two renames was raised before the previous
-    output was removed, leaving it beside the new one as .out.old-PID. The swap ends first."""
+    output was removed, leaving it beside the new one as .out.old-PID; and with another thread
+    running (torch's), which takes a signal the main thread blocks, it was raised inside the swap.
+    The swap ends first."""
     out, tmp = tmp_path / "out", tmp_path / ".out.tmp-1"
     for folder, name in ((out, "previous"), (tmp, "new")):
         folder.mkdir()
@@ -203,10 +206,15 @@ def test_ctrl_c_during_the_swap_waits_for_the_whole_swap(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "rename", interrupted)
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait)  # a thread that does not block the signal
+    other.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             output._replace(tmp, out)
     finally:
+        idle.set()
+        other.join()
         signal.signal(signal.SIGINT, handler)
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in out.iterdir()] == ["new"]
     assert output.REPLACED[-1] == out
