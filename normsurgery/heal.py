@@ -198,6 +198,11 @@ def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = T
     return model, report, time.perf_counter() - t0
 
 
+def heldout_record(text: str, held: torch.Tensor) -> dict:
+    """What the record says of the held-out windows: the text (``texts.heldout_text``) and their size."""
+    return {"text": text, "windows": len(held), "seq_len": held.shape[1]}
+
+
 def summary(report: HealReport) -> dict:
     return {k: v for k, v in report.as_dict().items() if k != "losses"}
 

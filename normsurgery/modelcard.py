@@ -62,7 +62,7 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
     trained = _trained(record)
     if trained:
         lines += ["", "## Held-out loss (trained steps)", "", "| step | cross-entropy before | after | tokens |",
-                  "|---|---|---|---|", *trained]
+                  "|---|---|---|---|", *trained, *_heldout(record.get("heldout"))]
     auto = next(iter(getattr(config, "auto_map", None) or {}), "AutoModel")
     lines += ["", "## How to load", ""] + _loading(reload, arch, auto)
     return "\n".join(lines) + "\n"
@@ -206,6 +206,12 @@ def _trained(record: dict) -> list[str]:
         rows.append(f"| squeeze: one-shot from the input at the same target and tokens (control; squeeze is "
                     f"{gap:+.4f} from it) | {c['ce_released']:.4f} | {c['ce_after']:.4f} | {c['tokens']} |")
     return rows
+
+
+def _heldout(h: dict | None) -> list[str]:
+    """What the held-out cross-entropy was measured on (prune, heal)."""
+    return ["", f"Cross-entropy in nats per token on {h['text']}: {h['windows']} windows of {h['seq_len']} "
+                "tokens."] if h else []
 
 
 def _loading(reload: dict | None, arch: str, auto: str) -> list[str]:
