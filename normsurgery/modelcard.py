@@ -62,7 +62,7 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
     trained = _trained(record)
     if trained:
         lines += ["", "## Held-out loss (trained steps)", "", "| step | cross-entropy before | after | tokens |",
-                  "|---|---|---|---|", *trained, *_heldout(record.get("heldout"))]
+                  "|---|---|---|---|", *trained, *_heldout(record)]
     auto = next(iter(getattr(config, "auto_map", None) or {}), "AutoModel")
     lines += ["", "## How to load", ""] + _loading(reload, arch, auto)
     return "\n".join(lines) + "\n"
@@ -208,10 +208,17 @@ def _trained(record: dict) -> list[str]:
     return rows
 
 
-def _heldout(h: dict | None) -> list[str]:
-    """What the held-out cross-entropy was measured on (prune, heal)."""
-    return ["", f"Cross-entropy in nats per token on {h['text']}: {h['windows']} windows of {h['seq_len']} "
-                "tokens."] if h else []
+def _heldout(record: dict) -> list[str]:
+    """What the held-out cross-entropy was measured on (prune, heal) and, healing a pruned model,
+    the original's on the same windows."""
+    h, ce = record.get("heldout"), record.get("heldout_ce") or {}
+    if not h:
+        return []
+    rows = ["", f"Cross-entropy in nats per token on {h['text']}: {h['windows']} windows of {h['seq_len']} tokens."]
+    if "original" in h:
+        rows.append(f"The original before pruning (`{h['original']}`): {ce['original']:.4f} on the same windows."
+                    if "original" in ce else f"The original before pruning: {h['original']}.")
+    return rows
 
 
 def _loading(reload: dict | None, arch: str, auto: str) -> list[str]:

@@ -48,5 +48,5 @@ def heldout_text(eval_text: str | None, fraction: float) -> str:
     """What held-out cross-entropy is measured on, in words: the held-out text given, or the end
     of the text (``fraction`` of its tokens) that training never reads (prune's layer scores
     read the whole text)."""
-    return "the held-out text (--eval-text)" if eval_text is not None else f"the last {fraction:.0%} of --text " \
+    return "the held-out text (--eval-text)" if eval_text is not None else f"the last {fraction:.0%} of the text " \
         "(never trained on)"

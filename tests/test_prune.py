@@ -233,11 +233,11 @@ def test_prune_alone_measures_cross_entropy_on_the_held_out_end_of_the_text(tmp_
     assert ce["pruned"] == pytest.approx(heldout_ce(T.AutoModelForCausalLM.from_pretrained(out), held), abs=1e-4)
     record = json.loads((out / "config.json").read_text())["normsurgery"]
     assert record["heldout_ce"] == ce
-    assert record["heldout"] == {"text": "the last 10% of --text (never trained on)", "windows": 3, "seq_len": 64}
+    assert record["heldout"] == {"text": "the last 10% of the text (never trained on)", "windows": 3, "seq_len": 64}
     card = (out / "README.md").read_text()
-    assert "on the last 10% of --text (never trained on): 3 windows of 64 tokens" in card
+    assert "on the last 10% of the text (never trained on): 3 windows of 64 tokens" in card
     r = run("prune", LLAMA, tmp_path / "table", "--layers", 2, "--samples", 4, "--seq-len", 64)
-    assert r.exit_code == 0 and "held out: the last 10% of --text (never trained on)" in r.output, r.output
+    assert r.exit_code == 0 and "held out: the last 10% of the text (never trained on)" in r.output, r.output
 
 
 def assert_refused(result, out, match):
