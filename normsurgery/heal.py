@@ -11,7 +11,11 @@ pruned model's exact function. Only A and B train, on the language-modelling los
 - causal models: CE(logits_t, x_{t+1}) averaged over positions;
 - BERT: masked LM, 15% of positions predicted (of those 80% [MASK], 10% a random token,
   10% unchanged), CE averaged over the predicted positions.
-Held-out CE is the same loss on fixed windows (fixed masks for BERT), before and after.
+Held-out CE is the same loss on fixed windows (fixed masks for BERT), before and after, of text
+never trained on (the end of the text, or the held-out text given); the same loss on as many fixed
+windows of the training text tells over-fitting (held-out CE up while the training text's falls).
+``heal`` also measures the original before pruning (the input record's prune source) where it
+opens here.
 Merging writes W + (alpha / r) B A back into W: a plain checkpoint of the same architecture.
 
 Training is :func:`normsurgery.training.train` (accelerate, several processes, gradient
@@ -35,13 +39,15 @@ from pathlib import Path
 import torch
 
 from . import algebra
+from .calibration import windows
 from .errors import SurgeryError
 from .checkpoint import Source
 from .families import layout
 from .output import writing, written
 from .progress import no_progress
+from .pipeline import Work, earlier_records
 from .runner import Job
-from .texts import text_of
+from .texts import heldout_text, text_of
 from .devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
 from .options import TRAIN_MODES, HealOptions, check_values  # noqa: F401
@@ -67,6 +73,14 @@ class HealReport:
     processes: int
     losses: list[float] = field(default_factory=list)  # mean training loss of each step
     train: str = "lora"  # what trained (TRAIN_MODES)
+    train_ce_before: float | None = None  # CE on fixed windows of the training text (:func:`run` measures it)
+    train_ce_after: float | None = None
+
+    @property
+    def overfit(self) -> bool:
+        """Held-out CE rose while CE on the training text fell: healing fit its text, not the language."""
+        return self.train_ce_after is not None and self.ce_after > self.ce_before \
+            and self.train_ce_after < self.train_ce_before
 
     @property
     def tokens_per_second(self) -> float:
@@ -177,25 +191,65 @@ class HealResult:
     seconds: float  # the whole heal's wall time, held-out evaluation included
     saved: dict | None  # None on a secondary process of a distributed run
     record: dict  # what the saved config records under "normsurgery" (its "device": where it computed)
+    ce: dict[str, float]  # held-out CE of the original before pruning (when measured), the input, the healed model
+    heldout: str  # what the held-out CE was measured on (``texts.heldout_text``)
+    original: str | None  # the original's name, or why it was not measured; None: the input was not pruned
 
 
 def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = True, accelerator=None,
         progress=no_progress):
     """:func:`heal_model` with ``opts``, reporting its steps to ``progress`` (stage "heal", the
-    running loss and when it evaluates as the note); returns (model, report, wall seconds)."""
+    running loss and when it evaluates as the note), and CE on as many fixed windows of the training
+    text as are held out, before and after (what :attr:`HealReport.overfit` compares); returns
+    (model, report, wall seconds)."""
     progress("heal", 0, opts.steps, "evaluating held-out CE")
+    mask_id = getattr(tokenizer, "mask_token_id", None)
+    fit = windows(train_ids, opts.seq_len, len(held), "the training text")
+    train_ce = lambda m: heldout_ce(m, fit, opts.batch_size, mask_token_id=mask_id)  # noqa: E731
 
     def step(done, total, loss):
         progress("heal", done, total, f"loss {loss:.4f}" + ("; evaluating held-out CE" if done == total else ""))
 
     t0 = time.perf_counter()
+    before = train_ce(model)
     model, report = heal_model(model, train_ids, held, steps=opts.steps, seq_len=opts.seq_len,
                                batch_size=opts.batch_size, rank=opts.rank, alpha=opts.alpha, lr=opts.lr,
-                               target_modules=opts.target_modules,
-                               mask_token_id=getattr(tokenizer, "mask_token_id", None), merge=merge, seed=opts.seed,
+                               target_modules=opts.target_modules, mask_token_id=mask_id, merge=merge, seed=opts.seed,
                                grad_accum=opts.grad_accum, accelerator=accelerator, train_mode=opts.train,
                                progress=step, patience=opts.patience, eval_every=opts.eval_every)
+    report.train_ce_before, report.train_ce_after = before, train_ce(model)
     return model, report, time.perf_counter() - t0
+
+
+def heldout_record(text: str, held: torch.Tensor, original: str | None = None) -> dict:
+    """What the record says of the held-out windows: the text (``texts.heldout_text``), their size
+    and (heal alone) the original before pruning, or why it was not measured."""
+    return {"text": text, "windows": len(held), "seq_len": held.shape[1],
+            **({"original": original} if original is not None else {})}
+
+
+def pruned_from(source: Source) -> dict | None:
+    """The latest prune step of ``source``'s record (its own or its history's), or None."""
+    steps = earlier_records(getattr(source.config, "normsurgery", None))
+    return next((s for s in reversed(steps) if isinstance(s.get("prune"), dict)), None)
+
+
+def original_ce(job: Job, held: torch.Tensor, mask_token_id: int | None) -> tuple[float | None, str | None]:
+    """Held-out CE of the model the input was pruned from (its record's prune source) where that
+    opens here, and its name; else (None, why not). (None, None) when the input was not pruned."""
+    step = pruned_from(job.source)
+    if step is None:
+        return None, None
+    name, before = step.get("source", "?"), step["prune"].get("layers_before")
+    try:
+        original = Source.open(name, job.source.allow_pickle)
+    except SurgeryError as e:
+        return None, f"not available: {e}"
+    if original.config.num_hidden_layers != before or original.config.vocab_size != job.source.config.vocab_size:
+        return None, (f"not available: {name} has {original.config.num_hidden_layers} layers and a vocabulary of "
+                      f"{original.config.vocab_size}; the record pruned {before} layers of this vocabulary")
+    model = Work(original, original.storage, device=job.device).load_all()
+    return heldout_ce(model, held, mask_token_id=mask_token_id), name
 
 
 def summary(report: HealReport) -> dict:
@@ -225,11 +279,16 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     train_ids, held = job.training_data(text, eval_text, opts)
     acc = job.make_accelerator(opts.precision)
+    tok = job.source.tokenizer
+    ce_original, original = original_ce(job, held, getattr(tok, "mask_token_id", None))  # then freed: one model
     model = job.load()
     require_lm(model)
-    model, report, seconds = run(model, job.source.tokenizer, train_ids, held, opts, merge=not save_adapter,
+    model, report, seconds = run(model, tok, train_ids, held, opts, merge=not save_adapter,
                                  accelerator=acc, progress=progress if job.main else no_progress)
-    record = job.record(heal=summary(report))
+    ce = {**({"original": ce_original} if ce_original is not None else {}), "input": report.ce_before,
+          "healed": report.ce_after}
+    on = heldout_text(eval_text, opts.eval_fraction)
+    record = job.record(heal=summary(report), heldout_ce=ce, heldout=heldout_record(on, held, original))
     if save_adapter:
         saved = None
         if job.main:
@@ -239,4 +298,4 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
         acc.wait_for_everyone()
     else:
         saved = job.save(model, record, held[:4])
-    return HealResult(report, seconds, saved, record)
+    return HealResult(report, seconds, saved, record, ce, on, original)

@@ -62,7 +62,7 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
     trained = _trained(record)
     if trained:
         lines += ["", "## Held-out loss (trained steps)", "", "| step | cross-entropy before | after | tokens |",
-                  "|---|---|---|---|", *trained]
+                  "|---|---|---|---|", *trained, *_heldout(record)]
     auto = next(iter(getattr(config, "auto_map", None) or {}), "AutoModel")
     lines += ["", "## How to load", ""] + _loading(reload, arch, auto)
     return "\n".join(lines) + "\n"
@@ -205,6 +205,19 @@ def _trained(record: dict) -> list[str]:
         c, gap = sq["control"], sq["cycles"][-1]["ce_after"] - sq["control"]["ce_after"]
         rows.append(f"| squeeze: one-shot from the input at the same target and tokens (control; squeeze is "
                     f"{gap:+.4f} from it) | {c['ce_released']:.4f} | {c['ce_after']:.4f} | {c['tokens']} |")
+    return rows
+
+
+def _heldout(record: dict) -> list[str]:
+    """What the held-out cross-entropy was measured on (prune, heal) and, healing a pruned model,
+    the original's on the same windows."""
+    h, ce = record.get("heldout"), record.get("heldout_ce") or {}
+    if not h:
+        return []
+    rows = ["", f"Cross-entropy in nats per token on {h['text']}: {h['windows']} windows of {h['seq_len']} tokens."]
+    if "original" in h:
+        rows.append(f"The original before pruning (`{h['original']}`): {ce['original']:.4f} on the same windows."
+                    if "original" in ce else f"The original before pruning: {h['original']}.")
     return rows
 
 

@@ -102,6 +102,7 @@ class PruneOptions:
     samples: int = 32  # calibration windows
     seq_len: int | None = None  # tokens per window (default 128, or the model's positions when fewer)
     batch_size: int = 8  # windows per forward pass (and per heal micro-batch)
+    eval_samples: int = 64  # held-out windows at most (cross-entropy of the original and the pruned model)
 
     def check(self) -> None:
         if self.method not in METHODS:

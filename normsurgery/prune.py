@@ -32,7 +32,7 @@ from .analysis import blocks_of, forward_base, residual_capture
 from .calibration import bundled_text, fit_seq_len, tokenize, windows
 from .errors import SurgeryError
 from .families import family, layout
-from .heal import HealOptions, HealReport, summary, write_adapter
+from .heal import HealOptions, HealReport, heldout_record, summary, write_adapter
 from .heal import run as heal_run
 from .layout import LM_OBJECTIVES
 from .options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
@@ -40,7 +40,7 @@ from .parity import output_kind, probe_ids
 from .pipeline import Check, Tolerances, Work, anchor, save_work
 from .progress import Progress, no_progress
 from .runner import Job
-from .texts import text_of
+from .texts import heldout_text, text_of
 from .training import heldout_ce
 
 
@@ -246,7 +246,7 @@ class PruneResult:
     scores: LayerScores | None
     removed: dict  # prune_model's record
     ce: dict[str, float]  # cross-entropy of the original, pruned (and healed) model on the held-out windows
-    ce_on: str | None  # what the CE was measured on ("held-out text" | "the calibration windows"), None: not
+    ce_on: str | None  # what the CE was measured on (``texts.heldout_text``), None: not measured
     no_lm_head: str | None  # the class, when it has no language-modelling head (no CE)
     heal: HealReport | None
     heal_seconds: float | None
@@ -277,14 +277,14 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     layers = source.config.num_hidden_layers
     n = count_layers(layers, opts.layers, opts.fraction)
     tok = source.tokenizer
-    cal, train_ids, held = _windows(job, opts, hopts, text, eval_text)
-    why = "asked for (--streaming)" if streaming else None
-    work = Work(source, source.storage, streamed=streaming, alone=True, device=job.device)
-    acc = job.make_accelerator(hopts.precision) if hopts is not None else None
     lm = source.head.objective in LM_OBJECTIVES
     if (hopts is not None or eval_text is not None) and not lm:
         raise SurgeryError(f"{source.class_name} has no language-modelling head: cross-entropy and healing need "
                            "a causal or masked LM")
+    cal, train_ids, held = _windows(job, opts, hopts, text, eval_text, lm and not streaming)
+    why = "asked for (--streaming)" if streaming else None
+    work = Work(source, source.storage, streamed=streaming, alone=True, device=job.device)
+    acc = job.make_accelerator(hopts.precision) if hopts is not None else None
     scores = None
     if cal is not None:
         with work.running():
@@ -292,16 +292,18 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
                                   progress=progress)
     selection = select_layers(opts.method, n, scores, layers)
     ce, mask_id = {}, getattr(tok, "mask_token_id", None)
-    measure = held is not None and lm and not streaming
+    measure = held is not None
     if measure:
         ce["original"] = heldout_ce(work.load_all(), held, mask_token_id=mask_id)
     removed = prune_model(work.model, selection.layers)
     work.replan()
     if measure:
         ce["pruned"] = heldout_ce(work.model, held, mask_token_id=mask_id)
+    on = heldout_text(eval_text, (hopts or HealOptions()).eval_fraction) if measure else None
     record = job.record(**({"streaming": True} if streaming else {}),
                         prune={**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0},
-                        heldout_ce=ce)  # filled in as it is measured (healed: after healing)
+                        heldout_ce=ce,  # filled in as it is measured (healed: after healing)
+                        **({"heldout": heldout_record(on, held)} if measure else {}))
     probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
     report = seconds = model = None
     if hopts is not None:
@@ -311,15 +313,15 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
         ce["healed"] = report.ce_after
         record["heal"] = summary(report)
     saved = _save_pruned(job, work, model, record, probe, save_adapter, progress)
-    on = ("held-out text" if eval_text is not None or hopts is not None else "the calibration windows") if ce else None
     return PruneResult(selection, scores, removed, ce, on, None if lm else source.class_name, report, seconds,
                        record, saved, why)
 
 
 def _windows(job: Job, opts: PruneOptions, hopts: HealOptions | None, text: str | None,
-             eval_text: str | None):
-    """(calibration windows, or None for ``--method last`` without a tokenizer; healing's training
-    ids; held-out windows: the end of the text when healing, ``eval_text``, or the calibration ones)."""
+             eval_text: str | None, measure: bool):
+    """(calibration windows of the whole text, or None for ``--method last`` without a tokenizer;
+    healing's training ids; held-out windows: ``eval_text``, else the end of the text, as
+    healing holds it out; None when nothing is ``measure``d)."""
     source = job.source
     opts.seq_len = fit_seq_len(source.positions, opts.seq_len)
     tok = source.tokenizer
@@ -330,8 +332,10 @@ def _windows(job: Job, opts: PruneOptions, hopts: HealOptions | None, text: str 
         text = bundled_text()
     cal = windows(tokenize(tok, text), opts.seq_len, opts.samples) if tok is not None else None
     if hopts is None:
-        held = windows(tokenize(tok, eval_text), opts.seq_len, HealOptions.eval_samples) if eval_text else cal
-        return cal, None, held
+        if not measure or tok is None:
+            return cal, None, None
+        return cal, None, job.training_data(text, eval_text, HealOptions(seq_len=opts.seq_len,
+                                                                         eval_samples=opts.eval_samples))[1]
     hopts.seq_len = hopts.seq_len or opts.seq_len
     hopts.batch_size = opts.batch_size
     return (cal, *job.training_data(text, eval_text, hopts))

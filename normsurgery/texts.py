@@ -42,3 +42,11 @@ def text_of(text, what: str = "text") -> str | None:
         warnings.warn(f"{what}={text!r} is taken as the text itself (a str), not as the file it names: pass "
                       f"pathlib.Path({text!r}) to read the file", SurgeryWarning, stacklevel=3)
     return text
+
+
+def heldout_text(eval_text: str | None, fraction: float) -> str:
+    """What held-out cross-entropy is measured on, in words: the held-out text given, or the end
+    of the text (``fraction`` of its tokens) that training never reads (prune's layer scores
+    read the whole text)."""
+    return "the held-out text (--eval-text)" if eval_text is not None else f"the last {fraction:.0%} of the text " \
+        "(never trained on)"

@@ -293,6 +293,91 @@ def test_readme_matches_the_cli():
     assert "/demo-out/" in (root / ".gitignore").read_text().split()
 
 
+#: flags README quotes alone that belong to a script, not to normsurgery: the script that takes each
+SCRIPT_FLAGS = {"--models": "scripts/make_demo.py", "--summarize": "benchmarks/bench_squeeze.py",
+                "--real": "benchmarks/bench_rotate.py"}
+
+
+def readme_commands(readme: str):
+    """(command or None, text) for every command line README shows: a `normsurgery CMD ...` line of
+    a code block with its continuation lines, a quoted `CMD ...` or `... normsurgery CMD ...`, and
+    (None) a quoted `--flag ...`."""
+    import itertools
+    import re
+
+    commands = "convert|verify|passes|inspect|heal|prune|squeeze|export"
+    parts = readme.split("```")
+    for block in parts[1::2]:
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            m = re.search(rf"normsurgery (?:--threads \S+ )?({commands})\b(.*)", line)
+            if m:
+                more = list(itertools.takewhile(lambda x: x.strip().startswith(("[", "--")), lines[i + 1:]))
+                yield m[1], " ".join([m[2], *more])
+    for prose in parts[0::2]:
+        for span in re.findall(r"`([^`]+)`", prose):
+            m = re.match(rf"(?:.* )?(?:normsurgery )({commands})\b(.*)", span, re.S) or \
+                re.match(rf"({commands}) (.*)", span, re.S)
+            if m:
+                yield m[1], m[2]
+            elif span.startswith("--"):
+                yield None, span
+
+
+def test_readme_names_only_options_that_exist():
+    """Issue 34.9: every option README shows is one the command takes (a few scripts' flags excepted,
+    each checked against its script)."""
+    import re
+
+    import typer
+
+    root = Path(__file__).resolve().parent.parent
+    group = typer.main.get_command(app)
+
+    def flags(params):
+        return {o for p in params for o in (*p.opts, *getattr(p, "secondary_opts", ())) if o.startswith("--")}
+
+    common = flags(group.params) | {"--help"}
+    per = {name: common | flags(c.params) for name, c in group.commands.items()}
+    for flag, script in SCRIPT_FLAGS.items():
+        assert f'"{flag}"' in (root / script).read_text(), (flag, script)
+    every = set().union(*per.values()) | set(SCRIPT_FLAGS)
+    shown = list(readme_commands((root / "README.md").read_text()))
+    assert {c for c, _ in shown} >= {"convert", "verify", "prune", "heal", "squeeze", "export", None}
+    wrong = [(c, f) for c, text in shown for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)
+             if f not in (per[c] if c else every)]
+    assert not wrong, wrong
+
+
+def test_readme_example_output_is_what_the_command_prints(tmp_path, monkeypatch):
+    """Issue 34.9: README's example output is the command's, run where README runs it (80 columns;
+    digits aside: they follow the machine's rounding)."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    command = "$ normsurgery convert normsurgery/demo/gpt2-tiny out/gpt2-rms --pass pre-rmsnorm --fold\n"
+    shown = (root / "README.md").read_text().split(command)[1].split("```")[0]
+    (tmp_path / "normsurgery" / "demo").mkdir(parents=True)
+    (tmp_path / "normsurgery" / "demo" / "gpt2-tiny").symlink_to(root / GPT2)
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, command.split()[2:] + ["--device", "cpu"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+
+    def same(text):
+        return re.sub(r"\d", "#", " ".join(text.split()))
+
+    assert same(r.output) == same(shown), r.output
+
+
+def test_keep_tied_on_an_untied_head_says_it_changed_nothing(tmp_path):
+    """Issue 34.9: flashnorm:keep_tied=true on an untied checkpoint (the demo Llama) is noted, not silent."""
+    assert not json.loads((Path(LLAMA) / "config.json").read_text())["tie_word_embeddings"]
+    r = run("convert", LLAMA, tmp_path / "out", "--pass", "flashnorm:keep_tied=true", "--json")
+    assert r.exit_code == 0, r.output
+    notes = json.loads(r.stdout)["steps"][0]["notes"]
+    assert any(n.startswith("keep_tied=true changed nothing: lm_head is not tied") for n in notes), notes
+
+
 def test_an_interrupt_names_the_training_state_it_keeps(tmp_path, monkeypatch):
     """Ctrl-C during a trained pass: no output, and the resumable state beside it is named."""
     import importlib

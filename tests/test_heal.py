@@ -171,3 +171,53 @@ def test_heal_stops_when_heldout_ce_stops_improving(tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["heal"]["steps"] == 2 and data["heal"]["tokens"] == 2 * 2 * 32 and len(data["losses"]) == 2
+
+
+HELD = "normsurgery/data/heldout.txt"
+SMALL = {"steps": 2, "seq_len": 64, "batch_size": 2, "eval_samples": 3}
+
+
+def test_heal_alone_gives_the_original_before_pruning_on_held_out_text(tmp_path):
+    """Issue 34.6: heal of a pruned model reports held-out CE of the input, the healed model and the
+    original the record names (where it opens here; else says it is not available)."""
+    import shutil
+
+    from normsurgery.calibration import tokenize, windows
+
+    original = tmp_path / "original"
+    shutil.copytree(LLAMA, original)
+    ns.prune(original, tmp_path / "pruned", {"layers": 2, "samples": 4, "seq_len": 64})
+    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", Path(SAMPLE), eval_text=Path(HELD), options=SMALL)
+    held = windows(tokenize(T.AutoTokenizer.from_pretrained(LLAMA), Path(HELD).read_text()), 64, 3)
+    assert h.ce["original"] == pytest.approx(heldout_ce(T.AutoModelForCausalLM.from_pretrained(LLAMA), held),
+                                             abs=1e-4)
+    assert h.ce["input"] == h.report.ce_before and h.ce["healed"] == h.report.ce_after
+    assert h.original == str(original) and h.heldout == "the held-out text (--eval-text)"
+    record = json.loads((tmp_path / "healed" / "config.json").read_text())["normsurgery"]
+    assert record["heldout_ce"] == h.ce and record["heldout"]["original"] == str(original)
+    card = (tmp_path / "healed" / "README.md").read_text()
+    assert f"The original before pruning (`{original}`): {h.ce['original']:.4f} on the same windows." in card
+    shutil.rmtree(original)
+    r = run("heal", tmp_path / "pruned", tmp_path / "again", "--text", SAMPLE, "--steps", 2, "--seq-len", 64,
+            "--eval-samples", 3)
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())  # lines wrapped at the console's width
+    assert f"original before pruning: not available: no checkpoint at '{original}'" in said
+    assert "held out: the last 10% of the text (never trained on)" in said
+    assert "input" in said and "healed" in said
+
+
+def test_heal_warns_when_it_over_fits_its_text(tmp_path):
+    """Issue 34.6: held-out CE up while the training text's falls is one warning line."""
+    small = tmp_path / "small.txt"
+    small.write_text(Path(SAMPLE).read_text()[:2000])
+    r = run("heal", LLAMA, tmp_path / "out", "--text", small, "--eval-text", HELD, "--steps", 30, "--lr", 1e-2,
+            "--seq-len", 32, "--batch-size", 4, "--eval-samples", 4, "--json")
+    assert r.exit_code == 0, r.output
+    h = json.loads(r.stdout)["heal"]
+    assert h["ce_after"] > h["ce_before"] and h["train_ce_after"] < h["train_ce_before"] - 1.0, h
+    r = run("heal", LLAMA, tmp_path / "out2", "--text", small, "--eval-text", HELD, "--steps", 30, "--lr", 1e-2,
+            "--seq-len", 32, "--batch-size", 4, "--eval-samples", 4)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and said.count("warning: healing over-fit its text: held-out CE rose") == 1, r.output
+    assert "original before pruning" not in r.output  # the demo model was not pruned: nothing to say

@@ -213,6 +213,33 @@ def test_prune_cli_saves_a_plain_checkpoint_and_shows_why(tmp_path):
     assert "block influence" in r.output and "removed 2 of 8 layers" in r.output
 
 
+def test_prune_alone_measures_cross_entropy_on_the_held_out_end_of_the_text(tmp_path):
+    """Issue 34.7: without --heal the CE is the held-out one (the end of --text, never the calibration
+    windows), recorded and carded as such; --eval-samples counts."""
+    from normsurgery.calibration import split_heldout, tokenize, windows
+    from normsurgery.training import heldout_ce
+
+    text = Path("normsurgery/data/sample.txt").read_text()
+    text += " ".join(f"zq{i * 7919 % 1000}x" for i in range(1500))  # the end: unlike anything calibrated on
+    (tmp_path / "text.txt").write_text(text)
+    out = tmp_path / "pruned"
+    r = run("prune", LLAMA, out, "--layers", 2, "--samples", 4, "--seq-len", 64, "--eval-samples", 3,
+            "--text", tmp_path / "text.txt", "--json")
+    assert r.exit_code == 0, r.output
+    ce = json.loads(r.stdout)["ce"]
+    _, end = split_heldout(tokenize(T.AutoTokenizer.from_pretrained(LLAMA), text), 0.1, 64)
+    held = windows(end, 64, 3)
+    assert ce["original"] == pytest.approx(heldout_ce(T.AutoModelForCausalLM.from_pretrained(LLAMA), held), abs=1e-4)
+    assert ce["pruned"] == pytest.approx(heldout_ce(T.AutoModelForCausalLM.from_pretrained(out), held), abs=1e-4)
+    record = json.loads((out / "config.json").read_text())["normsurgery"]
+    assert record["heldout_ce"] == ce
+    assert record["heldout"] == {"text": "the last 10% of the text (never trained on)", "windows": 3, "seq_len": 64}
+    card = (out / "README.md").read_text()
+    assert "on the last 10% of the text (never trained on): 3 windows of 64 tokens" in card
+    r = run("prune", LLAMA, tmp_path / "table", "--layers", 2, "--samples", 4, "--seq-len", 64)
+    assert r.exit_code == 0 and "held out: the last 10% of the text (never trained on)" in r.output, r.output
+
+
 def assert_refused(result, out, match):
     assert result.exit_code == 1, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

@@ -17,12 +17,14 @@ H = HealOptions  # its fields' defaults, for the help
 
 
 def print_heal_steps(report, seconds: float) -> None:
-    """The steps line and, when the text was read many times over, the overfitting note."""
-    from .report import heal_line, overfit_note
+    """The steps line, the warning when healing over-fit its text and, when the text was read many
+    times over, the overfitting note."""
+    from .report import heal_line, overfit_note, overfit_warning
 
     say(heal_line(report, seconds))
-    if overfit_note(report):
-        stderr().print(overfit_note(report), markup=False, highlight=False)
+    for line in (overfit_warning(report), overfit_note(report)):
+        if line:
+            stderr().print(line, markup=False, highlight=False)
 
 
 @command
@@ -79,10 +81,14 @@ def heal(
     if json:
         emit_json({**result.record, "saved": result.saved, "losses": result.report.losses, "seconds": result.seconds})
         return
-    from .report import ce_table, loads_with
+    from .report import ce_table, loads_with, recovered_fraction
 
-    report = result.report
-    show(ce_table("held-out cross-entropy", [("before", report.ce_before), ("after", report.ce_after)], None))
+    report, ce = result.report, result.ce
+    rec = recovered_fraction(ce["original"], ce["input"], ce["healed"]) if "original" in ce else None
+    show(ce_table("held-out cross-entropy", list(ce.items()), rec))
+    say(f"held out: {result.heldout}")
+    if result.original is not None:
+        say(f"original before pruning: {result.original}")
     print_heal_steps(report, result.seconds)
     say_device(result.record.get("device"))
     what = f"adapter (peft; base {source.path})" if save_adapter_ else f"merged; {loads_with(result.saved)}"

@@ -48,10 +48,10 @@ def prune(
                                                                             f"micro-batch (default {P.batch_size})"),
     plot: Optional[Path] = typer.Option(None, metavar="PNG", help="also draw the scores into this PNG"),
     heal: bool = typer.Option(False, "--heal", help="heal with LoRA after pruning (see `heal --help`)"),
-    eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text for CE (default: the end "
-                                                                        "of --text)"),
+    eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text for CE, healed or not "
+                                             f"(default: the last {H.eval_fraction:.0%} of --text)"),
     eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K",
-                                               help=f"held-out windows at most (default {H.eval_samples})"),
+                                               help=f"held-out windows at most (default {P.eval_samples})"),
     steps: Optional[int] = typer.Option(None, min=1, metavar="N", help=f"heal: optimizer steps (default {H.steps})"),
     rank: Optional[int] = typer.Option(None, min=1, metavar="R", help=f"heal: LoRA rank (default {H.rank})"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X",
@@ -78,7 +78,8 @@ def prune(
 
     prune_recipe, heal_recipe = load_prune_recipe(recipe) if recipe else ({}, None)
     p = merge(PRUNE_DEFAULTS, prune_recipe, {"layers": layers, "fraction": fraction, "method": method,
-                                             "samples": samples, "seq_len": seq_len, "batch_size": batch_size})
+                                             "samples": samples, "seq_len": seq_len, "batch_size": batch_size,
+                                             "eval_samples": eval_samples})
     if p["method"] not in METHODS:
         raise SurgeryError(f"unknown method {p['method']!r}{did_you_mean(p['method'], METHODS)}; "
                            f"choose one of {', '.join(METHODS)}")
@@ -115,7 +116,8 @@ def prune(
         f"({', '.join(map(str, r.selection.layers))}) by {r.selection.method}{how}; {r.removed['layers_after']} "
         "remain, renumbered")
     if r.ce:
-        show(ce_table(f"cross-entropy on {r.ce_on}", list(r.ce.items()), rec))
+        show(ce_table("held-out cross-entropy", list(r.ce.items()), rec))
+        say(f"held out: {r.ce_on}")
     elif r.no_lm_head:
         say(f"no cross-entropy: {r.no_lm_head} has no language-modelling head")
     if r.heal:

@@ -231,10 +231,10 @@ def ce_table(title: str, rows: list[tuple[str, float]], recovered: float | None)
 
 def heal_line(report, seconds: float | None = None) -> str:
     """Steps, throughput, what trained (--train) and (given the whole heal's wall time) the share spent
-    evaluating held-out CE before and after."""
+    evaluating CE before and after (held-out and training windows)."""
     share = ""
     if seconds:
-        share = (f"; held-out evaluation {max(seconds - report.seconds, 0.0):.1f} s of {seconds:.1f} s "
+        share = (f"; evaluation {max(seconds - report.seconds, 0.0):.1f} s of {seconds:.1f} s "
                  f"({100 * max(seconds - report.seconds, 0.0) / seconds:.0f}%, --eval-samples sets its size)")
     precision = "fp32" if report.mixed_precision == "no" else report.mixed_precision  # the --precision spelling
     what = {"lora": f"LoRA rank {report.rank} on {report.target_modules} linears",
@@ -252,6 +252,15 @@ def recovered_fraction(original: float, pruned: float, healed: float) -> float |
 
 
 OVERFIT_EPOCHS = 4
+
+
+def overfit_warning(report) -> str | None:
+    """One line when healing over-fit its text (``HealReport.overfit``)."""
+    if not report.overfit:
+        return None
+    return (f"warning: healing over-fit its text: held-out CE rose {report.ce_before:.4f} -> {report.ce_after:.4f} "
+            f"while CE on the training text fell {report.train_ce_before:.4f} -> {report.train_ce_after:.4f}; "
+            "give more (or more varied) text, fewer --steps, or --patience")
 
 
 def overfit_note(report) -> str | None:

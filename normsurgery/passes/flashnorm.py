@@ -4,7 +4,8 @@ RMS(x) W = (x / rms(x)) diag(g) W: W* = diag(g) W and the norm's gain becomes 1.
 the bias folds into the readers' biases (c + W b); the norm keeps its mean removal and 1/std.
 
 A tied head shares the embedding, so folding the final norm into it unties it (the output
-stores the embedding twice); ``keep_tied=true`` leaves the final norm's gain in place instead.
+stores the embedding twice); ``keep_tied=true`` leaves the final norm's gain in place instead (on
+an untied head it changes nothing, and the report says so).
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("flashnorm")
     sites = foldable(layout)
     final = layout.final_norm
+    keep = ctx.options.get("keep_tied")
     if layout.tied and final in sites and layout.head in final.readers:
-        if ctx.options.get("keep_tied"):
+        if keep:
             sites = tuple(s for s in sites if s is not final)
             report.notes.append(f"kept {final.path}'s gain (keep_tied=true): {layout.head} stays tied to "
                                 f"{layout.token_embedding}, so the output keeps the input's size and tying")
         else:
             report.notes.append("flashnorm:keep_tied=true would keep the head tied and the final norm's gain")
+    elif keep:
+        report.notes.append(f"keep_tied=true changed nothing: {layout.head} is not tied to {layout.token_embedding}, "
+                            "so folding the final norm into it unties nothing (its gain is folded as without it)")
     touched = {r for s in sites for r in s.readers}
     report.notes += untie_if_touched(model, layout, touched)
     for site in sites:
