@@ -142,6 +142,10 @@ def plan(source: Source) -> tuple[Plan, object]:
     model = source.meta_model(torch.float32)
     lay = layout(model)
     _refuse(source, lay)
+    if getattr(model.get_submodule(lay.head), "bias", None) is not None:
+        raise SurgeryError(f"GGUF cannot express {source.name}: its head has a bias (remove-ln folds the final "
+                           "LayerNorm's bias into it), which llama.cpp does not add; remove-ln:export=stock keeps "
+                           "it in the norm")
     arch = fam.gguf
     widths = _widths(model, lay)
     if any(len(set(v)) > 1 for v in widths.values()):
