@@ -121,10 +121,19 @@ def export(src, dest, *, to: str = "onnx", text: str | Path | None = None, toler
     ``device``; the graph is traced on the CPU, where ONNX Runtime runs it. Raises SurgeryError,
     writing nothing, when ONNX Runtime's outputs are out of tolerance or its greedy tokens differ
     from ``generate``'s. ``text``: the check's text
-    (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file."""
+    (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file.
+    ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``; the ONNX
+    options do not apply)."""
     text = text_of(text)
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
+    if to == "gguf":
+        if with_past or external_data is not None:
+            raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
+        return gguf.export(src, dest, dtype=dtype or "f32", text=text, tolerance=tolerance, force=force,
+                           allow_pickle=allow_pickle)
+    if dtype is not None:
+        raise SurgeryError("--dtype is a GGUF option; an ONNX export is float32")
     require_onnx()
     job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device)
     source, where = job.source, job.device

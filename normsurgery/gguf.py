@@ -497,6 +497,19 @@ def _capture_log(ffi, lib) -> None:
         lib.llama_log_set(_CALLBACK, ffi.NULL)
 
 
+def library_problem() -> str | None:
+    """Why llama.cpp's library does not load here (None: it does). The llama-cpp-py-sync 0.11739
+    wheel, tagged manylinux2014, links glibc 2.38's C23 ``__isoc23_strtol`` and friends."""
+    from llama_cpp_py_sync._cffi_bindings import get_lib
+
+    try:
+        get_lib()
+    except RuntimeError as e:
+        m = re.search(r"version `[^']+' not found|undefined symbol: \S+", str(e))
+        return f"llama.cpp's library does not load here ({m.group(0) if m else str(e)[:160]})"
+    return None
+
+
 class LlamaCpp:
     """A GGUF file loaded in llama.cpp (CPU; float32 key/value cache, so only its arithmetic and
     the weights' storage type differ from torch)."""
@@ -505,6 +518,9 @@ class LlamaCpp:
         from llama_cpp_py_sync import Llama
         from llama_cpp_py_sync._cffi_bindings import get_ffi, get_lib
 
+        why = library_problem()
+        if why:
+            raise SurgeryError(f"{why}, so the GGUF cannot be checked; nothing was written")
         self.ffi, self.lib = get_ffi(), get_lib()
         _capture_log(self.ffi, self.lib)
         _LOG.clear()
