@@ -149,10 +149,10 @@ def plan(source: Source) -> tuple[Plan, object]:
     arch = fam.gguf
     widths = _widths(model, lay)
     if any(len(set(v)) > 1 for v in widths.values()):
-        arch = _per_layer(source, lay, arch)
-    eps, trick = _epsilon(model, lay)
+        arch = _per_layer(source, model, lay, arch, widths)
+    eps, trick = _epsilon(source.name, model, lay, ARCHES[arch])
     meta = _metadata(source, lay, ARCHES[arch], arch, widths, eps)
-    items = _items(model, lay, ARCHES[arch], widths)
+    items = _items(model, lay, ARCHES[arch])
     return Plan(arch, meta, items, trick, widths), model
 
 
@@ -186,35 +186,43 @@ def _widths(model, lay: Layout) -> dict:
             "head_dim": [a.head_dim for a in lay.attention]}
 
 
-def _per_layer(source: Source, lay: Layout, arch: str) -> str:
+def _per_layer(source: Source, model, lay: Layout, arch: str, widths: dict) -> str:
     """``deci`` for per-layer widths of a RMSNorm / SwiGLU family; refused otherwise."""
-    if ARCHES[arch].norm != "rms" or lay.mlps[0].gate is None:
-        raise SurgeryError(f"GGUF cannot express {source.name}: its layers differ in width, and llama.cpp builds "
-                           f"per-layer widths only in deci (RMSNorm, SwiGLU), not {arch}")
-    if lay.bias_flags and any(getattr(source.config, f, False) for f in lay.bias_flags) or \
-            getattr(source.config, "attention_bias", False) or source.family == "qwen2":
-        raise SurgeryError(f"GGUF cannot express {source.name}: its layers differ in width and its linears have "
-                           "biases, which llama.cpp's deci (per-layer widths) does not load")
+    why = None
+    if len(set(widths["head_dim"])) > 1:
+        why = "its layers' heads differ in width, and GGUF has one key length"
+    elif ARCHES[arch].norm != "rms" or lay.mlps[0].gate is None:
+        why = f"its layers differ in width, and llama.cpp builds per-layer widths only in deci (RMSNorm, SwiGLU)"
+    elif not ARCHES["deci"].biases and any(getattr(model.get_submodule(p), "bias", None) is not None
+                                           for a in lay.attention for p in (a.q, a.k, a.v, a.qkv, a.o) if p):
+        why = "its layers differ in width and its attention has biases, which llama.cpp's deci does not load"
+    if why:
+        raise SurgeryError(f"GGUF cannot express {source.name}: {why}")
     return "deci"
 
 
-def _epsilon(model, lay: Layout) -> tuple[float, bool]:
+#: the norm kind (``layout.NORM_KINDS``) each of ``Arch.norm`` computes
+NORM_KIND = {"rms": "rmsnorm", "layer": "layernorm"}
+
+
+def _epsilon(name: str, model, lay: Layout, a: Arch) -> tuple[float, bool]:
     """The one norm epsilon GGUF holds, and whether it is the eps trick (every norm removed)."""
     removed = [isinstance(model.get_submodule(s.path), NoNorm) for s in lay.norms]
     if all(removed):
         return TRICK_EPS, True
     live = [s for s, r in zip(lay.norms, removed) if not r]
     if any(removed):
-        raise SurgeryError(f"GGUF cannot express it: {live[0].path} computes its norm beside {sum(removed)} removed "
+        raise SurgeryError(f"GGUF cannot express {name}: {live[0].path} computes its norm beside {sum(removed)} removed "
                            "ones, and GGUF has one norm epsilon (the removed ones need 1e12)")
-    odd = [s for s in lay.norms if s.kind not in ("rmsnorm", "layernorm") or s.offset != 0.0 or
-           getattr(model.get_submodule(s.path), "divisor", s.path) not in (s.path, _width(model, s))]
-    if odd:
-        raise SurgeryError(f"GGUF cannot express it: {odd[0].path} is a {odd[0].kind} norm "
-                           f"({type(model.get_submodule(odd[0].path)).__name__}), which llama.cpp does not compute")
+    for s in lay.norms:
+        mod = model.get_submodule(s.path)
+        if s.kind != NORM_KIND[a.norm] or s.offset != 0.0 or getattr(mod, "divisor", _width(model, s)) != \
+                _width(model, s) or (a.norm == "rms" and getattr(mod, "bias", None) is not None):
+            raise SurgeryError(f"GGUF cannot express {name}: {s.path} is a {s.kind} norm ({type(mod).__name__}), "
+                               f"which llama.cpp's {NORM_KIND[a.norm]} does not compute")
     eps = {s.eps for s in lay.norms}
     if len(eps) != 1:
-        raise SurgeryError(f"GGUF cannot express it: its norms use {len(eps)} epsilons, and GGUF has one")
+        raise SurgeryError(f"GGUF cannot express {name}: its norms use {len(eps)} epsilons, and GGUF has one")
     return eps.pop(), False
 
 
@@ -242,7 +250,7 @@ def _metadata(source: Source, lay: Layout, a: Arch, arch: str, widths: dict, eps
     return meta
 
 
-def _items(model, lay: Layout, a: Arch, widths: dict) -> list[Item]:
+def _items(model, lay: Layout, a: Arch) -> list[Item]:
     """Every tensor to write, in llama.cpp's names, each reading its values when written."""
     items = [_item(model, "token_embd", lay.token_embedding, "weight")]
     items += [_item(model, "position_embd", p, "weight") for p in lay.embeddings if p != lay.token_embedding]
@@ -505,7 +513,7 @@ def library_problem() -> str | None:
     try:
         get_lib()
     except RuntimeError as e:
-        m = re.search(r"version `[^']+' not found|undefined symbol: \S+", str(e))
+        m = re.search(r"version `[^']+' not found|undefined symbol: [\w.]+", str(e))
         return f"llama.cpp's library does not load here ({m.group(0) if m else str(e)[:160]})"
     return None
 

@@ -71,7 +71,7 @@ def left_nothing(out: Path) -> None:
 
 
 @needs_llama
-@pytest.mark.parametrize("dtype,bound", [("f32", 1e-3), ("f16", 1e-2)])
+@pytest.mark.parametrize("dtype,bound", [("f32", 1e-3), ("f16", 1e-2), ("bf16", 2e-2), ("q8_0", 5e-2)])
 def test_llama_tiny_runs_in_llama_cpp_as_in_transformers(tmp_path, dtype, bound):
     out = tmp_path / "llama.gguf"
     r = run("export", LLAMA, out, "--to", "gguf", "--dtype", dtype, "--json")
@@ -96,6 +96,14 @@ def test_gpt2_tiny_tied_head(tmp_path):
     r = ns.export(GPT2, out, to="gguf")
     assert r.arch == "gpt2" and r.parity.ok and r.greedy["agree"] == 1.0
     assert llama_against(out, stock(GPT2))["relative"] <= 1e-3
+
+
+@needs_llama
+def test_fewer_layers_keep_the_family_architecture(tmp_path):
+    ns.prune(LLAMA, tmp_path / "pruned", {"layers": 3, "method": "last"})
+    r = ns.export(tmp_path / "pruned", tmp_path / "pruned.gguf", to="gguf")
+    assert r.arch == "llama" and len(r.widths["heads"]) == 5 and r.parity.ok and r.greedy["agree"] == 1.0
+    assert llama_against(tmp_path / "pruned.gguf", stock(tmp_path / "pruned"))["relative"] <= 1e-3
 
 
 def uneven(tmp_path) -> Path:
