@@ -212,8 +212,8 @@ def _epsilon(name: str, model, lay: Layout, a: Arch) -> tuple[float, bool]:
         return TRICK_EPS, True
     live = [s for s, r in zip(lay.norms, removed) if not r]
     if any(removed):
-        raise SurgeryError(f"GGUF cannot express {name}: {live[0].path} computes its norm beside {sum(removed)} removed "
-                           "ones, and GGUF has one norm epsilon (the removed ones need 1e12)")
+        raise SurgeryError(f"GGUF cannot express {name}: {live[0].path} computes its norm beside {sum(removed)} "
+                           "removed ones, and GGUF has one norm epsilon (the removed ones need 1e12)")
     for s in lay.norms:
         mod = model.get_submodule(s.path)
         if s.kind != NORM_KIND[a.norm] or s.offset != 0.0 or getattr(mod, "divisor", _width(model, s)) != \

@@ -87,10 +87,11 @@ def _gguf(src: str, dest: Path, dtype: str | None, text: Path | None, tol: float
     from .app import load_transformers
 
     load_transformers()
-    from ..gguf import export as export_gguf
+    from ..export import export as export_api
 
-    r = export_gguf(src, dest, dtype=dtype, text=read_text(text), tolerance=tol, force=force,
-                    allow_pickle=allow_pickle)
+    # the output is a file, which gguf.export checks and locks itself (``claimed`` takes folders)
+    r = export_api(src, dest, to="gguf", dtype=dtype, text=read_text(text), tolerance=tol, force=force,
+                   allow_pickle=allow_pickle)
     if json:
         emit_json(r.as_dict())
         return
