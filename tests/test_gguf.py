@@ -222,3 +222,27 @@ def test_options_of_the_other_format_are_usage_errors(tmp_path):
     assert r.exit_code == 2 and "GGUF option" in r.output
     r = run("export", LLAMA, tmp_path / "x.gguf", "--to", "gguf", "--dtype", "q4")
     assert r.exit_code == 2 and "f32, f16, bf16, q8_0" in r.output
+
+
+@pytest.mark.real
+@needs_llama
+def test_real_smollm2_outputs_run_in_llama_cpp(tmp_path):
+    """SmolLM2-135M (NORMSURGERY_REAL_MODEL, ``make test-real``): the input, its flashnorm output, a
+    prune --layers 4 output and a minimized one (mask:prune_units=0.3) at F32 in llama.cpp: 32 greedy
+    tokens equal transformers', relative error <= 1e-3; the minimized file smaller than the input's."""
+    import os
+
+    real = Path(os.environ.get("NORMSURGERY_REAL_MODEL", ""))
+    if not (real / "config.json").is_file():
+        pytest.fail(f"NORMSURGERY_REAL_MODEL={str(real)!r} names no checkpoint folder (make test-real fetches it)")
+    ns.convert(real, tmp_path / "flash", [("flashnorm", {})])
+    ns.prune(real, tmp_path / "pruned", {"layers": 4, "method": "last"})
+    ns.convert(real, tmp_path / "small", [("minimize", {"prune_units": 0.3})])
+    sizes = {}
+    for name, folder in (("input", real), ("flash", tmp_path / "flash"), ("pruned", tmp_path / "pruned"),
+                         ("small", tmp_path / "small")):
+        r = ns.export(folder, tmp_path / f"{name}.gguf", to="gguf")
+        assert r.parity.relative <= 1e-3 and r.greedy["agree"] == 1.0, (name, r.as_dict())
+        assert r.pre_tokenizer == "smollm" and r.tokenizer["equal"]
+        sizes[name] = r.saved["bytes"]
+    assert sizes["small"] < sizes["input"]
