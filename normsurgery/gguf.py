@@ -151,7 +151,7 @@ def plan(source: Source) -> tuple[Plan, object]:
     if any(len(set(v)) > 1 for v in widths.values()):
         arch = _per_layer(source, model, lay, arch, widths)
     eps, trick = _epsilon(source.name, model, lay, ARCHES[arch])
-    meta = _metadata(source, lay, ARCHES[arch], arch, widths, eps)
+    meta = _metadata(source, lay, ARCHES[arch], widths, eps)
     items = _items(model, lay, ARCHES[arch])
     return Plan(arch, meta, items, trick, widths), model
 
@@ -192,7 +192,7 @@ def _per_layer(source: Source, model, lay: Layout, arch: str, widths: dict) -> s
     if len(set(widths["head_dim"])) > 1:
         why = "its layers' heads differ in width, and GGUF has one key length"
     elif ARCHES[arch].norm != "rms" or lay.mlps[0].gate is None:
-        why = f"its layers differ in width, and llama.cpp builds per-layer widths only in deci (RMSNorm, SwiGLU)"
+        why = "its layers differ in width, and llama.cpp builds per-layer widths only in deci (RMSNorm, SwiGLU)"
     elif not ARCHES["deci"].biases and any(getattr(model.get_submodule(p), "bias", None) is not None
                                            for a in lay.attention for p in (a.q, a.k, a.v, a.qkv, a.o) if p):
         why = "its layers differ in width and its attention has biases, which llama.cpp's deci does not load"
@@ -230,7 +230,9 @@ def _width(model, site) -> int:
     return model.get_submodule(site.path).weight.shape[0]
 
 
-def _metadata(source: Source, lay: Layout, a: Arch, arch: str, widths: dict, eps: float) -> dict:
+def _metadata(source: Source, lay: Layout, a: Arch, widths: dict, eps: float) -> dict:
+    """The architecture's hyperparameters, as ``GGUFWriter.add_<key>(value)``; per-layer counts as
+    arrays of n_layer entries where the architecture reads them so (deci)."""
     c = source.config
     n = len(lay.attention)
     per = (lambda v: [int(x) for x in v]) if a.per_layer else (lambda v: int(v[0]))

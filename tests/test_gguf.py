@@ -207,6 +207,15 @@ def test_removed_channels_and_unwritten_families_are_refused(tmp_path):
     one_line_refusal([tmp_path / "qwen3"], "no llama.cpp architecture for qwen3", tmp_path / "qwen3.gguf")
 
 
+def test_uneven_gpt2_widths_are_refused(tmp_path):
+    model = ns.load(GPT2, torch.float32)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_proj.weight[:64] = 0  # Conv1D [in, out]: 64 units write nothing
+    ns.save(model, tmp_path / "zeroed", source=GPT2)
+    ns.convert(tmp_path / "zeroed", tmp_path / "uneven", [("minimize", {})])
+    one_line_refusal([tmp_path / "uneven"], "per-layer widths only in deci", tmp_path / "uneven.gguf")
+
+
 def test_an_unknown_pre_tokenizer_is_refused(tmp_path):
     shutil.copytree(LLAMA, tmp_path / "odd")
     spec = json.loads((tmp_path / "odd" / "tokenizer.json").read_text())
