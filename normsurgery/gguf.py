@@ -528,9 +528,6 @@ class LlamaCpp:
         from llama_cpp_py_sync import Llama
         from llama_cpp_py_sync._cffi_bindings import get_ffi, get_lib
 
-        why = library_problem()
-        if why:
-            raise SurgeryError(f"{why}, so the GGUF cannot be checked; nothing was written")
         self.ffi, self.lib = get_ffi(), get_lib()
         _capture_log(self.ffi, self.lib)
         _LOG.clear()
@@ -689,6 +686,9 @@ def export(src, dest, *, dtype: str = "f32", text: str | None = None, tolerance:
     _check_dest(dest, force, source)
     p, model = plan(source)
     voc = vocab(source)
+    why = library_problem()
+    if why:
+        raise SurgeryError(f"{why}, so a GGUF written could not be checked; nothing was written")
     with output_lock(dest):
         tmp, card = (dest.parent / f".{dest.name}{s}.tmp-{os.getpid()}" for s in ("", ".md"))
         try:
