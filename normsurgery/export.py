@@ -1,4 +1,5 @@
-"""export: a checkpoint as an ONNX graph, run in ONNX Runtime and compared with the torch model.
+"""export: a checkpoint as an ONNX graph, run in ONNX Runtime and compared with the torch model
+(``to="gguf"``: one GGUF file for llama.cpp, checked in llama.cpp: ``normsurgery.gguf``).
 
 The model (stock or rewritten: ``checkpoint.load``, float32) is traced by the exporter torch
 ships (``torch.onnx.export``, the TorchScript exporter, opset 17) with inputs ``input_ids`` and
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from . import devices, modelcard
+from . import devices, gguf, modelcard
 from .checkpoint import finish, load
 from .errors import SurgeryError
 from .options import FORMATS  # noqa: F401  (re-exported)
@@ -113,17 +114,26 @@ def output_name(model) -> str:
 
 def export(src, dest, *, to: str = "onnx", text: str | Path | None = None, tolerance: float | None = None,
            force: bool = False, external_data: bool | None = None, with_past: bool = False,
-           allow_pickle: bool = False, device: str = "auto") -> Exported:
+           allow_pickle: bool = False, device: str = "auto", dtype: str | None = None) -> Exported | gguf.Exported:
     """Export ``src`` to ``dest`` (see the module docstring); ``external_data``: None decides by
     size; ``with_past``: the graph takes and returns the key/value cache (decoders), checked by
     greedy generation as well. The torch side (reference outputs, ``generate``) computes on
     ``device``; the graph is traced on the CPU, where ONNX Runtime runs it. Raises SurgeryError,
     writing nothing, when ONNX Runtime's outputs are out of tolerance or its greedy tokens differ
     from ``generate``'s. ``text``: the check's text
-    (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file."""
+    (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file.
+    ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``; the ONNX
+    options do not apply)."""
     text = text_of(text)
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
+    if to == "gguf":
+        if with_past or external_data is not None:
+            raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
+        return gguf.export(src, dest, dtype=dtype or "f32", text=text, tolerance=tolerance, force=force,
+                           allow_pickle=allow_pickle)
+    if dtype is not None:
+        raise SurgeryError("--dtype is a GGUF option; an ONNX export is float32")
     require_onnx()
     job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device)
     source, where = job.source, job.device

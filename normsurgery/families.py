@@ -68,6 +68,7 @@ class Family:
     pruning: Pruning = Pruning()
     # the causal LM's logits are its head's linear output as it is (no scale or soft cap after it)
     plain_logits: bool = True
+    gguf: str | None = None  # llama.cpp's architecture for the stock shapes (``gguf``); None: not written
 
     def positions(self, config) -> int | None:
         """The longest sequence the model's positions allow (None: no limit known)."""
@@ -98,18 +99,19 @@ SLIDING = Pruning(lists=("layer_types",), counted=("max_window_layers",))
 FAMILIES = {
     "gpt2": Family(adapters.gpt2, "GPT2LMHeadModel", _decoder("GPT2", "GPT2LMHeadModel", "classifier"),
                    positions_key="n_positions", eps_keys=("layer_norm_epsilon",),
-                   pruning=Pruning(index_flags=("scale_attn_by_inverse_layer_idx",))),
+                   pruning=Pruning(index_flags=("scale_attn_by_inverse_layer_idx",)), gguf="gpt2"),
     "gpt_neox": Family(adapters.gpt_neox, "GPTNeoXForCausalLM", _decoder("GPTNeoX", tok_head="classifier"),
                        eps_keys=LN_EPS, bias_flags=("attention_bias",)),
     "opt": Family(adapters.opt, "OPTForCausalLM",
                   _classes("OPTForCausalLM", "OPTModel", seq=("OPTForSequenceClassification", "score")),
                   bias_flags=("enable_bias",)),
     "llama": Family(adapters.llama_like, "LlamaForCausalLM", _decoder("Llama"), rmsnorm=("LlamaRMSNorm", 0.0),
-                    eps_keys=RMS_EPS, bias_flags=("attention_bias", "mlp_bias")),
+                    eps_keys=RMS_EPS, bias_flags=("attention_bias", "mlp_bias"), gguf="llama"),
     "mistral": Family(adapters.llama_like, "MistralForCausalLM", _decoder("Mistral"),
-                      rmsnorm=("MistralRMSNorm", 0.0), eps_keys=RMS_EPS, pruning=Pruning(lists=("layer_types",))),
+                      rmsnorm=("MistralRMSNorm", 0.0), eps_keys=RMS_EPS, pruning=Pruning(lists=("layer_types",)),
+                      gguf="llama"),
     "qwen2": Family(adapters.llama_like, "Qwen2ForCausalLM", _decoder("Qwen2"), rmsnorm=("Qwen2RMSNorm", 0.0),
-                    eps_keys=RMS_EPS, pruning=SLIDING),
+                    eps_keys=RMS_EPS, pruning=SLIDING, gguf="qwen2"),
     "qwen3": Family(adapters.llama_like, "Qwen3ForCausalLM", _decoder("Qwen3"), rmsnorm=("Qwen3RMSNorm", 0.0),
                     eps_keys=RMS_EPS, bias_flags=("attention_bias",), pruning=SLIDING),
     "gemma": Family(adapters.llama_like, "GemmaForCausalLM", _decoder("Gemma"), rmsnorm=("GemmaRMSNorm", 1.0),

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from .devices import PRECISION_CHOICES, PRECISIONS
 from .errors import SurgeryError, UsageError
 
-__all__ = ["CRITERIA", "FORMATS", "HealOptions", "METHODS", "ON_OVERFLOW", "PruneOptions", "STRUCTURES",
+__all__ = ["CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "METHODS", "ON_OVERFLOW", "PruneOptions", "STRUCTURES",
            "SEQ_LEN", "SqueezeOptions", "TRAIN_MODES", "check_values", "defaults", "flag"]
 
 #: tokens per window when none is given (or the model's positions when fewer: ``calibration.fit_seq_len``)
@@ -31,7 +31,9 @@ CRITERIA = ("magnitude", "activation")
 #: convert --on-overflow: a rewritten tensor that does not fit a half-precision checkpoint (``precision``)
 ON_OVERFLOW = ("refuse", "keep-float32")
 #: export --to (``export``)
-FORMATS = ("onnx",)
+FORMATS = ("onnx", "gguf")
+#: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32)
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def flag(name: str) -> str:

@@ -1,4 +1,5 @@
-"""``export``: a checkpoint as an ONNX graph, checked in ONNX Runtime against the torch model."""
+"""``export``: a checkpoint as an ONNX graph, checked in ONNX Runtime against the torch model, or as
+a GGUF file, checked in llama.cpp against the checkpoint in transformers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from ..options import FORMATS
+from ..options import FORMATS, GGUF_DTYPES
 from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, claimed, command, did_you_mean, emit_json, one_of, positive, \
     read_text, say, say_device
 
@@ -16,8 +17,10 @@ from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, claimed, command, did_you_me
 @command(preload=False)
 def export(
     src: str = typer.Argument(..., metavar="IN", help="checkpoint: a folder or a cached hub id (stock or rewritten)"),
-    dest: Path = typer.Argument(..., metavar="DEST", help="output folder, written atomically"),
-    to: str = typer.Option(..., "--to", metavar="FORMAT", help=one_of(FORMATS)),
+    dest: Path = typer.Argument(..., metavar="DEST", help="output folder (ONNX) or file (GGUF), written atomically"),
+    to: str = typer.Option(..., "--to", "--format", metavar="FORMAT", help=one_of(FORMATS)),
+    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="TYPE",
+                                        help=f"GGUF: the matrices' type, {one_of(GGUF_DTYPES, GGUF_DTYPES[0])}"),
     external_data: Optional[bool] = typer.Option(None, "--external-data/--no-external-data",
                                                  help="weights beside the graph in model.onnx_data (default: "
                                                       "when they exceed 1 GiB)"),
@@ -32,10 +35,15 @@ def export(
     json: bool = JSON,
 ):
     """Export a checkpoint to ONNX (inputs input_ids and attention_mask, dynamic batch and sequence),
-    run it in ONNX Runtime on probe text and compare with the torch model; exit 1, writing
-    nothing, when they differ beyond the tolerance. Needs pip install 'normsurgery[onnx]'."""
+    run it in ONNX Runtime on probe text and compare with the torch model; or to one GGUF file
+    (--to gguf) run in llama.cpp and compared with the checkpoint in transformers. Exit 1, writing
+    nothing, when they differ beyond the tolerance. Needs pip install 'normsurgery[onnx]' (or [gguf])."""
     if to not in FORMATS:
         raise UsageError(f"--to {to!r}: choose one of {', '.join(FORMATS)}{did_you_mean(to, FORMATS)}")
+    if to == "gguf":
+        return _gguf(src, dest, dtype, text, tol, force, allow_pickle, json, with_past or external_data is not None)
+    if dtype is not None:
+        raise UsageError("--dtype is a GGUF option (--to gguf); an ONNX graph is float32")
     from ..export import require_onnx
 
     require_onnx()
@@ -63,3 +71,37 @@ def export(
     say(f"saved {r.saved['path']}: opset {r.opset}, inputs input_ids and attention_mask, output {r.output}"
         + (", past_key_values.L.key/value in, present.L.key/value out" if r.with_past else "")
         + (", weights in model.onnx_data" if r.external_data else ""))
+
+
+def _gguf(src: str, dest: Path, dtype: str | None, text: Path | None, tol: float | None, force: bool,
+          allow_pickle: bool, json: bool, onnx_options: bool) -> None:
+    """``export --to gguf``: the file written and checked in llama.cpp (``gguf.export``)."""
+    dtype = dtype or GGUF_DTYPES[0]
+    if dtype not in GGUF_DTYPES:
+        raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}{did_you_mean(dtype, GGUF_DTYPES)}")
+    if onnx_options:
+        raise UsageError("--with-past and --external-data are ONNX options; a GGUF file has neither")
+    from ..gguf import require_gguf
+
+    require_gguf()
+    from .app import load_transformers
+
+    load_transformers()
+    from ..export import export as export_api
+
+    # the output is a file, which gguf.export checks and locks itself (``claimed`` takes folders)
+    r = export_api(src, dest, to="gguf", dtype=dtype, text=read_text(text), tolerance=tol, force=force,
+                   allow_pickle=allow_pickle)
+    if json:
+        emit_json(r.as_dict())
+        return
+    from .report import fmt
+
+    p, g = r.parity, r.greedy
+    say(f"llama.cpp vs transformers (logits): relative error {fmt(p.relative)}, KL {fmt(p.kl)}, top-1 agreement "
+        f"{p.top1:.4f}; tolerance {fmt(p.tolerance)}: {p.reason}")
+    say(f"greedy: {g['agree']:.0%} of {g['new_tokens']} tokens after each of {g['prompts']} prompts equal "
+        f"transformers'; the text's {r.tokenizer['tokens']} tokens equal transformers'")
+    say(f"saved {r.saved['path']} ({r.saved['bytes']:,} bytes): llama.cpp architecture {r.arch}, {r.dtype.upper()}"
+        + (", norms removed (eps trick: eps 1e12, gains 1e6)" if r.eps_trick else "")
+        + f"; card {r.saved['card']}")
