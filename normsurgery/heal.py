@@ -146,7 +146,8 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
     alpha = float(2 * rank if alpha is None else alpha)
     check_values({"train": train_mode})
     if train_mode != "lora":
-        params = norm_parameters(model) if train_mode == "norms" else list(model.parameters())
+        # "full": a generator, so that no list here holds the weights a sharded run replaces
+        params = norm_parameters(model) if train_mode == "norms" else model.parameters()
         result = train(model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
                        progress=progress, accelerator=accelerator, params=params)
         targets = len(layout(model).norms) + len(layout(model).qk_norms) if train_mode == "norms" else 0
