@@ -253,9 +253,9 @@ def _load_state(config: TrainConfig, fingerprint: str, shards: int | None) -> di
     state = torch.load(path, map_location="cpu", weights_only=False)
     kept = state.get("shards")
     if kept != shards:
-        how = f"sharded over {kept} processes (FSDP)" if kept else "unsharded"
-        now = f"{shards} sharded" if shards else "unsharded"
-        raise SurgeryError(f"the training state at {path} is {how} and this run is {now}: resume it "
+        how = f"sharded over {kept} processes (FSDP)" if kept else "not sharded"
+        now = "is not" if not shards else f"over {shards}" if kept else f"is, over {shards} processes"
+        raise SurgeryError(f"the training state at {path} is {how} and this run {now}: resume it "
                            f"{f'with {kept} processes under FSDP' if kept else 'without FSDP'}, or start afresh "
                            "without --resume")
     if state.get("fingerprint") != fingerprint:
