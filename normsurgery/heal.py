@@ -226,7 +226,7 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     train_ids, held = job.training_data(text, eval_text, opts)
     acc = job.make_accelerator(opts.precision)
-    model = job.load()
+    model = job.load(trains=True)
     require_lm(model)
     model, report, seconds = run(model, job.source.tokenizer, train_ids, held, opts, merge=not save_adapter,
                                  accelerator=acc, progress=progress if job.main else no_progress)

@@ -299,21 +299,45 @@ def _like(t, template):
                               shape=template.shape, stride=template.stride())
 
 
+def _from_main(model, whole: dict) -> None:
+    """Load the main process's ``whole`` state dict (empty elsewhere) into the sharded ``model``:
+    each process receives its shards of each tensor in turn (ties kept: one parameter per tensor)."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    state, made = {}, {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in made:
+            device = torch.device(t.device_mesh.device_type) if isinstance(t, DTensor) else t.device
+            full = whole[key].to(device) if whole else torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, DTensor):
+                made[id(t)] = nn.Parameter(distribute_tensor(full, t.device_mesh, t.placements),
+                                           requires_grad=t.requires_grad)
+            else:
+                torch.distributed.broadcast(full, 0)
+                made[id(t)] = full
+        state[key] = made[id(t)]
+    model.load_state_dict(state, assign=True)
+
+
 class Shards:
     """``model`` sharded in place over the processes for training (FSDP2): each block, then the
     whole model (embeddings, final norm, head), wrapped with ``fully_shard`` under ``policy``
-    (``devices.shard_policy``). :meth:`whole` gives every process the whole model back as it was:
-    plain parameters, its classes and hooks."""
+    (``devices.shard_policy``), each process's shards sent by the main process (the others may
+    hold the model on the meta device: ``runner.Job.load``). :meth:`whole` gives every process the
+    whole model back as it was: plain parameters, its classes and hooks."""
 
     def __init__(self, model, policy):
         from torch.distributed.fsdp import fully_shard
 
         self.model = model
         self.before = {m: (type(m), set(vars(m)), {h: set(getattr(m, h)) for h in _HOOKS}) for m in model.modules()}
+        whole = model.state_dict() if is_main_process() else {}  # the others' may wait on the meta device
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         for block in base.get_submodule(layout(base).layers_path).children():
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
+        _from_main(model, whole)
 
     def whole(self) -> None:
         """Every parameter gathered whole in every process, and fully_shard's changes undone."""
@@ -395,7 +419,8 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     del params, chosen  # the parameters sharding replaces: none kept here
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
-    model.to(acc.device)
+    if not sharded:  # fully_shard places the shards
+        model.to(acc.device)
     shards = Shards(model, policy) if sharded else None
     try:
         return _train(model, acc, train_ids, heldout, config, objective, mask_token_id, mlm, on_step,
