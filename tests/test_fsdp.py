@@ -4,6 +4,7 @@ runs are marked ``fsdp`` (over a minute together): ``make test-fsdp``, which CI 
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,3 +145,15 @@ def test_fsdp_version_1_is_refused(monkeypatch):
     assert devices.sharding()
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert not devices.sharding()
+
+
+def test_prepbn_is_refused_under_fsdp(monkeypatch, tmp_path):
+    """prepbn rewrites weights in the middle of training: refused in one line, before training."""
+    import normsurgery as ns
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(SurgeryError, match=r"prepbn rewrites .* \(FSDP\) does not allow: run it data parallel"):
+        ns.convert("normsurgery/demo/gpt2-tiny", tmp_path / "out", [("prepbn", {"steps": 12, "warmup": 3, "decay": 8})],
+                   text=Path(SAMPLE))
+    assert not (tmp_path / "out").exists()
