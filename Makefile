@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE = 1
 export HF_HUB_DISABLE_PROGRESS_BARS = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-min test-real test-gpu fuzz bench bench-gpu clean
+.PHONY: install demo test test-fsdp test-min test-real test-gpu fuzz bench bench-gpu clean
 
 $(PY):
 	python3 -m venv .venv
@@ -24,6 +24,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests -q
+
+# sharded training (FSDP2) over two CPU processes compared with one (tests marked fsdp: minutes, so
+# not in `make test`; CI runs them)
+test-fsdp: install
+	$(PY) -m pytest tests -q -m fsdp
 
 # the lowest declared versions (constraints-min.txt) in their own venv, on a fast subset: CLI options,
 # loading an output with trust_remote_code, pruning and healing (LoRA, accelerate)

@@ -12,6 +12,9 @@ forward passes and training compute there; a tensor is written from a host copy
 moving the model there and giving it back where it found it (``training.train``), its random
 state kept per device (:func:`rng_state`). Other code follows the model (:func:`of`) or its inputs.
 
+Several processes shard the training state (FSDP2, ``fully_shard``) where accelerate's own FSDP
+configuration asks for it (:func:`sharding`); their precision is :func:`shard_policy`'s.
+
 Checks on a GPU compute in IEEE float32 and float64: TF32 matrix products (10 bits of mantissa)
 would round about 1e-3 relative, far above a float32 check's 1e-5, so :func:`choose` turns TF32
 off for matmuls and cuDNN in the process that checks (float64 runs at full precision on any GPU
@@ -103,21 +106,79 @@ def mixed_precision(precision: str, device) -> str:
     return PRECISIONS[precision]
 
 
+FSDP_ENV = "ACCELERATE_USE_FSDP"
+
+
+def sharding() -> bool:
+    """Whether training shards its state over the processes (FSDP2): asked the way accelerate's
+    users ask, ``accelerate launch --use_fsdp --fsdp_version 2`` (or a config file's
+    ``distributed_type: FSDP`` with ``fsdp_version: 2``), which sets ``ACCELERATE_USE_FSDP=true``
+    and ``FSDP_VERSION=2``: the same two variables under ``torchrun``. FSDP version 1 is refused."""
+    if os.environ.get(FSDP_ENV, "false").lower() != "true":
+        return False
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise SurgeryError(f"FSDP version {os.environ.get('FSDP_VERSION', '1')} is not supported: shard with FSDP2 "
+                           "(accelerate launch --use_fsdp --fsdp_version 2, or FSDP_VERSION=2)")
+    return True
+
+
+def shard_policy(mixed: str):
+    """FSDP2's MixedPrecisionPolicy for accelerate's ``mixed`` (:func:`mixed_precision`): bf16
+    compute over float32 master weights, gradients reduced in float32; float32 (no policy) where
+    ``mixed`` is "no". fp16 is refused (it needs a sharded gradient scaler)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed == "fp16":
+        raise SurgeryError("sharded training (FSDP) computes in bf16 or fp32: use --precision bf16 or auto")
+    if mixed == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def processes() -> tuple[int, int]:
+    """(this process's rank, the number of processes): (0, 1) outside a distributed group."""
+    import torch
+
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def mean_over_processes(t):
+    """``t`` averaged over the processes of a distributed group, in place (unchanged when alone):
+    a statistic a forward keeps (a running mean) stays one value in every process."""
+    import torch
+
+    n = processes()[1]
+    if n > 1:
+        torch.distributed.all_reduce(t)  # a sum: gloo has no average
+        t /= n
+    return t
+
+
 def make_accelerator(precision: str = "auto", device="cpu"):
     """The training processes' Accelerator on ``device`` (:func:`choose`: a GPU is the current
     CUDA device) with ``precision`` (:func:`mixed_precision`). On the CPU it asks for the CPU, so
-    ``torchrun`` processes join one gloo group."""
+    ``torchrun`` processes join one gloo group. A data-parallel accelerator even where FSDP is
+    asked (:func:`sharding`): ``training`` shards the model itself, since accelerate's FSDP2 refuses
+    the CPU and keeps the model sharded (upcast, on the meta device) after training."""
     import torch
     from accelerate import Accelerator
 
     device = torch.device(device)
     mixed = mixed_precision(precision, device)
+    asked = os.environ.pop(FSDP_ENV, None)  # training shards the model itself (training.Shards), not accelerate
     try:
         acc = Accelerator(mixed_precision=mixed, cpu=not is_gpu(device))
         exact_arithmetic()  # accelerate turns TF32 on with a dynamo backend: the checks that follow need it off
         return acc
     except ValueError as e:  # accelerate's state is per process: its precision is fixed once set
         raise SurgeryError(str(e)) from None
+    finally:
+        if asked is not None:
+            os.environ[FSDP_ENV] = asked
 
 
 def rng_state() -> dict:

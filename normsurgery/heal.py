@@ -160,7 +160,8 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
     alpha = float(2 * rank if alpha is None else alpha)
     check_values({"train": train_mode})
     if train_mode != "lora":
-        params = norm_parameters(model) if train_mode == "norms" else list(model.parameters())
+        # "full": a generator, so that no list here holds the weights a sharded run replaces
+        params = norm_parameters(model) if train_mode == "norms" else model.parameters()
         result = train(model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
                        progress=progress, accelerator=accelerator, params=params)
         targets = len(layout(model).norms) + len(layout(model).qk_norms) if train_mode == "norms" else 0
@@ -281,7 +282,7 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     acc = job.make_accelerator(opts.precision)
     tok = job.source.tokenizer
     ce_original, original = original_ce(job, held, getattr(tok, "mask_token_id", None))  # then freed: one model
-    model = job.load()
+    model = job.load(trains=True)
     require_lm(model)
     model, report, seconds = run(model, tok, train_ids, held, opts, merge=not save_adapter,
                                  accelerator=acc, progress=progress if job.main else no_progress)

@@ -10,7 +10,8 @@ chosen (``devices.choose``). Then:
 - :meth:`Job.training_data`: the text split into training ids and held-out windows;
 - :meth:`Job.make_accelerator`: the training processes' accelerator on that device, with the
   precision asked for;
-- :meth:`Job.load`: the checkpoint whole, on the device (the one-part plan of ``pipeline``);
+- :meth:`Job.load`: the checkpoint whole, on the device (the one-part plan of ``pipeline``; under
+  sharded training, on the main process only);
 - :meth:`Job.record`: what the saved config records (version, source, device, the steps');
 - :meth:`Job.save`: the model written and checked by ``pipeline.save`` on the main process (the
   other processes of a distributed run wait for it).
@@ -82,8 +83,15 @@ class Job:
         """Whether this process writes (the first of a distributed run, or the only one)."""
         return self.accelerator is None or self.accelerator.is_main_process
 
-    def load(self):
-        """The checkpoint whole, in its storage dtype, on the job's device."""
+    def load(self, trains: bool = False):
+        """The checkpoint whole, in its storage dtype, on the job's device. ``trains``: the model
+        goes straight to training; where that is sharded over the processes (FSDP), only the
+        main process reads the weights, the others' wait on the meta device until training
+        gives them their shards (``training.Shards``)."""
+        if trains and devices.sharding() and not self.main:
+            model = self.source.meta_model(self.source.storage)
+            devices.place_buffers(model, self.device)
+            return model
         return Work(self.source, self.source.storage, device=self.device).load_all()
 
     def record(self, **steps) -> dict:

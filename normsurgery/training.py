@@ -7,15 +7,22 @@ Objective: the language-modelling loss in nats per predicted token,
 
 One optimizer step reads ``batch_size`` windows x ``grad_accum`` micro-batches x processes.
 AdamW (weight decay on matrices only), linear warm-up to ``lr`` over ``warmup`` steps, then
-cosine decay to ``min_lr``; gradients clipped to norm ``clip``. Window ``i`` of micro-batch
-``m`` of step ``s`` on process ``r`` is drawn from a generator seeded by (seed, s, m, r), so a run
-is a function of its configuration alone, and ``resume`` from a state saved at step ``k`` (model,
-optimizer, scheduler, RNG) continues exactly as the uninterrupted run would.
+cosine decay to ``min_lr``; gradients clipped to norm ``clip``. The ``batch_size`` x processes
+windows of micro-batch ``m`` of step ``s`` are drawn from a generator seeded by (seed, s, m),
+process ``r`` taking the ``r``-th ``batch_size`` of them: a run is a function of its
+configuration alone, N processes of ``batch_size`` B read the windows one process of N B reads,
+and ``resume`` from a state saved at step ``k`` (model, optimizer, scheduler, RNG) continues
+exactly as the uninterrupted run would.
 
 Processes: one CPU, one GPU, or several under ``torchrun`` / ``accelerate launch`` (gloo on
-CPU, NCCL on GPUs; each process its own batches, gradients averaged). Only the main process
-writes state and reports progress. The model trains on the accelerator's device (the one
-``devices.choose`` made current) and is given back where it was found. Precision
+CPU, NCCL on GPUs; each process its own batches, gradients averaged). Data parallel, each
+process holding the whole training state, unless accelerate's FSDP configuration asks to shard
+it (``devices.sharding``): then each block, and the whole model, are wrapped with FSDP2's
+``fully_shard`` for the steps (:class:`Shards`), each process holding 1/N of the weights,
+gradients and AdamW moments, and every process is given the whole model back after them. Only
+the main process writes the state (a sharded run: each process its shard) and reports progress.
+The model trains on the accelerator's device (the one ``devices.choose`` made current) and is
+given back where it was found. Precision
 (``devices.PRECISIONS``): ``auto`` is bf16 autocast on a GPU that supports it, float32 elsewhere.
 """
 
@@ -188,12 +195,15 @@ def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, causal: bool) ->
     return loss, (labels != -100).sum()
 
 
-def _batch(ids: torch.Tensor, config: TrainConfig, step: int, micro: int, rank: int,
+def _batch(ids: torch.Tensor, config: TrainConfig, step: int, micro: int, rank: int, procs: int,
            mlm: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(((config.seed * 1_000_003 + step) * 1_009 + micro) * 1_013 + rank)
-    starts = torch.randint(0, len(ids) - config.seq_len + 1, (config.batch_size,), generator=gen)
+    """Process ``rank``'s windows (inputs, labels) of the micro-batch all ``procs`` processes read."""
+    gen = torch.Generator().manual_seed(((config.seed * 1_000_003 + step) * 1_009 + micro) * 1_013)
+    starts = torch.randint(0, len(ids) - config.seq_len + 1, (config.batch_size * procs,), generator=gen)
     w = torch.stack([ids[s:s + config.seq_len] for s in starts.tolist()])
-    return mask_tokens(w, *mlm, gen) if mlm else (w, w)
+    inputs, labels = mask_tokens(w, *mlm, gen) if mlm else (w, w)
+    mine = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
+    return inputs[mine], labels[mine]
 
 
 @torch.no_grad()
@@ -235,15 +245,141 @@ def _save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def _load_state(config: TrainConfig, fingerprint: str) -> dict:
+def _load_state(config: TrainConfig, fingerprint: str, shards: int | None) -> dict:
+    """The state kept in ``config.state_dir``, refused in one line when another run's, or kept
+    sharded over another number of processes than ``shards`` (None: not sharded)."""
     path = Path(config.state_dir) / STATE_FILE
     if not path.is_file():
         raise SurgeryError(f"nothing to resume: no training state at {path}")
     state = torch.load(path, map_location="cpu", weights_only=False)
+    kept = state.get("shards")
+    if kept != shards:
+        how = f"sharded over {kept} processes (FSDP)" if kept else "not sharded"
+        now = "is not" if not shards else f"over {shards}" if kept else f"is, over {shards} processes"
+        raise SurgeryError(f"the training state at {path} is {how} and this run {now}: resume it "
+                           f"{f'with {kept} processes under FSDP' if kept else 'without FSDP'}, or start afresh "
+                           "without --resume")
     if state.get("fingerprint") != fingerprint:
         raise SurgeryError(f"the training state at {path} is from another run (other text, options or process "
                            "count); resume with the same ones or start afresh without --resume")
     return state
+
+
+def _shard_file(state_dir, step: int, rank: int, procs: int) -> Path:
+    """Process ``rank``'s shard of the state at ``step`` (a file per step: the one the state names
+    survives an interrupted save)."""
+    return Path(state_dir) / f"train-state.step{step}.rank{rank}-of-{procs}.pt"
+
+
+# ----------------------------------------------------------------------------- sharding (FSDP2)
+
+#: a module's hook tables (fully_shard adds to them; :meth:`Shards.whole` takes its entries out)
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+          "_forward_hooks_always_called", "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+          "_load_state_dict_post_hooks")
+
+
+def _local(obj):
+    """``obj`` (a state dict, nested) with every DTensor replaced by this process's shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_local(v) for v in obj]
+    return obj.to_local() if isinstance(obj, DTensor) else obj
+
+
+def _like(t, template):
+    """A shard ``t`` as a DTensor laid out as ``template`` (itself where ``template`` is not one)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(template, DTensor) or t.ndim != template.ndim:
+        return t
+    return DTensor.from_local(t.to(template.device), template.device_mesh, template.placements,
+                              shape=template.shape, stride=template.stride())
+
+
+def _from_main(model, whole: dict) -> None:
+    """Load the main process's ``whole`` state dict (empty elsewhere) into the sharded ``model``:
+    each process receives its shards of each tensor in turn (ties kept: one parameter per tensor)."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    state, made = {}, {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in made:
+            device = torch.device(t.device_mesh.device_type) if isinstance(t, DTensor) else t.device
+            full = whole[key].to(device) if whole else torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, DTensor):
+                made[id(t)] = nn.Parameter(distribute_tensor(full, t.device_mesh, t.placements),
+                                           requires_grad=t.requires_grad)
+            else:
+                torch.distributed.broadcast(full, 0)
+                made[id(t)] = full
+        state[key] = made[id(t)]
+    model.load_state_dict(state, assign=True)
+
+
+class Shards:
+    """``model`` sharded in place over the processes for training (FSDP2): each block, then the
+    whole model (embeddings, final norm, head), wrapped with ``fully_shard`` under ``policy``
+    (``devices.shard_policy``), each process's shards sent by the main process (the others may
+    hold the model on the meta device: ``runner.Job.load``). :meth:`whole` gives every process the
+    whole model back as it was: plain parameters, its classes and hooks."""
+
+    def __init__(self, model, policy):
+        from torch.distributed.fsdp import fully_shard
+
+        self.model = model
+        self.before = {m: (type(m), set(vars(m)), {h: set(getattr(m, h)) for h in _HOOKS}) for m in model.modules()}
+        whole = model.state_dict() if is_main_process() else {}  # the others' may wait on the meta device
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for block in base.get_submodule(layout(base).layers_path).children():
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        _from_main(model, whole)
+
+    def whole(self) -> None:
+        """Every parameter gathered whole in every process, and fully_shard's changes undone."""
+        from torch import nn
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        gathered: dict[int, nn.Parameter] = {}
+        for m in self.model.modules():  # the same order in every process: one all-gather at a time
+            for name, p in m._parameters.items():
+                if isinstance(p, DTensor):
+                    if id(p) not in gathered:
+                        gathered[id(p)] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                    m._parameters[name] = gathered[id(p)]
+        for m, (cls, attrs, hooks) in self.before.items():
+            m.__class__ = cls
+            for a in set(vars(m)) - attrs:
+                if a.startswith(("__composable_api", "_is_fsdp", "_fsdp")):
+                    delattr(m, a)
+            for h, keys in hooks.items():
+                table = getattr(m, h)
+                for k in set(table) - keys:
+                    del table[k]
+            _module_state_mapping.pop(m, None)
+
+    def local_state(self, optimizer) -> dict:
+        """This process's shards of the model's and ``optimizer``'s states, plain tensors."""
+        return {"model": _local(self.model.state_dict()), "optimizer": _local(optimizer.state_dict())}
+
+    def load_local(self, state: dict, optimizer) -> None:
+        """:meth:`local_state`'s shards put back into the sharded model and ``optimizer``."""
+        template = self.model.state_dict()
+        self.model.load_state_dict({k: _like(v, template[k]) for k, v in state["model"].items()})
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        saved = state["optimizer"]
+        optimizer.load_state_dict({**saved, "state": {i: {k: _like(v, params[i]) for k, v in s.items()}
+                                                      for i, s in saved["state"].items()}})
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -262,7 +398,8 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     the metrics it returns go into the next curve row.
 
     Training runs on ``accelerator``'s device (default: an accelerator where the model is, with
-    ``config.precision``); the model is given back on the device it was found on.
+    ``config.precision``), sharded over its processes where FSDP is asked (``devices.sharding``);
+    the model is given back whole, on the device it was found on.
     """
     config = TrainConfig(**config) if isinstance(config, dict) else config
     config.check()
@@ -273,13 +410,27 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     home = devices.of(model)
     acc = accelerator or make_accelerator(config.precision, home)
     mlm = _mlm_spec(objective, model, mask_token_id)
-    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
-    check_fits(model, params, acc.device)
-    model.to(acc.device)
+    sharded = devices.sharding() and acc.num_processes > 1
+    policy = devices.shard_policy(acc.mixed_precision) if sharded else None
+    chosen = {id(p) for p in ((p for p in model.parameters() if p.requires_grad) if params is None else params)}
+    check_fits(model, [p for p in model.parameters() if id(p) in chosen], acc.device,
+               acc.num_processes if sharded else 1)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    names = {n for n, p in model.named_parameters() if id(p) in chosen}
+    del params, chosen  # the parameters sharding replaces: none kept here
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+    if not sharded:  # fully_shard places the shards
+        model.to(acc.device)
+    shards = Shards(model, policy) if sharded else None
     try:
-        return _train(model, acc, train_ids, heldout, config, objective, mask_token_id, mlm, on_step, params,
-                      progress)
+        return _train(model, acc, train_ids, heldout, config, objective, mask_token_id, mlm, on_step,
+                      [p for n, p in model.named_parameters() if n in names], progress, shards)
     finally:
+        if shards:
+            shards.whole()
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
         model.to(home)
 
 
@@ -291,35 +442,33 @@ def training_bytes(model, params: list, device) -> int:
     return weights + sum(3 * p.numel() * p.element_size() for p in params)
 
 
-def check_fits(model, params: list, device) -> None:
+def check_fits(model, params: list, device, shards: int = 1) -> None:
     """Refuse, before anything moves, training that cannot fit a GPU's free memory, naming the
-    limit and what would fit. (Each data-parallel process holds all of it: sharding the training
-    state across GPUs, FSDP, is not supported.)"""
+    limit and what would fit. Data parallel, each process holds all of it; sharded over
+    ``shards`` processes (FSDP), each holds 1/``shards`` of it."""
     free = devices.free_bytes(device)
     if free is None:
         return
-    need = training_bytes(model, params, device)
+    need = training_bytes(model, params, device) // shards
     if need > free:
         n = sum(p.numel() for p in params)
-        raise SurgeryError(f"training needs at least {need / 2**30:.1f} GiB on {device} (the weights, and the "
+        where = f"{device}, sharded over {shards} processes," if shards > 1 else device
+        raise SurgeryError(f"training needs at least {need / 2**30:.1f} GiB on {where} (the weights, and the "
                            f"gradients and AdamW moments of the {n / 1e9:.2f}B parameters that train), and "
                            f"{free / 2**30:.1f} GiB are free: train fewer parameters (heal --train lora or norms), "
-                           "or train on the CPU (--device cpu); several GPUs each hold all of it (data parallel: "
-                           "FSDP sharding is not supported)")
+                           "shard the training state over more GPUs (accelerate launch --use_fsdp --fsdp_version 2 "
+                           "--num_processes N), or train on the CPU (--device cpu)")
 
 
 def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, mask_token_id: int | None, mlm,
-           on_step: OnStep | None, params, progress: StepProgress | None) -> TrainResult:
-    """:func:`train`'s loop, with the model on ``acc``'s device."""
-    chosen = {id(p) for p in params}
-    saved_flags = [(p, p.requires_grad) for p in model.parameters()]
-    for p in model.parameters():
-        p.requires_grad_(id(p) in chosen)
+           on_step: OnStep | None, params, progress: StepProgress | None, shards: Shards | None) -> TrainResult:
+    """:func:`train`'s loop, with the model on ``acc``'s device (sharded where ``shards``) and
+    ``params`` alone requiring grad."""
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: config.lr_at(s) / config.lr)
-    wrapped, optimizer = acc.prepare(model, optimizer)
+    wrapped, optimizer = (model, optimizer) if shards else acc.prepare(model, optimizer)
     procs, rank, main = acc.num_processes, acc.process_index, acc.is_main_process
     evaluate = lambda: heldout_ce(model, heldout, config.eval_batch_size, objective,  # noqa: E731
                                   mask_token_id=mask_token_id, autocast=acc.autocast)
@@ -331,11 +480,17 @@ def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, 
 
     start, losses, curve, resumed = 0, [], [], None
     if config.resume:
-        state = _load_state(config, fingerprint)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        state = _load_state(config, fingerprint, procs if shards else None)
+        if shards:
+            local = torch.load(_shard_file(config.state_dir, state["step"], rank, procs), map_location="cpu",
+                               weights_only=False)
+            shards.load_local(local, optimizer)
+            devices.restore_rng(local)
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            devices.restore_rng(state)
         scheduler.load_state_dict(state["scheduler"])
-        devices.restore_rng(state)
         start = resumed = state["step"]
         losses, curve, ce_before = state["losses"], state["curve"], state["ce_before"]
     else:
@@ -345,13 +500,14 @@ def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, 
 
     wrapped.train()
     metrics: dict[str, Any] = {}
+    kept = resumed
     t0 = time.perf_counter()
     for step in range(start, config.steps):
         if on_step:
             metrics.update(on_step(step, model) or {})
         total = torch.zeros((), device=acc.device)
         for micro in range(config.grad_accum):
-            inputs, labels = _batch(train_ids, config, step, micro, rank, mlm)
+            inputs, labels = _batch(train_ids, config, step, micro, rank, procs, mlm)
             sync = micro == config.grad_accum - 1
             with (nullcontext() if sync else acc.no_sync(wrapped)), acc.autocast():
                 s, n = loss_sum(wrapped, inputs.to(acc.device), labels.to(acc.device), mlm is None)
@@ -379,18 +535,25 @@ def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, 
                 progress(done, done, sum(losses[-10:]) / len(losses[-10:]))
             break
         if config.save_every and done % config.save_every == 0 and done < config.steps:
-            if main:
-                _save_state(state_path, {
-                    "fingerprint": fingerprint, "step": done, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    **devices.rng_state(),
-                    "losses": losses, "curve": curve, "ce_before": ce_before})
+            common = {"fingerprint": fingerprint, "step": done, "scheduler": scheduler.state_dict(),
+                      "losses": losses, "curve": curve, "ce_before": ce_before}
+            if shards:
+                _save_state(_shard_file(config.state_dir, done, rank, procs),
+                            {**shards.local_state(optimizer), **devices.rng_state()})
+                acc.wait_for_everyone()
+                if main:
+                    _save_state(state_path, {**common, "shards": procs})
+                acc.wait_for_everyone()
+                if kept is not None:  # the state now names this step's shards
+                    _shard_file(config.state_dir, kept, rank, procs).unlink(missing_ok=True)
+                kept = done
+            elif main:
+                _save_state(state_path, {**common, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                         **devices.rng_state()})
             acc.wait_for_everyone()
         if main and progress:
             progress(done, config.steps, sum(losses[-10:]) / len(losses[-10:]))
     seconds = time.perf_counter() - t0
-    for p, flag in saved_flags:
-        p.requires_grad_(flag)
     model.eval()
     ran = len(losses)
     return TrainResult(ran, ran * tokens_per_step, seconds, procs, acc.mixed_precision, ce_before,

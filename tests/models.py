@@ -137,9 +137,10 @@ def rel(a, b, ids=None) -> float:
     return compare(outputs(a, ids), outputs(b, ids)).relative
 
 
-def torchrun_cli(*args: str, processes: int = 2, timeout: int = 300):
-    """``normsurgery ARGS`` under torchrun with ``processes`` CPU processes on a free port (other
-    runs may hold the default one), one torch thread each, from the repository root."""
+def torchrun(*args, processes: int = 2, timeout: int = 300, env: dict | None = None):
+    """``ARGS`` (a script and its arguments, or ``-m MODULE ...``) under torchrun with ``processes``
+    CPU processes on a free port (other runs may hold the default one), one torch thread each,
+    from the repository root, with ``env`` added to the environment."""
     import os
     import socket
     import subprocess
@@ -147,10 +148,15 @@ def torchrun_cli(*args: str, processes: int = 2, timeout: int = 300):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", port,
-           "-m", "normsurgery", *map(str, args)]
+           *map(str, args)]
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_cli(*args: str, processes: int = 2, timeout: int = 300, env: dict | None = None):
+    """``normsurgery ARGS`` under :func:`torchrun`."""
+    return torchrun("-m", "normsurgery", *args, processes=processes, timeout=timeout, env=env)

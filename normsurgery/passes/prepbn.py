@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from .. import calibration
+from .. import calibration, devices
 from ..families import layout as layout_of, positions
 from ..layout import Layout
 from ..errors import SurgeryError
@@ -234,6 +234,10 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     opts = {**OPTIONS, **ctx.options}
     if ctx.train is None or ctx.heldout_ce is None:
         raise SurgeryError("prepbn needs the training loop: run it through convert or apply_passes")
+    if devices.sharding():
+        raise SurgeryError("prepbn rewrites its norms' weights in the middle of training (at the end of the "
+                           "warm-up), which training sharded over the processes (FSDP) does not allow: run it data "
+                           "parallel (without --use_fsdp / ACCELERATE_USE_FSDP)")
     warmup, decay = schedule(opts["steps"], opts["warmup"], opts["decay"])
     train_ids, held, calib, seq = _data(ctx, opts, positions(model.config))
     original = copy.deepcopy(model) if opts["control"] else None

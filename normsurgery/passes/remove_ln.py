@@ -2,8 +2,9 @@
 
 While a norm is live it is computed exactly and its divisor d(x) = sqrt(var(x) + eps) (LayerNorm)
 or sqrt(mean(x^2) + eps) (RMSNorm), averaged over the tokens of each training batch, is tracked
-as an exponential moving average s (momentum 0.9; evaluation batches do not move it). Removing a
-norm freezes s: LayerNorm becomes the affine map (x - mean(x)) / s * g + b, RMSNorm x / s * g.
+as an exponential moving average s (momentum 0.9; evaluation batches do not move it; several
+processes average their batches' divisors first). Removing a norm freezes s: LayerNorm becomes
+the affine map (x - mean(x)) / s * g + b, RMSNorm x / s * g.
 
 Each norm's readers form paths with their own constant: "mlp", "qk" and "v" where a block has
 separate q/k/v projections ("attn" for a fused qkv), "final". The whole model fine-tunes on its
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import algebra
+from .. import algebra, devices
 from ..calibration import fit_seq_len, split_heldout, tokenize, windows
 from ..algebra import TOLERANCE
 from ..errors import SurgeryError
@@ -86,6 +87,8 @@ class RemovableNorm(nn.Module):
                 d = self.stats(x.detach()).reshape(-1, x.shape[-2])
                 rest = (d[:, 1:] if d.shape[1] > 1 else d).mean().to(self.scale.dtype)
                 first = d[:, 0].mean().to(self.scale.dtype)
+                if self.training:  # several processes: the mean over all their batches, as one process of them all
+                    rest, first = devices.mean_over_processes(torch.stack([rest, first]))
                 live = ~self.frozen
                 unseen = live & (self.scale == 0)
                 for buf, v in ((self.scale, rest), (self.scale_first, first)):
