@@ -79,7 +79,7 @@ class HealReport:
     @property
     def overfit(self) -> bool:
         """Held-out CE rose while CE on the training text fell: healing fit its text, not the language."""
-        return self.train_ce_after is not None and self.ce_after > self.ce_before \
+        return None not in (self.train_ce_before, self.train_ce_after) and self.ce_after > self.ce_before \
             and self.train_ce_after < self.train_ce_before
 
     @property
@@ -212,7 +212,9 @@ def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = T
         progress("heal", done, total, f"loss {loss:.4f}" + ("; evaluating held-out CE" if done == total else ""))
 
     t0 = time.perf_counter()
-    before = train_ce(model)
+    # a sharded run's other processes hold the model on the meta device until training shards it:
+    # only the main process (which reports) measures it before
+    before = None if any(p.is_meta for p in model.parameters()) else train_ce(model)
     model, report = heal_model(model, train_ids, held, steps=opts.steps, seq_len=opts.seq_len,
                                batch_size=opts.batch_size, rank=opts.rank, alpha=opts.alpha, lr=opts.lr,
                                target_modules=opts.target_modules, mask_token_id=mask_id, merge=merge, seed=opts.seed,
