@@ -53,7 +53,7 @@ from .errors import SurgeryError
 from .families import FAMILIES, family, layout
 from .layout import Layout
 from .options import GGUF_DTYPES
-from .output import output_lock
+from .output import _alive, output_lock
 from .parity import Comparison, compare, outputs, probe_ids
 from .runtime import NoNorm
 from .texts import text_of
@@ -344,7 +344,7 @@ def encode(values: torch.Tensor, q) -> np.ndarray:
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    x = values.detach().to(torch.float32).contiguous().numpy()
+    x = values.detach().to("cpu", torch.float32).contiguous().numpy()
     if q == Q.F32:
         return x
     if q == Q.F16:
@@ -731,12 +731,3 @@ def _check_dest(dest: Path, force: bool, source: Source) -> None:
 def glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
