@@ -247,6 +247,6 @@ def greedy_agreement(model, path: Path, prompts: torch.Tensor, past: list[tuple]
         out = run_graph(path, cur, past, cache=cache, total=total, graph=graph)
         total += cur.shape[1]
         cur = out[0][:, -1].argmax(-1, keepdim=True)
-        cache = [t.numpy() for t in out[1:]]
+        cache = [t.numpy() for t in out[1:]]  # host: ONNX Runtime outputs
         got.append(cur)
     return (torch.cat(got, 1) == expected).double().mean().item()

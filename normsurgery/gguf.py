@@ -344,7 +344,7 @@ def encode(values: torch.Tensor, q) -> np.ndarray:
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    x = values.detach().to("cpu", torch.float32).contiguous().numpy()
+    x = values.detach().to("cpu", torch.float32).contiguous().numpy()  # host
     if q == Q.F32:
         return x
     if q == Q.F16:

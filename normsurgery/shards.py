@@ -143,14 +143,14 @@ class Reader:
     def _read_entry(self, e: Entry, key: str, out: torch.Tensor) -> torch.Tensor:
         self._seek(e, 0)
         if e.dtype == out.dtype:
-            self._read(memoryview(out.view(-1).view(torch.uint8).numpy()), key)
+            self._read(memoryview(out.view(-1).view(torch.uint8).numpy()), key)  # host
             return out
         flat, step = out.view(-1), STAGE // e.dtype.itemsize
         if self._stage is None:  # one buffer for every cast (fresh pages cost more than the cast)
             self._stage = torch.empty(STAGE, dtype=torch.uint8)
         for i in range(0, flat.numel(), step):
             n = min(step, flat.numel() - i)
-            self._read(memoryview(self._stage.numpy())[:n * e.dtype.itemsize], key)
+            self._read(memoryview(self._stage.numpy())[:n * e.dtype.itemsize], key)  # host
             flat[i:i + n].copy_(self._stage[:n * e.dtype.itemsize].view(e.dtype))
         return out
 
@@ -213,7 +213,7 @@ class Reader:
         step = STAGE - STAGE % e.dtype.itemsize
         while done < size:
             n = min(step, size - done)
-            view = memoryview(self._stage.numpy())[:n]
+            view = memoryview(self._stage.numpy())[:n]  # host
             self._read(view, key)
             if check is not None:
                 check(self._stage[:n].view(e.dtype))
