@@ -37,7 +37,7 @@ from .version import __version__
 from . import devices, memory, passes as _passes, precision  # noqa: F401  (passes: the built-in passes)
 from .checkpoint import Source
 from .errors import SurgeryError
-from .parity import TOLERANCE, Comparison, compare, dtype_name, output_kind, probe_ids
+from .parity import TOLERANCE, Comparison, beyond, compare, dtype_name, output_kind, probe_ids
 from .pipeline import (FORWARDS, Check, StepSpec, Tolerances, Work, check_applies, check_before_reading,
                        model_reader, save_work, source_reader, steps_of)
 from .progress import Progress, no_progress
@@ -69,8 +69,8 @@ class Result:
     parity: Comparison | None = None  # the written folder vs the reference (the input, or the model the
     # last reference-changing or trained step left)
     from_input: Comparison | None = None  # that reference vs the input, when a step changed the function
-    baseline: Comparison | None = None  # the reference with its weights re-rounded in the storage dtype
-    # against itself: what its tolerance was measured from, when one was needed
+    baseline: dict | None = None  # the null distribution the written folder's tolerance was measured
+    # from (parity.Comparison.null), when one was needed
     saved: dict | None = None
     source: str | None = None
     streaming: str | None = None  # why it was rewritten one part at a time (None: in memory)
@@ -80,6 +80,7 @@ class Result:
     memory: dict | None = None  # bytes each plan needs, stated before loading (plan_memory)
     forwards: int = 0  # forward passes run for the checks (the reference, the written folder, a baseline)
     seconds_check: float = 0.0  # what they took (streamed: with the reads of the parts they entered)
+    against: str = "the input"  # what the written folder was compared with (``parity``), in words
 
     @property
     def ok(self) -> bool:
@@ -91,11 +92,11 @@ class Result:
             return x.as_dict() if x else None
         return {"source": self.source, "ok": self.ok, "work_dtype": self.work_dtype,
                 "storage_dtype": self.storage_dtype, "steps": [s.as_dict() for s in self.steps],
-                "parity": c(self.parity), "from_input": c(self.from_input), "baseline": c(self.baseline),
+                "parity": c(self.parity), "from_input": c(self.from_input), "baseline": self.baseline,
                 "saved": self.saved,
                 "streaming": self.streaming, "kept_float32": self.kept_float32, "warnings": self.warnings,
                 "device": self.device, "memory": self.memory, "forwards": self.forwards,
-                "seconds_check": self.seconds_check}
+                "seconds_check": self.seconds_check, "against": self.against}
 
 
 def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -182,6 +183,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     source, where = job.source, job.device
     dtype = work_dtype_for(source.storage, work_dtype)
+    cast = torch.finfo(source.storage).eps > torch.finfo(dtype).eps  # checked before the cast, then the cast
     why = choose_plan(source, steps, dtype, streaming, where)
     work = Work(source, dtype, streamed=why is not None, device=where)
     check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
@@ -195,14 +197,14 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         storage_bytes=source.storage.itemsize,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,
-                    device=devices.describe(where), memory=needs)
+                    device=devices.describe(where), memory=needs, against=_against(steps, dtype, source.storage))
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, _length(source)) if verify else None
     outs: dict[int, torch.Tensor] = {}
     if work.resident:
         work.load_all()
         check_applies(work.model, steps[0].pass_name)
         if verify:
-            outs = _step_outputs(work, ids, progress)
+            outs = _step_outputs(work, ids, progress, cast)
         work.enter(work.parts[0], len(steps))  # every step runs here, in every process
     if not is_main_process():  # one of several training processes: the main one saves
         return result
@@ -213,18 +215,16 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
 
     def anchor() -> torch.Tensor:  # streamed: the outputs are read once the parts are written
         if not outs:
-            outs.update(_step_outputs(work, ids, progress))
-        return outs[_anchor_level(steps)]
+            outs.update(_step_outputs(work, ids, progress, cast))
+        return outs[len(steps) if cast else _anchor_level(steps)]
 
     check = Check(t, anchor if verify else None, before_check=lambda: _judge_steps(result, work, outs, t, force),
-                  failure=lambda c: _failure(steps, c))
-    saved = save_work(work, out, storage=source.storage, record=lambda: _record(result), check=check, force=force,
+                  failure=lambda c: _failure(steps, c, source.storage if cast else None))
+    saved = save_work(work, out, storage=source.storage, record=lambda c: _record(result, c), check=check, force=force,
                       on_overflow=on_overflow, max_shard_size=max_shard_size, progress=progress)
     shutil.rmtree(workdir, ignore_errors=True)
     result.saved, result.parity = saved.info, saved.comparison
-    if len(result.steps) == 1 and result.steps[0].kind == "exact" and result.parity is not None:
-        result.steps[0].parity = result.parity  # its own check is the overall one
-    result.baseline = t.measured.get(source.storage) if t is not None else None
+    result.baseline = result.parity.null if result.parity is not None else None
     level = _anchor_level(steps)
     if t is not None and level and 0 in outs and level in outs:  # what the function's change measured
         result.from_input = compare(outs[0], outs[level], t.output)
@@ -239,8 +239,11 @@ HELDOUT = {"ce_before", "ce_after", "tokens"}
 CONTROL = ("ce_control", "gap_to_control", "control_tokens")
 
 
-def _record(result: Result) -> dict:
-    """What the saved config records under "normsurgery"."""
+def _record(result: Result, written: Comparison | None) -> dict:
+    """What the saved config records under "normsurgery" (``written``: the written folder's check,
+    which is a lone exact step's own where nothing else measured it)."""
+    if len(result.steps) == 1 and result.steps[0].kind == "exact" and result.steps[0].parity is None:
+        result.steps[0].parity = written
     return {"version": __version__, "source": result.source, "device": result.device,
             **({"streaming": True} if result.streaming else {}),
             "work_dtype": result.work_dtype, "storage_dtype": result.storage_dtype,
@@ -253,19 +256,33 @@ def _record(result: Result) -> dict:
                        for s in result.steps]}
 
 
-def _failure(steps: list[StepSpec], c: Comparison) -> str:
-    """Why nothing was saved: the written folder does not compute the reference's function."""
+def _against(steps: list[StepSpec], dtype: torch.dtype, storage: torch.dtype) -> str:
+    """What the written folder is compared with, in words."""
+    if torch.finfo(storage).eps > torch.finfo(dtype).eps:
+        return (f"the rewrite before its cast to {dtype_name(storage)} (checked in {dtype_name(dtype)}: "
+                + ("the pass's row above" if len(steps) == 1 else "each step's row above") + ")")
+    changed = [s for s in steps if s.kind != "exact"]  # a mask or a trained pass: the anchor
+    return (f"the model after {changed[-1].name} ({changed[-1].kind}: it changes the function on purpose)"
+            if changed else "the input")
+
+
+def _failure(steps: list[StepSpec], c: Comparison, cast: torch.dtype | None) -> str:
+    """Why nothing was saved: the written folder does not compute the function it was checked
+    against (``cast``: the model before its cast to that dtype, each step checked already)."""
     one = len(steps) == 1 and steps[0].kind == "exact"
-    what = f"pass {steps[0].name} broke parity" if one else "the passes together drifted from the reference"
-    return (f"{what}: relative error {c.relative:.2e} > {c.tolerance:.1e} ({c.reason}); nothing was saved "
-            "(--force saves anyway)")
+    what = (f"the cast to {dtype_name(cast)} and the writing broke parity (the rewrite was within tolerance before "
+            "it)" if cast is not None else
+            f"pass {steps[0].name} broke parity" if one else "the passes together drifted from the reference")
+    return f"{what}: {beyond(c)}; nothing was saved (--force saves anyway)"
 
 
-def _step_outputs(work: Work, ids: torch.Tensor, progress: Progress) -> dict[int, torch.Tensor]:
-    """{level: outputs} the checks need: the reference (level 0), and with several steps (or one
-    that changes the function) every step's outputs, each step applied in turn."""
+def _step_outputs(work: Work, ids: torch.Tensor, progress: Progress, cast: bool) -> dict[int, torch.Tensor]:
+    """{level: outputs} the checks need: the reference (level 0), and with several steps, one that
+    changes the function, or a ``cast`` to a coarser storage dtype to check apart, every step's
+    outputs, each step applied in turn."""
     steps = work.steps
-    levels = [0] + (list(range(1, len(steps) + 1)) if len(steps) > 1 or steps[0].kind != "exact" else [])
+    every = len(steps) > 1 or steps[0].kind != "exact" or cast
+    levels = [0] + (list(range(1, len(steps) + 1)) if every else [])
     outs = {}
     for i, level in enumerate(levels):  # a streamed part goes through the steps once per read
         progress("outputs", i, len(levels))
@@ -294,8 +311,11 @@ def _judge_steps(result: Result, work: Work, outs: dict[int, torch.Tensor], t: T
     result.steps = steps_with(work, parities)
     bad = [s for s in result.steps if s.kind == "exact" and s.parity is not None and not s.parity.ok]
     if bad and not force:
-        raise SurgeryError(f"pass {bad[0].name} broke parity: relative error {bad[0].parity.relative:.2e} > "
-                           f"{bad[0].parity.tolerance:.0e}; nothing was saved (--force saves anyway)")
+        p = bad[0].parity
+        advice = ("; float32 rounding is what it measures: --work-dtype float64 checks the algebra itself"
+                  if work.dtype == torch.float32 and "float32" in (p.reason or "") else "")
+        raise SurgeryError(f"pass {bad[0].name} broke parity: {beyond(p)}{advice}; nothing was saved "
+                           "(--force saves anyway)")
 
 
 def steps_with(work: Work, parities: dict[int, Comparison]) -> list[Step]:

@@ -42,8 +42,9 @@ from .families import layout, positions
 from .layout import Layout
 from .norms import faithful_norms
 from .output import writing, written
-from .parity import (TOLERANCE, Comparison, HeadInput, compare, dtype_name, jittered, needs_rounding_tolerance,
-                     output_kind, outputs, probe_ids, rounding_tolerance, tolerance)
+from .parity import (DRAWS, TOLERANCE, Comparison, HeadInput, beyond, compare, dtype_name, jittered,
+                     needs_rounding_tolerance, null_summary, output_kind, outputs, probe_ids, rounding_tolerance,
+                     tolerance)
 from .progress import Progress, no_progress
 from .registry import PassContext, PassReport
 from .shards import Reader as ShardReader, ShardWriter, header_room, inside, saved_tensors
@@ -105,7 +106,9 @@ class Work:
     """A model whose parts are read from the checkpoint ``source`` as they are entered (see the
     module docstring). Given ``model``: a model already in memory (one resident part; ``source``,
     if any, is where it came from: its side files are copied on saving). ``device``: where the
-    parts read go and the forwards run (``devices.choose``; a model given computes where it is)."""
+    parts read go and the forwards run (``devices.choose``; a model given computes where it is).
+    ``on_load(model, part, keys_of)``: called once a part read is at the level asked for
+    (``keys_of(name, parameter)``: the checkpoint keys it was read from)."""
 
     def __init__(self, source: Source | None, dtype: torch.dtype | None = None, *, streamed: bool = False,
                  alone: bool = False, stock: bool = False, model=None, on_load: Callable | None = None,
@@ -126,6 +129,7 @@ class Work:
         self.on_load = on_load
         self.level: dict[Part, int] = {}  # parts held, and how many steps they went through
         self.rewritten: set[Part] = set()  # parts freed after a step rewrote them
+        self.rounded: set[str] = set()  # tensors :meth:`write` cast to a narrower dtype (the rest: as stored)
         if self.loader is None:
             self.level = {p: 0 for p in self.parts}
         if streamed:
@@ -151,11 +155,10 @@ class Work:
         """Read ``part`` (unless held) and apply steps up to ``level`` to it."""
         if part in self.rewritten:
             raise SurgeryError(f"internal: part {part.scope[:1]} was rewritten and freed: it cannot be read again")
-        if part not in self.level:
+        read = part not in self.level
+        if read:
             self.loader.load(part.scope)
             self.level[part] = 0
-            if self.on_load is not None:
-                self.on_load(self.model, part)
         if self.level[part] > level:
             raise SurgeryError(f"internal: part {part.scope[:1]} is at step {self.level[part]}, past {level}")
         for i in range(self.level[part], level):
@@ -170,6 +173,13 @@ class Work:
             if report is not None:  # a part rewritten again (read again) reports again
                 self.reports[i][part] = report
             self.level[part] = i + 1
+        if read and self.on_load is not None:
+            self.on_load(self.model, part, self._stored_keys)
+
+    def _stored_keys(self, name: str, p) -> tuple[str, ...]:
+        """The checkpoint's keys parameter ``p`` (named ``name``) was read from."""
+        stored = self.loader.stored(p)
+        return tuple(stored.keys) if stored is not None else (name,)
 
     def leave(self, part: Part, force: bool = False) -> None:
         """Free ``part`` (a resident part only when ``force``)."""
@@ -260,7 +270,11 @@ class Work:
                     writer.copy(name, self.loader.reader, key)
                     continue
                 spend = self.loader is not None and users[t.untyped_storage().data_ptr()] == 1
-                writer.add(name, precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t)
+                narrowed = t.is_floating_point() and torch.finfo(t.dtype).bits > torch.finfo(storage).bits
+                t = precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t
+                if narrowed and t.dtype == storage:
+                    self.rounded.add(name)
+                writer.add(name, t)
             saved = t = None  # no view left: the loader reuses the part's tensors
             if self.loader is not None:  # a model given in memory stays as it was
                 self.leave(part, force=True)
@@ -538,8 +552,11 @@ class Tolerances:
     :func:`model_reader` for a model in memory), since the model that gave the outputs compared
     may be rewritten or spent by then.
 
-    - weights stored coarser than the arithmetic: ``ROUNDING_FACTOR`` x what storing in that dtype
-      costs the reference (its weights re-rounded by a random half-ulp, ``precision.reround``);
+    - weights stored coarser than the arithmetic: the null distribution of what storing in that
+      dtype costs the reference, ``parity.DRAWS`` reads of it with the tensors ``differ`` names
+      (checkpoint keys, or a function giving them once needed; None: all) perturbed as storing
+      rounds them (``precision.perturb``); relative error and KL each within a factor of the
+      draws' largest (``parity.storage_tolerance``);
     - a float32 comparison beyond 1e-5: ``ROUNDING_FACTOR`` x the reference's own rounding (every
       linear output jittered by one ulp);
     - half-precision arithmetic: ``ROUNDING_FACTOR`` x its own rounding against float32."""
@@ -547,11 +564,22 @@ class Tolerances:
     def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype,
                  reference: torch.Tensor | Callable[[], torch.Tensor | None] | None = None,
                  given: float | None = None, output: str = "logits",
-                 streamed: bool = False, device: torch.device | str = "cpu"):
+                 streamed: bool = False, device: torch.device | str = "cpu",
+                 differ: frozenset[str] | Callable[[], frozenset[str] | None] | None = None):
         self.read, self.ids, self.dtype, self.streamed = read, ids, dtype, streamed
         self.device = torch.device(device)  # where a written folder is read back to be compared
         self._reference, self.given, self.output = reference, given, output
+        self.differ = differ
+        self.perturbed = "the reference with the tensors that differ"  # what the null perturbs, in words
         self.measured: dict[Any, Any] = {}
+
+    def around(self, reference: torch.Tensor, read: Reader, differ: frozenset[str], what: str) -> Tolerances:
+        """The same rules with another reference: ``read`` gives its outputs (``reference``), and
+        its null perturbs the tensors ``differ`` names (``what``: those, in words)."""
+        t = Tolerances(read, self.ids, self.dtype, reference, self.given, self.output, self.streamed, self.device,
+                       differ)
+        t.perturbed = what
+        return t
 
     @property
     def reference(self) -> torch.Tensor:
@@ -563,13 +591,23 @@ class Tolerances:
             self._reference = self.read()
         return self._reference
 
-    def baseline(self, storage: torch.dtype) -> Comparison:
-        """The reference against itself stored in ``storage`` (half arithmetic: run in float32)."""
+    def null(self, storage: torch.dtype) -> list[Comparison]:
+        """What rounding alone does: the reference against itself with the tensors that differ
+        perturbed as storing in ``storage`` rounds them, ``DRAWS`` seeded draws (half arithmetic:
+        the reference run in float32, once)."""
         if storage not in self.measured:
-            half = self.dtype not in TOLERANCE
-            other = self.read(dtype=torch.float32) if half else self.read(on_load=_rerounding(storage))
-            self.measured[storage] = compare(self.reference, other, self.output)
+            if self.dtype not in TOLERANCE:
+                self.measured[storage] = [compare(self.reference, self.read(dtype=torch.float32), self.output)]
+            else:
+                differ = self.differ() if callable(self.differ) else self.differ
+                self.measured[storage] = [
+                    compare(self.reference, self.read(on_load=_perturbing(storage, seed, differ)), self.output)
+                    for seed in range(DRAWS)]
         return self.measured[storage]
+
+    def baseline(self, storage: torch.dtype) -> Comparison | None:
+        """The null measured for ``storage``, each statistic at its worst (None: not measured)."""
+        return null_summary(self.measured[storage]) if storage in self.measured else None
 
     def judge(self, c: Comparison, storage: torch.dtype | None = None) -> Comparison:
         """``c``, a comparison with the reference of weights stored in ``storage`` (default: the
@@ -588,7 +626,11 @@ class Tolerances:
                 " on weights it holds exactly"))
         if self.read is None:  # nothing to measure more with: the arithmetic's own (none for half)
             return c.judged(floor or 0.0, f"{dtype_name(self.dtype)} arithmetic (no reference to measure more with)")
-        c.judged(*tolerance(self.dtype, storage, lambda: self.baseline(storage))[:2])
+        c.judged(*tolerance(self.dtype, storage, lambda: self.null(storage), self.perturbed))
+        if self.dtype in TOLERANCE and storage in self.measured:
+            worst = self.baseline(storage)
+            c.null = {"draws": len(self.measured[storage]), "perturbed": self.perturbed, "relative": worst.relative,
+                      "kl": worst.kl, "top1": worst.top1}
         if needs_rounding_tolerance([c], self.dtype, None):  # a deep model rounds more on its own
             if "jitter" not in self.measured:
                 self.measured["jitter"] = rounding_tolerance(self.reference, self.read(jitter=True), self.dtype,
@@ -621,20 +663,22 @@ def model_reader(model, ids: torch.Tensor) -> Reader:
             raise SurgeryError("internal: the model was written (spent) before its tolerance was measured")
         m = model if dtype is None and on_load is None else copy.deepcopy(model).to(dtype or model.dtype)
         if on_load is not None:
-            on_load(m, Part((), ()))
+            on_load(m, Part((), ()), lambda name, p: (name,))
         with FORWARDS.timed(), jittered(m) if jitter else nullcontext():
             return outputs(m, ids)
     return read
 
 
-def _rerounding(storage: torch.dtype) -> Callable:
-    """An ``on_load``: every floating parameter of the part entered moved by a random half-ulp of
-    ``storage`` (``precision.reround``), seeded by its name, so every plan draws the same."""
-    def reround(model, part: Part) -> None:
+def _perturbing(storage: torch.dtype, seed: int, keys: frozenset[str] | None) -> Callable:
+    """An ``on_load``: every floating parameter of the part entered that was read from one of
+    ``keys`` (None: every one) perturbed as storing in ``storage`` rounds it (``precision.perturb``),
+    seeded by draw and name, so every plan draws the same."""
+    def perturb(model, part: Part, keys_of: Callable) -> None:
         for name, p in model.named_parameters():
-            if p.device.type != "meta" and p.is_floating_point() and (not part.scope or inside(name, part.scope)):
-                precision.reround(p.data, storage, zlib.crc32(name.encode()))
-    return reround
+            if (p.device.type != "meta" and p.is_floating_point() and (not part.scope or inside(name, part.scope))
+                    and (keys is None or any(k in keys for k in keys_of(name, p)))):
+                precision.perturb(p.data, storage, seed * 7919 + zlib.crc32(name.encode()))
+    return perturb
 
 
 def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool, *, stock: bool = False,
@@ -651,18 +695,31 @@ def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed
 
 def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anchor: torch.Tensor,
                   storage: torch.dtype, model, force: bool = False,
-                  failure: Callable[[Comparison], str] | None = None) -> dict:
+                  failure: Callable[[Comparison], str] | None = None, rounded: set[str] = frozenset()) -> dict:
     """Load ``folder`` back (with the plain stock class first, where every record says it computes
     the same function) and compare its outputs with ``anchor`` (weights stored in ``storage``). A
     false plain claim is corrected in the folder; a folder that does not compute the anchor's
     function is an error, unless ``force``: then it stays and its comparison says so. Returns what
-    was checked."""
+    was checked.
+
+    ``storage`` coarser than the arithmetic: ``anchor`` is the model before the cast, and the
+    folder may differ from it by what the cast of the tensors it rounded (``rounded``) costs: the
+    null distribution is measured around the folder itself, those tensors perturbed as the cast
+    rounds (the same statistics, whether the model before the cast is still held or was spent
+    writing)."""
     t = tolerances
+    cast = t.dtype in TOLERANCE and torch.finfo(storage).eps > torch.finfo(t.dtype).eps
 
     def check(stock: bool) -> Comparison:
-        out = read_outputs(Source.open(folder), t.ids, t.dtype, t.streamed, stock=stock, device=t.device,
-                           compact=True)
-        return t.judge(compare(anchor, out, t.output), storage)
+        def read(dtype: torch.dtype = t.dtype, jitter: bool = False, on_load: Callable | None = None):
+            return read_outputs(Source.open(folder), t.ids, dtype, t.streamed, stock=stock, jitter=jitter,
+                                on_load=on_load, device=t.device, compact=True)
+        out = read()
+        c = compare(anchor, out, t.output)
+        if not cast:
+            return t.judge(c, storage)
+        what = f"the written folder with the {len(rounded)} tensors the cast rounded"
+        return t.around(out, read, frozenset(rounded), what).judge(c, storage)
 
     plain = None
     if all(r.get("stock_equivalent") for r in records):
@@ -672,18 +729,14 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
         mark_not_stock(model, records, folder)
     if not records:
         raise SurgeryError(failure(plain) if failure else f"the saved checkpoint does not compute what was checked "
-                           f"before saving (relative error {_beyond(plain)}); nothing was saved")
+                           f"before saving ({beyond(plain)}); nothing was saved")
     ours = check(stock=False)
     if not ours.ok and not force:
         raise SurgeryError(failure(ours) if failure else f"the saved checkpoint, loaded back with normsurgery's "
-                           f"runtime, does not compute what was checked before saving (relative error "
-                           f"{_beyond(ours)}); nothing was saved")
+                           f"runtime, does not compute what was checked before saving ({beyond(ours)}); nothing "
+                           "was saved")
     return {"loader": "trust_remote_code=True or normsurgery.load", "comparison": ours.as_dict(),
             "plain_transformers": None if plain is None else plain.as_dict()}
-
-
-def _beyond(c: Comparison) -> str:
-    return f"{c.relative:.2e} > {c.tolerance:.1e}" + (f": {c.reason}" if c.reason else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -714,15 +767,16 @@ class Check:
     failure: Callable[[Comparison], str] | None = None
 
 
-def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dict], check: Check | None = None,
-              level: int | None = None, force: bool = False, on_overflow: str = "refuse",
+def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[Comparison | None], dict],
+              check: Check | None = None, level: int | None = None, force: bool = False, on_overflow: str = "refuse",
               max_shard_size: str | int = "5GB", progress: Progress = no_progress,
               extra: Callable[[Path], None] | None = None) -> Saved:
     """Write ``work`` (at ``level``, default its last) to ``out`` atomically: the weights cast to
     ``storage`` (a tensor that does not fit it is refused or kept in float32, ``on_overflow``),
-    the config with ``record()`` and the module records, the runtime where modules were rebuilt,
-    the source's side files (``extra(folder)`` adds more); then the folder read back and checked
-    as ``check`` says (:class:`Check`). The work is spent."""
+    the config with ``record(comparison)`` (the folder's check, or None), the overall parity and
+    the module records, the runtime where modules were rebuilt, the source's side files
+    (``extra(folder)`` adds more); then the folder read back and checked as ``check`` says
+    (:class:`Check`). The work is spent."""
     from transformers.utils.hub import convert_file_size_to_int
 
     level = len(work.steps) if level is None else level
@@ -752,17 +806,26 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[], dic
         if reference is not None:
             progress("check", 0, 1)
             reload = check_written(stage.path, records, check.tolerances, reference, storage, work.model, force,
-                                   check.failure)
+                                   check.failure, work.rounded)
             progress("check", 1, 1)
-        done = {**record(), **({"kept_float32": kept} if kept else {}), **({"history": history} if history else {})}
+        comparison = None if reload is None else Comparison(
+            **{k: v for k, v in reload["comparison"].items() if k not in ("ok", "failed")})
+        done = record(comparison)  # a plain save (no record) writes the config save_pretrained writes
+        done = {**done, **({"parity": overall(reload)} if reload and done else {}),
+                **({"kept_float32": kept} if kept else {}), **({"history": history} if history else {})}
         stamp(work.model, done)
         save_config(work.model.config, stage.path)
         modelcard.write(stage.path, done, reload, work.model.config, Path(out).name)
     info = written(out, stage, {**claims(records, reload), "shards": len(files)})
-    comparison = None
-    if reload is not None:
-        comparison = Comparison(**{k: v for k, v in reload["comparison"].items() if k != "ok"})
     return Saved(info, comparison, kept, precision.warning(lost, storage) if lost else None)
+
+
+def overall(reload: dict) -> dict:
+    """The record's overall parity: how the written folder loads and what it computes against the
+    reference (statistics, tolerances and verdict)."""
+    c = reload["comparison"]
+    keys = ("output", "relative", "kl", "top1", "cosine", "tolerance", "kl_tolerance", "reason", "ok", "failed")
+    return {"loader": reload["loader"], **{k: c.get(k) for k in keys}}
 
 
 def earlier_records(record: dict | None) -> list[dict]:
@@ -791,6 +854,6 @@ def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = N
         restore()
     tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model),
                             device=devices.of(model))
-    return save_work(Work(source, model=model), out, storage=load_dtype(model), record=lambda: record or {},
+    return save_work(Work(source, model=model), out, storage=load_dtype(model), record=lambda _: record or {},
                      check=Check(tolerances, lambda: reference), force=force, max_shard_size=max_shard_size,
                      extra=extra, progress=progress).info

@@ -14,7 +14,7 @@ cast errs more has lost its small values to underflow; half-precision weights ca
 unchanged lose nothing. Each tensor so hit is either kept in float32 (the safetensors file holds
 mixed dtypes) or the conversion is refused (``--on-overflow``).
 
-:func:`reround` makes the error storing in a dtype costs, for the checks' tolerance (``parity``).
+:func:`perturb` makes the error storing in a dtype costs, for the checks' null distribution (``parity``).
 """
 
 from __future__ import annotations
@@ -122,12 +122,12 @@ def narrow_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.view(t.shape)
 
 
-def reround(t: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
-    """In place: each nonzero entry of ``t`` (a value ``dtype`` holds, kept in a wider dtype)
-    moved by half the spacing of ``dtype`` there, up or down at random (``seed``): an error as
-    large as rounding into ``dtype`` makes, what storing a rewritten weight in it costs. The
-    spacing in [2^(e-1), 2^e) is eps 2^(e-1), and eps tiny below the smallest normal value tiny;
-    t + its half is exact in float32 (float16/bfloat16 keep 11/8 significant bits)."""
+def perturb(t: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
+    """In place: each nonzero entry x of ``t`` (kept in a wider dtype) moved by u h(x), u uniform
+    in [-1, 1] (``seed``) and h(x) half the spacing of ``dtype`` at x: the error rounding x into
+    ``dtype`` makes, distributed as rounding's (uniform over the interval, not always the largest).
+    The spacing in [2^(e-1), 2^e) is eps 2^(e-1), and eps tiny below the smallest normal value
+    tiny. Exact zeros stay: a zero is stored exactly."""
     info = torch.finfo(dtype)
     g = torch.Generator().manual_seed(seed)
     flat = t.detach().view(-1)
@@ -135,8 +135,8 @@ def reround(t: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
         for i in range(0, flat.numel(), CHUNK):
             x = flat[i:i + CHUNK]
             half = torch.ldexp(torch.full_like(x, info.eps), torch.frexp(x).exponent - 2)
-            sign = torch.randint(0, 2, x.shape, generator=g) * 2 - 1  # drawn on the CPU: the same on any device
-            half.clamp_(min=info.eps * info.tiny / 2).mul_(sign.to(x.device))
+            u = torch.rand(x.shape, generator=g, dtype=torch.float64).mul_(2).sub_(1)  # on the CPU: any device draws the same
+            half.clamp_(min=info.eps * info.tiny / 2).mul_(u.to(x.device, x.dtype))
             x.add_(half.masked_fill_(x == 0, 0))
 
 

@@ -350,7 +350,7 @@ def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor
         reference = anchor(work, probe)
         t = Tolerances(None, probe, work.dtype, None, output=output_kind(work.model), streamed=work.streamed,
                        device=work.device)
-        return save_work(work, job.out, storage=work.dtype, record=lambda: record, check=Check(t, reference),
+        return save_work(work, job.out, storage=work.dtype, record=lambda _: record, check=Check(t, reference),
                          force=job.force, progress=progress).info
     model = healed
     extra = None

@@ -114,6 +114,32 @@ class Index:
         return {e.dtype for e in self.entries.values() if e.dtype.is_floating_point}
 
 
+def differing(a: Index, b: Index, rows: int = 1 << 22) -> frozenset[str] | None:
+    """The keys of ``a`` whose tensors differ from ``b``'s in value (of different dtypes: compared
+    in float64); None when the two hold different keys or shapes
+    (their structure differs). Read ``rows`` entries at a time (a slab of rows)."""
+    if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a.keys()):
+        return None
+    ra, rb, out = Reader(a), Reader(b), set()
+    try:
+        for k in a.keys():
+            ea, eb = a[k], b[k]
+            dtype = None if ea.dtype == eb.dtype else torch.float64
+            n = ea.shape[0] if ea.shape else 1
+            step = max(1, rows // max(1, ea.numel // max(n, 1)))
+            for i in range(0, n, step):
+                j = min(n, i + step)
+                x = ra.read_rows(k, i, j, dtype) if ea.shape else ra.read(k, dtype)
+                y = rb.read_rows(k, i, j, dtype) if eb.shape else rb.read(k, dtype)
+                if not torch.equal(x, y):
+                    out.add(k)
+                    break
+    finally:
+        ra.close()
+        rb.close()
+    return frozenset(out)
+
+
 def _pickled(f: Path) -> dict[str, torch.Tensor]:
     try:
         sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)

@@ -17,6 +17,7 @@ from .families import architecture, layout, positions, stock_class_of
 from .parity import (Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs,
                      probe_ids)
 from .pipeline import Tolerances, Work, model_reader, source_reader
+from .shards import differing
 
 #: tokens per probe window when none is asked for (fewer when the model has fewer positions)
 LENGTH = 64
@@ -70,8 +71,8 @@ def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
         result, reference = _compare_loaded(wa.load_all(), wb.load_all(), ids, generate, per_layer)
         wa.close()
         wb.close()
-    Tolerances(read, ids, dtype, reference, tolerance, sa.head_output, why is not None, where).judge(
-        result, coarsest(sa.storage, sb.storage))
+    Tolerances(read, ids, dtype, reference, tolerance, sa.head_output, why is not None, where,
+               differ=lambda: differing(sa.index, sb.index)).judge(result, coarsest(sa.storage, sb.storage))
     result.streaming, result.device = why, devices.describe(where)
     return result
 
@@ -111,7 +112,16 @@ def compare_models(a, b, *, text: str | None = None, dtype: torch.dtype | None =
     dtype = next(a.parameters()).dtype
     ids = probe_ids(tokenizer, a.config.vocab_size, text, n, probe_length(positions(a.config), length))
     result, reference = _compare_loaded(a, b, ids, generate, per_layer)
-    return Tolerances(model_reader(a, ids), ids, dtype, reference, tolerance, output_kind(a)).judge(result)
+    return Tolerances(model_reader(a, ids), ids, dtype, reference, tolerance, output_kind(a),
+                      differ=lambda: differing_parameters(a, b)).judge(result)
+
+
+def differing_parameters(a, b) -> frozenset[str] | None:
+    """The parameters of ``a`` whose values differ from ``b``'s (None: their names or shapes differ)."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    if pa.keys() != pb.keys() or any(pa[k].shape != pb[k].shape for k in pa):
+        return None
+    return frozenset(k for k in pa if not torch.equal(pa[k].detach().cpu(), pb[k].detach().to("cpu", pa[k].dtype)))
 
 
 def outliers(a, b=None, *, text: str | None = None, n: int = 8, length: int | None = None,

@@ -470,14 +470,16 @@ def forwards(monkeypatch):
 @pytest.mark.parametrize("streaming", [True, False])
 @pytest.mark.parametrize("dtype,passes,expected", [
     (torch.float32, [("flashnorm", {})], 2),  # within float32's 1e-5: the reference and the folder
-    (torch.bfloat16, [("flashnorm", {})], 3),  # bf16 rounding of folded weights: + the re-rounded reference
+    # bf16: the reference, the rewrite before the cast (checked at float32's 1e-5), the folder, and
+    # the null of what the cast's rounding costs (DRAWS draws around the folder)
+    (torch.bfloat16, [("flashnorm", {})], 6),
 ])
 def test_a_checked_convert_runs_two_forwards_and_a_baseline_only_when_needed(tmp_path, forwards, streaming,
                                                                             dtype, passes, expected):
     src = checkpoint_at(tmp_path, "llama", dtype)
     res = convert_mod.convert(src, tmp_path / "out", passes, streaming=streaming)
     assert res.ok and len(forwards) == expected == res.forwards
-    assert (res.baseline is not None) == (expected == 3)
+    assert (res.baseline is not None) == (expected == 6)
     assert 0 < res.seconds_check and res.as_dict()["seconds_check"] == res.seconds_check
     forwards.clear()
     res = convert_mod.convert(src, tmp_path / "fast", passes, streaming=streaming, verify=False, force=True)
@@ -485,7 +487,8 @@ def test_a_checked_convert_runs_two_forwards_and_a_baseline_only_when_needed(tmp
 
 
 def test_identical_outputs_need_no_baseline(tmp_path, forwards):
-    """bf16 weights the pass leaves as they were: the folder's outputs equal the input's, no baseline."""
+    """bf16 weights the pass leaves as they were: the folder's outputs equal the input's, no baseline
+    (the reference, the rewrite before the cast, the folder)."""
     from normsurgery import registry
     from normsurgery.registry import PassReport
 
@@ -496,7 +499,7 @@ def test_identical_outputs_need_no_baseline(tmp_path, forwards):
         res = convert_mod.convert(src, tmp_path / "out", [("test-nothing2", {})], streaming=True)
     finally:
         registry.PASSES.pop("test-nothing2")
-    assert res.ok and res.parity.relative == 0 and len(forwards) == 2 and res.baseline is None
+    assert res.ok and res.parity.relative == 0 and len(forwards) == 3 and res.baseline is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,8 +570,11 @@ print(json.dumps({"base": base, "peak": mb("VmHWM:"), "ok": r.ok}))
 def test_a_large_vocabulary_does_not_raise_the_checks_peak(tmp_path):
     """A Qwen2-shaped bf16 checkpoint with a 151936-token vocabulary (small width and depth): the
     checked streaming convert's peak RSS (/proc, a fresh process, above its RSS after imports)
-    stays within a third of one probe's float32 logits (4 x 64 x 151936: 156 MB) of the
-    unchecked convert's: the check holds no positions x vocabulary tensor."""
+    stays within one and a half of one probe's float32 logits (4 x 64 x 151936: 148 MiB) of the
+    unchecked convert's: the reference and the folder are held compact (the head's input; its rows
+    read from the file a slab at a time), and one positions x vocabulary tensor is held: the
+    rewrite's before the cast, whose head was rewritten and is in no file (measured: 1.2 logits;
+    all three full and a null draw's would be 4)."""
     import os
     import subprocess
     import sys
@@ -591,7 +597,7 @@ def test_a_large_vocabulary_does_not_raise_the_checks_peak(tmp_path):
         assert got["ok"]
         above[verify] = got["peak"] - got["base"]
     logits_mb = 4 * 64 * 151936 * 4 / 2**20
-    assert above["1"] - above["0"] < logits_mb / 3, above
+    assert above["1"] - above["0"] < 1.5 * logits_mb, above
 
 
 def test_convert_states_what_each_plan_needs(tmp_path):

@@ -59,7 +59,9 @@ def test_verify_in_out_passes_after_every_convert(tmp_path, dtype, family, spec)
         assert v["tolerance"] == 1e-5 and "float32 arithmetic" in v["reason"]
     else:  # the tolerance comes from what storing the input in that dtype costs it, and says so
         assert f"stored in {name}" in v["reason"] and v["tolerance"] > 1e-5
-        assert v["tolerance"] == pytest.approx(data["parity"]["tolerance"], rel=1e-6)  # convert and verify alike
+        # judged by relative error and KL against the null of the tensors that differ (convert's own
+        # check is against the rewrite before its cast: another null, around the folder)
+        assert "tensors that differ" in v["reason"] and v["kl"] <= v["kl_tolerance"] and v["null"]["draws"] == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -234,7 +236,7 @@ def test_a_broken_rewrite_of_a_deep_model_still_fails():
 
 
 def test_a_baseline_that_cannot_be_measured_is_not_shown_as_a_number():
-    """A reference that is NaN once re-rounded used to report its baseline as (0.0e+00): max()
+    """A reference that is NaN once perturbed (in any draw) used to report its baseline as (0.0e+00): max()
     skips NaN. The comparison is NaN (never ok) and the tolerance says it was not measured."""
     import math
 
@@ -245,5 +247,6 @@ def test_a_baseline_that_cannot_be_measured_is_not_shown_as_a_number():
     bad[0, 1, 3] = float("nan")
     c = compare(ref, bad)
     assert math.isnan(c.relative) and not c.judged(1e-5, "x").ok
-    tol, why, own = tolerance(torch.float32, torch.float16, lambda: compare(ref, bad))
-    assert tol == 1e-5 and "could not be measured" in why and "0.0e+00" not in why
+    fine = compare(ref, ref + 1e-3)
+    tol, why, kl = tolerance(torch.float32, torch.float16, lambda: [fine, compare(ref, bad), fine])
+    assert tol == 1e-5 and kl is None and "could not be measured" in why and "0.0e+00" not in why

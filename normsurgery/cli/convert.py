@@ -118,12 +118,12 @@ def convert(
             say(f"  {s.name}: {note}")
     if result.parity:
         p = result.parity
-        changed = [s for s in result.steps if s.kind != "exact"]  # a mask or a trained pass: the anchor
-        against = (f"the model after {changed[-1].name} ({changed[-1].kind}: it changes the function on purpose)"
-                   if changed else "the input")
-        say(f"saved folder vs {against} ({p.output}): relative error {fmt(p.relative)}"
+        say(f"saved folder vs {result.against} ({p.output}): relative error {fmt(p.relative)}"
+            + (f", KL {fmt(p.kl)}" if p.kl_tolerance is not None else "")
             + (f", top-1 agreement {p.top1:.4f}" if p.top1 is not None else "")
-            + (f"; tolerance {fmt(p.tolerance)}: {p.reason}" if p.tolerance is not None else ""))
+            + (f"; tolerance {fmt(p.tolerance)}" if p.tolerance is not None else "")
+            + (f", KL {fmt(p.kl_tolerance)}" if p.kl_tolerance is not None else "")
+            + (f": {p.reason}" if p.tolerance is not None else ""))
         if result.from_input is not None:
             d = result.from_input
             say(f"that model vs the input ({d.output}, measured, not judged): relative error {fmt(d.relative)}"

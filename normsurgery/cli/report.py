@@ -137,8 +137,12 @@ def verify_table(r, a, b, dtype) -> Table:
     d = "Δlogit" if r.output == "logits" else "Δh"
     rows = [("compared", r.output), (f"max |{d}|", r.max_abs), (f"mean |{d}|", r.mean_abs),
             ("relative error", r.relative), ("tolerance", r.tolerance), ("why this tolerance", r.reason)]
-    rows += ([("KL(a||b)", r.kl), ("top-1 agreement", r.top1)] if r.output == "logits"
-             else [("mean-pooled cosine (worst)", r.cosine)])
+    rows += ([("KL(a||b)", r.kl)] + ([("KL tolerance", r.kl_tolerance)] if r.kl_tolerance is not None else [])
+             + [("top-1 agreement", r.top1)] if r.output == "logits" else [("mean-pooled cosine (worst)", r.cosine)])
+    if r.null is not None:
+        n = r.null
+        rows += [(f"rounding alone ({n['draws']} draws, worst)", f"relative {fmt(n['relative'])}"
+                  + (f", KL {fmt(n['kl'])}, top-1 {fmt(n['top1'])}" if n.get("kl") is not None else ""))]
     rows += [("greedy agreement", r.generation)] if r.generation is not None else []
     rows = [(k, fmt(v)) for k, v in rows]
     notes = list(dict.fromkeys(row["note"] for row in r.layers if row["note"]))  # each said once

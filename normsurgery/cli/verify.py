@@ -52,6 +52,6 @@ def verify(
                 "norm's output is not compared per layer (flashnorm moves its gain into the head); the "
                 f"{r.output} compared above is what the model outputs")
         say_device(r.device)
-        say("same function" if r.ok else "DIFFERENT: relative error above tolerance")
+        say("same function" if r.ok else f"DIFFERENT: {r.failed}")
     if not r.ok:
         raise typer.Exit(FAILED)
