@@ -49,7 +49,7 @@ from transformers.initialization import no_init_weights
 
 from . import devices, memory, runtime
 from .errors import SurgeryError, SurgeryWarning
-from .families import AUTO_CLASS, Head, class_name, family, head_of, positions, stock_class_of
+from .families import AUTO_CLASS, Head, class_name, family, head_of, positions, stock_class_name, stock_class_of
 from .output import WEIGHT_SUFFIXES, copied_folders
 from .shards import Index, Reader, inside
 
@@ -114,10 +114,11 @@ def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
     return files
 
 
-def load_config(path: Path):
-    """The config, of a family and class normsurgery handles (else a SurgeryError saying so). A
-    checkpoint that needs the runtime names its family ``normsurgery_<family>`` (see
-    :func:`save_config`): read with the stock family's config class."""
+def load_config(path: Path, any_family: bool = False):
+    """The config, of a family and class normsurgery handles (else a SurgeryError saying so;
+    ``any_family``: also of a family without an adapter whose stock class ``verify`` can run,
+    ``families.stock_class_name``). A checkpoint that needs the runtime names its family
+    ``normsurgery_<family>`` (see :func:`save_config`): read with the stock family's config class."""
     file = path / "config.json"
     try:
         data = json.loads(file.read_text())
@@ -139,7 +140,7 @@ def load_config(path: Path):
             cfg = transformers.CONFIG_MAPPING[stock].from_dict(data)
     except Exception as e:
         raise SurgeryError(f"cannot read {file}: {_first_line(e)}") from None
-    class_name(cfg)
+    (stock_class_name if any_family else class_name)(cfg)
     return cfg
 
 
@@ -192,12 +193,13 @@ class Source:
     allow_pickle: bool = False
 
     @classmethod
-    def open(cls, src, allow_pickle: bool = False) -> Source:
-        """``src`` (a folder, a cached hub id, or a Source) resolved and checked."""
+    def open(cls, src, allow_pickle: bool = False, any_family: bool = False) -> Source:
+        """``src`` (a folder, a cached hub id, or a Source) resolved and checked (``any_family``:
+        a family without an adapter too, whose stock class ``verify`` runs: :func:`load_config`)."""
         if isinstance(src, Source):
             return src
         path = resolve(src)
-        config = load_config(path)
+        config = load_config(path, any_family)
         return cls(str(src), path, config, Index(weight_files(path, allow_pickle)), allow_pickle)
 
     @property
@@ -206,7 +208,7 @@ class Source:
 
     @property
     def class_name(self) -> str:
-        return class_name(self.config)
+        return stock_class_name(self.config)
 
     @property
     def head(self) -> Head:

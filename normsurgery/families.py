@@ -173,8 +173,10 @@ def family(model_type: str) -> Family:
 
 
 def positions(config) -> int | None:
-    """The longest sequence the model's positions allow (None: no limit known)."""
-    return family(config.model_type).positions(config)
+    """The longest sequence the model's positions allow (None: no limit known); a family without
+    an adapter (``verify`` only): the usual key, ``max_position_embeddings``."""
+    fam = FAMILIES.get(config.model_type)
+    return fam.positions(config) if fam is not None else getattr(config, "max_position_embeddings", None)
 
 
 def class_name(config) -> str:
@@ -191,8 +193,69 @@ def class_name(config) -> str:
 
 
 def architecture(config) -> tuple[str, str]:
-    """(family, stock class) the family table reads from a config: what a rewrite keeps."""
-    return config.model_type, class_name(config)
+    """(family, stock class) the family table reads from a config: what a rewrite keeps (a family
+    without an adapter: :func:`stock_class_name`)."""
+    return config.model_type, stock_class_name(config)
+
+
+def stock_class_name(config) -> str:
+    """:func:`class_name` for a family with an adapter. For one without, which only ``verify``
+    reads (comparing what the stock class outputs, which needs no layout): the one class the
+    config's ``architectures`` names (none: the base model ``AutoModel`` builds), a transformers
+    class that reads token ids alone and outputs logits (LM or classifier, :func:`stock_objective`)
+    or a last hidden state; anything else is a SurgeryError saying why."""
+    if config.model_type in FAMILIES:
+        return class_name(config)
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    names = getattr(config, "architectures", None) or []
+    base = MODEL_MAPPING_NAMES.get(config.model_type)
+    name = names[0] if len(names) == 1 else base if not names and isinstance(base, str) else None
+    what = f"{config.model_type} has no adapter, so verify compares what its stock class outputs, but"
+    if name is None:
+        raise SurgeryError(f"{what} its config names {', '.join(names) or 'no class'} and there is no single "
+                           "class to load")
+    if not hasattr(transformers, name):
+        raise SurgeryError(f"{what} transformers {transformers.__version__} has no class {name} (normsurgery runs "
+                           "no code from checkpoints)")
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "vocab_size", None) is None:
+        raise SurgeryError(f"{what} {name} does not read token ids alone (an encoder-decoder, or a model without "
+                           "a vocabulary)")
+    if stock_objective(name) is None:
+        raise SurgeryError(f"{what} {name} is not a causal or masked LM, sequence or token classifier, or base "
+                           "model: its outputs are not ones verify compares")
+    return name
+
+
+def stock_objective(name: str) -> str | None:
+    """The objective (``layout.OBJECTIVES``) of the stock transformers class ``name``, read from
+    the mapping of the Auto class that builds it (those of ``AUTO_CLASS``); None when none of them
+    does (a question-answering head, a pre-training head...)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    tables = {"causal-lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked-lm": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+              "sequence-classification": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+              "token-classification": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+              "none": auto.MODEL_MAPPING_NAMES}
+    for kind, table in tables.items():
+        if any(name == v or (isinstance(v, tuple) and name in v) for v in table.values()):
+            return kind
+    return None
+
+
+def objective(model) -> str:
+    """What ``model``'s class is trained for (``layout.OBJECTIVES``; "none": a base model, whose
+    output is its last hidden state): its head in the family table, or for a family without an
+    adapter, :func:`stock_objective` of its stock class. Needs no layout."""
+    if model.config.model_type in FAMILIES:
+        return head_of(model).objective
+    name = stock_class_of(model).__name__
+    kind = stock_objective(name)
+    if kind is None:
+        raise SurgeryError(f"{name} is not a causal or masked LM, sequence or token classifier, or base model: "
+                           "its outputs are not ones normsurgery compares")
+    return kind
 
 
 def stock_class_of(model) -> type:

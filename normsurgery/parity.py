@@ -44,7 +44,7 @@ import torch
 from . import algebra, calibration, devices
 from .analysis import residual_states
 from .errors import SurgeryError
-from .families import layout
+from .families import layout, objective
 
 #: relative-error tolerance of arithmetic in a dtype on weights it holds exactly
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -77,6 +77,7 @@ class Comparison:
     layers: list[dict] = field(default_factory=list)
     streaming: str | None = None  # why the models were read one part at a time (None: in memory)
     device: dict | None = None  # where the outputs were computed (devices.describe), when a command chose it
+    no_adapter: str | None = None  # a family without an adapter: only its stock class's outputs compared (verify)
 
     @property
     def ok(self) -> bool:
@@ -105,7 +106,8 @@ def beyond(c: Comparison) -> str:
 
 
 def output_kind(model) -> str:
-    return "logits" if layout(model).head is not None else "last hidden state"
+    """"logits" for a head, "last hidden state" for a base model (``families.objective``: no layout needed)."""
+    return "logits" if objective(model) != "none" else "last hidden state"
 
 
 def probe_ids(tokenizer, vocab_size: int, text: str | None, n: int = 4, length: int = 64,
@@ -143,11 +145,11 @@ def outputs(model, ids: torch.Tensor, device: torch.device | None = None) -> tor
     A sequence classifier reads each row's last token that is not padding; without a pad token
     transformers refuses batches. The probe has no padding, so a pad id no row holds (-1) makes
     it read every row's last token, as each row alone would."""
-    lay = layout(model)
-    kwargs = {"use_cache": False} if lay.objective == "causal-lm" else {}
+    kind = objective(model)
+    kwargs = {"use_cache": False} if kind == "causal-lm" else {}
     with unpadded(model):
         out = model(input_ids=ids.to(device or devices.of(model)), **kwargs)
-    out = out.logits if lay.head is not None else out.last_hidden_state
+    out = out.logits if kind != "none" else out.last_hidden_state
     return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
 
@@ -156,7 +158,7 @@ def unpadded(model):
     """A sequence classifier without a pad token: while active, its pad id is one no row holds
     (-1), so it reads every row's last token (nothing else changes)."""
     text = model.config.get_text_config()
-    if layout(model).objective != "sequence-classification" or text.pad_token_id is not None:
+    if objective(model) != "sequence-classification" or text.pad_token_id is not None:
         yield
         return
     text.pad_token_id = -1

@@ -4,6 +4,10 @@ Both are run on probe text in one arithmetic and compared on what their class ou
 tolerance the arithmetic and the stored precision allow (``parity``). In memory both models are
 loaded whole, and greedy generation (causal LMs) and per-layer differences can be compared too;
 one part at a time (``streaming``; checkpoints larger than memory) only the outputs are.
+
+A family without an adapter (no layout: ``families.stock_class_name``) is compared on what its
+stock class outputs, both models whole in memory (:func:`_verify_stock`): streaming and
+per-layer figures follow the layout, so they are refused for it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 from . import analysis, devices, memory
 from .checkpoint import Source, load
 from .errors import SurgeryError
-from .families import architecture, layout, positions, stock_class_of
+from .families import FAMILIES, architecture, objective, positions, stock_class_of
 from .parity import (Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs,
                      probe_ids)
 from .pipeline import Tolerances, Work, model_reader, source_reader
@@ -57,10 +61,13 @@ def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
     if isinstance(a, torch.nn.Module) and isinstance(b, torch.nn.Module):
         return compare_models(a, b, text=text, dtype=dtype, tolerance=tolerance, n=n, length=length,
                               generate=generate, per_layer=per_layer)
-    sa, sb = Source.open(a, allow_pickle), Source.open(b, allow_pickle)
+    sa, sb = Source.open(a, allow_pickle, any_family=True), Source.open(b, allow_pickle, any_family=True)
     check_comparable(sa, sb)
     where = devices.choose(device)
     why = _streaming(sa, sb, dtype, streaming, where)
+    if sa.family not in FAMILIES:
+        return _verify_stock(sa, sb, why, text=text, dtype=dtype, tolerance=tolerance, n=n, length=length,
+                             generate=generate, per_layer=per_layer, streaming=streaming, device=where)
     ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, n, probe_length(sa.positions, length))
     read = source_reader(sa, ids, dtype, why is not None, where)
     if why is not None:
@@ -75,6 +82,46 @@ def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
                differ=lambda: differing(sa.index, sb.index)).judge(result, coarsest(sa.storage, sb.storage))
     result.streaming, result.device = why, devices.describe(where)
     return result
+
+
+def _verify_stock(sa: Source, sb: Source, why: str | None, *, text, dtype, tolerance, n, length, generate,
+                  per_layer, streaming, device: torch.device) -> Comparison:
+    """``verify`` of two checkpoints of a family without an adapter: each loaded whole with its
+    stock class, both run on the same probe and compared on what the class outputs (logits, or the
+    last hidden state), greedy generation too for a causal LM, judged by ``parity``'s rules. What a
+    tolerance needs measured is measured on the reference loaded again whole. Reading one part at a
+    time (``why``: asked for, or the two would not fit in memory) and per-layer figures need the
+    family's layout: refused, saying so."""
+    family = sa.family
+    if streaming:
+        raise SurgeryError(f"--streaming reads one part at a time, which needs a family adapter (the parts follow "
+                           f"its layout), and normsurgery has none for {family!r}: verify it in memory, without "
+                           "--streaming")
+    if why is not None:
+        raise SurgeryError(f"normsurgery has no adapter for {family!r}, so verify compares such models whole in "
+                           f"memory (reading one part at a time needs the family's layout), but {why}")
+    if per_layer:
+        raise _no_layers(family)
+    ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, n, probe_length(sa.positions, length))
+    ma, mb = load(sa, dtype, device=device), load(sb, dtype, device=device)
+    result, reference = _compare_loaded(ma, mb, ids, generate, False)
+    output = output_kind(ma)
+    del ma, mb  # a measurement below loads the reference again
+
+    def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load=None) -> torch.Tensor:
+        return model_reader(load(sa, dtype, device=device), ids)(jitter=jitter, on_load=on_load)
+
+    Tolerances(read, ids, dtype, reference, tolerance, output, False, device).judge(
+        result, coarsest(sa.storage, sb.storage))
+    result.device = devices.describe(device)
+    result.no_adapter = (f"no adapter for {family!r}: what the stock {sa.class_name} outputs was compared, both "
+                         "models in memory (no per-layer figures, no streaming)")
+    return result
+
+
+def _no_layers(family: str) -> SurgeryError:
+    return SurgeryError(f"per-layer differences (--layers) need a family adapter to find the blocks, and "
+                        f"normsurgery has none for {family!r}: verify it without --layers")
 
 
 def _streaming(a: Source, b: Source, dtype: torch.dtype, streaming: bool | None, device: torch.device) -> str | None:
@@ -93,7 +140,7 @@ def _compare_loaded(a, b, ids: torch.Tensor, generate: int, per_layer: bool) -> 
     """(the comparison, ``a``'s outputs) of two models in memory."""
     reference = outputs(a, ids)
     result = compare(reference, outputs(b, ids), output_kind(a))
-    if generate and layout(a).objective == "causal-lm":
+    if generate and objective(a) == "causal-lm":
         result.generation = greedy_agreement(a, b, ids[:, : min(8, ids.shape[1])], generate)
     if per_layer:
         result.layers = layer_differences(a, b, ids)
@@ -107,6 +154,8 @@ def compare_models(a, b, *, text: str | None = None, dtype: torch.dtype | None =
     if stock_class_of(a) is not stock_class_of(b):
         raise SurgeryError(f"the models are of different classes ({stock_class_of(a).__name__} and "
                            f"{stock_class_of(b).__name__}): they do not output the same thing")
+    if per_layer and a.config.model_type not in FAMILIES:
+        raise _no_layers(a.config.model_type)
     if dtype is not None:
         a, b = a.to(dtype), b.to(dtype)
     dtype = next(a.parameters()).dtype

@@ -7,14 +7,17 @@ import json
 
 import pytest
 import torch
+import transformers as T
 from typer.testing import CliRunner
 
 import normsurgery as ns
 from normsurgery import registry
 from normsurgery.cli import app
+from normsurgery.families import FAMILIES
 from normsurgery.norms import faithful_norms
 from normsurgery.registry import PassReport
 from normsurgery.parity import compare, outputs
+from normsurgery.synthetic import make_realistic
 
 from models import tiny_model, token_ids
 
@@ -250,3 +253,91 @@ def test_a_baseline_that_cannot_be_measured_is_not_shown_as_a_number():
     fine = compare(ref, ref + 1e-3)
     tol, why, kl = tolerance(torch.float32, torch.float16, lambda: [fine, compare(ref, bad), fine])
     assert tol == 1e-5 and kl is None and "could not be measured" in why and "0.0e+00" not in why
+
+
+# ---- families without an adapter (issue 34.10): what the stock class outputs, compared in memory ----
+
+def stock_checkpoints(tmp_path, cls, config, gain, dtype=torch.float32):
+    """A tiny ``cls`` of a family normsurgery has no adapter for (realistic weights, seed 0) saved
+    in ``dtype`` as src/, an identical copy as copy/, and as other/ with one LayerNorm gain x1.05."""
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    make_realistic(model, 0)
+    model.to(dtype)
+    folders = [tmp_path / "src", tmp_path / "copy", tmp_path / "other"]
+    model.save_pretrained(folders[0])
+    model.save_pretrained(folders[1])
+    with torch.no_grad():
+        model.get_submodule(gain).weight.mul_(1.05)
+    model.save_pretrained(folders[2])
+    return folders
+
+
+def mpnet_config():
+    return T.MPNetConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=66)
+
+
+NO_ADAPTER = [  # (class, config, a LayerNorm the other copy scales, what the class outputs)
+    (T.MPNetModel, mpnet_config, "encoder.layer.0.output.LayerNorm", "last hidden state"),
+    (T.MPNetForMaskedLM, mpnet_config, "mpnet.encoder.layer.0.output.LayerNorm", "logits"),
+    (T.BloomForCausalLM, lambda: T.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4),
+     "transformer.h.0.input_layernorm", "logits"),
+]
+
+
+@pytest.mark.parametrize("cls,config,gain,output", NO_ADAPTER, ids=[c.__name__ for c, *_ in NO_ADAPTER])
+def test_verify_of_a_family_without_an_adapter_compares_its_stock_outputs(tmp_path, cls, config, gain, output):
+    """Issue 34.10: `verify A B` of all-mpnet-base-v2 was refused ("no adapter for 'mpnet'"),
+    although comparing outputs needs no layout."""
+    assert config().model_type not in FAMILIES
+    src, same, other = stock_checkpoints(tmp_path, cls, config(), gain)
+    r = run("verify", src, same, "--json")
+    assert r.exit_code == 0, r.output
+    v = strict_json(r.stdout)
+    assert v["ok"] and v["relative"] == 0 and v["output"] == output and v["tolerance"] == 1e-5
+    assert f"no adapter for {config().model_type!r}" in v["no_adapter"] and cls.__name__ in v["no_adapter"]
+    assert (v["top1"] == 1.0 and v["kl"] == 0) if output == "logits" else v["cosine"] == pytest.approx(1.0)
+    assert v["generation"] == (1.0 if cls is T.BloomForCausalLM else None)  # greedy generation of a causal LM
+    r = run("verify", src, other)
+    assert r.exit_code == 1 and "DIFFERENT" in r.output and "no adapter for" in r.output, r.output
+    v = ns.verify(src, other, generate=0)  # the float32 rules: past 1e-5, the model's own rounding measured
+    assert not v.ok and v.relative > 1e-2 and "own float32 rounding" in v.reason, (v.relative, v.reason)
+
+
+def test_a_family_without_an_adapter_is_judged_by_its_stored_precision(tmp_path):
+    """Stored in float16, computed in float32: the tolerance is what storing in float16 costs the
+    reference (measured on the reference loaded again, its weights re-rounded), which a float32
+    copy passes and a changed gain does not."""
+    src, _, other = stock_checkpoints(tmp_path, T.MPNetForMaskedLM, mpnet_config(),
+                                      "mpnet.encoder.layer.0.output.LayerNorm", torch.float16)
+    wide = tmp_path / "wide"
+    T.MPNetForMaskedLM.from_pretrained(src, dtype=torch.float32).save_pretrained(wide)
+    same = ns.verify(src, wide)
+    assert same.ok and same.relative == 0 and "stored in float16" not in same.reason
+    v = ns.verify(src, other)
+    assert not v.ok and "stored in float16" in v.reason and v.tolerance > 1e-5, (v.relative, v.reason)
+
+
+def one_line_error(r, match):
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error:"), r.output
+    assert match in lines[0] and "Traceback" not in r.output, r.output
+
+
+def test_what_a_family_without_an_adapter_cannot_give_is_refused_in_one_line(tmp_path):
+    """Reading one part at a time and per-layer figures follow the family's layout; a mistyped
+    path, another architecture and a class whose outputs verify does not compare are one line too."""
+    src, same, _ = stock_checkpoints(tmp_path, T.MPNetModel, mpnet_config(), "encoder.layer.0.output.LayerNorm")
+    one_line_error(run("verify", src, same, "--streaming"), "--streaming reads one part at a time, which needs a "
+                                                          "family adapter")
+    one_line_error(run("verify", src, same, "--layers"), "--layers")
+    one_line_error(run("verify", src, tmp_path / "nope"), "no checkpoint at")
+    one_line_error(run("verify", src, GPT2), "is a mpnet model and normsurgery/demo/gpt2-tiny a gpt2 one")
+    one_line_error(run("verify", GPT2, src), "a gpt2 model and")
+    qa = tmp_path / "qa"
+    T.MPNetForQuestionAnswering(mpnet_config()).save_pretrained(qa)
+    one_line_error(run("verify", qa, qa), "MPNetForQuestionAnswering is not a causal or masked LM")
+    one_line_error(run("convert", src, tmp_path / "out", "--pass", "flashnorm"), "no adapter for 'mpnet'")
+    with pytest.raises(ns.SurgeryError, match="--layers"):  # models in memory too
+        ns.verify(T.MPNetModel(mpnet_config()), T.MPNetModel(mpnet_config()), per_layer=True)

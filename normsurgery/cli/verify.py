@@ -47,6 +47,8 @@ def verify(
         show(verify_table(r, a, b, dtype))
         if r.streaming:
             say(f"read one block at a time (no generation, no per-layer figures): {r.streaming}")
+        if r.no_adapter:
+            say(r.no_adapter)
         if r.layers:
             say("h_l: the residual stream entering block l (the last row: leaving the last block). The final "
                 "norm's output is not compared per layer (flashnorm moves its gain into the head); the "
