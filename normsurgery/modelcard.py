@@ -197,8 +197,14 @@ def _parity(record: dict, reload: dict | None) -> list[str]:
     what = c.get("output", "logits")
     rows.append(f"Overall (reload check): this folder, loaded back with {reload['loader']}, against the reference "
                 f"({what}, probe text): relative error {c['relative']:.2e}"
+                + (f", KL {c['kl']:.2e}" if c.get("kl_tolerance") is not None else "")
                 + (f", top-1 agreement {c['top1']:.4f}" if c.get("top1") is not None else "")
-                + f"; tolerance {_num(c.get('tolerance'))}: {c.get('reason') or 'none'}.")
+                + f"; tolerance {_num(c.get('tolerance'))}"
+                + (f", KL {_num(c.get('kl_tolerance'))}" if c.get("kl_tolerance") is not None else "")
+                + f": {c.get('reason') or 'none'}.")
+    if c.get("ok") is False:
+        rows += ["", f"**The check failed** ({c.get('failed')}): this folder was saved with `--force` and does not "
+                 "compute the reference's function within tolerance."]
     return rows
 
 
@@ -243,10 +249,12 @@ def _heldout(record: dict) -> list[str]:
 
 def _loading(reload: dict | None, arch: str, auto: str) -> list[str]:
     plain = reload is not None and reload["loader"] == "plain transformers"
+    failed = reload is not None and reload["comparison"].get("ok") is False
     code = (f"import transformers\nmodel = transformers.{arch}.from_pretrained(\"PATH\")" if plain else
             f"import transformers\nmodel = transformers.{auto}.from_pretrained(\"PATH\", trust_remote_code=True)\n"
             "# or: import normsurgery; model = normsurgery.load(\"PATH\")")
-    return ["```python", code, "```", "",
+    return (["It loads as below, but its outputs differ from the reference's beyond tolerance (see Parity).", ""]
+            if failed else []) + ["```python", code, "```", "",
             "- " + ("plain transformers, no remote code" if plain else
                     "rewritten modules: the runtime beside the weights (modeling_normsurgery.py) loads as remote code"),
             "- ONNX Runtime: `normsurgery export PATH onnx/ --to onnx` (checked against this model in ONNX Runtime).",

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import normsurgery as ns
 from normsurgery import registry
 from normsurgery.cli import app
-from normsurgery.families import FAMILIES
+from normsurgery.families import FAMILIES, layout
 from normsurgery.norms import faithful_norms
 from normsurgery.registry import PassReport
 from normsurgery.parity import compare, outputs
@@ -341,3 +341,73 @@ def test_what_a_family_without_an_adapter_cannot_give_is_refused_in_one_line(tmp
     one_line_error(run("convert", src, tmp_path / "out", "--pass", "flashnorm"), "no adapter for 'mpnet'")
     with pytest.raises(ns.SurgeryError, match="--layers"):  # models in memory too
         ns.verify(T.MPNetModel(mpnet_config()), T.MPNetModel(mpnet_config()), per_layer=True)
+
+
+# ---- half precision (issue 34.1): a null distribution of rounding, relative error and KL ----
+
+
+def _bf16_variant(tmp_path, src, name, change):
+    """A copy of checkpoint ``src`` with ``change(model)`` applied to its (bf16) weights."""
+    model = T.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        change(model)
+    model.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def _norm(model, i):
+    block = model.get_submodule(layout(model).layers_path)[i]
+    return getattr(block, "post_attention_layernorm", None) or block.ln_2
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_verify_in_bf16_fails_a_two_percent_gain_and_passes_a_rerounded_copy(tmp_path, family):
+    """Before: the tolerance was 4 x the reference with every weight moved by a full half-ulp
+    (rounding's largest error, on tensors no rewrite touches too), so a 2% change of one norm
+    passed. Now the null perturbs only the tensors that differ, as rounding does (uniform), and
+    KL is judged as well."""
+    src = stored(tmp_path, family, torch.bfloat16)
+    gain = _bf16_variant(tmp_path, src, "gain", lambda m: _norm(m, 1).weight.mul_(1.02))
+    v = ns.verify(src, gain, generate=0)
+    assert not v.ok and v.null["draws"] == 3, (v.relative, v.tolerance, v.kl, v.kl_tolerance)
+    assert "tensors that differ" in v.reason and v.failed is not None
+    r = run("verify", src, gain)
+    assert r.exit_code == 1 and "DIFFERENT: " in r.output
+
+    def rerounded(m):  # every weight nudged by a uniform fraction of +-1 ulp and rounded to nearest
+        g = torch.Generator().manual_seed(1)
+        for p in m.parameters():
+            x = p.float()
+            ulp = torch.ldexp(torch.full_like(x, torch.finfo(torch.bfloat16).eps), torch.frexp(x).exponent - 1)
+            p.copy_(torch.where(x == 0, x, x + (torch.rand(x.shape, generator=g) * 2 - 1) * ulp))
+    same = _bf16_variant(tmp_path, src, "rerounded", rerounded)
+    v = ns.verify(src, same, generate=0)
+    assert v.ok and v.relative > 1e-5 and v.kl_tolerance is not None, (v.relative, v.tolerance, v.kl, v.kl_tolerance)
+
+
+def test_convert_checks_the_rewrite_before_the_cast_at_float32s_tolerance(tmp_path):
+    """A pass whose algebra is off (one gain 1% wrong, in a bf16 model) is caught at 1e-5 before the
+    cast, whatever the storage dtype's rounding would hide; the message names the statistic and the
+    tolerance as applied."""
+    import normsurgery.passes  # noqa: F401  (registers the built-in passes)
+
+    flash = registry.get("flashnorm")
+
+    def wrong(model, lay, ctx):
+        report = flash.apply(model, lay, ctx)
+        if lay.norms and "model.layers.1.post_attention_layernorm" in {s.path for s in lay.norms}:
+            with torch.no_grad():
+                model.model.layers[1].mlp.up_proj.weight.mul_(1.01)
+        return report or PassReport("test-wrong-flashnorm")
+
+    registry.register("test-wrong-flashnorm", "flashnorm, 1% off in one layer", "exact", "tests", flash.applies,
+                      options=flash.options, blockwise=True)(wrong)
+    try:
+        src = stored(tmp_path, "llama", torch.bfloat16)
+        with pytest.raises(ns.SurgeryError, match=r"broke parity: relative error .* > 1\.\de-05 \(float32.*--work-dtype float64"):
+            ns.convert(src, tmp_path / "out", [("test-wrong-flashnorm", {})])
+        assert not (tmp_path / "out").exists()
+        fine = ns.convert(src, tmp_path / "fine", [("flashnorm", {})])
+        assert fine.ok and fine.steps[0].parity.tolerance == 1e-5 and "before its cast" in fine.against
+    finally:
+        registry.PASSES.pop("test-wrong-flashnorm")

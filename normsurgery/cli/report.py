@@ -93,7 +93,9 @@ def loads_with(saved: dict) -> str:
         return "not loaded back: how it loads was not checked"
     c = reload["comparison"]
     return (f"loads with {reload['loader']} (checked: loaded back, relative error {fmt(c['relative'])})"
-            + ("; plain transformers loads it with different outputs" if reload.get("plain_transformers") else ""))
+            + ("; plain transformers loads it with different outputs" if reload.get("plain_transformers") else "")
+            + (f"; its outputs DIFFER beyond tolerance ({c['failed']}): saved with --force" if c.get("ok") is False
+               else ""))
 
 
 def curve_table(name: str, curve: list[dict]) -> Table:
