@@ -163,8 +163,9 @@ def _done(record: dict) -> list[str]:
     if "squeeze" in record:
         sq = record["squeeze"]
         o, opts, cycles = sq["original"], sq["options"], sq["cycles"]
-        rows.append(f"- **squeeze**: {len(cycles)} cycles of mask -> minimize -> release -> retrain "
-                    f"({opts.get('train')}, {opts.get('steps_per_cycle')} steps each; masks of "
+        rows.append(f"- **squeeze**: {len(cycles)} cycle{'s' if len(cycles) != 1 else ''} of mask -> minimize -> "
+                    f"release -> retrain ({opts.get('train')}, {opts.get('steps_per_cycle')} steps"
+                    f"{' each' if len(cycles) != 1 else ''}; masks of "
                     f"{', '.join(opts.get('structure') or ())} by {opts.get('by')}): {o['params']:,} -> "
                     f"{cycles[-1]['params']:,} parameters ({cycles[-1]['params'] / o['params']:.1%})")
         rows += [f"  - cycle {c['cycle']}: masked {c['fraction']:.3f} of each structure ({c['heads_fraction']:.3f} "

@@ -16,7 +16,7 @@ from .devices import PRECISION_CHOICES, PRECISIONS
 from .errors import SurgeryError, UsageError
 
 __all__ = ["CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "METHODS", "ON_OVERFLOW", "PruneOptions", "STRUCTURES",
-           "SEQ_LEN", "SqueezeOptions", "TRAIN_MODES", "check_values", "defaults", "flag"]
+           "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values", "defaults", "flag"]
 
 #: tokens per window when none is given (or the model's positions when fewer: ``calibration.fit_seq_len``)
 SEQ_LEN = 128
@@ -26,6 +26,9 @@ METHODS = ("angular", "block-influence", "last")
 TRAIN_MODES = ("lora", "norms", "full")
 #: squeeze --structure: what the masks remove (``squeeze``)
 STRUCTURES = ("units", "heads", "channels")
+#: squeeze's retraining steps in all when --steps-per-cycle is not given, split evenly over the cycles
+#: (one cycle, the default: all of them; 3 cycles: 300 each, the measured Squeeze-Release regime)
+SQUEEZE_STEPS = 900
 #: squeeze --by, the mask pass's ``by``: how units and heads are ranked (``masks``)
 CRITERIA = ("magnitude", "activation")
 #: convert --on-overflow: a rewritten tensor that does not fit a half-precision checkpoint (``precision``)
@@ -116,8 +119,8 @@ class PruneOptions:
 class SqueezeOptions:
     target: float | None = 0.5  # fraction of the original's parameters (unless target_bytes)
     target_bytes: int | None = None  # or: the output's size in bytes, in the storage dtype
-    cycles: int = 3
-    steps_per_cycle: int = 300
+    cycles: int = 1  # one-shot: measured better than 3 cycles at equal tokens (README, squeeze); N: Squeeze-Release
+    steps_per_cycle: int | None = None  # None: SQUEEZE_STEPS in all, split evenly over the cycles (:meth:`steps`)
     structure: tuple[str, ...] = STRUCTURES
     by: str = "activation"  # CRITERIA: how units and heads are ranked
     sparsity: float = 0.0  # unstructured magnitude sparsity in each cycle's mask, released after minimize
@@ -143,6 +146,8 @@ class SqueezeOptions:
             raise UsageError(f"{flag('target')} must be a fraction of the parameters between 0 and 1, "
                              f"got {self.target!r}")
         for k in ("cycles", "steps_per_cycle"):
+            if k == "steps_per_cycle" and self.steps_per_cycle is None:
+                continue
             if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
                 raise UsageError(f"{flag(k)} must be a whole number of at least 1, got {getattr(self, k)!r}")
         unknown = [s for s in self.structure if s not in STRUCTURES]
@@ -157,9 +162,14 @@ class SqueezeOptions:
             raise UsageError(f"{flag('release_scale')} must be at least 0, got {self.release_scale!r}")
         self.heal_options().check()
 
+    def steps(self) -> int:
+        """Retraining steps per cycle: ``steps_per_cycle``, or SQUEEZE_STEPS split evenly over the
+        cycles (rounded down, at least 1)."""
+        return self.steps_per_cycle if self.steps_per_cycle is not None else max(1, SQUEEZE_STEPS // self.cycles)
+
     def heal_options(self) -> HealOptions:
         """The retraining's options (heal's, so they are checked and read the same way)."""
-        return HealOptions(steps=self.steps_per_cycle, lr=self.lr, batch_size=self.batch_size, seq_len=self.seq_len,
+        return HealOptions(steps=self.steps(), lr=self.lr, batch_size=self.batch_size, seq_len=self.seq_len,
                            precision=self.precision, eval_fraction=self.eval_fraction,
                            eval_samples=self.eval_samples, seed=self.seed, train=self.train, patience=self.patience,
                            eval_every=self.eval_every)

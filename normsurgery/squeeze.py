@@ -1,5 +1,6 @@
-"""squeeze: the Squeeze-Release cycle. A target size is reached through N cycles of
-mask -> minimize -> release -> retrain, each on the model the previous one left.
+"""squeeze: mask -> minimize -> release -> retrain to a target size. One cycle by default
+(``cycles=1``, one-shot: measured better than three at the same size and tokens, README's squeeze
+section); with ``cycles`` N, Squeeze-Release: N cycles, each on the model the previous one left.
 
 - mask: cycle c of N aims at P_c = P_0 * t^(c/N) parameters (t: ``target``, or ``target_bytes``
   over the original's bytes). The structures chosen (``structure``: MLP units, KV-head groups,
@@ -17,7 +18,8 @@ mask -> minimize -> release -> retrain, each on the model the previous one left.
   drawn from a generator seeded by (seed, cycle); whole zero rows and columns (pruned structure
   that minimize could not remove) stay zero. ``masks.release``. Only ``train="full"`` trains
   the released entries, so with norms or lora nothing is released (the count says 0).
-- retrain: heal's loop (``train``: full | norms | lora, merged) for ``steps_per_cycle`` steps.
+- retrain: heal's loop (``train``: full | norms | lora, merged) for ``steps_per_cycle`` steps
+  (default: ``options.SQUEEZE_STEPS``, 900, in all, split evenly over the cycles: ``SqueezeOptions.steps``).
 
 ``cycles=1`` is one-shot: mask to the target, minimize, release, retrain with all the steps.
 With ``control`` (the default) and more than one cycle, one-shot also runs from the input after
@@ -246,7 +248,7 @@ def one_shot(model, cycles: list[Cycle], train_ids: torch.Tensor, held: torch.Te
     """The control of a squeeze that ran ``cycles``: ``model`` (the input) masked to the same
     target at once, minimized, released and retrained for as many steps as the cycles took
     together (every step: no patience), same seed and options. Its one :class:`Cycle`."""
-    steps = sum(c.steps for c in cycles) or opts.cycles * opts.steps_per_cycle  # (a state from before steps were kept)
+    steps = sum(c.steps for c in cycles) or opts.cycles * opts.steps()  # (a state from before steps were kept)
     once = replace(opts, cycles=1, steps_per_cycle=steps, patience=0, control=False)
 
     def step(task, done, total, message=""):
@@ -278,6 +280,7 @@ def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
     opts = options if isinstance(options, SqueezeOptions) else SqueezeOptions(**(options or {}))
     opts.structure = tuple(opts.structure)
     opts.check()
+    opts.steps_per_cycle = opts.steps()  # the default's split, so the record and the card state it
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     heal = opts.heal_options()
     train_ids, held = job.training_data(text, eval_text, heal)

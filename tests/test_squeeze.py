@@ -225,6 +225,33 @@ def test_the_control_is_one_shot_at_the_same_target_and_steps(tmp_path):
     assert r.exit_code == 0 and json.loads(r.stdout)["control"] is None, r.output
 
 
+def test_the_default_is_one_cycle_with_the_whole_budget_and_no_control(tmp_path, monkeypatch):
+    """Issue 37: one cycle (one-shot) by default, measured better than 3 at equal tokens; 900
+    retraining steps in all unless --steps-per-cycle, split over the cycles (3 x 300 with
+    --cycles 3, the earlier default); a default run computes no control, --cycles 2 does."""
+    assert SqueezeOptions().cycles == 1 and SqueezeOptions().control
+    assert SqueezeOptions().heal_options().steps == 900
+    assert SqueezeOptions(cycles=3).heal_options().steps == 300
+    assert SqueezeOptions(cycles=3, steps_per_cycle=7).heal_options().steps == 7
+    out = tmp_path / "default"
+    r = run("squeeze", DEMO, out, "--text", SAMPLE, "--eval-text", HELD, "--target", "0.7", "--steps-per-cycle", "2",
+            "--batch-size", "2", "--seq-len", "16", "--eval-samples", "2", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [c["cycle"] for c in data["cycles"]] == [1] and data["control"] is None
+    assert data["options"]["cycles"] == 1 and data["cycles"][0]["steps"] == 2
+    assert data["cycles"][0]["params"] <= 0.7 * data["original"]["params"]
+    record = json.loads((out / "config.json").read_text())["normsurgery"]["squeeze"]
+    assert record["control"] is None and len(record["cycles"]) == 1
+    card = (out / "README.md").read_text()
+    assert "**squeeze**: 1 cycle of mask" in card and "2 steps;" in card and "control" not in card
+    monkeypatch.setattr("normsurgery.options.SQUEEZE_STEPS", 2)  # the budget, small: no steps given, all of it
+    text, held = open(SAMPLE).read()[:20000], open(HELD).read()[:4000]
+    result = ns.squeeze(DEMO, tmp_path / "api", text, eval_text=held, options={"target": 0.7, **SMALL})
+    assert len(result.cycles) == 1 and result.control is None
+    assert result.cycles[0].steps == 2 and result.options["steps_per_cycle"] == 2  # the record states the split
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target", "1.5"], "not between 0 and 1"),
     (["--target", "0.5", "--target-bytes", "100"], "not both"),
