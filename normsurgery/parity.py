@@ -17,8 +17,8 @@ Tolerance (every comparison says which applied and why):
   within 0.7-1.7x on six families of 2 to 26 blocks);
 - weights stored coarser than the arithmetic (float16 or bfloat16 computed in float32, float32 in
   float64): a null distribution, what rounding alone does to the outputs. ``DRAWS`` seeded draws
-  of the reference with the tensors in question (those that differ between the two models; all
-  when their structure differs) perturbed as storing them rounds (``precision.perturb``: uniform
+  of the reference with the tensors in question (those of the reference the other model does not
+  hold as they are) perturbed as storing them rounds (``precision.perturb``: uniform
   within half a spacing of the storage dtype), each compared with the reference in the same
   arithmetic (:func:`storage_tolerance`). The other model is the same function when its relative
   error is within ``ROUNDING_FACTOR`` x the draws' largest and, for logits, its KL within

@@ -114,16 +114,18 @@ class Index:
         return {e.dtype for e in self.entries.values() if e.dtype.is_floating_point}
 
 
-def differing(a: Index, b: Index, rows: int = 1 << 22) -> frozenset[str] | None:
-    """The keys of ``a`` whose tensors differ from ``b``'s in value (of different dtypes: compared
-    in float64); None when the two hold different keys or shapes
-    (their structure differs). Read ``rows`` entries at a time (a slab of rows)."""
-    if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a.keys()):
-        return None
+def differing(a: Index, b: Index, rows: int = 1 << 22) -> frozenset[str]:
+    """The keys of ``a`` whose tensors ``b`` does not hold as they are: absent from ``b``, of another
+    shape, or of other values (of different dtypes: compared in float64). Read ``rows`` entries at
+    a time (a slab of rows)."""
     ra, rb, out = Reader(a), Reader(b), set()
     try:
         for k in a.keys():
-            ea, eb = a[k], b[k]
+            ea = a[k]
+            eb = b[k] if k in b else None
+            if eb is None or eb.shape != ea.shape:
+                out.add(k)
+                continue
             dtype = None if ea.dtype == eb.dtype else torch.float64
             n = ea.shape[0] if ea.shape else 1
             step = max(1, rows // max(1, ea.numel // max(n, 1)))

@@ -165,12 +165,11 @@ def compare_models(a, b, *, text: str | None = None, dtype: torch.dtype | None =
                       differ=lambda: differing_parameters(a, b)).judge(result)
 
 
-def differing_parameters(a, b) -> frozenset[str] | None:
-    """The parameters of ``a`` whose values differ from ``b``'s (None: their names or shapes differ)."""
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
-    if pa.keys() != pb.keys() or any(pa[k].shape != pb[k].shape for k in pa):
-        return None
-    return frozenset(k for k in pa if not torch.equal(pa[k].detach().cpu(), pb[k].detach().to("cpu", pa[k].dtype)))
+def differing_parameters(a, b) -> frozenset[str]:
+    """The parameters of ``a`` that ``b`` does not hold as they are (absent, of another shape or values)."""
+    pb = dict(b.named_parameters())
+    return frozenset(k for k, p in a.named_parameters() if k not in pb or pb[k].shape != p.shape
+                     or not torch.equal(p.detach().cpu(), pb[k].detach().to("cpu", p.dtype)))
 
 
 def outliers(a, b=None, *, text: str | None = None, n: int = 8, length: int | None = None,

@@ -411,3 +411,22 @@ def test_convert_checks_the_rewrite_before_the_cast_at_float32s_tolerance(tmp_pa
         assert fine.ok and fine.steps[0].parity.tolerance == 1e-5 and "before its cast" in fine.against
     finally:
         registry.PASSES.pop("test-wrong-flashnorm")
+
+
+def test_the_null_perturbs_the_tensors_the_other_model_does_not_hold_as_they_are(tmp_path):
+    """``shards.differing``: a key absent from the other checkpoint, of another shape or other
+    values differs; the same values stored in another dtype do not."""
+    from safetensors.torch import save_file
+
+    from normsurgery.shards import Index, differing
+
+    w = torch.randn(300, 7, dtype=torch.float64).to(torch.bfloat16)
+    a = {k: w.clone() for k in ("same", "cast", "value", "shape", "gone")} | {"scalar": torch.tensor(2.0)}
+    changed = w.clone()
+    changed[299, 6] += 1
+    b = {"same": w.clone(), "cast": w.float(), "value": changed, "shape": w[:299].clone(), "new": w.clone(),
+         "scalar": torch.tensor(2.0)}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    got = differing(Index([tmp_path / "a.safetensors"]), Index([tmp_path / "b.safetensors"]), rows=64)
+    assert got == {"value", "shape", "gone"}
