@@ -166,7 +166,8 @@ def run(name: str, real: Path, work: Path) -> list[dict]:
 def table(rows: list[dict]) -> str:
     def e(x):
         return "-" if x is None else f"{x:.1e}"
-    lines = ["| model | case | relative (tolerance) | KL (tolerance) | top-1 | rounding alone: relative, KL | verdict |",
+    lines = ["| model | case | relative (tolerance) | KL (tolerance) | top-1 | rounding alone: relative, KL "
+             "| verdict |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         top1 = "-" if r["top1"] is None else f"{r['top1']:.4f}"

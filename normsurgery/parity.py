@@ -87,9 +87,9 @@ class Comparison:
     def failed(self) -> str | None:
         """The statistic beyond its tolerance, as "relative error 2.07e-02 > 9.6e-03" (None: within)."""
         if self.tolerance is not None and not self.relative <= self.tolerance:  # NaN fails
-            return f"relative error {self.relative:.2e} > {self.tolerance:.1e}"
+            return f"relative error {self.relative:.2e} > {self.tolerance:.2e}"
         if self.kl_tolerance is not None and self.kl is not None and not self.kl <= self.kl_tolerance:
-            return f"KL {self.kl:.2e} > {self.kl_tolerance:.1e}"
+            return f"KL {self.kl:.2e} > {self.kl_tolerance:.2e}"
         return None
 
     def judged(self, tolerance: float | None, reason: str | None, kl_tolerance: float | None = None) -> Comparison:

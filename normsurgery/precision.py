@@ -135,7 +135,7 @@ def perturb(t: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
         for i in range(0, flat.numel(), CHUNK):
             x = flat[i:i + CHUNK]
             half = torch.ldexp(torch.full_like(x, info.eps), torch.frexp(x).exponent - 2)
-            u = torch.rand(x.shape, generator=g, dtype=torch.float64).mul_(2).sub_(1)  # on the CPU: any device draws the same
+            u = torch.rand(x.shape, generator=g, dtype=torch.float64).mul_(2).sub_(1)  # on the CPU: any device alike
             half.clamp_(min=info.eps * info.tiny / 2).mul_(u.to(x.device, x.dtype))
             x.add_(half.masked_fill_(x == 0, 0))
 
