@@ -146,10 +146,32 @@ def test_the_cast_is_measured_on_what_was_written(tmp_path, monkeypatch, streami
     assert not (tmp_path / "out").exists()
     forced = ns.convert(src, tmp_path / "forced", [("flashnorm", {})], force=True, streaming=streaming)
     assert not forced.parity.ok and not forced.ok and forced.parity.relative > forced.parity.tolerance
-    assert (tmp_path / "forced" / "config.json").exists()
+    # the record and the card say the check failed (before: the card said nothing, and loading plainly)
+    record = json.loads((tmp_path / "forced" / "config.json").read_text())["normsurgery"]
+    assert record["parity"]["ok"] is False and record["parity"]["failed"].startswith("relative error")
+    card = (tmp_path / "forced" / "README.md").read_text()
+    assert "**The check failed**" in card and "outputs differ from the reference's beyond tolerance" in card
     monkeypatch.setattr(shards.ShardWriter, "close", close)
     fine = ns.convert(src, tmp_path / "fine", [("flashnorm", {})], streaming=streaming)
     assert fine.parity.ok and fine.ok and "stored in bfloat16" in fine.parity.reason
+    record = json.loads((tmp_path / "fine" / "config.json").read_text())["normsurgery"]
+    assert record["parity"]["ok"] is True and record["parity"]["relative"] == fine.parity.relative
+    assert "The check failed" not in (tmp_path / "fine" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_single_pass_records_its_parity_and_the_overall_one(tmp_path, streaming):
+    """Before: a one-pass streamed convert stored relative_error null and its card had no per-pass
+    row, though the command printed the figure; config.json had no overall parity."""
+    src = tmp_path / "src"
+    tiny_model("llama", torch.float32).save_pretrained(src)
+    r = ns.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=streaming)
+    record = json.loads((tmp_path / "out" / "config.json").read_text())["normsurgery"]
+    step = record["passes"][0]
+    assert step["relative_error"] == r.parity.relative and step["tolerance"] == 1e-5 and step["reason"]
+    assert record["parity"]["loader"] == "plain transformers" and record["parity"]["ok"] is True
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"| flashnorm | {r.parity.relative:.2e} | 1.0e-05 |" in card
 
 
 def test_a_model_read_whole_is_freed_before_the_folder_is_read_back(tmp_path, monkeypatch):
