@@ -86,7 +86,7 @@ def worker(args) -> dict:
     else:
         train = torch.randint(0, vocab, (50_000,), generator=g)
         held = torch.randint(0, vocab, (2, args.seq), generator=g)
-        acc = make_accelerator("auto")
+        acc = make_accelerator("auto", device)  # where the model is
         _, report = heal_model(model, train, held, steps=args.steps, seq_len=args.seq, batch_size=args.batch,
                                accelerator=acc)
         out.update(tokens=report.tokens, seconds=report.seconds, tokens_per_second=report.tokens_per_second,

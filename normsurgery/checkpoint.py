@@ -297,7 +297,7 @@ class Loader:
     ``device`` (``devices``): where the part's tensors go; another than the CPU, each tensor is
     read into a host buffer (reused by the next tensor of its shape) and copied there."""
 
-    def __init__(self, model, source: Source, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, model, source: Source, dtype: torch.dtype, device: torch.device | str):
         self.model, self.source, self.dtype = model, source, dtype
         self.device = torch.device(device)
         devices.place_buffers(model, self.device)

@@ -37,6 +37,7 @@ from .version import __version__
 from . import devices, memory, passes as _passes, precision  # noqa: F401  (passes: the built-in passes)
 from .checkpoint import Source
 from .errors import SurgeryError
+from .options import MAX_SHARD_SIZE, ON_OVERFLOW
 from .parity import TOLERANCE, Comparison, beyond, compare, dtype_name, output_kind, probe_ids
 from .pipeline import (FORWARDS, Check, StepSpec, Tolerances, Work, check_applies, check_before_reading,
                        model_reader, save_work, source_reader, steps_of)
@@ -162,9 +163,9 @@ def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, strea
 
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
             verify: bool = True, work_dtype: torch.dtype | None = None, text: str | Path | None = None,
-            tolerance: float | None = None, max_shard_size: str = "5GB",
+            tolerance: float | None = None, max_shard_size: str = MAX_SHARD_SIZE,
             progress: Progress = no_progress, streaming: bool | None = None,
-            on_overflow: str = "refuse", allow_pickle: bool = False, device: str = "auto") -> Result:
+            on_overflow: str = ON_OVERFLOW[0], allow_pickle: bool = False, device: str = "auto") -> Result:
     """Read ``src``, apply ``passes``, save to ``out`` atomically, checked (see the module docstring).
     Rewrites, forwards and training run on ``device`` (``devices``: each part moved there as it is
     read, written from host memory).

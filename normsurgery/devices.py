@@ -158,9 +158,10 @@ def mean_over_processes(t):
     return t
 
 
-def make_accelerator(precision: str = "auto", device="cpu"):
-    """The training processes' Accelerator on ``device`` (:func:`choose`: a GPU is the current
-    CUDA device) with ``precision`` (:func:`mixed_precision`). On the CPU it asks for the CPU, so
+def make_accelerator(precision: str, device):
+    """The training processes' Accelerator on ``device`` (:func:`choose`: a GPU is the current CUDA
+    device; no default, which would silently train on the CPU) with ``precision``
+    (:func:`mixed_precision`). On the CPU it asks for the CPU, so
     ``torchrun`` processes join one gloo group. A data-parallel accelerator even where FSDP is
     asked (:func:`sharding`): ``training`` shards the model itself, since accelerate's FSDP2 refuses
     the CPU and keeps the model sharded (upcast, on the meta device) after training."""

@@ -32,7 +32,7 @@ import torch
 from . import devices, gguf, modelcard
 from .checkpoint import finish, load
 from .errors import SurgeryError
-from .options import FORMATS  # noqa: F401  (re-exported)
+from .options import FORMATS  # re-exported
 from .output import writing, written
 from .parity import Comparison, compare, outputs, probe_ids, unpadded
 from .pipeline import Tolerances, model_reader
@@ -112,7 +112,7 @@ def output_name(model) -> str:
     return "logits" if layout(model).head is not None else "last_hidden_state"
 
 
-def export(src, dest, *, to: str = "onnx", text: str | Path | None = None, tolerance: float | None = None,
+def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, tolerance: float | None = None,
            force: bool = False, external_data: bool | None = None, with_past: bool = False,
            allow_pickle: bool = False, device: str = "auto", dtype: str | None = None) -> Exported | gguf.Exported:
     """Export ``src`` to ``dest`` (see the module docstring); ``external_data``: None decides by

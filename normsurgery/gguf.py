@@ -476,7 +476,7 @@ def write(source: Source, model, p: Plan, voc: Vocab, path: Path, dtype: str,
 def reading(source: Source, model):
     """``read(param)``: one parameter of the meta ``model`` read from the checkpoint's files in
     float32 (a fresh tensor each time: memory bounded by one)."""
-    loader = Loader(model, source, torch.float32)
+    loader = Loader(model, source, torch.float32, "cpu")  # host values, written into the file
     try:
         def read(name: str) -> torch.Tensor:
             p = model.get_parameter(name)
@@ -670,7 +670,7 @@ class Exported:
                 "ok": self.parity.ok}
 
 
-def export(src, dest, *, dtype: str = "f32", text: str | None = None, tolerance: float | None = None,
+def export(src, dest, *, dtype: str = GGUF_DTYPES[0], text: str | None = None, tolerance: float | None = None,
            force: bool = False, allow_pickle: bool = False,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
     """``src`` written to the file ``dest`` in GGUF (module docstring) and checked in llama.cpp;

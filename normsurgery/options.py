@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from .devices import PRECISION_CHOICES, PRECISIONS
 from .errors import SurgeryError, UsageError
 
-__all__ = ["CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "METHODS", "ON_OVERFLOW", "PruneOptions", "STRUCTURES",
+__all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "MAX_SHARD_SIZE", "METHODS", "ON_OVERFLOW",
+           "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES", "PruneOptions", "STRUCTURES",
            "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values", "defaults", "flag"]
 
 #: tokens per window when none is given (or the model's positions when fewer: ``calibration.fit_seq_len``)
@@ -33,6 +34,18 @@ SQUEEZE_STEPS = 900
 CRITERIA = ("magnitude", "activation")
 #: convert --on-overflow: a rewritten tensor that does not fit a half-precision checkpoint (``precision``)
 ON_OVERFLOW = ("refuse", "keep-float32")
+#: convert --max-shard-size: the largest safetensors shard written (``pipeline.save_work``), as transformers'
+#: ``save_pretrained`` spells its default
+MAX_SHARD_SIZE = "5GB"
+#: verify --samples: probe windows compared (``verify.verify``)
+PROBE_SAMPLES = 4
+#: verify and inspect --outliers --seq-len: tokens per probe window when none is given (fewer when the model
+#: has fewer positions: ``verify.probe_length``)
+PROBE_LENGTH = 64
+#: verify --generate: greedy tokens compared (0: none)
+PROBE_GENERATE = 16
+#: inspect --outliers --samples: calibration windows (``verify.outliers``)
+OUTLIER_SAMPLES = 8
 #: export --to (``export``)
 FORMATS = ("onnx", "gguf")
 #: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32)
@@ -49,9 +62,11 @@ def defaults(cls) -> dict:
     return asdict(cls())
 
 
-#: option ranges shared by heal and prune (``check_values``)
+#: the least value of each whole-number option, by name, for every command: ``check_values`` (heal, prune,
+#: squeeze's retraining) and the CLI's flags (``cli.app.at_least``) read it here
 AT_LEAST = {"samples": 1, "batch_size": 1, "eval_samples": 1, "steps": 1, "rank": 1, "grad_accum": 1,
-            "layers": 1, "seq_len": 2, "seed": 0, "patience": 0, "eval_every": 1}
+            "layers": 1, "seq_len": 2, "seed": 0, "patience": 0, "eval_every": 1, "generate": 0, "threads": 1,
+            "cycles": 1, "steps_per_cycle": 1, "target_bytes": 1, "save_every": 0}
 BETWEEN_0_1 = ("fraction", "eval_fraction")
 POSITIVE = ("lr", "alpha")
 

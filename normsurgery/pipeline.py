@@ -38,6 +38,7 @@ from . import devices, memory, modelcard, precision, registry
 from .checkpoint import (Loader, Source, check_finite, claims, finish, load_dtype, mark_not_stock, save_config, stamp,
                          write_config)
 from .errors import SurgeryError
+from .options import MAX_SHARD_SIZE
 from .families import layout, positions
 from .layout import Layout
 from .norms import faithful_norms
@@ -769,7 +770,7 @@ class Check:
 
 def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[Comparison | None], dict],
               check: Check | None = None, level: int | None = None, force: bool = False, on_overflow: str = "refuse",
-              max_shard_size: str | int = "5GB", progress: Progress = no_progress,
+              max_shard_size: str | int = MAX_SHARD_SIZE, progress: Progress = no_progress,
               extra: Callable[[Path], None] | None = None) -> Saved:
     """Write ``work`` (at ``level``, default its last) to ``out`` atomically: the weights cast to
     ``storage`` (a tensor that does not fit it is refused or kept in float32, ``on_overflow``),
@@ -838,7 +839,7 @@ def earlier_records(record: dict | None) -> list[dict]:
 
 
 def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
-         force: bool = False, max_shard_size: str | int = "5GB", extra: Callable[[Path], None] | None = None,
+         force: bool = False, max_shard_size: str | int = MAX_SHARD_SIZE, extra: Callable[[Path], None] | None = None,
          progress: Progress = no_progress) -> dict:
     """Save a model held in memory (rewritten, pruned, healed) to ``out`` with :func:`save_work`,
     checked: the folder read back, on the model's device, against the model's outputs on ``ids``

@@ -17,6 +17,7 @@ import torch
 from . import analysis, devices, memory
 from .checkpoint import Source, load
 from .errors import SurgeryError
+from .options import OUTLIER_SAMPLES, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
 from .families import FAMILIES, architecture, objective, positions, stock_class_of
 from .parity import (Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs,
                      probe_ids)
@@ -24,7 +25,7 @@ from .pipeline import Tolerances, Work, model_reader, source_reader
 from .shards import differing
 
 #: tokens per probe window when none is asked for (fewer when the model has fewer positions)
-LENGTH = 64
+LENGTH = PROBE_LENGTH
 
 
 def check_comparable(a: Source, b: Source) -> None:
@@ -40,7 +41,7 @@ def check_comparable(a: Source, b: Source) -> None:
 
 
 def probe_length(positions: int | None, length: int | None) -> int:
-    """``length`` tokens per window (default: 64, or the model's positions when fewer); an
+    """``length`` tokens per window (default: :data:`LENGTH`, or the model's positions when fewer); an
     explicit length longer than the model's positions is refused."""
     if length is None:
         return min(LENGTH, positions or LENGTH)
@@ -50,8 +51,9 @@ def probe_length(positions: int | None, length: int | None) -> int:
 
 
 def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32, tolerance: float | None = None,
-           n: int = 4, length: int | None = None, generate: int = 16, per_layer: bool = False,
-           streaming: bool | None = None, allow_pickle: bool = False, device: str = "auto") -> Comparison:
+           n: int = PROBE_SAMPLES, length: int | None = None, generate: int = PROBE_GENERATE,
+           per_layer: bool = False, streaming: bool | None = None, allow_pickle: bool = False,
+           device: str = "auto") -> Comparison:
     """Run ``b`` against the reference ``a`` in ``dtype`` and compare: checkpoints (paths, hub ids
     or Sources), read onto ``device`` (``devices``), or models in memory (compared where they are).
 
@@ -148,8 +150,8 @@ def _compare_loaded(a, b, ids: torch.Tensor, generate: int, per_layer: bool) -> 
 
 
 def compare_models(a, b, *, text: str | None = None, dtype: torch.dtype | None = None,
-                   tolerance: float | None = None, n: int = 4, length: int | None = None, generate: int = 16,
-                   per_layer: bool = False, tokenizer=None) -> Comparison:
+                   tolerance: float | None = None, n: int = PROBE_SAMPLES, length: int | None = None,
+                   generate: int = PROBE_GENERATE, per_layer: bool = False, tokenizer=None) -> Comparison:
     """``verify`` of two models in memory (``dtype``: that of ``a`` unless given)."""
     if stock_class_of(a) is not stock_class_of(b):
         raise SurgeryError(f"the models are of different classes ({stock_class_of(a).__name__} and "
@@ -172,7 +174,7 @@ def differing_parameters(a, b) -> frozenset[str]:
                      or not torch.equal(p.detach().cpu(), pb[k].detach().to("cpu", p.dtype)))
 
 
-def outliers(a, b=None, *, text: str | None = None, n: int = 8, length: int | None = None,
+def outliers(a, b=None, *, text: str | None = None, n: int = OUTLIER_SAMPLES, length: int | None = None,
              allow_pickle: bool = False, device: str = "auto") -> dict:
     """``analysis.outliers`` of checkpoint ``a`` and, when given, ``b`` (its rewrite: same blocks and
     vocabulary), on the same ``n`` windows of ``text`` (default: the bundled sample), in float32:

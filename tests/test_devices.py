@@ -80,10 +80,17 @@ def test_the_choice_is_printed_and_recorded(tmp_path, no_gpu):
     assert json.loads(r.stdout)["device"] == {"device": "cpu", "name": "CPU"}
 
 
-def test_train_gives_the_model_back_where_it_found_it():
+def test_train_gives_the_model_back_where_it_found_it(monkeypatch):
     """Every move of the model is recorded: the last one, after the last step, is back to where it
-    was (with the move-back removed, the last event is a step: fails)."""
+    was. Home and the accelerator's device must differ for that to show (moving back to the
+    accelerator's device instead would pass otherwise): where no GPU is, the model is taken to be at
+    home on the meta device (a stand-in) and trains on the CPU (with the move-back removed, the last
+    event is a step; with the model moved to the accelerator's device instead, the last move is to
+    the CPU: both fail)."""
     model = tiny_model("llama", torch.float32)
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    where = devices.of
+    monkeypatch.setattr(devices, "of", lambda m: meta if m is model else where(m))
     events = []
     real = type(model).to
 
@@ -101,7 +108,9 @@ def test_train_gives_the_model_back_where_it_found_it():
     steps = [i for i, e in enumerate(events) if e[0] == "step"]
     moves = [i for i, e in enumerate(events) if e[0] == "to"]
     assert steps and moves and moves[0] < steps[0] and moves[-1] > steps[-1]
-    assert events[moves[-1]] == ("to", torch.device("cpu"))
+    assert {events[i] for i in moves if i < steps[0]} == {("to", cpu)}  # trained on the accelerator's device
+    assert events[moves[-1]] == ("to", meta)  # given back home
+    assert all(p.device == meta for p in model.parameters())
 
 
 def test_training_that_cannot_fit_the_gpu_is_refused_before_anything_moves(monkeypatch):
@@ -121,7 +130,22 @@ def test_training_that_cannot_fit_the_gpu_is_refused_before_anything_moves(monke
     check_fits(model, params, torch.device("cpu"))  # host memory is not measured here
 
 
-def test_checks_turn_tf32_off():
-    """TF32 (10 mantissa bits) would round a float32 check far past its 1e-5: choosing a GPU turns it off."""
-    devices.exact_arithmetic()
-    assert devices.tf32_off()
+def test_checks_turn_tf32_off(monkeypatch):
+    """TF32 (10 mantissa bits) would round a float32 check far past its 1e-5: choosing a GPU turns it
+    off. Only ``choose`` is called (torch told there is one GPU, where there is none) and torch's own
+    flags are read: with ``exact_arithmetic()`` removed from ``choose``, they stay on and this fails."""
+    cuda_matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = cuda_matmul.allow_tf32, cudnn.allow_tf32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    try:
+        cuda_matmul.allow_tf32 = cudnn.allow_tf32 = True
+        assert devices.choose("cuda") == torch.device("cuda", 0)
+        assert cuda_matmul.allow_tf32 is False and cudnn.allow_tf32 is False
+        cuda_matmul.allow_tf32 = cudnn.allow_tf32 = True
+        devices.choose("cpu")  # the CPU computes in IEEE float32 already: nothing to turn off
+        assert cuda_matmul.allow_tf32 is True and cudnn.allow_tf32 is True
+    finally:
+        cuda_matmul.allow_tf32, cudnn.allow_tf32 = before

@@ -7,17 +7,17 @@ the same order (float32: within 10x of each other, both within tolerance; float6
 1e-10)."""
 
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from normsurgery import devices
 from normsurgery.checkpoint import Source
 from normsurgery.cli import app
 from normsurgery.pipeline import Work
 from normsurgery.shards import ShardWriter
-from normsurgery.training import TrainConfig, mixed_precision, train
+from normsurgery.training import TrainConfig, train
 
 from models import tiny_model, token_ids
 
@@ -37,21 +37,48 @@ def cli(*args) -> dict:
     return json.loads(r.stdout)
 
 
+def largest_tensor_bytes(src) -> int:
+    """The largest tensor of checkpoint ``src`` in bfloat16 (2 bytes an entry): what any computation
+    on the whole model holds at least, in the narrowest dtype a command computes in."""
+    return 2 * max(e.numel for e in Source.open(src).index.entries.values())
+
+
+@contextmanager
+def on_the_gpu(at_least: int):
+    """The block's work ran on the GPU: CUDA memory allocated in it peaked ``at_least`` bytes above
+    what was allocated before (the commands run in this process: CliRunner). Not the device a
+    command reports, which is the one it was asked for."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated(0)
+    torch.cuda.reset_peak_memory_stats(0)
+    yield
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated(0) - start
+    assert used >= at_least, f"{used} bytes of CUDA memory used, expected at least {at_least}"
+
+
+def tf32_is_off() -> bool:
+    """torch's own flags, read here (not ``devices.tf32_off``, part of what is tested)."""
+    return not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
 @pytest.mark.parametrize("src,passes", [(LLAMA, ["flashnorm"]), (GPT2, ["pre-rmsnorm:fold=true", "rotate"])])
 @pytest.mark.parametrize("plan", ["--streaming", "--in-memory"])
 def test_convert_on_cuda_gives_the_cpu_verdict(tmp_path, src, passes, plan):
     flags = [a for p in passes for a in ("--pass", p)]
     cpu = cli("convert", src, tmp_path / "cpu", *flags, plan, "--device", "cpu")
-    gpu = cli("convert", src, tmp_path / "gpu", *flags, plan, "--device", "cuda")
+    with on_the_gpu(largest_tensor_bytes(src)):
+        gpu = cli("convert", src, tmp_path / "gpu", *flags, plan, "--device", "cuda")
     assert gpu["device"]["device"] == "cuda:0" and gpu["device"]["name"] == torch.cuda.get_device_name(0)
     assert cpu["ok"] and gpu["ok"]
     a, b = cpu["parity"]["relative"], gpu["parity"]["relative"]
     assert b <= gpu["parity"]["tolerance"] and max(a, b) <= 10 * max(min(a, b), 1e-7), (a, b)
-    assert devices.tf32_off()
+    assert tf32_is_off()
 
 
 def test_float64_algebra_on_cuda(tmp_path):
-    r = cli("convert", LLAMA, tmp_path / "o", "--pass", "flashnorm", "--work-dtype", "float64", "--device", "cuda")
+    with on_the_gpu(2 * largest_tensor_bytes(LLAMA) * 2):  # float64: 4 times bfloat16's bytes
+        r = cli("convert", LLAMA, tmp_path / "o", "--pass", "flashnorm", "--work-dtype", "float64", "--device", "cuda")
     assert r["ok"] and r["parity"]["relative"] <= 1e-10
 
 
@@ -59,10 +86,12 @@ def test_verify_on_cuda(tmp_path):
     cli("convert", LLAMA, tmp_path / "o", "--pass", "flashnorm", "--device", "cpu")
     for dtype in ("float32", "float64", "bfloat16"):
         cpu = cli("verify", LLAMA, tmp_path / "o", "--dtype", dtype, "--device", "cpu")
-        gpu = cli("verify", LLAMA, tmp_path / "o", "--dtype", dtype, "--device", "cuda")
+        with on_the_gpu(largest_tensor_bytes(LLAMA)):
+            gpu = cli("verify", LLAMA, tmp_path / "o", "--dtype", dtype, "--device", "cuda")
         assert cpu["ok"] == gpu["ok"] is True, (dtype, cpu, gpu)
         assert gpu["device"]["device"] == "cuda:0"
-    gpu = cli("verify", LLAMA, tmp_path / "o", "--streaming", "--device", "cuda")
+    with on_the_gpu(largest_tensor_bytes(LLAMA)):
+        gpu = cli("verify", LLAMA, tmp_path / "o", "--streaming", "--device", "cuda")
     assert gpu["ok"] and gpu["streaming"]
 
 
@@ -70,9 +99,10 @@ def test_trained_commands_on_cuda(tmp_path):
     """heal, prune --heal, squeeze and both trained passes run on the GPU, write one checked
     output, and record where they ran."""
     short = ["--text", SAMPLE, "--device", "cuda"]
-    h = cli("heal", LLAMA, tmp_path / "heal", "--steps", "3", "--seq-len", "32", *short)
-    assert h["device"]["device"] == "cuda:0" and h["heal"]["mixed_precision"] == mixed_precision(
-        "auto", torch.device("cuda"))
+    with on_the_gpu(largest_tensor_bytes(LLAMA)):
+        h = cli("heal", LLAMA, tmp_path / "heal", "--steps", "3", "--seq-len", "32", *short)
+    auto = "bf16" if torch.cuda.is_bf16_supported() else "no"  # --precision auto on a GPU, as documented
+    assert h["device"]["device"] == "cuda:0" and h["heal"]["mixed_precision"] == auto
     cli("prune", LLAMA, tmp_path / "prune", "--layers", "1", "--heal", "--steps", "2", "--seq-len", "32", *short)
     cli("squeeze", LLAMA, tmp_path / "sq", "--target", "0.7", "--cycles", "2", "--steps-per-cycle", "2",
         "--seq-len", "32", *short)
@@ -85,7 +115,8 @@ def test_trained_commands_on_cuda(tmp_path):
 def test_export_and_outliers_on_cuda(tmp_path):
     r = cli("export", LLAMA, tmp_path / "onnx", "--to", "onnx", "--with-past", "--device", "cuda")
     assert r["ok"] and r["parity"]["generation"] == 1.0
-    r = cli("inspect", LLAMA, "--outliers", "--samples", "2", "--device", "cuda")
+    with on_the_gpu(largest_tensor_bytes(LLAMA)):
+        r = cli("inspect", LLAMA, "--outliers", "--samples", "2", "--device", "cuda")
     assert r["device"]["device"] == "cuda:0"
 
 
@@ -111,6 +142,9 @@ def test_train_on_cuda_gives_a_cpu_model_back_on_the_cpu():
     model = tiny_model("llama", torch.float32)
     from normsurgery.training import make_accelerator
 
-    r = train(model, token_ids(1, 600, seed=1)[0], token_ids(2, 16, seed=2),
-              TrainConfig(steps=2, batch_size=2, seq_len=16, lr=1e-3), accelerator=make_accelerator("fp32", "cuda"))
-    assert r.steps == 2 and devices.of(model).type == "cpu"
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with on_the_gpu(weights):  # the model went there to train
+        r = train(model, token_ids(1, 600, seed=1)[0], token_ids(2, 16, seed=2),
+                  TrainConfig(steps=2, batch_size=2, seq_len=16, lr=1e-3),
+                  accelerator=make_accelerator("fp32", "cuda"))
+    assert r.steps == 2 and all(p.device.type == "cpu" for p in model.parameters())

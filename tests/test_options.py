@@ -98,7 +98,7 @@ def stubbed(monkeypatch):
 
     got = {}
     for module, name in (("heal", "heal"), ("prune", "prune"), ("squeeze", "squeeze"), ("convert", "convert"),
-                         ("export", "export")):
+                         ("export", "export"), ("verify", "verify"), ("verify", "outliers")):
         mod = importlib.import_module(f"normsurgery.{module}")
 
         def stub(src, out, *args, _name=name, **kwargs):
@@ -164,3 +164,83 @@ def test_the_cli_takes_the_apis_choices_and_lists_them(tmp_path, stubbed, comman
     said = " ".join(r.output.replace("│", " ").split())
     listed = re.search(r"choose (?:one of|among) ((?:[\w-]+, )*[\w-]+)", said)
     assert listed and set(listed.group(1).split(", ")) == set(choices), said
+
+
+#: convert's, verify's, inspect's and export's defaults: the flag's option name -> (options.py's value, the API
+#: function that takes it as module:function, its parameter there); None: the flag has no default of its own
+#: (None reaches the API, whose default applies) and its help states options.py's
+API_DEFAULTS = {
+    "convert": {"max_shard_size": (options.MAX_SHARD_SIZE, "convert:convert", "max_shard_size"),
+                "on_overflow": (options.ON_OVERFLOW[0], "convert:convert", "on_overflow")},
+    "verify": {"samples": (options.PROBE_SAMPLES, "verify:verify", "n"),
+               "generate": (options.PROBE_GENERATE, "verify:verify", "generate")},
+    "inspect": {"samples": (options.OUTLIER_SAMPLES, "verify:outliers", "n")},
+    "export": {"dtype": (options.GGUF_DTYPES[0], "gguf:export", "dtype")},
+}
+
+
+def api_default(where: str, parameter: str):
+    import importlib
+
+    module, name = where.split(":")  # not stubbed here (the stubs are this module's fixture's)
+    return inspect.signature(getattr(importlib.import_module(f"normsurgery.{module}"), name)).parameters[parameter].default
+
+
+@pytest.mark.parametrize("command", list(API_DEFAULTS))
+def test_convert_verify_inspect_and_export_take_their_defaults_from_options(command):
+    """The flag's default (or, where it has none, the default its help states) and the API's are
+    options.py's: changing the value there changes both."""
+    flags = params(command)
+    for name, (value, where, parameter) in API_DEFAULTS[command].items():
+        p = flags[name]
+        if p.default is None:
+            stated = re.search(r"\(default:? ([^;:)]*)", p.help or "")
+            assert stated and stated.group(1).strip() == str(value), (command, name, p.help)
+        else:
+            assert p.default == value and p.show_default is not False, (command, name, p.default, value)
+        assert api_default(where, parameter) == value, (command, name, where)
+
+
+def test_the_probe_length_is_options_and_stated_in_the_helps():
+    import importlib
+
+    verify = importlib.import_module("normsurgery.verify")  # the module (normsurgery.verify is also its function)
+    assert verify.LENGTH == options.PROBE_LENGTH == verify.probe_length(None, None)
+    for command in ("verify", "inspect"):
+        assert f"(default: {options.PROBE_LENGTH}," in params(command)["seq_len"].help, command
+
+
+@pytest.mark.parametrize("command", ["convert", "verify", "inspect", "export", "heal", "prune", "squeeze"])
+def test_each_whole_number_flags_least_value_is_options(command):
+    """A flag's range is ``options.AT_LEAST``'s (the one the API's checks read), not one of its own."""
+    checked = 0
+    for name, p in params(command).items():
+        if isinstance(p.min, int):  # a whole number's range (float ranges are the options' own checks)
+            assert name in options.AT_LEAST and p.min == options.AT_LEAST[name], (command, name, p.min)
+            checked += 1
+        elif name in options.AT_LEAST and not p.is_flag:
+            raise AssertionError(f"{command} --{name}: no range (options.AT_LEAST has {options.AT_LEAST[name]})")
+    assert checked or command == "export", (command, checked)  # export has no whole-number flag
+    threads = next(p for p in typer.main.get_command(app).params if p.name == "threads")
+    assert threads.min == options.AT_LEAST["threads"]
+
+
+def test_no_flag_gives_the_apis_defaults_for_verify_inspect_and_export(tmp_path, stubbed):
+    _, kw = called(stubbed, "verify", run("verify", LLAMA, LLAMA))
+    assert (kw["n"], kw["generate"], kw["length"]) == (options.PROBE_SAMPLES, options.PROBE_GENERATE, None)
+    _, kw = called(stubbed, "outliers", run("inspect", LLAMA, "--outliers"))
+    assert (kw["n"], kw["length"]) == (options.OUTLIER_SAMPLES, None)
+    _, kw = called(stubbed, "convert", run("convert", LLAMA, tmp_path / "o", "--pass", "flashnorm"))
+    assert kw["max_shard_size"] == options.MAX_SHARD_SIZE
+    _, kw = called(stubbed, "export", run("export", LLAMA, tmp_path / "o.gguf", "--to", "gguf"))
+    assert kw["dtype"] == options.GGUF_DTYPES[0]
+
+
+@pytest.mark.parametrize("args", [["verify", LLAMA, LLAMA, "--samples", "0"],
+                                  ["verify", LLAMA, LLAMA, "--generate", "-1"],
+                                  ["verify", LLAMA, LLAMA, "--seq-len", "1"],
+                                  ["inspect", LLAMA, "--outliers", "--samples", "0"],
+                                  ["convert", LLAMA, "OUT", "--pass", "flashnorm", "--max-shard-size", "lots"]])
+def test_out_of_range_values_are_usage_errors_before_the_api(tmp_path, stubbed, args):
+    r = run(*[str(tmp_path / a) if a == "OUT" else a for a in args])
+    assert r.exit_code == 2 and STOP not in r.output and not stubbed, r.output

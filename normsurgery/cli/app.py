@@ -20,7 +20,7 @@ from typing import NoReturn, Optional
 import typer
 
 from .. import __version__, devices, launch, output, threads
-from ..options import SEQ_LEN
+from ..options import AT_LEAST, SEQ_LEN
 from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryWarning, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -42,7 +42,7 @@ THREADS: list[int | None] = [None]  # --threads, before the command
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="print the version and exit"),
-          threads: Optional[int] = typer.Option(None, "--threads", min=1, metavar="N",
+          threads: Optional[int] = typer.Option(None, "--threads", min=AT_LEAST["threads"], metavar="N",
                                                 help="torch threads (default: OMP_NUM_THREADS, else the CPUs "
                                                      "not already busy: spinning threads collapse under load)")):
     """Model surgery on transformer checkpoints, with the logits re-verified."""

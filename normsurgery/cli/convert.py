@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from ..options import ON_OVERFLOW
+from ..options import AT_LEAST, MAX_SHARD_SIZE, ON_OVERFLOW
 from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, STREAMING, claimed, command, did_you_mean, \
     dtype_option, emit_json, positive, progress_bar, read_text, say, say_device, say_warning, show, \
     size_option, torch_dtype
@@ -53,12 +53,14 @@ def convert(
                                         help="text for the checks (default: bundled Shakespeare)"),
     tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
                                         help="relative logit tolerance for exact passes (default by dtype)"),
-    max_shard_size: str = typer.Option("5GB", metavar="SIZE", callback=size_option,
+    max_shard_size: str = typer.Option(MAX_SHARD_SIZE, metavar="SIZE", callback=size_option,
                                        help="largest safetensors shard, e.g. 500MB"),
-    steps: Optional[int] = typer.Option(None, min=1, metavar="N", help="trained passes: optimizer steps"),
-    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B",
+    steps: Optional[int] = typer.Option(None, min=AT_LEAST["steps"], metavar="N",
+                                        help="trained passes: optimizer steps"),
+    batch_size: Optional[int] = typer.Option(None, min=AT_LEAST["batch_size"], metavar="B",
                                              help="trained passes: windows per micro-batch and process"),
-    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="trained passes: tokens per window"),
+    seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L",
+                                          help="trained passes: tokens per window"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="trained passes: peak learning rate"),
     resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
     precision: Optional[str] = PRECISION,

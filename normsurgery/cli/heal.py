@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..options import TRAIN_MODES, HealOptions, defaults
+from ..options import AT_LEAST, TRAIN_MODES, HealOptions, defaults
 from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, emit_json, merge, \
     one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names, stderr
 
@@ -33,30 +33,34 @@ def heal(
     out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
     text: Path = typer.Option(..., metavar="FILE", help="training text; its last --eval-fraction is held out"),
     eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text instead of the end of --text"),
-    steps: Optional[int] = typer.Option(None, min=1, metavar="N", help=f"optimizer steps (default {H.steps})"),
-    rank: Optional[int] = typer.Option(None, min=1, metavar="R", help=f"LoRA rank (default {H.rank})"),
+    steps: Optional[int] = typer.Option(None, min=AT_LEAST["steps"], metavar="N",
+                                        help=f"optimizer steps (default {H.steps})"),
+    rank: Optional[int] = typer.Option(None, min=AT_LEAST["rank"], metavar="R", help=f"LoRA rank (default {H.rank})"),
     alpha: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="LoRA alpha (default 2 x rank)"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help=f"learning rate (default {H.lr:g})"),
     target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="linears to adapt, by name, e.g. "
                                                        "q_proj,v_proj (default: every linear in the blocks)"),
-    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B",
+    batch_size: Optional[int] = typer.Option(None, min=AT_LEAST["batch_size"], metavar="B",
                                              help=f"windows per micro-batch and process (default {H.batch_size})"),
-    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help=SEQ_LEN_HELP),
-    grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K",
+    seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L", help=SEQ_LEN_HELP),
+    grad_accum: Optional[int] = typer.Option(None, min=AT_LEAST["grad_accum"], metavar="K",
                                              help=f"gradient-accumulation steps (default {H.grad_accum})"),
     precision: Optional[str] = PRECISION,
     device: str = DEVICE,
     eval_fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
                                                   help=f"share of --text held out (default {H.eval_fraction:g})"),
-    eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K", help="held-out windows at most, evaluated "
+    eval_samples: Optional[int] = typer.Option(None, min=AT_LEAST["eval_samples"], metavar="K",
+                                               help="held-out windows at most, evaluated "
                                                f"before and after (default {H.eval_samples}; fewer is faster)"),
-    seed: Optional[int] = typer.Option(None, min=0, metavar="N", help=f"random seed (default {H.seed})"),
+    seed: Optional[int] = typer.Option(None, min=AT_LEAST["seed"], metavar="N", help=f"random seed (default {H.seed})"),
     train: Optional[str] = typer.Option(None, metavar="WHAT", help="what trains (lora: adapters, merged; norms: "
                                         "only the norms' gains and biases; full: every parameter): "
                                         f"{one_of(TRAIN_MODES, H.train)}"),
-    patience: Optional[int] = typer.Option(None, min=0, metavar="N", help="stop once held-out CE went N evaluations "
+    patience: Optional[int] = typer.Option(None, min=AT_LEAST["patience"], metavar="N",
+                                           help="stop once held-out CE went N evaluations "
                                            f"without improving, --steps the cap (default {H.patience}: every step)"),
-    eval_every: Optional[int] = typer.Option(None, min=1, metavar="S", help="with --patience: steps between "
+    eval_every: Optional[int] = typer.Option(None, min=AT_LEAST["eval_every"], metavar="S",
+                                             help="with --patience: steps between "
                                              f"evaluations (default {H.eval_every})"),
     save_adapter_: bool = typer.Option(False, "--save-adapter", help="save the peft adapter (base: IN), unmerged"),
     force: bool = FORCE,

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
+from ..options import AT_LEAST, OUTLIER_SAMPLES, PROBE_LENGTH
 from .app import ALLOW_PICKLE, DEVICE, JSON, command, emit_json, read_text, say_device, show
 
 
@@ -35,9 +36,11 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
                                           "|entry| / RMS and kurtosis, on calibration text"),
             text: Optional[Path] = typer.Option(None, metavar="FILE", help="--outliers: calibration text (default: "
                                                 "bundled Shakespeare)"),
-            samples: int = typer.Option(8, min=1, metavar="K", help="--outliers: token windows"),
-            seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="--outliers: tokens per window "
-                                                  "(default: 64, or the model's positions when fewer)"),
+            samples: int = typer.Option(OUTLIER_SAMPLES, min=AT_LEAST["samples"], metavar="K",
+                                        help="--outliers: token windows"),
+            seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L",
+                                                  help=f"--outliers: tokens per window (default: {PROBE_LENGTH}, or "
+                                                       "the model's positions when fewer)"),
             device: str = DEVICE, allow_pickle: bool = ALLOW_PICKLE, json: bool = JSON):
     """Architecture, norm layout, dead units, and which passes apply (and why not); --outliers: the
     stream's and weights' outlier figures (two checkpoints: side by side)."""

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import SurgeryError
-from ..options import METHODS, TRAIN_MODES, HealOptions, PruneOptions, defaults
+from ..options import AT_LEAST, METHODS, TRAIN_MODES, HealOptions, PruneOptions, defaults
 from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, did_you_mean, \
     emit_json, merge, one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names
 from .heal import HEAL_DEFAULTS, print_heal_steps
@@ -36,29 +36,34 @@ def load_prune_recipe(path: Path) -> tuple[dict, dict | None]:
 def prune(
     src: str = typer.Argument(..., metavar="IN", help="input checkpoint: a folder or a cached hub id"),
     out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
-    layers: Optional[int] = typer.Option(None, "--layers", "-n", min=1, metavar="N", help="how many layers to remove"),
+    layers: Optional[int] = typer.Option(None, "--layers", "-n", min=AT_LEAST["layers"], metavar="N",
+                                         help="how many layers to remove"),
     fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
                                              help="or: the fraction of layers to remove (rounded)"),
     method: Optional[str] = typer.Option(None, metavar="METHOD", help=one_of(METHODS, P.method)),
     text: Optional[Path] = typer.Option(None, metavar="FILE", help="calibration (and healing) text; default: "
                                                                    "bundled Shakespeare"),
-    samples: Optional[int] = typer.Option(None, min=1, metavar="K", help=f"calibration windows (default {P.samples})"),
-    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help=SEQ_LEN_HELP),
-    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B", help="windows per forward pass and per heal "
+    samples: Optional[int] = typer.Option(None, min=AT_LEAST["samples"], metavar="K",
+                                          help=f"calibration windows (default {P.samples})"),
+    seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L", help=SEQ_LEN_HELP),
+    batch_size: Optional[int] = typer.Option(None, min=AT_LEAST["batch_size"], metavar="B",
+                                             help="windows per forward pass and per heal "
                                                                             f"micro-batch (default {P.batch_size})"),
     plot: Optional[Path] = typer.Option(None, metavar="PNG", help="also draw the scores into this PNG"),
     heal: bool = typer.Option(False, "--heal", help="heal with LoRA after pruning (see `heal --help`)"),
     eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text for CE, healed or not "
                                              f"(default: the last {H.eval_fraction:.0%} of --text)"),
-    eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K",
+    eval_samples: Optional[int] = typer.Option(None, min=AT_LEAST["eval_samples"], metavar="K",
                                                help=f"held-out windows at most (default {P.eval_samples})"),
-    steps: Optional[int] = typer.Option(None, min=1, metavar="N", help=f"heal: optimizer steps (default {H.steps})"),
-    rank: Optional[int] = typer.Option(None, min=1, metavar="R", help=f"heal: LoRA rank (default {H.rank})"),
+    steps: Optional[int] = typer.Option(None, min=AT_LEAST["steps"], metavar="N",
+                                        help=f"heal: optimizer steps (default {H.steps})"),
+    rank: Optional[int] = typer.Option(None, min=AT_LEAST["rank"], metavar="R",
+                                       help=f"heal: LoRA rank (default {H.rank})"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X",
                                       help=f"heal: learning rate (default {H.lr:g})"),
     target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="heal: linears to adapt, by name "
                                                        "(default: all in the blocks)"),
-    grad_accum: Optional[int] = typer.Option(None, min=1, metavar="K",
+    grad_accum: Optional[int] = typer.Option(None, min=AT_LEAST["grad_accum"], metavar="K",
                                              help=f"heal: gradient-accumulation steps (default {H.grad_accum})"),
     precision: Optional[str] = PRECISION,
     device: str = DEVICE,

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import UsageError
-from ..options import CRITERIA, SQUEEZE_STEPS, STRUCTURES, TRAIN_MODES, SqueezeOptions
+from ..options import AT_LEAST, CRITERIA, SQUEEZE_STEPS, STRUCTURES, TRAIN_MODES, SqueezeOptions
 from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, emit_json, one_of, \
     open_unit, positive, progress_bar, read_text, say, say_device, show
 
@@ -23,15 +23,18 @@ def squeeze(
     eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text instead of the end of --text"),
     target: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
                                            help=f"fraction of the parameters to keep (default {S.target:g})"),
-    target_bytes: Optional[int] = typer.Option(None, min=1, metavar="N",
+    target_bytes: Optional[int] = typer.Option(None, min=AT_LEAST["target_bytes"], metavar="N",
                                                help="or: the output's size in bytes (storage dtype)"),
-    cycles: Optional[int] = typer.Option(None, min=1, metavar="N", help="mask -> minimize -> release -> retrain "
-                                          f"cycles (default {S.cycles}: one-shot, measured better than 3 at the same "
-                                          "size and tokens; N > 1: Squeeze-Release, with its one-shot control)"),
-    steps_per_cycle: Optional[int] = typer.Option(None, min=1, metavar="S", help="retraining steps per cycle "
-                                                   f"(default: {SQUEEZE_STEPS} in all, split evenly over the "
-                                                   f"cycles; {SQUEEZE_STEPS} with one, "
-                                                   f"{SQUEEZE_STEPS // 3} each with 3)"),
+    cycles: Optional[int] = typer.Option(None, min=AT_LEAST["cycles"], metavar="N",
+                                         help="mask -> minimize -> release -> retrain "
+                                              f"cycles (default {S.cycles}: one-shot, measured better than 3 at the "
+                                              "same size and tokens; N > 1: Squeeze-Release, with its one-shot "
+                                              "control)"),
+    steps_per_cycle: Optional[int] = typer.Option(None, min=AT_LEAST["steps_per_cycle"], metavar="S",
+                                                  help="retraining steps per cycle "
+                                                       f"(default: {SQUEEZE_STEPS} in all, split evenly over the "
+                                                       f"cycles; {SQUEEZE_STEPS} with one, "
+                                                       f"{SQUEEZE_STEPS // 3} each with 3)"),
     structure: Optional[str] = typer.Option(None, metavar="LIST", help="what the masks remove: some of "
                                             f"{', '.join(STRUCTURES)} (default {','.join(S.structure)})"),
     by: Optional[str] = typer.Option(None, metavar="HOW", help="how units and heads are ranked (activation: by the "
@@ -46,24 +49,28 @@ def squeeze(
     train: Optional[str] = typer.Option(None, metavar="WHAT", help="what retrains (lora: merged): "
                                       f"{one_of(TRAIN_MODES, S.train)}"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help=f"learning rate (default {S.lr:g})"),
-    batch_size: Optional[int] = typer.Option(None, min=1, metavar="B",
+    batch_size: Optional[int] = typer.Option(None, min=AT_LEAST["batch_size"], metavar="B",
                                              help=f"windows per step (default {S.batch_size})"),
-    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help=SEQ_LEN_HELP),
+    seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L", help=SEQ_LEN_HELP),
     eval_fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
                                                   help=f"share of --text held out (default {S.eval_fraction:g})"),
-    eval_samples: Optional[int] = typer.Option(None, min=1, metavar="K",
+    eval_samples: Optional[int] = typer.Option(None, min=AT_LEAST["eval_samples"], metavar="K",
                                                help=f"held-out windows at most (default {S.eval_samples})"),
     precision: Optional[str] = PRECISION,
     device: str = DEVICE,
-    seed: Optional[int] = typer.Option(None, min=0, metavar="N", help="seed of the release noise and the training "
+    seed: Optional[int] = typer.Option(None, min=AT_LEAST["seed"], metavar="N",
+                                       help="seed of the release noise and the training "
                                      f"batches (default {S.seed})"),
-    save_every: Optional[int] = typer.Option(None, min=0, metavar="N", help="keep the training state every N steps "
+    save_every: Optional[int] = typer.Option(None, min=AT_LEAST["save_every"], metavar="N",
+                                             help="keep the training state every N steps "
                                           f"within a cycle (default {S.save_every}: none; the state after each "
                                           "cycle is always kept)"),
-    patience: Optional[int] = typer.Option(None, min=0, metavar="N", help="a cycle's retraining stops once held-out "
+    patience: Optional[int] = typer.Option(None, min=AT_LEAST["patience"], metavar="N",
+                                           help="a cycle's retraining stops once held-out "
                                            f"CE went N evaluations without improving (default {S.patience}: every "
                                            "step)"),
-    eval_every: Optional[int] = typer.Option(None, min=1, metavar="S", help="with --patience: steps between "
+    eval_every: Optional[int] = typer.Option(None, min=AT_LEAST["eval_every"], metavar="S",
+                                             help="with --patience: steps between "
                                              f"evaluations (default {S.eval_every})"),
     control: Optional[bool] = typer.Option(None, "--control/--no-control", help="also one-shot from the input at "
                                            "the same target and training steps, reported beside (default "

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import FAILED
+from ..options import AT_LEAST, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
 from .app import ALLOW_PICKLE, DEVICE, JSON, STREAMING, command, dtype_option, emit_json, positive, \
     read_text, say, say_device, show, torch_dtype
 
@@ -21,10 +22,12 @@ def verify(
                               help="compute dtype: float64 checks the algebra; float32, float16, bfloat16"),
     tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
                                         help="relative tolerance (default: from the compute and storage dtypes)"),
-    samples: int = typer.Option(4, min=1, metavar="K", help="number of token windows"),
-    seq_len: Optional[int] = typer.Option(None, min=2, metavar="L", help="tokens per window (default: 64, or the "
-                                                                          "model's positions when fewer)"),
-    generate: int = typer.Option(16, min=0, metavar="N", help="greedy tokens to compare (0: skip)"),
+    samples: int = typer.Option(PROBE_SAMPLES, min=AT_LEAST["samples"], metavar="K", help="number of token windows"),
+    seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L",
+                                          help=f"tokens per window (default: {PROBE_LENGTH}, or the model's positions "
+                                               "when fewer)"),
+    generate: int = typer.Option(PROBE_GENERATE, min=AT_LEAST["generate"], metavar="N",
+                                 help="greedy tokens to compare (0: skip)"),
     layers: bool = typer.Option(False, "--layers", help="also compare every hidden state"),
     streaming: Optional[bool] = STREAMING,
     device: str = DEVICE,
