@@ -64,3 +64,38 @@ def test_flashnorm_keeps_smollm2s_greedy_continuation_and_verifies(real, tmp_pat
         assert cfg["tie_word_embeddings"] and abs(grown) < 1 << 20, grown
     else:  # the head untied to take the final norm's gain: the embedding stored twice
         assert not cfg["tie_word_embeddings"] and 0 <= grown - embedding < 1 << 20, (grown, embedding)
+
+
+def test_bf16_checks_pass_a_rewrite_and_fail_a_two_percent_temperature(real, tmp_path):
+    """The checkpoint as users hold it (bf16): flashnorm's two checks pass and `verify IN OUT` says
+    same function; the final norm's gain x1.02 (a temperature change) is DIFFERENT, exit 1 (before
+    issue 34: a tolerance 4 x a full-half-ulp re-rounding of every weight passed such changes)."""
+    from safetensors.torch import load_file, save_file
+
+    def copy_with(name, change):
+        out = tmp_path / name
+        out.mkdir()
+        for f in real.iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                (out / f.name).write_bytes(f.read_bytes())
+        sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+              for k, v in load_file(real / "model.safetensors").items()}
+        change(sd)
+        save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+        (out / "config.json").write_text(json.dumps(cfg))
+        return out
+
+    src = copy_with("bf16", lambda sd: None)
+    r = run("convert", src, tmp_path / "flash", "--pass", "flashnorm", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["steps"][0]["parity"]["tolerance"] == 1e-5 and data["parity"]["kl_tolerance"] is not None
+    assert run("verify", src, tmp_path / "flash", "--generate", "0").exit_code == 0
+
+    def warmer(sd):
+        sd["model.norm.weight"] = (sd["model.norm.weight"].float() * 1.02).to(torch.bfloat16)
+
+    r = run("verify", src, copy_with("warm", warmer), "--generate", "0")
+    assert r.exit_code == 1 and "DIFFERENT: " in r.output, r.output
