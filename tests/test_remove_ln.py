@@ -210,6 +210,9 @@ def test_cli_options_reach_the_pass(tmp_path):
     assert not list(tmp_path.glob(".out*"))  # the training state went with the run
     config = json.loads((out / "config.json").read_text())
     assert {m["class"] for m in config["normsurgery"]["modules"] if "class" in m} == {"NoNorm"}
+    # the default keeps nothing: no normalization module is left, the final one included
+    assert not [m for m in normsurgery.load(out).modules() if kind_of(m)[0] != "other"]
+    assert step["metrics"]["kept"] == [] and not any("block norms removed" in n for n in step["notes"])
     # the papers' comparison: the vanilla fine-tune at the same budget, in --json, the record and the card
     m = step["metrics"]
     assert m["control_tokens"] == 12 * 2 * 32 and m["gap_to_control"] == pytest.approx(m["ce_after"] - m["ce_control"])
@@ -277,3 +280,60 @@ def test_removal_paths_from_the_layout_are_installs(family):
     model = tiny_model(family)
     lay = layout(model)
     assert R.removal_paths(lay) == [rn.paths for rn in R.install(model, lay)]
+
+
+def small_llama(tmp_path):
+    """small_gpt2's shape as a Llama (RMSNorm, separate q/k/v, gated MLP), with the demo tokenizer."""
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=64, vocab_size=1024, max_position_embeddings=64))
+    ns.save(model, tmp_path, source=GPT2)
+    return model
+
+
+@pytest.mark.parametrize("family,final", [("gpt2", "LayerNorm"), ("llama", "RMSNorm")])
+def test_keep_final_leaves_exactly_the_final_norm_and_says_so(tmp_path, family, final):
+    (small_gpt2 if family == "gpt2" else small_llama)(tmp_path / "in")
+    out = tmp_path / "out"
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:eval_samples=2,gap=1,keep=final", "--text", SAMPLE,
+            "--steps", 12, "--batch-size", 2, "--seq-len", 32, "--lr", 1e-3, "--json")
+    assert r.exit_code == 0, r.output
+    step = json.loads(r.stdout)["steps"][0]
+    note = f"block norms removed; final {final} kept"
+    assert step["metrics"]["kept"] == ["final"] and any(note in n for n in step["notes"])
+    assert "final" not in [s["stage"] for s in step["metrics"]["stages"]]  # no final event
+    assert step["metrics"]["stages"][-1]["stage"] == "position 0"
+    config = json.loads((out / "config.json").read_text())
+    record = config["normsurgery"]["passes"][0]
+    assert note in json.dumps(record)
+    assert note in (out / "README.md").read_text()
+    loaded = normsurgery.load(out)
+    lay = layout(loaded)
+    for site in lay.norms:
+        mod = loaded.get_submodule(site.path)
+        assert isinstance(mod, R.NoNorm) != (site.role == "final"), site.path
+    stock = type(loaded.get_submodule([s.path for s in lay.norms if s.role == "final"][0]))
+    assert stock.__module__.startswith("transformers.") and final in stock.__name__ or (
+        family == "gpt2" and stock is torch.nn.LayerNorm)
+    assert len([m for m in loaded.modules() if kind_of(m)[0] != "other"]) == 1  # exactly one norm left
+    # no downstream claims "no norm" for it: the lens bridge and GGUF (one epsilon) refuse the mix
+    import importlib
+    gguf, lens = importlib.import_module("normsurgery.gguf"), importlib.import_module("normsurgery.lens")
+    with pytest.raises(SurgeryError, match="several kinds"):
+        lens.norm_kind(loaded)
+    if family == "llama":
+        with pytest.raises(SurgeryError, match="GGUF has one norm epsilon"):
+            gguf.plan(checkpoint.Source.open(out))
+
+
+def test_keep_final_with_export_stock_and_a_bad_keep_are_refused_in_one_line(tmp_path):
+    small_gpt2(tmp_path / "in")
+    out = tmp_path / "out"
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:keep=block", "--text", SAMPLE)
+    assert r.exit_code == 2 and [line for line in r.output.splitlines() if line.strip()] == [
+        "error: pass 'remove-ln': option keep='block' must be one of none (the default), final"], r.output
+    assert not out.exists()
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:keep=final,export=stock", "--text", SAMPLE)
+    one_line_error(r, out, "keep=final cannot export=stock")
+    with pytest.raises(SurgeryError, match="keep='block'; choose none"):
+        R.keep_final({"keep": "block"})

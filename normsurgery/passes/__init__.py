@@ -3,7 +3,7 @@ importing torch; its ``applies``, ``apply`` (and ``reference``) live in the modu
 imported on first use (``registry.declare``)."""
 
 from ..devices import PRECISIONS
-from ..registry import all_passes, between, declare, one_of
+from ..registry import Limit, all_passes, between, declare, one_of
 
 #: options of mask and of the passes that can mask first (minimize, compensated-ln)
 #: (prune_units / prune_heads: the fraction of each MLP's units / each attention's KV heads to zero; by:
@@ -21,7 +21,7 @@ PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_si
 REMOVE_LN_OPTIONS = {"steps": 900, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
                      "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
                      "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
-                     "export": "self", **TRAINED_OPTIONS, "patience": 4}
+                     "export": "self", "keep": "", **TRAINED_OPTIONS, "patience": 4}
 PRE_LN = "Pre-LN and parallel models of every supported family"
 #: the values options take, checked before anything is loaded (options not listed: any of their type);
 #: seq_len 0: min(128, the model's positions)
@@ -34,7 +34,7 @@ LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads"
                                                                                          open_high=False),
           "warmup": between(-1), "decay": between(-1), "start": between(-1), "gap": between(0),
           "final_gap": between(0), "precision": one_of(*PRECISIONS),
-          "export": one_of("self", "stock"), "patience": between(0), "eval_every": between(1),
+          "export": one_of("self", "stock"), "keep": Limit("one of none (the default), final", lambda x: x in ("", "none", "final")), "patience": between(0), "eval_every": between(1),
           "kind": one_of("hadamard", "random"), "seed": between(0)}
 
 for name, module, description, kind, families, extra in [

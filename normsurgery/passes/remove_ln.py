@@ -22,11 +22,18 @@ checked against the frozen-norm model in float64 and float32 before anything is 
 published checkpoints' trick): (x - mean) / sqrt(var + 1e12) * g 1e6 / s = (x - mean) g / s
 up to a relative var / 2e12. Its error against the norm-free model is measured and reported;
 it is refused in fp16/bf16, where gains near 1e6 overflow or lose their precision.
+
+``keep=final`` (not the default) removes the block norms only: the final norm is never installed
+as a RemovableNorm, so it stays the model's stock norm, computing its statistic and trained with
+the rest; the schedule has no final event (position 0's special case is still dropped last), and
+the notes and metrics (``kept``) say so. It is refused with ``export=stock`` (the stock classes
+read one epsilon from the config, and the kept norm needs its own).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import torch
@@ -47,6 +54,23 @@ from .norms import (adaptive, control_report, refuse_experts, refuse_norms, refu
 MOMENTUM = 0.9
 STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance
 PATH_ORDER = ("mlp", "qk", "attn", "v", "final")
+KEEP = ("", "none", "final")  # keep=final: the final norm stays the model's own, computing
+
+
+def keep_final(options: dict) -> bool:
+    """Whether ``keep=final``; any other value than KEEP's is refused in one line."""
+    keep = options.get("keep", "")
+    if keep not in KEEP:
+        raise SurgeryError(f"remove-ln: keep={keep!r}; choose none (the default: every norm removed) or final")
+    return keep == "final"
+
+
+def removed_layout(layout: Layout, options: dict) -> Layout:
+    """The layout of the norms the pass removes: every norm, or (keep=final) all but the final one,
+    which then stays the model's stock norm, trained with the rest, and no schedule event."""
+    if not keep_final(options):
+        return layout
+    return dataclasses.replace(layout, norms=[s for s in layout.norms if s.role != "final"])
 
 
 class RemovableNorm(nn.Module):
@@ -228,6 +252,10 @@ def removal_paths(layout: Layout, split: bool = True) -> list[list[str]]:
 def check(model, layout: Layout, options: dict) -> str | None:
     """Before any weight is read (``model`` may be on the meta device): a step budget the schedule
     cannot fit in."""
+    if keep_final(options) and options["export"] == "stock":
+        return ("remove-ln: keep=final cannot export=stock: the stock classes read one epsilon from the "
+                "config, and the kept final norm needs its own; use the default export")
+    layout = removed_layout(layout, options)
     paths = removal_paths(layout, split=options["export"] != "stock")
     n = sum(len(p) for p in paths) + 1
     start, gap, final_gap = _auto_schedule(n, options["steps"], options["start"], options["gap"],
@@ -410,6 +438,8 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     refused = check(model, layout, o)
     if refused:
         raise SurgeryError(refused)
+    kept = ["final"] if keep_final(o) else []
+    full, layout = layout, removed_layout(layout, o)
     o = {**o, "seq_len": fit_seq_len(positions(model.config), o["seq_len"], "remove-ln: seq_len")}
     ids = tokenize(ctx.tokenizer, ctx.text)
     train_ids, held_ids = split_heldout(ids, o["heldout"], o["seq_len"])
@@ -440,7 +470,9 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                            "precision": result.precision, "resumed_from": result.resumed_from,
                            "schedule": {"start": start, "gap": gap, "final_gap": final_gap,
                                         "last_removal": events[-1][0]},
-                           "curve": result.curve})
+                           "curve": result.curve, "kept": kept})
+    final_kind = next((("LayerNorm" if s.kind == "layernorm" else "RMSNorm") for s in full.norms
+                       if s.role == "final"), "norm")
     if o["export"] == "stock":
         frozen = _logits(model, check_ids)
         keys = export_stock(model, layout, norms)
@@ -450,6 +482,9 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                             f"1e6 / s; relative logit error against the norm-free model {err:.2e}")
     else:
         report.metrics.update(fold_checked(model, layout, norms, check_ids))
+        if kept:
+            report.notes.append(f"block norms removed; final {final_kind} kept (it computes its statistic "
+                                "as the stock norm, trained with the model)")
         report.notes.append(f"removed {len(norms)} norms: {report.metrics['readers_folded']} readers took g / s "
                             f"and b; fold checked against the frozen model (relative error "
                             f"{report.metrics['fold_error_float64']:.1e} in float64, "
