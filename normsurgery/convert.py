@@ -38,7 +38,7 @@ from . import devices, memory, passes as _passes, precision  # noqa: F401  (pass
 from .checkpoint import Source
 from .errors import SurgeryError
 from .options import MAX_SHARD_SIZE, ON_OVERFLOW
-from .parity import TOLERANCE, Comparison, beyond, compare, dtype_name, output_kind, probe_ids
+from .parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, output_kind, probe_ids
 from .pipeline import (FORWARDS, Check, StepSpec, Tolerances, Work, check_applies, check_before_reading,
                        model_reader, save_work, source_reader, steps_of)
 from .progress import Progress, no_progress
@@ -184,7 +184,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     source, where = job.source, job.device
     dtype = work_dtype_for(source.storage, work_dtype)
-    cast = torch.finfo(source.storage).eps > torch.finfo(dtype).eps  # checked before the cast, then the cast
+    cast = coarser(source.storage, dtype)  # checked before the cast, then the cast
     why = choose_plan(source, steps, dtype, streaming, where)
     work = Work(source, dtype, streamed=why is not None, device=where)
     check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
@@ -259,7 +259,7 @@ def _record(result: Result, written: Comparison | None) -> dict:
 
 def _against(steps: list[StepSpec], dtype: torch.dtype, storage: torch.dtype) -> str:
     """What the written folder is compared with, in words."""
-    if torch.finfo(storage).eps > torch.finfo(dtype).eps:
+    if coarser(storage, dtype):
         return (f"the rewrite before its cast to {dtype_name(storage)} (checked in {dtype_name(dtype)}: "
                 + ("the pass's row above" if len(steps) == 1 else "each step's row above") + ")")
     changed = [s for s in steps if s.kind != "exact"]  # a mask or a trained pass: the anchor

@@ -292,6 +292,12 @@ def _logsumexp(x: torch.Tensor) -> torch.Tensor:
     return m + s.log()
 
 
+def coarser(storage: torch.dtype, compute: torch.dtype) -> bool:
+    """True when weights stored in ``storage`` hold fewer digits than ``compute`` arithmetic: a
+    rewrite computed in ``compute`` is rounded when it is stored."""
+    return torch.finfo(storage).eps > torch.finfo(compute).eps
+
+
 def coarsest(*dtypes: torch.dtype) -> torch.dtype:
     return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
@@ -313,7 +319,7 @@ def tolerance(compute: torch.dtype, storage: torch.dtype, null: Callable[[], lis
         return (max(TOLERANCE[torch.float32], ROUNDING_FACTOR * own.relative),
                 f"computed in {dtype_name(compute)}: {ROUNDING_FACTOR} x the reference's own "
                 f"{dtype_name(compute)} rounding against float32 ({own.relative:.1e})", None)
-    if torch.finfo(storage).eps <= torch.finfo(compute).eps:
+    if not coarser(storage, compute):
         why = "checks the algebra" if compute == torch.float64 else "its rounding"
         return TOLERANCE[compute], f"{dtype_name(compute)} arithmetic on weights it holds exactly: {why}", None
     return storage_tolerance(compute, storage, null(), what)
@@ -339,8 +345,8 @@ def storage_tolerance(compute: torch.dtype, storage: torch.dtype, draws: list[Co
 def null_summary(draws: list[Comparison]) -> Comparison:
     """The null draws as one comparison: each statistic at its worst (largest errors, lowest agreement)."""
     def most(f, pick=max):
-        v = [getattr(d, f) for d in draws if getattr(d, f) is not None]
-        return pick(v, key=lambda x: -math.inf if math.isnan(x) else x) if v else None
+        v = [x for d in draws if (x := getattr(d, f)) is not None and not math.isnan(x)]
+        return pick(v) if v else None
     worst = Comparison(most("max_abs"), most("mean_abs"), most("relative"), most("kl"), most("top1", min),
                        most("cosine", min), draws[0].output)
     if any(math.isnan(d.relative) for d in draws):

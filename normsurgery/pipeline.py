@@ -43,7 +43,7 @@ from .families import layout, positions
 from .layout import Layout
 from .norms import faithful_norms
 from .output import writing, written
-from .parity import (DRAWS, TOLERANCE, Comparison, HeadInput, beyond, compare, dtype_name, jittered,
+from .parity import (DRAWS, TOLERANCE, Comparison, HeadInput, beyond, coarser, compare, dtype_name, jittered,
                      needs_rounding_tolerance, null_summary, output_kind, outputs, probe_ids, rounding_tolerance,
                      tolerance)
 from .progress import Progress, no_progress
@@ -621,10 +621,9 @@ class Tolerances:
             return c.judged(floor or 0.0, f"{dtype_name(self.dtype)} arithmetic: identical outputs")
         if floor is not None and c.relative <= floor:
             why = "checks the algebra" if self.dtype == torch.float64 else "its rounding"
-            coarser = torch.finfo(storage).eps > torch.finfo(self.dtype).eps
-            return c.judged(floor, f"{dtype_name(self.dtype)} arithmetic: {why}" + (
-                f" (within it: what storing in {dtype_name(storage)} costs was not needed)" if coarser else
-                " on weights it holds exactly"))
+            held = (f" (within it: what storing in {dtype_name(storage)} costs was not needed)"
+                    if coarser(storage, self.dtype) else " on weights it holds exactly")
+            return c.judged(floor, f"{dtype_name(self.dtype)} arithmetic: {why}{held}")
         if self.read is None:  # nothing to measure more with: the arithmetic's own (none for half)
             return c.judged(floor or 0.0, f"{dtype_name(self.dtype)} arithmetic (no reference to measure more with)")
         c.judged(*tolerance(self.dtype, storage, lambda: self.null(storage), self.perturbed))
@@ -709,7 +708,7 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
     rounds (the same statistics, whether the model before the cast is still held or was spent
     writing)."""
     t = tolerances
-    cast = t.dtype in TOLERANCE and torch.finfo(storage).eps > torch.finfo(t.dtype).eps
+    cast = t.dtype in TOLERANCE and coarser(storage, t.dtype)
 
     def check(stock: bool) -> Comparison:
         def read(dtype: torch.dtype = t.dtype, jitter: bool = False, on_load: Callable | None = None):

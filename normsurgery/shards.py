@@ -274,7 +274,7 @@ class ShardWriter:
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         size = t.numel() * t.element_size()
         self._open(size)
-        self.fh.write(memoryview(t.view(torch.uint8).numpy()))
+        self.fh.write(memoryview(t.view(torch.uint8).numpy()))  # host
         self._entry(name, t.dtype, tuple(tensor.shape), size)
 
     def copy(self, name: str, reader: Reader, key: str, check=None) -> None:
