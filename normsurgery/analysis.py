@@ -24,6 +24,8 @@ about 0; 3 for a Gaussian), each averaged over rows (tokens, or output channels)
 
 from __future__ import annotations
 
+import functools
+
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -162,14 +164,21 @@ def head_plan(dead: torch.Tensor, kv_heads: int, least: tuple[int, int] = (1, 1)
     return kept, kept_kv
 
 
-def head_plans(model, layout: Layout) -> list[tuple[list[int], list[int]]]:
-    """:func:`head_plan` of every block; where the blocks share their head counts
-    (``shared_head_counts``) each keeps the most any block must keep."""
+def head_plans(model, layout: Layout, least: tuple[int, int] | None = None) -> list[tuple[list[int], list[int]]]:
+    """:func:`head_plan` of every block of ``layout``; where the blocks share their head counts
+    (``shared_head_counts``) each keeps the most any block must keep: ``least`` (from
+    :func:`least_heads` over the whole model's plans), else found over ``layout``'s blocks."""
     plans = [head_plan(heads_dead(model, a)[0], a.num_kv_heads) for a in layout.attention]
     if not layout.shared_head_counts or not plans:
         return plans
-    least = (max(len(kv) for _, kv in plans), max(len(q) // len(kv) for q, kv in plans))
+    least = least or least_heads(plans)
     return [head_plan(heads_dead(model, a)[0], a.num_kv_heads, least) for a in layout.attention]
+
+
+def least_heads(plans: list[tuple[list[int], list[int]]]) -> tuple[int, int]:
+    """(kv heads, query heads per kv head) the blocks sharing their head counts must each keep:
+    the most any of ``plans`` keeps."""
+    return max(len(kv) for _, kv in plans), max(len(q) // len(kv) for q, kv in plans)
 
 
 def written(model, paths) -> torch.Tensor:
@@ -182,21 +191,35 @@ def written(model, paths) -> torch.Tensor:
     return written
 
 
-def channels(model, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dead channels, removable channels) over the stored stream."""
-    dead = ~written(model, layout.embeddings + layout.writers)
-    removable = dead.clone()
-    if layout.output_norm is not None:  # a base model outputs every channel of its final norm
-        return dead, torch.zeros_like(dead)
+def stream_evidence(model, layout: Layout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What the embeddings, writers and norms ``layout`` holds (the whole model's, or one part's)
+    say of each stream channel: (written by one of them, hidden by each centring norm: its gain is
+    0 or no reader reads it); None: none of them there. :func:`channels` combines the parts'."""
+    hidden = None
     for site in layout.norms:
         if site.kind not in CENTRING:
             continue
         norm = model.get_submodule(site.path)  # RMSNorm: 0 in, its bias (a constant) out
-        gain_zero = torch.zeros_like(dead) if norm.weight is None else (norm.weight == 0).cpu()
-        unread = torch.ones_like(dead)
+        unread = torch.ones(layout.stream_width, dtype=torch.bool)
         for r in site.readers:
             unread &= zero(algebra.weight(model.get_submodule(r)), 0).cpu()
-        removable &= gain_zero | unread
+        h = unread if norm.weight is None else unread | (norm.weight == 0).cpu()
+        hidden = h if hidden is None else hidden & h
+    paths = layout.embeddings + layout.writers
+    return (written(model, paths) if paths else None), hidden
+
+
+def channels(model, layout: Layout, evidence: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dead channels, removable channels) over the stored stream: from the whole model, or from
+    ``evidence`` (:func:`stream_evidence` of every part; ``layout``: the whole model's)."""
+    evidence = evidence if evidence is not None else [stream_evidence(model, layout)]
+    dead = ~functools.reduce(torch.logical_or, [w for w, _ in evidence if w is not None])
+    if layout.output_norm is not None:  # a base model outputs every channel of its final norm
+        return dead, torch.zeros_like(dead)
+    removable = dead.clone()
+    for _, hidden in evidence:
+        if hidden is not None:
+            removable &= hidden
     return dead, removable
 
 

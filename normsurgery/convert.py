@@ -20,8 +20,9 @@ parts they entered).
 
 Plans (``pipeline``): every pass blockwise, the model is read and rewritten one part at a time
 (``streaming=None`` chooses it: it is the faster path at every size measured, and bounded in
-memory); a pass that needs the whole model (a mask computed from it, training) gets the one-part
-plan, refused when the model would not fit in memory.
+memory), except where a pass scans the whole model first (minimize, mask, compensated-ln: one
+more read per scan) and the model fits in memory; a pass that needs the whole model (training,
+scores from a forward) gets the one-part plan, refused when the model would not fit in memory.
 """
 
 from __future__ import annotations
@@ -138,26 +139,25 @@ def plan_memory(work: Work) -> dict:
 
 def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, streaming: bool | None,
                 device: torch.device = torch.device("cpu")) -> str | None:
-    """Why the model is rewritten one part at a time (None: in memory, one part, on ``device``)."""
-    whole = [s.name for s in steps if not s.blockwise]
+    """Why the model is rewritten one part at a time (None: in memory, one part, on ``device``). A
+    pass whose stages scan the whole model first (minimize, mask, compensated-ln) reads every part
+    once more per scan when streamed: it streams when the model does not fit in memory."""
+    whole = [s for s in steps if s.whole]
     if streaming is False:
         return None
     if streaming is None:
         need = in_memory_bytes(source, dtype)
         free, where = memory.room(device)
-        if whole and need <= free:
+        if (whole or any(s.stages for s in steps)) and need <= free:
             return None
-        why = ("every pass rewrites one part at a time: bounded memory, and faster" if not whole else
+        why = ("every pass rewrites one part at a time: bounded memory, and faster" if not need > free else
                f"in memory this needs about {need / 2**30:.1f} GiB ({source.index.numel / 1e9:.2f}B parameters in "
                f"{dtype_name(dtype)}), {free / 2**30:.1f} GiB are available{where}")
     else:
         why = "asked for (--streaming)"
     if whole:
-        step = next(s for s in steps if not s.blockwise)
-        need = ("it trains the whole model" if step.kind == "trained" else
-                "it needs facts about the whole model: which channels any writer writes, which units are dead")
-        raise SurgeryError(f"pass {step.pass_name} cannot run one block at a time ({need}), and streaming was chosen: "
-                           f"{why}; --in-memory loads the whole model")
+        raise SurgeryError(f"pass {whole[0].pass_name} cannot run one block at a time ({whole[0].whole}), and "
+                           f"streaming was chosen: {why}; --in-memory loads the whole model")
     return why
 
 

@@ -134,6 +134,10 @@ class Layout:
     def norm_kinds(self) -> set[str]:
         return {s.kind for s in self.norms}
 
+    def holds(self, path: str | None) -> bool:
+        """Whether the module or parameter ``path`` lies in this Layout's scope (any, unscoped)."""
+        return path is not None and (not self.scope or any(path == p or path.startswith(p + ".") for p in self.scope))
+
     def restrict(self, scope: tuple[str, ...]) -> Layout:
         """The sites inside the modules ``scope`` (paths and everything under them): what a pass
         sees when it rewrites one part of a model (streaming). Whole-model facts (family,
@@ -141,9 +145,8 @@ class Layout:
         same scope. Empty ``scope``: the whole layout."""
         if not scope:
             return self
-
-        def inside(path: str | None) -> bool:
-            return path is not None and any(path == p or path.startswith(p + ".") for p in scope)
+        part = dataclasses.replace(self, scope=tuple(scope))
+        inside = part.holds
 
         norms = tuple(s for s in self.norms if inside(s.path))
         outside = [r for s in norms for r in s.readers if not inside(r)]

@@ -38,10 +38,11 @@ CHANNELS = "residual_channels"
 
 
 def block_weights(model, layout: Layout) -> dict[str, nn.Parameter]:
-    """The weight matrices of every linear inside the blocks (embeddings and head excluded)."""
+    """The weight matrices of every linear inside the blocks ``layout`` holds (embeddings and head
+    excluded)."""
     out = {}
     for name, mod in model.get_submodule(layout.layers_path).named_modules():
-        if algebra.is_linear(mod):
+        if algebra.is_linear(mod) and layout.holds(f"{layout.layers_path}.{name}"):
             out[f"{layout.layers_path}.{name}.weight"] = mod.weight
     return out
 
@@ -59,27 +60,31 @@ def magnitude(model, layout: Layout, sparsity: float) -> dict[str, torch.Tensor]
     return masks
 
 
-def channel_scores(model, layout: Layout) -> torch.Tensor:
-    """Energy written into each residual channel: sum of squares of every writer's row j (and
-    bias entry j) and every embedding's column j, in float64."""
-    score = torch.zeros(layout.stream_width, dtype=torch.float64)
+def channel_energies(model, layout: Layout) -> list[torch.Tensor]:
+    """Energy each of ``layout``'s embeddings and writers writes into each residual channel: the
+    sum of squares of its row j (and bias entry j; an embedding's column j), in float64, in
+    layout order (:func:`prune_channels` sums them over the whole model)."""
+    out = []
     for path in layout.embeddings + layout.writers:
         mod = model.get_submodule(path)
-        score += algebra.written_matrix(mod).cpu().pow(2).sum(1)
+        score = algebra.written_matrix(mod).cpu().double().pow(2).sum(1)
         c = algebra.bias(mod)
-        if c is not None:
-            score += c.cpu().pow(2)
-    return score
+        out.append(score if c is None else score + c.cpu().double().pow(2))
+    return out
 
 
-def prune_channels(model, layout: Layout, k: int) -> torch.Tensor:
-    """Keep vector over the residual channels without the ``k`` least-written ones (whatever the
-    criterion of the units and heads: a channel scores by the energy written into it)."""
-    d = layout.stream_width
+def prune_channels(energies: list[torch.Tensor], k: int) -> torch.Tensor:
+    """Keep vector over the residual channels without the ``k`` least-written ones, by the energy
+    every writer writes into each (:func:`channel_energies` of the whole model, in its order),
+    whatever the criterion of the units and heads."""
+    score = torch.zeros_like(energies[0])
+    for e in energies:
+        score += e
+    d = len(score)
     if not 0 <= k < d:
         raise SurgeryError(f"prune_channels must be in [0, {d}), got {k}")
     keep = torch.ones(d, dtype=torch.bool)
-    keep[channel_scores(model, layout).argsort(stable=True)[:k]] = False
+    keep[score.argsort(stable=True)[:k]] = False
     return keep
 
 
@@ -216,13 +221,16 @@ def save(path, params: dict[str, torch.Tensor] | None = None, channels: torch.Te
     save_file(tensors, str(path))
 
 
-def load(path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """(parameter masks, channel keep vector or None) from a safetensors mask file."""
-    from safetensors.torch import load_file
+def load(path, holds=lambda name: True) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[str]]:
+    """(parameter masks of the parameters ``holds`` says yes to, channel keep vector or None, every
+    parameter name the file masks) from a safetensors mask file, reading only those masks."""
+    from safetensors import safe_open
 
     try:
-        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            names = [k for k in f.keys() if k != CHANNELS]
+            tensors = {k: f.get_tensor(k) for k in names if holds(k)}
+            channels = f.get_tensor(CHANNELS) if CHANNELS in f.keys() else None
     except (OSError, ValueError, RuntimeError) as e:
         raise SurgeryError(f"cannot read the mask file {path}: {e}") from None
-    channels = tensors.pop(CHANNELS, None)
-    return tensors, channels
+    return tensors, channels, names

@@ -93,14 +93,15 @@ def plan(model, lay: Layout, streamed: bool, alone: bool = False) -> list[Part]:
 
 @dataclass
 class StepSpec:
-    """A rewrite step: a pass's ``apply`` (or its ``reference``, a mask first)."""
+    """A rewrite step: a pass's ``apply`` (or its ``reference``, a mask first), or its stages."""
 
     name: str  # as reported: "minimize", "minimize (reference)"
     kind: str  # registry.KINDS
     options: dict[str, Any]
-    run: Callable[..., PassReport | None]
-    blockwise: bool
+    run: Callable[..., PassReport | None] | None
     pass_name: str  # the registered pass
+    stages: Callable[..., list[registry.Stage]] | None = None  # (options, layout) -> the stages, in place of run
+    whole: str | None = None  # why it needs the whole model in memory (None: it runs part by part)
 
 
 class Work:
@@ -126,6 +127,7 @@ class Work:
         self.resident = not streamed
         self.steps: list[StepSpec] = []
         self.context = PassContext()
+        self.known: dict[tuple[int, int], dict] = {}  # (step, stage) -> the whole-model facts its scans gathered
         self.reports: dict[int, dict[Part, PassReport]] = defaultdict(dict)  # step -> part -> its report
         self.on_load = on_load
         self.level: dict[Part, int] = {}  # parts held, and how many steps they went through
@@ -149,7 +151,7 @@ class Work:
         """A new work over the same checkpoint, plan and steps, nothing read yet: a rewritten part
         (its modules changed) cannot be read again into the same model."""
         work = Work(self.source, self.dtype, streamed=self.streamed, device=self.device)
-        work.steps, work.context = self.steps, self.context
+        work.steps, work.context, work.known = self.steps, self.context, self.known
         return work
 
     def enter(self, part: Part, level: int = 0) -> None:
@@ -164,18 +166,69 @@ class Work:
             raise SurgeryError(f"internal: part {part.scope[:1]} is at step {self.level[part]}, past {level}")
         for i in range(self.level[part], level):
             step = self.steps[i]
-            lay = layout(self.model, part.scope)
-            check_applies(self.model, step.pass_name, lay)
-            self.context.options = step.options
+            check_applies(self.model, step.pass_name, layout(self.model, part.scope))
             before = versions(self.model)
             with tracking_data():
-                report = step.run(self.model, lay, self.context)
+                report = self._run(i, part.scope)
             mark_changed(self.model, before, everything=step.kind == "trained")
             if report is not None:  # a part rewritten again (read again) reports again
                 self.reports[i][part] = report
             self.level[part] = i + 1
         if read and self.on_load is not None:
             self.on_load(self.model, part, self._stored_keys)
+
+    def _run(self, i: int, scope: tuple[str, ...], stages: int | None = None) -> PassReport | None:
+        """Step ``i`` on the part ``scope``: its ``run``, or its first ``stages`` stages (default:
+        all), each after its scans (:meth:`facts`) with the Layout as the stage finds it. A staged
+        step that has no stages (a mask not asked for) reports None."""
+        step, model, ctx = self.steps[i], self.model, self.context
+        if step.stages is None:
+            ctx.options = step.options
+            return step.run(model, layout(model, scope), ctx)
+        todo = step.stages(step.options, layout(model))
+        report = PassReport(step.pass_name) if todo else None
+        for k, stage in enumerate(todo[:stages]):
+            facts = self.facts(i, k, todo)
+            ctx.options, ctx.facts = step.options, facts
+            stage.run(model, layout(model, scope), ctx, report)
+        return report
+
+    def facts(self, i: int, k: int, stages: list[registry.Stage]) -> dict:
+        """What stage ``k`` of step ``i`` and those before it know of the whole model: each stage's
+        scans collect on every part brought to where the stage starts (the steps before ``i``,
+        then stages before ``k``), once for every work over this plan (:meth:`fresh` shares them).
+        In memory the one part is the model itself, already there; streamed, the parts of a work
+        of their own are read, brought there, collected and freed one at a time."""
+        if (i, k) in self.known:
+            return self.known[(i, k)]
+        facts = dict(self.facts(i, k - 1, stages)) if k else {}
+        scans = stages[k].scans
+        if scans:
+            ctx, collected = self.context, [[] for _ in scans]
+
+            def collect(model, scope):
+                ctx.options, ctx.facts = self.steps[i].options, facts
+                for c, scan in zip(collected, scans):
+                    c.append(scan.collect(model, layout(model, scope), ctx))
+            if self.resident:
+                collect(self.model, ())
+                whole = layout(self.model)
+            else:
+                sweep = self.fresh()
+                try:
+                    for part in sweep.parts:
+                        sweep.enter(part, i)
+                        sweep._run(i, part.scope, k)
+                        collect(sweep.model, part.scope)
+                        sweep.leave(part)
+                finally:
+                    sweep.close()
+                whole = layout(sweep.model)
+            ctx.options, ctx.facts = self.steps[i].options, facts
+            for c, scan in zip(collected, scans):
+                facts.update(scan.gather(c, whole, ctx))
+        self.known[(i, k)] = facts
+        return facts
 
     def _stored_keys(self, name: str, p) -> tuple[str, ...]:
         """The checkpoint's keys parameter ``p`` (named ``name``) was read from."""
@@ -329,14 +382,24 @@ class Work:
         metrics = {}
         for r in reports:
             for k, v in r.metrics.items():
-                if k in r.sums and k in metrics:
-                    v = [a + b for a, b in zip(metrics[k], v)]
-                metrics[k] = metrics.get(k, 0) + v if _summed(v) else v
+                if k in metrics and k not in r.same:
+                    v = (metrics[k] + v if k in r.joined else _add(metrics[k], v) if k in r.sums
+                         else metrics[k] + v if _summed(v) else v)
+                metrics[k] = v
         return merge_notes(reports), metrics
 
 
 def _summed(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _add(a, b):
+    """a + b: numbers, lists element by element, dicts key by key."""
+    if isinstance(a, dict):
+        return {k: _add(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+    if isinstance(a, list):
+        return [_add(x, y) for x, y in zip(a, b)]
+    return a + b
 
 
 def merge_notes(reports: list[PassReport]) -> list[str]:
@@ -505,9 +568,13 @@ def steps_of(passes: list[tuple[str, dict]]) -> list[StepSpec]:
     for name, options in passes:
         p = registry.get(name)
         opts = registry.check_options(p, options)
-        if p.reference is not None:
-            steps.append(StepSpec(f"{name} (reference)", "reference", opts, p.reference, p.blockwise, name))
-        steps.append(StepSpec(name, p.kind, opts, p.apply, p.blockwise, name))
+        whole = ("it trains the whole model" if p.kind == "trained" else
+                 "it rewrites the whole model at once" if not p.blockwise else
+                 p.whole(opts) if p.whole is not None else None)
+        if p.reference is not None or p.reference_stages is not None:
+            steps.append(StepSpec(f"{name} (reference)", "reference", opts, p.reference, name, p.reference_stages,
+                                  whole))
+        steps.append(StepSpec(name, p.kind, opts, p.apply, name, p.stages, whole))
     return steps
 
 

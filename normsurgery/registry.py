@@ -14,7 +14,11 @@ A ``blockwise`` pass rewrites each part of a model (the embeddings, one block, t
 and head) from that part's tensors alone, so it may run one block at a time on a checkpoint
 larger than memory (``streaming``): ``applies`` and ``apply`` then get a Layout restricted to
 the part (``Layout.restrict``). A pass that needs whole-model facts (which channels any writer
-writes) is not blockwise.
+writes, the least head count every block must keep) declares ``stages``: each a rewrite of one
+part (:class:`Stage`) preceded by scans (:class:`Scan`) that read every part once, at the level
+the stage starts from, and gather what they saw into ``PassContext.facts``; the rewrite then
+runs part by part as any blockwise pass's. A pass that trains (or scores on a forward over the
+whole model: ``whole``) needs the whole model in memory.
 
 An exact pass may declare its own reference step (``reference``: minimize with a mask option
 masks first): the caller runs it first and checks the pass against the model it leaves.
@@ -55,6 +59,7 @@ class PassContext:
     calibration: Any = None  # token windows [n, T] to calibrate on, instead of tokenizing ``text``
     storage_bytes: int | None = None  # bytes per floating-point value as the checkpoint stores it (sizes
     # reported in bytes count that, not the working dtype's; None: as held)
+    facts: dict[str, Any] = field(default_factory=dict)  # what the running stage's scans gathered (``Scan``)
 
 
 @dataclass
@@ -63,7 +68,9 @@ class PassReport:
     notes: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     counted: dict[str, tuple[str, dict]] = field(default_factory=dict)  # note -> (template, values): see count
-    sums: tuple[str, ...] = ()  # metrics that are lists of integers summed element by element over parts
+    sums: tuple[str, ...] = ()  # metrics summed over parts (lists element by element, dicts key by key)
+    joined: tuple[str, ...] = ()  # metrics that are lists of the part's blocks, joined over parts in order
+    same: tuple[str, ...] = ()  # whole-model integers every part reports alike (not summed)
 
     def count(self, template: str, **values) -> None:
         """A note, ``template`` formatted with ``values``. Where the model is rewritten in parts
@@ -75,19 +82,45 @@ class PassReport:
 
 
 @dataclass(frozen=True)
+class Scan:
+    """Whole-model facts a stage needs before it rewrites any part: ``collect(model, layout, ctx)``
+    on every part in turn (read-only; the Layout restricted to the part, ``ctx.facts``: the
+    earlier stages' facts), then ``gather(collected, layout, ctx) -> dict`` (``layout``: the whole
+    model's), added to ``ctx.facts``. In memory the one part is the whole model: the same code."""
+
+    collect: Callable[..., Any]
+    gather: Callable[..., dict]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a pass on a part: its ``scans`` first (once for the whole model), then
+    ``run(model, layout, ctx, report)``, adding to the part's ``report``."""
+
+    run: Callable[..., None]
+    scans: tuple[Scan, ...] = ()
+
+
+@dataclass(frozen=True)
 class Pass:
     name: str
     description: str
     kind: str  # one of KINDS
     families: str  # human-readable: where it applies
     applies: Callable[..., str | None]
-    apply: Callable[..., PassReport]
+    apply: Callable[..., PassReport] | None  # None: the pass is its ``stages``
     options: dict[str, Any] = field(default_factory=dict)  # option name -> default
     reference: Callable[..., PassReport | None] | None = None  # changes the function first, on purpose
     blockwise: bool = False  # may run one part of the model at a time (see the module docstring)
     limits: dict[str, Limit] = field(default_factory=dict)  # option name -> the values it takes
     # (model, layout, options) -> why not, before any weight is read (the model may be on the meta device)
     check: Callable[..., str | None] | None = None
+    # (options, layout) -> [Stage]: a blockwise pass that needs whole-model facts, in place of ``apply``
+    # (the executor runs them, in memory as part by part); ``reference_stages``: its reference step's
+    stages: Callable[..., list[Stage]] | None = None
+    reference_stages: Callable[..., list[Stage]] | None = None
+    # (options) -> why these options need the whole model in memory (None: they stream)
+    whole: Callable[[dict], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -143,15 +176,20 @@ class Lazy:
 
 
 def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
-            reference: bool = False, blockwise: bool = False, limits=None, check: bool = False) -> None:
+            reference: bool = False, blockwise: bool = False, limits=None, check: bool = False,
+            stages: bool = False) -> None:
     """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference`` and ``check``
-    when said) are functions of ``module``, imported on first use."""
+    when said; ``stages``: ``stages``, ``whole`` and with a reference ``reference_stages``) are
+    functions of ``module``, imported on first use."""
     if kind not in KINDS:
         raise ValueError(kind)
-    PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"), Lazy(module, "apply"),
-                        dict(options or {}), Lazy(module, "reference") if reference else None, blockwise,
+    PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"),
+                        None if stages else Lazy(module, "apply"), dict(options or {}),
+                        Lazy(module, "reference") if reference and not stages else None, blockwise or stages,
                         {k: v for k, v in (limits or {}).items() if k in (options or {})},
-                        Lazy(module, "check") if check else None)
+                        Lazy(module, "check") if check else None, Lazy(module, "stages") if stages else None,
+                        Lazy(module, "reference_stages") if stages and reference else None,
+                        Lazy(module, "whole") if stages else None)
 
 
 def get(name: str) -> Pass:

@@ -46,7 +46,7 @@ def test_unit_and_head_masks_then_minimize_equal_the_masked_model_float64(family
     lay = layout(model)
     reference = copy.deepcopy(model)
     params = {**masks.prune_units(reference, lay, 0.5), **masks.prune_heads(reference, lay, 0.5)}
-    masks.apply(reference, lay, params, masks.prune_channels(reference, lay, 4))
+    masks.apply(reference, lay, params, masks.prune_channels(masks.channel_energies(reference, lay), 4))
     new = copy.deepcopy(model)
     ns.apply_passes(new, [("minimize", {"prune_units": 0.5, "prune_heads": 0.5, "prune_channels": 4})])
     assert rel(reference, new) <= 1e-10

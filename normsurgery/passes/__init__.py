@@ -48,11 +48,11 @@ for name, module, description, kind, families, extra in [
      "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
      {"blockwise": True}),
     ("mask", "mask", "Zero weights by a mask file or criterion (changes the function; minimize then shrinks)",
-     "reference", PRE_LN, {"options": MASK_OPTIONS}),
+     "reference", PRE_LN, {"options": MASK_OPTIONS, "stages": True}),
     ("minimize", "minimize", "Remove dead MLP units, attention heads and residual channels (exact; optional mask "
-     "first)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True}),
+     "first)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True, "stages": True}),
     ("compensated-ln", "compensated_ln", "Remove dead residual channels, norms keeping the full width's statistics "
-     "(exact)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True}),
+     "(exact)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True, "stages": True}),
     ("remove-ln", "remove_ln", "remove every norm by staged fine-tuning, then fold the frozen divisors: no "
      "normalization left", "trained", "Pre-LN and parallel models with LayerNorm or RMSNorm (GPT-2, GPT-NeoX, OPT, "
      "Phi, Llama-like)", {"options": REMOVE_LN_OPTIONS, "check": True}),

@@ -57,13 +57,15 @@ def size(params, storage_bytes: int | None = None) -> tuple[int, int]:
         p.numel() * (storage_bytes if storage_bytes and p.is_floating_point() else p.element_size()) for p in seen)
 
 
-def sizes(model, layers: str, storage_bytes: int | None = None) -> dict:
-    """Parameters and bytes (``size``) per block and for everything outside the blocks."""
-    blocks = model.get_submodule(layers)
-    inside = {id(p) for p in blocks.parameters()}
-    per_layer = [size(b.parameters(), storage_bytes) for b in blocks]
-    other = size((p for p in model.parameters() if id(p) not in inside), storage_bytes)
-    total = size(model.parameters(), storage_bytes)
+def sizes(model, layout: Layout, storage_bytes: int | None = None) -> dict:
+    """Parameters and bytes (``size``) per block and for everything outside the blocks, of what
+    ``layout`` holds (one part's scope, or the whole model)."""
+    blocks = [(f"{layout.layers_path}.{i}", b) for i, b in enumerate(model.get_submodule(layout.layers_path))]
+    held = {id(p): p for n, p in model.named_parameters(remove_duplicate=False) if layout.holds(n)}
+    inside = {id(p) for path, b in blocks for p in b.parameters()}
+    per_layer = [size(b.parameters(), storage_bytes) for path, b in blocks if layout.holds(path)]
+    other = size((p for i, p in held.items() if i not in inside), storage_bytes)
+    total = size(held.values(), storage_bytes)
     return {"layers": [{"params": n, "bytes": b} for n, b in per_layer],
             "other": {"params": other[0], "bytes": other[1]},
             "total": {"params": total[0], "bytes": total[1]}}
@@ -138,7 +140,7 @@ def channels(model, layout: Layout, removable: torch.Tensor) -> tuple[int, int]:
             keep_inputs(model.get_submodule(r), keep)
     for path in layout.embeddings + layout.writers:
         keep_outputs(model.get_submodule(path), keep)
-    if layout.tied:
+    if layout.tied and layout.holds(layout.token_embedding):
         model.get_submodule(layout.head).weight = model.get_submodule(layout.token_embedding).weight
     return len(removable), len(keep)
 
@@ -162,24 +164,32 @@ def compensated(norm, site: NormSite, keep: torch.Tensor) -> nn.Module:
     return new
 
 
-def record_widths(model, layout: Layout, mlp_changed: bool) -> list[str]:
-    """Write uniform widths into the config where its keys can say them; head counts it cannot
-    say go into each attention module's ``_normsurgery_attrs`` (set again after loading)."""
+def planned_widths(model, layout: Layout) -> dict:
+    """The widths of ``layout``'s blocks as they stand: MLP units, and (heads, kv heads, head
+    dim) of each attention (:func:`record_widths` of the whole model's)."""
+    return {"mlp": [algebra.weight(model.get_submodule(m.down)).shape[1] for m in layout.mlps],
+            "heads": [(a.num_heads, a.num_kv_heads, a.head_dim) for a in layout.attention]}
+
+
+def record_widths(model, layout: Layout, widths: dict) -> list[str]:
+    """Write uniform widths (``widths``: :func:`planned_widths` over every block of the model)
+    into the config where its keys can say them; head counts it cannot say go into each of
+    ``layout``'s attention modules' ``_normsurgery_attrs`` (set again after loading)."""
     notes = []
     cfg, keys = model.config, dict(layout.config_widths)
-    widths = {algebra.weight(model.get_submodule(m.down)).shape[1] for m in layout.mlps}
-    if mlp_changed and len(widths) == 1 and "intermediate" in keys:
-        setattr(cfg, keys["intermediate"], widths.pop())
+    mlp, heads = set(widths["mlp"]), set(widths["heads"])
+    if len(mlp) == 1 and "intermediate" in keys and getattr(cfg, keys["intermediate"]) != min(mlp):  # (as heads)
+        setattr(cfg, keys["intermediate"], min(mlp))
         notes.append(f"config {keys['intermediate']} = {getattr(cfg, keys['intermediate'])}")
-    counts = {(a.num_heads, a.num_kv_heads) for a in layout.attention}
     stock = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    if len(counts) == 1 and counts != {stock} and {"heads", "kv_heads", "head_dim"} <= set(keys):
-        (h, kv), = counts
-        setattr(cfg, keys["heads"], h)
-        setattr(cfg, keys["kv_heads"], kv)
-        setattr(cfg, keys["head_dim"], layout.attention[0].head_dim)
-        notes.append(f"config {keys['heads']} = {h}, {keys['kv_heads']} = {kv}")
-        stock = (h, kv)
+    if len(heads) == 1 and {"heads", "kv_heads", "head_dim"} <= set(keys):
+        (h, kv, hd), = heads
+        if (h, kv) != stock:  # (a part after the first finds it written)
+            setattr(cfg, keys["heads"], h)
+            setattr(cfg, keys["kv_heads"], kv)
+            setattr(cfg, keys["head_dim"], hd)
+            notes.append(f"config {keys['heads']} = {h}, {keys['kv_heads']} = {kv}")
+            stock = (h, kv)
     for a in layout.attention:
         attn = model.get_submodule(a.path)
         if (a.num_heads, a.num_kv_heads) != stock and a.count_attrs:

@@ -12,7 +12,7 @@ from .. import calibration, masks
 from ..errors import SurgeryError
 from ..families import positions
 from ..layout import Layout
-from ..registry import PassContext, PassReport
+from ..registry import PassContext, PassReport, Scan, Stage
 from . import MASK_OPTIONS as OPTIONS
 from .norms import refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln
 
@@ -46,42 +46,59 @@ def calibration_windows(model, ctx: PassContext) -> torch.Tensor:
     return calibration.windows(ids, length, CALIBRATION, "the calibration text")
 
 
-def make_mask(model, layout: Layout, options: dict,
-              ctx: PassContext | None = None) -> tuple[dict, torch.Tensor | None, list[str]]:
-    """(parameter masks, channel keep vector or None, notes) from a mask file and criteria."""
+def whole(options: dict) -> str | None:
+    """Why these options need the whole model in memory: units and heads scored by activation run
+    a forward over the model's calibration text (None: the mask runs part by part)."""
     options = {**OPTIONS, **options}
+    if options["by"] == "activation" and (options["prune_units"] or options["prune_heads"]):
+        return "by=activation scores units and heads on a forward pass over the whole model"
+    return None
+
+
+def stages(options: dict, layout: Layout) -> list[Stage]:
+    """One stage; ``prune_channels`` first scans the energy every writer writes into each channel."""
+    channels = (Scan(lambda model, lay, ctx: masks.channel_energies(model, lay), _least_written),)
+    return [Stage(_mask, channels if options.get("prune_channels") else ())]
+
+
+def _least_written(collected: list, layout: Layout, ctx: PassContext) -> dict:
+    return {"keep": masks.prune_channels([e for part in collected for e in part], ctx.options["prune_channels"])}
+
+
+def _mask(model, layout: Layout, ctx: PassContext, report: PassReport) -> None:
+    """Zero, in the part ``layout`` holds, what the mask file and criteria say (see the module doc)."""
+    options = {**OPTIONS, **ctx.options}
     masks.check_criterion(options["by"])
     structured = options["prune_units"] or options["prune_heads"]
-    rms = (masks.activations(model, layout, calibration_windows(model, ctx or PassContext()))
+    rms = (masks.activations(model, layout, calibration_windows(model, ctx))
            if structured and options["by"] == "activation" else None)
-    params, channels, notes = {}, None, []
+    params, channels = {}, None
     if options["mask"]:
-        params, channels = masks.load(options["mask"])
-        notes.append(f"mask {options['mask']}: {len(params)} parameters"
-                     + ("" if channels is None else f", {int((channels == 0).sum())} channels"))
+        params, channels, names = masks.load(options["mask"], layout.holds)
+        known = dict(model.named_parameters(remove_duplicate=False))
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise SurgeryError(f"the mask names {unknown[0]!r}, which this model does not have")
+        report.count(f"mask {options['mask']}: {{params}} parameters"
+                     + ("" if channels is None else f", {int((channels == 0).sum())} channels"), params=len(params))
     if options["sparsity"]:
         _combine(params, masks.magnitude(model, layout, options["sparsity"]))
-        notes.append(f"magnitude sparsity {options['sparsity']:g} in every linear inside the blocks")
+        report.notes.append(f"magnitude sparsity {options['sparsity']:g} in every linear inside the blocks")
     for key, prune, what in (("prune_units", masks.prune_units, "MLP units"),
                              ("prune_heads", masks.prune_heads, "KV heads (with their query heads)")):
         if options[key]:
             _combine(params, prune(model, layout, options[key], rms))
-            notes.append(f"zeroed the {options[key]:g} lowest-scoring {what} in every layer (by {options['by']})")
+            report.notes.append(f"zeroed the {options[key]:g} lowest-scoring {what} in every layer "
+                                f"(by {options['by']})")
     if options["prune_channels"]:
-        keep = masks.prune_channels(model, layout, options["prune_channels"])
+        keep = ctx.facts["keep"]
         channels = keep if channels is None else keep & channels.bool()
-        notes.append(f"pruned the {options['prune_channels']} least-written residual channels")
-    return params, channels, notes
+        report.notes.append(f"pruned the {options['prune_channels']} least-written residual channels")
+    report.metrics.update(masks.apply(model, layout, params, channels))
+    report.same = ("channels",)
 
 
 def _combine(params: dict, new: dict) -> None:
     """Add the parameter masks ``new`` to ``params``: an entry stays only if both keep it."""
     for name, keep in new.items():
         params[name] = keep & params[name].bool() if name in params else keep
-
-
-def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
-    report = PassReport("mask")
-    params, channels, report.notes = make_mask(model, layout, ctx.options, ctx)
-    report.metrics.update(masks.apply(model, layout, params, channels))
-    return report

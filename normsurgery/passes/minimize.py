@@ -8,16 +8,23 @@ head. Config widths are updated where every layer agrees and the stock config ca
 otherwise module records (and ``_normsurgery_attrs`` for head counts) make the saved checkpoint
 use the self-contained loader. ``hidden_size`` stays the stock D (the compensated norms' divisor).
 
+Two stages, each run part by part after a scan of the whole model (``registry.Stage``), so a
+checkpoint larger than memory is minimized one block at a time: the blocks (their dead units and
+heads; blocks that share their head counts first scan the least every block must keep), then the
+stream (its channels: the scan, of the blocks as the first stage left them, finds which channels
+any writer writes and which widths the blocks have).
+
 With mask options the pass first applies the mask (the ``mask`` pass): that changes the
 function on purpose, and the masked model becomes the reference this pass must equal.
 """
 
 from __future__ import annotations
 
-from .. import algebra, analysis, families
+from .. import algebra, analysis
 from ..layout import Layout
-from ..registry import PassContext, PassReport
+from ..registry import PassContext, PassReport, Scan, Stage
 from . import _shrink, mask
+from .mask import whole  # noqa: F401  (the mask first: by=activation needs the whole model)
 
 
 def applies(model, layout: Layout) -> str | None:
@@ -31,40 +38,72 @@ def applies(model, layout: Layout) -> str | None:
     return None
 
 
-def reference(model, layout: Layout, ctx: PassContext) -> PassReport | None:
-    """The masked model, when the options ask for a mask (None: the input is the reference)."""
-    return mask.apply(model, layout, ctx) if mask.wants_mask(ctx.options) else None
+def reference_stages(options: dict, layout: Layout) -> list[Stage]:
+    """The mask, when the options ask for one (none: the input is the reference)."""
+    return mask.stages(options, layout) if mask.wants_mask(options) else []
 
 
-def shrink(model, layout: Layout, name: str, blocks: bool, storage_bytes: int | None = None) -> PassReport:
-    """Remove dead units (``blocks``) and dead channels; report sizes per layer (bytes: ``storage_bytes``
-    per floating-point value, the checkpoint's dtype; None: as held)."""
-    report = PassReport(name)
-    before = _shrink.sizes(model, layout.layers_path, storage_bytes)
-    widths = [{} for _ in layout.attention]
-    if blocks:
-        plans = analysis.head_plans(model, layout)
-        for w, attn, mlp, plan in zip(widths, layout.attention, layout.mlps, plans):
-            w["mlp_units"] = list(_shrink.mlp(model, mlp))
-            w["heads"], w["kv_heads"] = map(list, zip((attn.num_heads, attn.num_kv_heads),
-                                                      _shrink.attention(model, attn, plan)))
-    # after the blocks: a removed unit may have been a channel's last writer
-    dead, removable = analysis.channels(model, layout)
+def stages(options: dict, layout: Layout) -> list[Stage]:
+    heads = (Scan(_head_plans, _least),) if layout.shared_head_counts else ()
+    return [Stage(_blocks, heads), STREAM]
+
+
+def _head_plans(model, layout: Layout, ctx: PassContext) -> list:
+    return [analysis.head_plan(analysis.heads_dead(model, a)[0], a.num_kv_heads) for a in layout.attention]
+
+
+def _least(collected: list, layout: Layout, ctx: PassContext) -> dict:
+    plans = [p for part in collected for p in part]
+    return {"least": analysis.least_heads(plans)} if plans else {}
+
+
+def _blocks(model, layout: Layout, ctx: PassContext, report: PassReport) -> None:
+    """Remove the dead MLP units and attention heads of ``layout``'s blocks."""
+    _before(model, layout, ctx, report)
+    widths = report.metrics["layers"]
+    for w, attn, mlp, plan in zip(widths, layout.attention, layout.mlps,
+                                  analysis.head_plans(model, layout, ctx.facts.get("least"))):
+        w["mlp_units"] = list(_shrink.mlp(model, mlp))
+        w["heads"], w["kv_heads"] = map(list, zip((attn.num_heads, attn.num_kv_heads),
+                                                  _shrink.attention(model, attn, plan)))
+    report.count("removed {units} MLP units and {heads} attention heads",
+                 units=sum(w["mlp_units"][0] - w["mlp_units"][1] for w in widths),
+                 heads=sum(w["heads"][0] - w["heads"][1] for w in widths))
+
+
+def _before(model, layout: Layout, ctx: PassContext, report: PassReport) -> None:
+    """The part's sizes before the first stage rewrites it, into ``report`` (once)."""
+    if "layers" not in report.metrics:
+        report.metrics["layers"], report.metrics["before"] = [{} for _ in layout.attention], _shrink.sizes(
+            model, layout, ctx.storage_bytes)
+
+
+def _evidence(model, layout: Layout, ctx: PassContext) -> tuple:
+    return analysis.stream_evidence(model, layout), _shrink.planned_widths(model, layout)
+
+
+def _removable(collected: list, layout: Layout, ctx: PassContext) -> dict:
+    dead, removable = analysis.channels(None, layout, [e for e, _ in collected])
+    return {"dead": dead, "removable": removable,
+            "widths": {k: [x for _, w in collected for x in w[k]] for k in ("mlp", "heads")}}
+
+
+def _stream(model, layout: Layout, ctx: PassContext, report: PassReport) -> None:
+    """Remove the residual channels no writer writes (``ctx.facts``: the scan's), record the
+    widths, and report the part's sizes before and after."""
+    _before(model, layout, ctx, report)
+    dead, removable = ctx.facts["dead"], ctx.facts["removable"]
     stream = _shrink.channels(model, layout, removable) if bool(removable.any()) else (len(dead),) * 2
-    report.notes += _shrink.record_widths(model, families.layout(model),
-                                          any(w["mlp_units"][0] != w["mlp_units"][1] for w in widths if w))
-    after = _shrink.sizes(model, layout.layers_path, storage_bytes)
-    for i, w in enumerate(widths):
+    report.notes += _shrink.record_widths(model, layout, ctx.facts["widths"])
+    before, after = report.metrics.pop("before"), _shrink.sizes(model, layout, ctx.storage_bytes)
+    for i, w in enumerate(report.metrics["layers"]):
         w.update({k: [before["layers"][i][k], after["layers"][i][k]] for k in ("params", "bytes")})
     report.metrics.update({
-        "layers": widths, "stream_width": list(stream),
+        "stream_width": list(stream),
         "other": {k: [before["other"][k], after["other"][k]] for k in ("params", "bytes")},
         "params": [before["total"]["params"], after["total"]["params"]],
         "bytes": [before["total"]["bytes"], after["total"]["bytes"]]})
-    if blocks:
-        units = sum(w["mlp_units"][0] - w["mlp_units"][1] for w in widths)
-        heads = sum(w["heads"][0] - w["heads"][1] for w in widths)
-        report.notes.append(f"removed {units} MLP units and {heads} attention heads")
+    report.sums, report.joined = ("other", "params", "bytes"), ("layers",)
     visible = int(dead.sum() - removable.sum())
     report.notes.append(f"removed {stream[0] - stream[1]} of {stream[0]} residual channels"
                         + (f"; {visible} more are unwritten but kept: "
@@ -73,10 +112,10 @@ def shrink(model, layout: Layout, name: str, blocks: bool, storage_bytes: int | 
                         + (f"; config hidden_size stays {stream[0]} (the norms' divisor), the saved checkpoint "
                            "records the narrower modules and needs the self-contained loader"
                            if stream[1] < stream[0] else ""))
-    report.notes.append(f"parameters {before['total']['params']:,} -> {after['total']['params']:,}, "
-                        f"bytes {before['total']['bytes']:,} -> {after['total']['bytes']:,}")
-    return report
+    report.count("parameters {before:,} -> {after:,}, bytes {bytes_before:,} -> {bytes_after:,}",
+                 before=before["total"]["params"], after=after["total"]["params"],
+                 bytes_before=before["total"]["bytes"], bytes_after=after["total"]["bytes"])
 
 
-def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
-    return shrink(model, layout, "minimize", blocks=True, storage_bytes=ctx.storage_bytes)
+#: the stream's stage (minimize's second, compensated-ln's only)
+STREAM = Stage(_stream, (Scan(_evidence, _removable),))
