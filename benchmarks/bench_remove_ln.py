@@ -98,7 +98,8 @@ def main(argv=None) -> int:
             for r in m["curve"]:
                 loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
                 print(f"  {r['step']:>5} {r['tokens']:>8} {r.get('stage', '-'):<11}{r.get('removed', '-'):>8} "
-                      f"{loss:>7} {r['heldout_ce']:>12.4f}")
+                      f"{loss:>7} {r['heldout_ce']:>12.4f}"
+                      + (f"  aux {r['final_aux_loss']:.5f}" if "final_aux_loss" in r else ""))
             print("  stages: " + "; ".join(f"{st['stage']} {st['from']}-{st['to']}" + (
                 "" if st["heldout_ce"] is None else f": {st['heldout_ce']:.4f}") for st in m["stages"]))
             print(f"  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)

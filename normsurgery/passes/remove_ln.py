@@ -516,9 +516,12 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         if variants["final_divisor"] == "remeasure" and final is not None and not bool(final[0].frozen[final[1]]) \
                 and any(stage == "final" and at <= step for at, stage, _ in events):
             remeasure(final[0], final[1], lambda: _forward_eval(model, calib))
+        seen = {}
         if final is not None and variants["final_aux"] > 0:
+            if final[0].aux is not None:  # the previous step's term, unweighted: how far the scales spread
+                seen["final_aux_loss"] = float(final[0].aux.detach()) / final[0].aux_weight
             final[0].aux_weight = variants["final_aux"] if step >= variants["aux_from"] else 0.0
-        return freeze_until(norms, events, step)
+        return {**freeze_until(norms, events, step), **seen}
 
     extra = {"extra_loss": lambda: final[0].aux} if final is not None and variants["final_aux"] > 0 else {}
     result = ctx.train(model, train_ids, held, config, objective="causal-lm", on_step=on_step,
