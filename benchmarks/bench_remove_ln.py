@@ -17,6 +17,7 @@ runs' ``--json`` files together (a model takes 7-15 minutes on one thread).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -54,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float)
     p.add_argument("--batch", type=int)
     p.add_argument("--no-control", action="store_true")
+    p.add_argument("--options", default="", metavar="K=V,...",
+                   help="more options of the pass, as after remove-ln: (e.g. keep=final, final_aux=0.1)")
     p.add_argument("--patience", type=int, help="stop once held-out CE stops improving (--steps: the cap)")
     p.add_argument("--eval-samples", type=int, default=64, help="held-out windows (the pass's default: 32)")
     p.add_argument("--threads", type=int, default=2)
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from normsurgery import checkpoint
+    from normsurgery.registry import parse_pass
 
     results = []
     for name, family, path in quality_models(args.models, args.held if args.quality else None):
@@ -74,10 +78,12 @@ def main(argv=None) -> int:
             opts = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("batch_size", args.batch),
                                       ("eval_samples", args.eval_samples), ("control", not args.no_control),
                                       ("patience", args.patience)) if v is not None}
+            opts.update(parse_pass("remove-ln:" + args.options)[1])
             model, m, wall = trained_pass(path, "remove-ln", text, opts)
             row = {"model": name, "family": family, "options": opts, "wall_seconds": wall, **{k: m[k] for k in (
                 "ce_before", "ce_after", "ce_delta", "steps", "tokens", "seconds", "schedule", "curve",
-                "fold_error_float64", "fold_error_float32")}}
+                "fold_error_float64", "fold_error_float32", "stages", "kept")},
+                   "loadavg": os.getloadavg()}
             if "ce_control" in m:
                 row["control"] = {"ce_after": m["ce_control"], "seconds": m["control_seconds"]}
                 row["gap_to_control"] = m["gap_to_control"]
@@ -92,7 +98,11 @@ def main(argv=None) -> int:
             for r in m["curve"]:
                 loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
                 print(f"  {r['step']:>5} {r['tokens']:>8} {r.get('stage', '-'):<11}{r.get('removed', '-'):>8} "
-                      f"{loss:>7} {r['heldout_ce']:>12.4f}")
+                      f"{loss:>7} {r['heldout_ce']:>12.4f}"
+                      + (f"  aux {r['final_aux_loss']:.5f}" if "final_aux_loss" in r else ""))
+            print("  stages: " + "; ".join(f"{st['stage']} {st['from']}-{st['to']}" + (
+                "" if st["heldout_ce"] is None else f": {st['heldout_ce']:.4f}") for st in m["stages"]))
+            print(f"  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
         else:
             text = (ROOT / "normsurgery/data/sample.txt").read_text()
             steps = args.steps or 40  # llama-tiny has 26 removals to schedule

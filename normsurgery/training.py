@@ -387,7 +387,7 @@ class Shards:
 def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainConfig | dict, *,
           objective: str = "causal-lm", mask_token_id: int | None = None, on_step: OnStep | None = None,
           params: Iterable[torch.nn.Parameter] | None = None, progress: StepProgress | None = None,
-          accelerator=None) -> TrainResult:
+          accelerator=None, extra_loss: Callable[[], "torch.Tensor | None"] | None = None) -> TrainResult:
     """Fine-tune ``model`` in place on random windows of the 1-D token stream ``train_ids``;
     held-out CE on the fixed windows ``heldout`` [n, T] before, after and on ``config``'s
     evaluation steps (``config`` may be a dict of TrainConfig's fields). ``params``: what
@@ -396,6 +396,10 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     ``on_step(step, model)`` runs at the start of each optimizer step, before its forwards; it
     must depend only on ``step`` and the model's state (a resumed run skips the earlier calls);
     the metrics it returns go into the next curve row.
+
+    ``extra_loss()``, called after each training forward, gives a term (or None) added to that
+    micro-batch's loss before the backward (remove-ln's auxiliary loss on the final norm's input,
+    computed in that forward); the training losses reported stay the LM loss alone.
 
     Training runs on ``accelerator``'s device (default: an accelerator where the model is, with
     ``config.precision``), sharded over its processes where FSDP is asked (``devices.sharding``);
@@ -425,7 +429,7 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     shards = Shards(model, policy) if sharded else None
     try:
         return _train(model, acc, train_ids, heldout, config, objective, mask_token_id, mlm, on_step,
-                      [p for n, p in model.named_parameters() if n in names], progress, shards)
+                      [p for n, p in model.named_parameters() if n in names], progress, shards, extra_loss)
     finally:
         if shards:
             shards.whole()
@@ -461,7 +465,8 @@ def check_fits(model, params: list, device, shards: int = 1) -> None:
 
 
 def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, mask_token_id: int | None, mlm,
-           on_step: OnStep | None, params, progress: StepProgress | None, shards: Shards | None) -> TrainResult:
+           on_step: OnStep | None, params, progress: StepProgress | None, shards: Shards | None,
+           extra_loss=None) -> TrainResult:
     """:func:`train`'s loop, with the model on ``acc``'s device (sharded where ``shards``) and
     ``params`` alone requiring grad."""
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
@@ -512,7 +517,8 @@ def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, 
             with (nullcontext() if sync else acc.no_sync(wrapped)), acc.autocast():
                 s, n = loss_sum(wrapped, inputs.to(acc.device), labels.to(acc.device), mlm is None)
                 loss = s / n.clamp_min(1) / config.grad_accum
-                acc.backward(loss)
+                extra = extra_loss() if extra_loss else None
+                acc.backward(loss if extra is None else loss + extra / config.grad_accum)
             total += loss.detach().float()
         if config.clip:
             acc.clip_grad_norm_(params, config.clip)

@@ -337,3 +337,90 @@ def test_keep_final_with_export_stock_and_a_bad_keep_are_refused_in_one_line(tmp
     one_line_error(r, out, "keep=final cannot export=stock")
     with pytest.raises(SurgeryError, match="keep='block'; choose none"):
         R.keep_final({"keep": "block"})
+
+
+# ----------------------------------------------------------------------------- the final norm's variants (issue 37)
+
+def rms(x, eps=1e-6):
+    return torch.sqrt(x.pow(2).mean(-1) + eps)
+
+
+def test_remeasured_divisor_leaves_position_0_out():
+    """final_divisor=remeasure: the divisor is the mean per-token rms over positions >= 1 of the
+    forwards run now, the moving average's value replaced; position 0 (a sink, 50x the others'
+    scale here) gets its own constant and does not move the shared one."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 10, 16, generator=g, dtype=torch.float64) * torch.linspace(0.5, 2, 10, dtype=torch.float64)[:, None]
+    x[:, 0] *= 50
+    rn = R.RemovableNorm(torch.nn.RMSNorm(16, eps=1e-6, dtype=torch.float64), False, 1e-6, 0.0, ["final"])
+    rn.scale.fill_(123.0)  # a stale moving average
+    rn.eval()
+    R.remeasure(rn, 0, lambda: (rn(x[:2]), rn(x[2:])))
+    d = rms(x)
+    assert torch.allclose(rn.scale[0].double(), d[:, 1:].mean(), rtol=1e-6)
+    assert torch.allclose(rn.scale_first[0].double(), d[:, 0].mean(), rtol=1e-6)
+    assert not torch.allclose(rn.scale[0].double(), d.mean(), rtol=1e-2)  # averaging position 0 in would show
+    assert rn.measured is None and not bool(rn.frozen[0])  # measuring freezes nothing
+
+
+def test_aux_loss_is_zero_for_equal_scales_and_positive_otherwise():
+    d = torch.full((2, 8), 3.7, dtype=torch.float64)
+    d[:, 0] = 40.0  # position 0 is left out
+    assert R.aux_loss(d).item() < 1e-20
+    d[1, 5] = 4.0
+    assert R.aux_loss(d).item() > 1e-4
+    # relative: the same shape at 10x the scale gives the same loss
+    assert torch.allclose(R.aux_loss(10 * d), R.aux_loss(d))
+
+
+def test_aux_loss_reaches_the_parameters_only_through_the_final_norms_input():
+    """The weighted aux term, from a training forward, has a gradient on the blocks' weights and
+    none on what reads the final norm (the head), and none when its weight is 0."""
+    model = tiny_model("llama", torch.float64)
+    lay = layout(model)
+    norms = R.install(model, lay)
+    final = next(rn for rn in norms if "final" in rn.paths)
+    model.train()
+    final.aux_weight = 0.5
+    model(input_ids=token_ids(2, 12))
+    assert final.aux is not None and final.aux.item() > 0
+    head = model.get_output_embeddings().weight
+    blocks = [p for n, p in model.named_parameters() if ".layers." in n and p is not head]
+    grads = torch.autograd.grad(final.aux, [head] + blocks, allow_unused=True)
+    assert grads[0] is None or not grads[0].any()
+    assert any(g is not None and g.abs().max() > 0 for g in grads[1:])
+    final.aux_weight = 0.0
+    model(input_ids=token_ids(2, 12))
+    assert final.aux is None
+    model.eval()
+    final.aux_weight = 0.5
+    model(input_ids=token_ids(2, 12))
+    assert final.aux is None  # evaluation forwards carry no aux term
+
+
+def test_final_aux_0_equals_the_plain_run_and_a_weight_changes_it():
+    plain, a = run_pass(None, save_every=0, control=False)
+    zero, b = run_pass(None, save_every=0, control=False, final_aux=0.0, final_divisor="ema")
+    assert a.metrics["curve"] == b.metrics["curve"]
+    for (name, p), q in zip(plain.state_dict().items(), zero.state_dict().values()):
+        assert torch.equal(p, q), name
+    aux, c = run_pass(None, save_every=0, control=False, final_aux=1.0)
+    assert c.metrics["final_aux"] == 1.0 and any("auxiliary loss on its input, weight 1" in n for n in c.notes)
+    assert c.metrics["curve"][-1]["heldout_ce"] != a.metrics["curve"][-1]["heldout_ce"]
+
+
+def test_final_divisor_remeasure_runs_and_differs_from_the_moving_average():
+    _, a = run_pass(None, save_every=0, control=False)
+    _, b = run_pass(None, save_every=0, control=False, final_divisor="remeasure")
+    assert b.metrics["final_divisor"] == "remeasure" and any("re-measured" in n for n in b.notes)
+    assert b.metrics["ce_after"] != a.metrics["ce_after"]
+    assert b.metrics["fold_error_float32"] <= 1e-5
+
+
+def test_final_variants_refused_with_keep_final_or_a_bad_value():
+    events = [(1, "mlp", [(0, 0)]), (2, "qk", [(0, 1)]), (3, "v", [(0, 2)]), (5, "v", [(1, 0)]), (7, "final", [(2, 0)])]
+    assert R.final_variants({"final_aux": 0.1}, [], events, [])["aux_from"] == 3  # the last block stage's start
+    with pytest.raises(SurgeryError, match="keep=final keeps it"):
+        R.final_variants({"final_aux": 0.1}, [], events, ["final"])
+    with pytest.raises(SurgeryError, match="final_divisor='x'"):
+        R.final_variants({"final_divisor": "x"}, [], events, [])

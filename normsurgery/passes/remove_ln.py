@@ -28,6 +28,17 @@ as a RemovableNorm, so it stays the model's stock norm, computing its statistic 
 the rest; the schedule has no final event (position 0's special case is still dropped last), and
 the notes and metrics (``kept``) say so. It is refused with ``export=stock`` (the stock classes
 read one epsilon from the config, and the kept norm needs its own).
+
+Two variants of the final norm's removal (issue 37; neither is the default until measured):
+``final_divisor=remeasure`` sets the final norm's frozen divisor, just before it is frozen, from a
+measurement on the model as it is then (eval mode, the same 8 training windows the divisors start
+from), position 0 left out of the average (and its own constant re-measured at position 0),
+instead of the moving average's last value. ``final_aux=W`` adds W times an auxiliary loss on the
+final norm's input to the training loss, from the first removal of the last block stage (the v
+paths, or the q/k ones) to the end: the mean squared relative deviation of each token's divisor
+(rms, or std for LayerNorm) from their mean over positions >= 1 (``aux_loss``; position 0 left
+out), pulling every token toward one scale so a constant divides them all alike (Heimersheim
+2024 and Baroni et al. 2025 use the absolute form on GPT-2, weight 0.1 to 0.01).
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ MOMENTUM = 0.9
 STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance
 PATH_ORDER = ("mlp", "qk", "attn", "v", "final")
 KEEP = ("", "none", "final")  # keep=final: the final norm stays the model's own, computing
+FINAL_DIVISOR = ("ema", "remeasure")  # the final norm's frozen divisor: the moving average, or re-measured
 
 
 def keep_final(options: dict) -> bool:
@@ -94,6 +106,9 @@ class RemovableNorm(nn.Module):
         self.register_buffer("frozen", torch.zeros(p, dtype=torch.bool, device=dev))
         self.register_buffer("special", torch.ones((), dtype=torch.bool, device=dev))
         self.calibrating = False
+        self.measured: list[torch.Tensor] | None = None  # remeasure: per-token divisors seen, [B, T] each
+        self.aux_weight = 0.0  # final_aux: weight of aux_loss while training (0: none)
+        self.aux: torch.Tensor | None = None  # the weighted aux_loss of the last training forward
         self.hooks = []
         self.readers: dict[str, int] = {}  # reader path -> index of its path
         self._cache: dict = {}  # path -> (input, output) of the current forward
@@ -106,6 +121,12 @@ class RemovableNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._cache = {}
+        self.aux = None
+        if self.measured is not None:
+            with torch.no_grad():
+                self.measured.append(self.stats(x.detach()).reshape(-1, x.shape[-2]))
+        if self.training and self.aux_weight > 0:
+            self.aux = self.aux_weight * aux_loss(self.stats(x))
         if (self.training or self.calibrating) and not bool(self.frozen.all()):
             with torch.no_grad():
                 d = self.stats(x.detach()).reshape(-1, x.shape[-2])
@@ -143,6 +164,33 @@ class RemovableNorm(nn.Module):
         y = y if self.bias is None else y + self.bias
         self._cache[p] = (x, y)
         return y
+
+
+def aux_loss(d: torch.Tensor) -> torch.Tensor:
+    """final_aux's loss on per-token divisors ``d`` [..., T] (rms or std): the mean of
+    (d / mean - 1)^2 over positions >= 1, the mean over those positions and the batch, held
+    constant (a relative MSE: its weight does not depend on the stream's scale). Position 0, the
+    attention sink, is left out. Zero when every token has the same divisor."""
+    rest = d[..., 1:] if d.shape[-1] > 1 else d
+    target = rest.mean().detach()
+    return (rest / target - 1).pow(2).mean()
+
+
+@torch.no_grad()
+def remeasure(norm: RemovableNorm, p: int, run) -> None:
+    """final_divisor=remeasure: path ``p``'s divisor measured anew on the forwards ``run()`` makes
+    (the model as it is now, in eval mode: batches that do not move the moving average): the
+    mean per-token divisor over positions >= 1 into ``scale``, over position 0 into
+    ``scale_first``. The moving average's value is replaced."""
+    norm.measured = []
+    try:
+        run()
+        d = torch.cat(norm.measured)
+    finally:
+        norm.measured = None
+    rest = d[:, 1:] if d.shape[1] > 1 else d
+    norm.scale[p] = rest.mean().to(norm.scale.dtype)
+    norm.scale_first[p] = d[:, 0].mean().to(norm.scale.dtype)
 
 
 def _path_of(reader: str, layout: Layout, role: str, split: bool = True) -> str:
@@ -457,11 +505,29 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     n_removals = sum(len(rn.paths) for rn in norms) + 1
     start, gap, final_gap = _auto_schedule(n_removals, o["steps"], o["start"], o["gap"], o["final_gap"])
     events = schedule(norms, o["steps"], start, gap, final_gap)
-    _calibrate(model, norms, windows(train_ids, o["seq_len"], 8))
+    calib = windows(train_ids, o["seq_len"], 8)
+    _calibrate(model, norms, calib)
+    variants = final_variants(o, norms, events, kept)
     config["eval_steps"] = tuple(sorted({e[0] for i, e in enumerate(events) if i == 0 or e[1] != events[i - 1][1]}))
     config = adaptive(config, o, settle=events[-1][0])
-    result = ctx.train(model, train_ids, held, config, objective="causal-lm",
-                       on_step=lambda step, m: freeze_until(norms, events, step), progress=ctx.train_progress)
+    final = next(((rn, rn.paths.index("final")) for rn in norms if "final" in rn.paths), None)
+
+    def on_step(step, m):
+        if variants["final_divisor"] == "remeasure" and final is not None and not bool(final[0].frozen[final[1]]) \
+                and any(stage == "final" and at <= step for at, stage, _ in events):
+            remeasure(final[0], final[1], lambda: _forward_eval(model, calib))
+        seen = {}
+        if final is not None and variants["final_aux"] > 0:
+            if final[0].aux is not None:  # the previous step's term, unweighted: how far the scales spread
+                seen["final_aux_loss"] = float(final[0].aux.detach()) / final[0].aux_weight
+            final[0].aux_weight = variants["final_aux"] if step >= variants["aux_from"] else 0.0
+        return {**freeze_until(norms, events, step), **seen}
+
+    extra = {"extra_loss": lambda: final[0].aux} if final is not None and variants["final_aux"] > 0 else {}
+    result = ctx.train(model, train_ids, held, config, objective="causal-lm", on_step=on_step,
+                       progress=ctx.train_progress, **extra)
+    if final is not None:
+        final[0].aux_weight, final[0].aux = 0.0, None
     check_ids = held[: min(4, len(held))]
     report = PassReport("remove-ln")
     report.metrics.update({"ce_before": result.ce_before, "ce_after": result.ce_after,
@@ -470,7 +536,13 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                            "precision": result.precision, "resumed_from": result.resumed_from,
                            "schedule": {"start": start, "gap": gap, "final_gap": final_gap,
                                         "last_removal": events[-1][0]},
-                           "curve": result.curve, "kept": kept})
+                           "curve": result.curve, "kept": kept,
+                           "final_divisor": variants["final_divisor"], "final_aux": variants["final_aux"]})
+    if final is not None and (variants["final_divisor"] != "ema" or variants["final_aux"] > 0):
+        report.notes.append("final norm: divisor " + ("re-measured just before it was frozen (position 0 left "
+                            "out)" if variants["final_divisor"] == "remeasure" else "the moving average")
+                            + (f"; auxiliary loss on its input, weight {variants['final_aux']:g}, from step "
+                               f"{variants['aux_from']}" if variants["final_aux"] > 0 else ""))
     final_kind = next((("LayerNorm" if s.kind == "layernorm" else "RMSNorm") for s in full.norms
                        if s.role == "final"), "norm")
     if o["export"] == "stock":
@@ -498,6 +570,35 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     if original is not None:
         control_report(report, vanilla_control(ctx, original, train_ids, held, config, "causal-lm"))
     return report
+
+
+def final_variants(options: dict, norms: list[RemovableNorm], events, kept: list[str]) -> dict:
+    """The final norm's removal variants asked for (``final_divisor``, ``final_aux``) and the step
+    the auxiliary loss starts at (the first removal of the last block stage), refused in one line
+    where they mean nothing (keep=final: no final removal) or are not known."""
+    divisor, weight = options.get("final_divisor", "ema"), float(options.get("final_aux", 0.0))
+    if divisor not in FINAL_DIVISOR:
+        raise SurgeryError(f"remove-ln: final_divisor={divisor!r}; choose ema (the default) or remeasure")
+    if not weight >= 0:
+        raise SurgeryError(f"remove-ln: final_aux={weight!r}; give a weight >= 0")
+    if kept and (divisor != "ema" or weight > 0):
+        raise SurgeryError("remove-ln: final_divisor and final_aux change the final norm's removal, and keep=final "
+                           "keeps it")
+    blocks = [(at, stage) for at, stage, _ in events if stage in ("mlp", "qk", "v")]
+    last = blocks[-1][1] if blocks else None
+    aux_from = next((at for at, stage in blocks if stage == last), 0)
+    return {"final_divisor": divisor, "final_aux": weight, "aux_from": aux_from}
+
+
+@torch.no_grad()
+def _forward_eval(model, batch: torch.Tensor) -> None:
+    """One forward of ``batch`` in eval mode (the training mode restored)."""
+    was = model.training
+    model.eval()
+    try:
+        model(input_ids=batch.to(next(model.parameters()).device))
+    finally:
+        model.train(was)
 
 
 @torch.no_grad()
