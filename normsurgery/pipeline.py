@@ -102,6 +102,7 @@ class StepSpec:
     pass_name: str  # the registered pass
     stages: Callable[..., list[registry.Stage]] | None = None  # (options, layout) -> the stages, in place of run
     whole: str | None = None  # why it needs the whole model in memory (None: it runs part by part)
+    tracked: bool = False  # registry.Pass.tracked: its writes are seen (else every parameter counts as changed)
 
 
 class Work:
@@ -168,9 +169,8 @@ class Work:
             step = self.steps[i]
             check_applies(self.model, step.pass_name, layout(self.model, part.scope))
             before = versions(self.model)
-            with tracking_data():
-                report = self._run(i, part.scope)
-            mark_changed(self.model, before, everything=step.kind == "trained")
+            report = self._run(i, part.scope)
+            mark_changed(self.model, before, everything=step.kind == "trained" or not step.tracked)
             if report is not None:  # a part rewritten again (read again) reports again
                 self.reports[i][part] = report
             self.level[part] = i + 1
@@ -454,38 +454,12 @@ def versions(model) -> dict[int, tuple]:
     return {id(p): (p, p._version, p.data_ptr()) for p in model.parameters() if p.device.type != "meta"}
 
 
-@contextmanager
-def tracking_data():
-    """While active, a parameter whose ``.data`` is taken or set is marked :data:`CHANGED`: a
-    write through ``.data`` escapes torch's version counter (a pass may write that way; reading
-    that way costs only the copy of its bytes)."""
-    base = torch._C.TensorBase.__dict__["data"]
-    old = torch.nn.Parameter.__dict__.get("data")
-
-    def get(p):
-        setattr(p, CHANGED, True)
-        return base.__get__(p)
-
-    def put(p, value):
-        setattr(p, CHANGED, True)
-        base.__set__(p, value)
-
-    torch.nn.Parameter.data = property(get, put)
-    try:
-        yield
-    finally:
-        if old is None:
-            del torch.nn.Parameter.data
-        else:
-            torch.nn.Parameter.data = old
-
-
 def mark_changed(model, before: dict[int, tuple], everything: bool = False) -> None:
     """Mark (:data:`CHANGED`) each parameter in memory that a step changed since ``before``
     (:func:`versions`): written in place (torch counts in-place writes in ``_version``, those
-    under ``no_grad`` too; not those through ``.data``: :func:`tracking_data` marks those), given
-    another tensor (``.data =``), or new; ``everything``: all of them (a
-    trained step: the optimiser may write in any way)."""
+    under ``no_grad`` too; not those through ``.data``, which no built-in pass makes:
+    ``registry.Pass.tracked``), given another tensor (``.data =``), or new; ``everything``: all of
+    them (a trained step: the optimiser may write in any way; a pass not known to be tracked)."""
     for p in model.parameters():
         if p.device.type == "meta":
             continue
@@ -573,8 +547,8 @@ def steps_of(passes: list[tuple[str, dict]]) -> list[StepSpec]:
                  p.whole(opts) if p.whole is not None else None)
         if p.reference is not None or p.reference_stages is not None:
             steps.append(StepSpec(f"{name} (reference)", "reference", opts, p.reference, name, p.reference_stages,
-                                  whole))
-        steps.append(StepSpec(name, p.kind, opts, p.apply, name, p.stages, whole))
+                                  whole, p.tracked))
+        steps.append(StepSpec(name, p.kind, opts, p.apply, name, p.stages, whole, p.tracked))
     return steps
 
 

@@ -121,6 +121,10 @@ class Pass:
     reference_stages: Callable[..., list[Stage]] | None = None
     # (options) -> why these options need the whole model in memory (None: they stream)
     whole: Callable[[dict], str | None] | None = None
+    # every write it makes is seen by torch's version counter, or is a new tensor (a built-in pass:
+    # tests/test_pipeline.py checks each); False (``register``): every parameter of a part it ran on
+    # counts as changed, none is copied as stored
+    tracked: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,7 @@ def declare(name: str, module: str, description: str, kind: str, families: str, 
                         {k: v for k, v in (limits or {}).items() if k in (options or {})},
                         Lazy(module, "check") if check else None, Lazy(module, "stages") if stages else None,
                         Lazy(module, "reference_stages") if stages and reference else None,
-                        Lazy(module, "whole") if stages else None)
+                        Lazy(module, "whole") if stages else None, tracked=True)
 
 
 def get(name: str) -> Pass:

@@ -1,6 +1,7 @@
 """The one executor: the in-memory plan (one part) and the streamed plan (one part at a time) write
 the same tensors, check the written folder the same way, and hold one part at a time."""
 
+import dataclasses
 import importlib
 import json
 import re
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 import normsurgery as ns
 from normsurgery import checkpoint, memory
 from normsurgery.checkpoint import Source
+from normsurgery.families import layout as layout_of
 from normsurgery.families import FAMILIES
 
 from models import CONFIGS, tiny_model
@@ -385,8 +387,9 @@ def test_a_pass_that_changes_nothing_writes_the_input_bytes(tmp_path, copies):
 
 
 def test_a_write_through_data_is_not_copied(tmp_path, copies):
-    """A pass that writes a parameter through ``.data`` (which torch's version counter does not
-    see) has it written from memory, with its new values."""
+    """A pass registered in one's own code may write a parameter through ``.data`` (which torch's
+    version counter does not see): every tensor of the parts it ran on is written from memory,
+    with its new values, none copied as stored."""
     from normsurgery import registry
     from normsurgery.registry import PassReport
 
@@ -405,7 +408,59 @@ def test_a_write_through_data_is_not_copied(tmp_path, copies):
     a, b = tensors(src), tensors(tmp_path / "out")
     norms = [k for k in a if k.endswith("norm.weight")]  # the final norm too
     assert norms and all(torch.equal(b[k], a[k] * 0.5) for k in norms)
-    assert not set(norms) & set(copies["copied"]) and set(copies["copied"]) == set(a) - set(norms)
+    assert not copies["copied"] and a.keys() == b.keys()
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("family,passes", [
+    ("gpt2", [("pre-rmsnorm", {"fold": True}), ("rotate", {})]),
+    ("llama", [("flashnorm", {}), ("rotate", {"seed": 1})]),
+    ("gpt_neox", [("crmsnorm", {})]),
+    ("llama", [("minimize", {"sparsity": 0.2, "prune_units": 0.5, "prune_heads": 0.5, "prune_channels": 3})]),
+    ("gpt2", [("compensated-ln", {"prune_channels": 3})]),
+    ("gemma3_text", [("flashnorm", {"keep_tied": True})]),
+])
+def test_every_value_a_built_in_pass_changes_is_noted(tmp_path, monkeypatch, family, passes, streaming):
+    """Built-in passes are ``tracked``: the executor sees their writes by version counter and
+    identity alone (no patch of ``Parameter.data``). Every parameter whose values a step changed is
+    marked; a pass writing through ``.data`` and claiming to be tracked is caught (the oracle can
+    fail)."""
+    from normsurgery import pipeline, registry
+    from normsurgery.registry import PassReport
+
+    snaps, missed = {}, []
+    versions, mark = pipeline.versions, pipeline.mark_changed
+
+    def snapshot(model):
+        snaps[id(model)] = [(n, p, p.detach().clone()) for n, p in model.named_parameters() if p.device.type != "meta"]
+        return versions(model)
+
+    def check(model, before, everything=False):
+        mark(model, before, everything)
+        live = {id(p) for p in model.parameters()}
+        missed.extend(n for n, p, old in snaps[id(model)] if id(p) in live and not getattr(p, pipeline.CHANGED, False)
+                      and not torch.equal(p.detach(), old))
+
+    monkeypatch.setattr(pipeline, "versions", snapshot)
+    monkeypatch.setattr(pipeline, "mark_changed", check)
+    src = checkpoint_at(tmp_path, family)
+    convert_mod.convert(src, tmp_path / "out", passes, streaming=streaming, verify=False)
+    assert not missed
+
+    def halve(model, lay, ctx):
+        for site in lay.norms:
+            model.get_submodule(site.path).weight.data.mul_(0.5)
+        return PassReport("test-halve")
+
+    registry.register("test-halve", "halves the norms' gains", "exact", "tests", lambda m, lay: None,
+                      blockwise=True)(halve)
+    registry.PASSES["test-halve"] = dataclasses.replace(registry.PASSES["test-halve"], tracked=True)  # a false claim
+    try:
+        convert_mod.convert(src, tmp_path / "out2", [("test-halve", {})], streaming=streaming, verify=False)
+    finally:
+        registry.PASSES.pop("test-halve")
+    norms = {f"{s.path}.weight" for s in layout_of(ns.load(src)).norms}
+    assert missed and set(missed) <= norms
 
 
 def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
