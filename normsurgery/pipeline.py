@@ -115,9 +115,11 @@ class Work:
 
     def __init__(self, source: Source | None, dtype: torch.dtype | None = None, *, streamed: bool = False,
                  alone: bool = False, stock: bool = False, model=None, on_load: Callable | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str | None = None):
         self.source, self.streamed = source, streamed
         read = model is None
+        if read and device is None:
+            raise SurgeryError("internal: a work that reads a checkpoint needs the device its parts go to")
         self.model = source.meta_model(dtype, stock) if read else model
         self.device = torch.device(device) if read else devices.of(model)
         self.dtype = dtype or next(self.model.parameters()).dtype
@@ -606,10 +608,11 @@ class Tolerances:
     def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype,
                  reference: torch.Tensor | Callable[[], torch.Tensor | None] | None = None,
                  given: float | None = None, output: str = "logits",
-                 streamed: bool = False, device: torch.device | str = "cpu",
+                 streamed: bool = False, device: torch.device | str | None = None,
                  differ: frozenset[str] | Callable[[], frozenset[str] | None] | None = None):
         self.read, self.ids, self.dtype, self.streamed = read, ids, dtype, streamed
-        self.device = torch.device(device)  # where a written folder is read back to be compared
+        # where a written folder is read back to be compared (None: no folder is: check_written refuses)
+        self.device = None if device is None else torch.device(device)
         self._reference, self.given, self.output = reference, given, output
         self.differ = differ
         self.perturbed = "the reference with the tensors that differ"  # what the null perturbs, in words
@@ -690,7 +693,7 @@ def anchor(work: Work, ids: torch.Tensor, level: int = 0) -> Callable[[], torch.
 
 
 def source_reader(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool,
-                  device: torch.device | str = "cpu") -> Reader:
+                  device: torch.device | str) -> Reader:
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
         return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device,
                             compact=True)
@@ -724,7 +727,7 @@ def _perturbing(storage: torch.dtype, seed: int, keys: frozenset[str] | None) ->
 
 def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool, *, stock: bool = False,
                  jitter: bool = False, on_load: Callable | None = None,
-                 device: torch.device | str = "cpu", compact: bool = False) -> torch.Tensor:
+                 device: torch.device | str, compact: bool = False) -> torch.Tensor:
     """``source``'s outputs on ``ids`` in ``dtype`` on ``device``, read part by part (or whole);
     ``compact``: logits as a :class:`parity.HeadInput` where they can be (:meth:`Work.outputs`)."""
     work = Work(source, dtype, streamed=streamed, stock=stock, on_load=on_load, device=device)
@@ -749,6 +752,8 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
     rounds (the same statistics, whether the model before the cast is still held or was spent
     writing)."""
     t = tolerances
+    if t.device is None:
+        raise SurgeryError("internal: the tolerances of a written folder's check need the device it is read to")
     cast = t.dtype in TOLERANCE and coarser(storage, t.dtype)
 
     def check(stock: bool) -> Comparison:

@@ -155,14 +155,15 @@ PASSES: dict[str, Pass] = {}
 
 
 def register(name: str, description: str, kind: str, families: str, applies, options=None, reference=None,
-             blockwise: bool = False):
-    """Decorator registering ``apply(model, layout, ctx) -> PassReport`` under ``name``."""
+             blockwise: bool = False, tracked: bool = False):
+    """Decorator registering ``apply(model, layout, ctx) -> PassReport`` under ``name``; ``tracked``:
+    it writes parameters in place or replaces them, never through ``.data`` (``Pass.tracked``)."""
     if kind not in KINDS:
         raise ValueError(kind)
 
     def wrap(apply):
         PASSES[name] = Pass(name, description, kind, families, applies, apply, dict(options or {}), reference,
-                            blockwise)
+                            blockwise, tracked=tracked)
         return apply
 
     return wrap

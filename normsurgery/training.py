@@ -217,7 +217,7 @@ def heldout_ce(model, windows: torch.Tensor, batch_size: int = 8, objective: str
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    device = next(model.parameters()).device
+    device = next(model.parameters()).device  # where it is now (tests stand devices.of in for home)
     try:
         for s in range(0, len(windows), batch_size):
             with autocast() if autocast else nullcontext():

@@ -123,7 +123,7 @@ def input_moments(model, modules: list[nn.Module], windows: torch.Tensor, batch_
         return hook
 
     handles = [m.register_forward_pre_hook(hook_for(i)) for i, m in enumerate(modules)]
-    device = next(model.parameters()).device
+    device = devices.of(model)
     try:
         for s in range(0, len(windows), batch_size):
             kw = {}

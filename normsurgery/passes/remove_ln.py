@@ -425,7 +425,7 @@ def _relative(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 @torch.no_grad()
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids.to(next(model.parameters()).device)).logits.double()
+    return model(input_ids=ids.to(devices.of(model))).logits.double()
 
 
 def fold_checked(model, layout: Layout, norms: list[RemovableNorm], ids: torch.Tensor) -> dict:
@@ -596,7 +596,7 @@ def _forward_eval(model, batch: torch.Tensor) -> None:
     was = model.training
     model.eval()
     try:
-        model(input_ids=batch.to(next(model.parameters()).device))
+        model(input_ids=batch.to(devices.of(model)))
     finally:
         model.train(was)
 
@@ -609,7 +609,7 @@ def _calibrate(model, norms: list[RemovableNorm], batch: torch.Tensor) -> None:
     for rn in norms:
         rn.calibrating = True
     try:
-        model(input_ids=batch.to(next(model.parameters()).device))
+        model(input_ids=batch.to(devices.of(model)))
     finally:
         for rn in norms:
             rn.calibrating = False
