@@ -17,8 +17,9 @@ from normsurgery.families import norm_kind as kind_of
 from normsurgery.cli import app
 from normsurgery.errors import SurgeryError
 from normsurgery.passes import remove_ln as R
+from normsurgery.passes import removal_schedule as S
 from normsurgery.registry import PassContext, get
-from normsurgery.training import train
+from normsurgery.training import heldout_ce, train
 
 from models import tiny_model, token_ids
 
@@ -130,7 +131,7 @@ def small_gpt2(tmp_path=None):
     return model
 
 
-def run_pass(tmp_path, model=None, interrupt_at=None, **options):
+def run_pass(tmp_path, model=None, interrupt_at=None, heldout_ce=heldout_ce, **options):
     model = model or small_gpt2()
     opts = {**get("remove-ln").options, "steps": 12, "batch_size": 2, "seq_len": 32, "eval_samples": 2,
             "lr": 1e-3, "save_every": 4, **options}
@@ -140,7 +141,7 @@ def run_pass(tmp_path, model=None, interrupt_at=None, **options):
             raise KeyboardInterrupt
 
     ctx = PassContext(options=opts, tokenizer=checkpoint.Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
-                      train=train, workdir=tmp_path, train_progress=progress)
+                      train=train, heldout_ce=heldout_ce, workdir=tmp_path, train_progress=progress)
     report = get("remove-ln").apply(model, layout(model), ctx)
     return model, report
 
@@ -417,10 +418,87 @@ def test_final_divisor_remeasure_runs_and_differs_from_the_moving_average():
     assert b.metrics["fold_error_float32"] <= 1e-5
 
 
-def test_final_variants_refused_with_keep_final_or_a_bad_value():
-    events = [(1, "mlp", [(0, 0)]), (2, "qk", [(0, 1)]), (3, "v", [(0, 2)]), (5, "v", [(1, 0)]), (7, "final", [(2, 0)])]
-    assert R.final_variants({"final_aux": 0.1}, [], events, [])["aux_from"] == 3  # the last block stage's start
+def test_final_variants_start_at_the_last_block_stage_and_are_refused_with_keep_final(tmp_path):
+    events = [(1, "mlp", [(0, 0)]), (2, "qk", [(0, 1)]), (3, "v", [(0, 2)]), (5, "v", [(1, 0)]), (7, "final", [(2, 0)]),
+              (9, "position 0", [])]
+    o = get("remove-ln").options
+    assert R.final_variants({**o, "final_aux": 0.1}, events)["aux_event"] == 2  # the last block stage's first
+    assert R.final_variants({**o, "keep": "final"}, events)["final_aux"] == 0  # nothing to pull: off
     with pytest.raises(SurgeryError, match="keep=final keeps it"):
-        R.final_variants({"final_aux": 0.1}, [], events, ["final"])
-    with pytest.raises(SurgeryError, match="final_divisor='x'"):
-        R.final_variants({"final_divisor": "x"}, [], events, [])
+        R.final_variants({**o, "keep": "final", "final_aux": 0.1}, events)
+    small_gpt2(tmp_path / "in")
+    out = tmp_path / "out"
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:keep=final,final_divisor=remeasure", "--text", SAMPLE)
+    one_line_error(r, out, "keep=final keeps it")
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:final_divisor=x", "--text", SAMPLE)
+    assert r.exit_code == 2 and "option final_divisor='x' must be one of" in r.output and not out.exists()
+
+
+# ----------------------------------------------------------------------------- waiting for recovery (issue 37)
+
+def test_due_waits_for_the_level_before_the_previous_removal_or_its_fair_share():
+    calls = []
+
+    def ce(value):
+        return lambda: calls.append(value) or value
+
+    due = S.due
+    assert not due(9, 10, None, 5, 4, 100, 0.01, ce(0.0)) and due(10, 10, None, 5, 4, 100, 0.01, ce(0.0))
+    assert calls == []  # the first removal does not wait: nothing to recover from
+    # previous removal at step 20 with CE 3.00 just before it; checks every 4 steps
+    assert not due(23, 10, (20, 3.0), 5, 4, 100, 0.01, ce(0.0))  # within the least gap
+    assert not due(25, 10, (20, 3.0), 5, 4, 100, 0.01, ce(0.0))  # not a check step
+    assert calls == []
+    assert due(24, 10, (20, 3.0), 5, 4, 100, 0.01, ce(3.009))  # back within 0.01
+    assert not due(24, 10, (20, 3.0), 5, 4, 100, 0.01, ce(3.011))
+    # the fair share of the steps left to the deadline: (100 - 20) // 5 = 16, whatever the CE
+    assert not due(32, 10, (20, 3.0), 5, 4, 100, 0.01, ce(9.0)) and due(36, 10, (20, 3.0), 5, 4, 100, 0.01, ce(9.0))
+    assert due(37, 10, (20, 3.0), 5, 4, 100, 0.01, ce(9.0))  # late (a resumed run): at once
+    # a share below the least gap: the least gap
+    assert not due(96, 10, (95, 3.0), 5, 4, 100, 0.01, ce(9.0)) and due(99, 10, (95, 3.0), 5, 4, 100, 0.01, ce(9.0))
+
+
+def waiting_steps(start, gap, until, n):
+    """The steps a schedule that never recovers makes its n removals at: each at the previous one
+    plus its share of the steps left, (until - previous) // removals left, at least gap."""
+    steps = [start]
+    while len(steps) < n:
+        steps.append(steps[-1] + max(gap, (until - steps[-1]) // (n - len(steps))))
+    return steps
+
+
+@pytest.mark.parametrize("margin,recovers", [(100.0, True), (1e-6, False)])
+def test_waiting_removes_on_recovery_or_at_the_fair_share(margin, recovers):
+    """wait=M: with a margin no CE misses, each removal comes at the first check after the least
+    gap; with a CE that only rises (never back), at each one's share of the steps to the deadline."""
+    rising = iter(range(10**6))
+    ce = heldout_ce if recovers else (lambda *a, **k: float(next(rising)))
+    model, report = run_pass(None, save_every=0, control=False, steps=40, wait=margin, heldout_ce=ce)
+    sched = report.metrics["schedule"]
+    start, gap, until, n = sched["start"], sched["gap"], sched["deadline"], 6  # GPT-2, 2 blocks: 6 events
+    assert (start, gap, until) == (4, 1, 26)  # 40 // 10; (20 - 4) // 8 = 2 halved; 2/3 of 40
+    expected = [start + k * gap for k in range(n)] if recovers else waiting_steps(start, gap, until, n)
+    assert sched["removals"] == expected and sched["last_removal"] == expected[-1] <= until
+    assert [s["stage"] for s in report.metrics["stages"]] == ["live", "mlp", "qk", "final", "position 0"]
+    assert [s["from"] for s in report.metrics["stages"]][1:] == [expected[0], expected[2], expected[4], expected[5]]
+    assert not [m for m in model.modules() if kind_of(m)[0] != "other"]  # every norm removed and folded
+
+
+def test_waiting_resumes_an_interrupted_run_to_the_same_model(tmp_path):
+    whole, ref = run_pass(tmp_path / "a", steps=40, wait=0.05, control=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_pass(tmp_path / "b", interrupt_at=14, steps=40, wait=0.05, control=False)  # state of step 12 saved
+    resumed, got = run_pass(tmp_path / "b", resume=True, steps=40, wait=0.05, control=False)
+    assert got.metrics["resumed_from"] == 12 and got.metrics["schedule"] == ref.metrics["schedule"]
+    assert got.metrics["curve"] == ref.metrics["curve"]
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_waiting_refuses_a_budget_or_final_gap_it_cannot_use(tmp_path):
+    small_gpt2(tmp_path / "in")
+    out = tmp_path / "out"
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:wait=0.01,gap=5", "--text", SAMPLE, "--steps", 30)
+    one_line_error(r, out, "the smallest budget that fits is steps=")
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:wait=0.01,final_gap=5", "--text", SAMPLE)
+    one_line_error(r, out, "final_gap spaces the fixed schedule")

@@ -8,9 +8,10 @@ the affine map (x - mean(x)) / s * g + b, RMSNorm x / s * g.
 
 Each norm's readers form paths with their own constant: "mlp", "qk" and "v" where a block has
 separate q/k/v projections ("attn" for a fused qkv), "final". The whole model fine-tunes on its
-language-modelling loss (training.train) while the paths freeze on a schedule: the MLP path of
-each block in turn, then the q/k (or fused) paths, then the v paths, then the final norm, a gap
-of steps between removals. Position 0 carries a much larger residual norm (attention sink): a
+language-modelling loss (training.train) while the paths freeze on a schedule
+(removal_schedule): the MLP path of each block in turn, then the q/k (or fused) paths, then the v
+paths, then the final norm, a gap of steps between removals, or (``wait=M``) each removal once the
+held-out CE is back within M of its level before the previous one. Position 0 carries a much larger residual norm (attention sink): a
 frozen path keeps a separate constant for it until the last removal drops that special case.
 
 Then the frozen model is folded exactly: every writer is centred (so mean(x) = 0 on the stream;
@@ -59,6 +60,8 @@ from ..families import positions
 from ..layout import Layout
 from ..registry import PassContext, PassReport
 from ..runtime import NoNorm
+from . import REMOVE_LN_OPTIONS
+from . import removal_schedule as schedule
 from .norms import (adaptive, control_report, refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln,
                     untie_if_touched, vanilla_control)
 
@@ -66,7 +69,6 @@ MOMENTUM = 0.9
 STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance
 PATH_ORDER = ("mlp", "qk", "attn", "v", "final")
 KEEP = ("", "none", "final")  # keep=final: the final norm stays the model's own, computing
-FINAL_DIVISOR = ("ema", "remeasure")  # the final norm's frozen divisor: the moving average, or re-measured
 
 
 def keep_final(options: dict) -> bool:
@@ -91,7 +93,8 @@ class RemovableNorm(nn.Module):
 
     Buffers (so a training state holds them): ``scale`` [P] and ``scale_first`` [P], the EMA of
     the divisor over positions >= 1 and at position 0; ``frozen`` [P]; ``special`` (position 0
-    keeps its own constant). Gain and bias are the original norm's parameters.
+    keeps its own constant); ``removed_at`` [P], ``level`` [P] and ``released_at``, the schedule
+    as it ran. Gain and bias are the original norm's parameters.
     """
 
     def __init__(self, norm: nn.Module, layernorm: bool, eps: float, offset: float, paths: list[str]):
@@ -105,6 +108,11 @@ class RemovableNorm(nn.Module):
         self.register_buffer("scale_first", torch.zeros(p, device=dev))
         self.register_buffer("frozen", torch.zeros(p, dtype=torch.bool, device=dev))
         self.register_buffer("special", torch.ones((), dtype=torch.bool, device=dev))
+        # when each path was frozen (-1: live) and the held-out CE just before (waiting; NaN: not measured);
+        # when position 0's special case went (-1: not yet): the schedule as it ran, in the training state
+        self.register_buffer("removed_at", torch.full((p,), -1, dtype=torch.long, device=dev))
+        self.register_buffer("level", torch.full((p,), math.nan, device=dev))
+        self.register_buffer("released_at", torch.full((), -1, dtype=torch.long, device=dev))
         self.calibrating = False
         self.measured: list[torch.Tensor] | None = None  # remeasure: per-token divisors seen, [B, T] each
         self.aux_weight = 0.0  # final_aux: weight of aux_loss while training (0: none)
@@ -242,53 +250,72 @@ def _set(model, path: str, mod: nn.Module) -> None:
 
 # ----------------------------------------------------------------------------- schedule
 
-def schedule(norms: list[RemovableNorm], steps: int, start: int, gap: int,
-             final_gap: int) -> list[tuple[int, str, list[tuple[int, int]]]]:
-    """(step, stage, [(norm index, path index)]): MLP paths block by block, then q/k (fused
-    attention), then v, then the final norm, then position 0's special case (empty list)."""
-    events = _events([rn.paths for rn in norms], start, gap, final_gap)
-    if events[-1][0] >= steps:
-        raise SurgeryError(_too_few(events, steps, start, gap, final_gap, [rn.paths for rn in norms]))
-    return events
+def make(norms: list[RemovableNorm], event, step: int, level: float = math.nan, before_final=None) -> None:
+    """Make ``event`` (removal_schedule's) at ``step``: freeze its paths, noting the step and the
+    held-out CE just before (``level``), or drop position 0's special case; ``before_final()``
+    runs first when the event removes the final norm."""
+    _, stage, removal = event
+    if stage == "final" and before_final:
+        before_final()
+    if not removal:
+        for rn in norms:
+            rn.special.fill_(False)
+            rn.released_at.fill_(step)
+    for i, p in removal:
+        norms[i].frozen[p] = True
+        norms[i].removed_at[p] = step
+        norms[i].level[p] = level
 
 
-def _events(paths: list[list[str]], start: int, gap: int, final_gap: int) -> list:
-    """``schedule``'s events for norms with these paths (``install``'s, in layout order)."""
-    groups: dict[str, list[list[tuple[int, int]]]] = {k: [] for k in ("mlp", "qk", "v", "final")}
-    for i, names in enumerate(paths):
-        for p, name in enumerate(names):
-            groups["qk" if name == "attn" else name].append([(i, p)])
-    events, step = [], start
-    for stage in ("mlp", "qk", "v"):
-        for removal in groups[stage]:
-            events.append((step, stage, removal))
-            step += gap
-    if groups["final"]:
-        step += final_gap - gap
-        events.append((step, "final", groups["final"][0]))
-        step += final_gap
-    events.append((step, "position 0", []))
-    return events
+def made(norms: list[RemovableNorm], events) -> list:
+    """The events made so far, in order, each at the step it was made (from the norms' buffers)."""
+    out = []
+    for _, stage, removal in events:
+        at = ([int(norms[i].removed_at[p]) for i, p in removal] if removal
+              else [int(rn.released_at) for rn in norms[:1]])
+        if not at or min(at) < 0:
+            break
+        out.append((at[0], stage, removal))
+    return out
 
 
-def _too_few(events, steps: int, start: int, gap: int, final_gap: int, paths: list[list[str]],
-             options: dict | None = None) -> str:
-    """Why ``steps`` are too few, with the smallest number of steps that fits (``options``: as
-    given, start/gap/final_gap chosen from the steps where they are -1/0)."""
-    text = (f"remove-ln: the schedule needs {events[-1][0] + 1} steps (start {start}, gap {gap}, final gap "
-            f"{final_gap} for {len(events)} removals) but steps={steps}")
-    o = options or {"start": start, "gap": gap, "final_gap": final_gap}
-    n = sum(len(p) for p in paths) + 1
-    for more in range(steps + 1, 100 * (events[-1][0] + 2)):
-        s, g, f = _auto_schedule(n, more, o["start"], o["gap"], o["final_gap"])
-        if _events(paths, s, g, f)[-1][0] < more:
-            fixed = [k for k in ("start", "gap", "final_gap") if (o[k] >= 0 if k == "start" else o[k] > 0)]
-            above = [k for k in fixed if o[k] > (0 if k == "start" else 1)]
-            return (text + f"; the smallest budget that fits is steps={more}"
-                    + (f" with {', '.join(f'{k}={o[k]}' for k in fixed)} as given" if fixed else
-                       " (start and gaps chosen from the steps)")
-                    + (f"; a smaller {' or '.join(above)} needs fewer" if above else ""))
-    return text
+def freeze_until(norms: list[RemovableNorm], events, step: int, before_final=None) -> dict:
+    """Fixed gaps: make every event scheduled at or before ``step`` not made yet (a resumed run
+    finds the earlier ones made). Returns the curve's labels: removals made, stage now."""
+    done = made(norms, events)
+    for event in events[len(done):]:
+        if event[0] <= step:
+            make(norms, event, event[0], before_final=before_final)
+    return labels(norms, events)
+
+
+def labels(norms: list[RemovableNorm], events) -> dict:
+    done = made(norms, events)
+    return {"removed": sum(len(r) for _, _, r in done), "stage": done[-1][1] if done else "live"}
+
+
+def wait_for_recovery(norms: list[RemovableNorm], events, step: int, gap: int, until: int, margin: float, ce,
+                      before_final=None) -> dict:
+    """Waiting (``wait`` = ``margin`` > 0): make the next event at ``step`` when
+    removal_schedule.due says so, the held-out CE measured now (``ce()``, at most once) its level.
+    Returns the curve's labels."""
+    done = made(norms, events)
+    if len(done) < len(events):
+        seen: list[float] = []
+
+        def now() -> float:
+            if not seen:
+                seen.append(ce())
+            return seen[0]
+
+        previous = None
+        if done:  # position 0's event is the last: the one before removed a path
+            at, _, removal = done[-1]
+            i, p = removal[0]
+            previous = (at, float(norms[i].level[p]))
+        if schedule.due(step, events[0][0], previous, len(events) - len(done), gap, until, margin, now):
+            make(norms, events[len(done)], step, now(), before_final)
+    return labels(norms, events)
 
 
 def removal_paths(layout: Layout, split: bool = True) -> list[list[str]]:
@@ -298,59 +325,17 @@ def removal_paths(layout: Layout, split: bool = True) -> list[list[str]]:
 
 
 def check(model, layout: Layout, options: dict) -> str | None:
-    """Before any weight is read (``model`` may be on the meta device): a step budget the schedule
-    cannot fit in."""
+    """Before any weight is read (``model`` may be on the meta device): options that contradict
+    each other, and a step budget the schedule cannot fit in."""
     if keep_final(options) and options["export"] == "stock":
         return ("remove-ln: keep=final cannot export=stock: the stock classes read one epsilon from the "
                 "config, and the kept final norm needs its own; use the default export")
-    layout = removed_layout(layout, options)
-    paths = removal_paths(layout, split=options["export"] != "stock")
-    n = sum(len(p) for p in paths) + 1
-    start, gap, final_gap = _auto_schedule(n, options["steps"], options["start"], options["gap"],
-                                           options["final_gap"])
-    events = _events(paths, start, gap, final_gap)
-    if events[-1][0] >= options["steps"]:
-        return _too_few(events, options["steps"], start, gap, final_gap, paths, options)
+    try:
+        final_variants(options, [])
+        schedule.plan(removal_paths(removed_layout(layout, options), split=options["export"] != "stock"), options)
+    except SurgeryError as e:
+        return str(e)
     return None
-
-
-def _auto_schedule(n_removals: int, steps: int, start: int, gap: int, final_gap: int) -> tuple[int, int, int]:
-    """Defaults: start after the warm-up (steps // 10); removals spread over the first half of
-    the steps; the final norm and position 0 get twice the gap."""
-    start = steps // 10 if start < 0 else start
-    if gap <= 0:
-        gap = max(1, (steps // 2 - start) // (n_removals + 2))
-    final_gap = 2 * gap if final_gap <= 0 else final_gap
-    return start, gap, final_gap
-
-
-def stages_run(events, curve: list[dict], steps: int) -> list[dict]:
-    """The schedule as it ran: each stage in order ("live" first: every norm still computing) with
-    the steps it held, [from, to], and the held-out CE at its last evaluation (``curve``: the
-    training's evaluations, each labelled with the stage of its step; ``steps``: how many ran)."""
-    starts = {"live": 0}
-    for step, stage, _ in events:
-        starts.setdefault(stage, step)
-    order = [s for s in starts if starts[s] < steps]
-    out = []
-    for i, stage in enumerate(order):
-        end = starts[order[i + 1]] - 1 if i + 1 < len(order) else steps
-        ces = [row["heldout_ce"] for row in curve[1:] if row.get("stage", "live") == stage]
-        out.append({"stage": stage, "from": starts[stage], "to": end, "heldout_ce": ces[-1] if ces else None})
-    return out
-
-
-def freeze_until(norms: list[RemovableNorm], events, step: int) -> dict:
-    """Apply every removal scheduled at or before ``step`` (idempotent: a resumed run calls it
-    at its first step only)."""
-    done = [e for e in events if e[0] <= step]
-    for _, stage, removal in done:
-        if not removal:
-            for rn in norms:
-                rn.special.fill_(False)
-        for i, p in removal:
-            norms[i].frozen[p] = True
-    return {"removed": sum(len(r) for _, _, r in done), "stage": done[-1][1] if done else "live"}
 
 
 # ----------------------------------------------------------------------------- fold and export
@@ -492,7 +477,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     ids = tokenize(ctx.tokenizer, ctx.text)
     train_ids, held_ids = split_heldout(ids, o["heldout"], o["seq_len"])
     held = windows(held_ids, o["seq_len"], o["eval_samples"], "the held-out part of the text")
-    if ctx.train is None:
+    if ctx.train is None or (o["wait"] > 0 and ctx.heldout_ce is None):
         raise SurgeryError("remove-ln needs the training loop: run it through convert or apply_passes")
     workdir = ctx.workdir / "remove-ln" if ctx.workdir else None
     config = {"steps": o["steps"], "batch_size": o["batch_size"], "seq_len": o["seq_len"], "lr": o["lr"],
@@ -502,30 +487,39 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
               "save_every": o["save_every"] if workdir else 0, "state_dir": workdir}
     original = copy.deepcopy(model) if o["control"] else None
     norms = install(model, layout, split=o["export"] != "stock")  # a stock norm has one output
-    n_removals = sum(len(rn.paths) for rn in norms) + 1
-    start, gap, final_gap = _auto_schedule(n_removals, o["steps"], o["start"], o["gap"], o["final_gap"])
-    events = schedule(norms, o["steps"], start, gap, final_gap)
+    start, gap, final_gap, events = schedule.plan([rn.paths for rn in norms], o)
     calib = windows(train_ids, o["seq_len"], 8)
     _calibrate(model, norms, calib)
-    variants = final_variants(o, norms, events, kept)
-    config["eval_steps"] = tuple(sorted({e[0] for i, e in enumerate(events) if i == 0 or e[1] != events[i - 1][1]}))
-    config = adaptive(config, o, settle=events[-1][0])
+    variants = final_variants(o, events)
+    waiting = o["wait"] > 0
+    until = schedule.deadline(o["steps"]) if waiting else events[-1][0]
+    if waiting:  # the stages' steps are not known before: evaluations every eval_every steps
+        config["eval_every"] = o["eval_every"]
+    else:
+        config["eval_steps"] = tuple(sorted({e[0] for i, e in enumerate(events)
+                                             if i == 0 or e[1] != events[i - 1][1]}))
+    config = adaptive(config, o, settle=until)
     final = next(((rn, rn.paths.index("final")) for rn in norms if "final" in rn.paths), None)
+    before_final = (lambda: remeasure(final[0], final[1], lambda: _forward_eval(model, calib))) \
+        if variants["final_divisor"] == "remeasure" else None
 
     def on_step(step, m):
-        if variants["final_divisor"] == "remeasure" and final is not None and not bool(final[0].frozen[final[1]]) \
-                and any(stage == "final" and at <= step for at, stage, _ in events):
-            remeasure(final[0], final[1], lambda: _forward_eval(model, calib))
-        seen = {}
+        if waiting:
+            row = wait_for_recovery(norms, events, step, gap, until, o["wait"],
+                                    lambda: ctx.heldout_ce(model, held, o["batch_size"], "causal-lm"), before_final)
+        else:
+            row = freeze_until(norms, events, step, before_final)
         if final is not None and variants["final_aux"] > 0:
             if final[0].aux is not None:  # the previous step's term, unweighted: how far the scales spread
-                seen["final_aux_loss"] = float(final[0].aux.detach()) / final[0].aux_weight
-            final[0].aux_weight = variants["final_aux"] if step >= variants["aux_from"] else 0.0
-        return {**freeze_until(norms, events, step), **seen}
+                row["final_aux_loss"] = float(final[0].aux.detach()) / final[0].aux_weight
+            started = variants["aux_event"] is not None and len(made(norms, events)) > variants["aux_event"]
+            final[0].aux_weight = variants["final_aux"] if started else 0.0
+        return row
 
     extra = {"extra_loss": lambda: final[0].aux} if final is not None and variants["final_aux"] > 0 else {}
     result = ctx.train(model, train_ids, held, config, objective="causal-lm", on_step=on_step,
                        progress=ctx.train_progress, **extra)
+    ran = made(norms, events)
     if final is not None:
         final[0].aux_weight, final[0].aux = 0.0, None
     check_ids = held[: min(4, len(held))]
@@ -534,15 +528,17 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                            "ce_delta": result.ce_after - result.ce_before, "steps": result.steps,
                            "tokens": result.tokens, "seconds": result.seconds, "processes": result.processes,
                            "precision": result.precision, "resumed_from": result.resumed_from,
-                           "schedule": {"start": start, "gap": gap, "final_gap": final_gap,
-                                        "last_removal": events[-1][0]},
+                           "schedule": {"start": start, "gap": gap, **({"wait": o["wait"], "deadline": until}
+                                        if waiting else {"final_gap": final_gap}),
+                                        "last_removal": ran[-1][0] if ran else None,
+                                        "removals": [at for at, _, _ in ran]},
                            "curve": result.curve, "kept": kept,
                            "final_divisor": variants["final_divisor"], "final_aux": variants["final_aux"]})
     if final is not None and (variants["final_divisor"] != "ema" or variants["final_aux"] > 0):
         report.notes.append("final norm: divisor " + ("re-measured just before it was frozen (position 0 left "
                             "out)" if variants["final_divisor"] == "remeasure" else "the moving average")
                             + (f"; auxiliary loss on its input, weight {variants['final_aux']:g}, from step "
-                               f"{variants['aux_from']}" if variants["final_aux"] > 0 else ""))
+                               f"{ran[variants['aux_event']][0]}" if variants["final_aux"] > 0 else ""))
     final_kind = next((("LayerNorm" if s.kind == "layernorm" else "RMSNorm") for s in full.norms
                        if s.role == "final"), "norm")
     if o["export"] == "stock":
@@ -563,7 +559,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                             f"{report.metrics['fold_error_float32']:.1e} in float32)")
     report.notes.append(f"{result.done()}: held-out CE "
                         f"{result.ce_before:.4f} -> {result.ce_after:.4f} ({result.ce_after - result.ce_before:+.4f})")
-    report.metrics["stages"] = stages_run(events, result.curve, result.steps)
+    report.metrics["stages"] = schedule.stages_run(ran, result.curve, result.steps)
     report.notes.append("stages as run (steps: held-out CE at the stage's last evaluation): " + "; ".join(
         f"{s['stage']} {s['from']}-{s['to']}" + ("" if s["heldout_ce"] is None else f": {s['heldout_ce']:.4f}")
         for s in report.metrics["stages"]))
@@ -572,22 +568,19 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     return report
 
 
-def final_variants(options: dict, norms: list[RemovableNorm], events, kept: list[str]) -> dict:
-    """The final norm's removal variants asked for (``final_divisor``, ``final_aux``) and the step
-    the auxiliary loss starts at (the first removal of the last block stage), refused in one line
-    where they mean nothing (keep=final: no final removal) or are not known."""
-    divisor, weight = options.get("final_divisor", "ema"), float(options.get("final_aux", 0.0))
-    if divisor not in FINAL_DIVISOR:
-        raise SurgeryError(f"remove-ln: final_divisor={divisor!r}; choose ema (the default) or remeasure")
-    if not weight >= 0:
-        raise SurgeryError(f"remove-ln: final_aux={weight!r}; give a weight >= 0")
-    if kept and (divisor != "ema" or weight > 0):
-        raise SurgeryError("remove-ln: final_divisor and final_aux change the final norm's removal, and keep=final "
-                           "keeps it")
-    blocks = [(at, stage) for at, stage, _ in events if stage in ("mlp", "qk", "v")]
-    last = blocks[-1][1] if blocks else None
-    aux_from = next((at for at, stage in blocks if stage == last), 0)
-    return {"final_divisor": divisor, "final_aux": weight, "aux_from": aux_from}
+def final_variants(options: dict, events) -> dict:
+    """The final norm's removal variants (``final_divisor``, ``final_aux``) and the index of the
+    event the auxiliary loss starts at (the first removal of the last block stage). keep=final has
+    no final removal: there they are off, and a value other than the default is refused in one line."""
+    divisor, weight = options["final_divisor"], float(options["final_aux"])
+    if keep_final(options):
+        if (divisor, weight) != (REMOVE_LN_OPTIONS["final_divisor"], REMOVE_LN_OPTIONS["final_aux"]):
+            raise SurgeryError("remove-ln: final_divisor and final_aux change the final norm's removal, and "
+                               "keep=final keeps it")
+        divisor, weight = "ema", 0.0
+    last = next((e[1] for e in reversed(events) if e[1] in schedule.STAGES), None)
+    return {"final_divisor": divisor, "final_aux": weight,
+            "aux_event": next((i for i, e in enumerate(events) if e[1] == last), None)}
 
 
 @torch.no_grad()
