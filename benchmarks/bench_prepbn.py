@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, help="with --quality: the step budget (default: the pass's)")
     ap.add_argument("--lr", type=float, help="with --quality: the learning rate (default: the pass's)")
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print the quality table of earlier --json files")
+    ap.add_argument("--options", default="", metavar="K=V,...",
+                    help="more options of the pass, as after prepbn: (e.g. final_aux=3.0)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     title = "prepbn: held-out CE minus the control's"
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
     if args.quality:
         text = Path(args.quality).read_text()
         options = {k: v for k, v in (("steps", args.steps), ("lr", args.lr)) if v is not None}
+        options.update(registry.parse_pass("prepbn:" + args.options)[1])
         rows = [quality(path, name, family, text, options)
                 for name, family, path in quality_models(args.models, args.held)]
         print_spread(title, rows, "gap_to_control", BOUND)

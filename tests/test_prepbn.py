@@ -156,7 +156,7 @@ def test_refuses_post_ln_and_needs_text():
         ns.apply_passes(tiny_model("gpt2", torch.float32), [("prepbn", {"steps": 2})])
 
 
-def run_pass(model, workdir=None, interrupt_at=None, **options):
+def run_pass(model, workdir=None, interrupt_at=None, train=train, **options):
     opts = {**get("prepbn").options, "steps": 12, "batch_size": 2, "seq_len": 32, "eval_samples": 2,
             "calib_samples": 4, "lr": 1e-3, **options}
 
@@ -219,3 +219,26 @@ def test_a_schedule_the_budget_cannot_hold_is_refused_before_the_weights_are_rea
         ns.convert(GPT2, "unused-out", [("prepbn", {"steps": 100, "warmup": 30, "decay": 80})], text=SAMPLE)
     assert not Path("unused-out").exists()
 
+
+
+def test_final_aux_pulls_only_from_the_decay_and_changes_the_run():
+    """final_aux=W: from the decay's start (step = warm-up) each training forward adds the final
+    norm's auxiliary loss, never before; 0 is the plain run, bit for bit; a weight changes the
+    trained model and says so."""
+    added = []
+
+    def spy(*args, extra_loss=None, **kw):  # records what each training forward adds to its loss
+        assert extra_loss is not None
+        return train(*args, extra_loss=lambda: added.append(extra_loss()) or added[-1], **kw)
+
+    plain, zero, aux = small_gpt2(), small_gpt2(), small_gpt2()
+    a = run_pass(plain, control=False, warmup=4, decay=8)
+    b = run_pass(zero, control=False, warmup=4, decay=8, final_aux=0.0)
+    c = run_pass(aux, control=False, warmup=4, decay=8, final_aux=1.0, train=spy)
+    assert a.metrics["curve"] == b.metrics["curve"]
+    for (name, p), q in zip(plain.state_dict().items(), zero.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert len(added) == 12 and added[:4] == [None] * 4 and all(t is not None and t.item() > 0 for t in added[4:])
+    assert c.metrics["final_aux"] == 1.0 and any("auxiliary loss on its input, weight 1, from step 4" in n
+                                                 for n in c.notes)
+    assert not all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), aux.state_dict().values()))

@@ -15,7 +15,8 @@ MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels"
 TRAINED_OPTIONS = {"control": True, "patience": 0, "eval_every": 25}
 PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 0,
                   "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
-                  "fold": True, "save_every": 0, "resume": False, "precision": "auto", **TRAINED_OPTIONS}
+                  "fold": True, "save_every": 0, "resume": False, "precision": "auto", "final_aux": 0.0,
+                  **TRAINED_OPTIONS}
 #: remove-ln: up to 900 steps, stopping once held-out CE has gone 4 evaluations (100 steps) without improving
 #: after the last removal (measured on the demo models against the control: README, remove-ln)
 REMOVE_LN_OPTIONS = {"steps": 900, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,

@@ -141,3 +141,22 @@ def control_report(report, control) -> None:
     report.notes.append(f"vanilla fine-tune at the same budget (norms kept; same text, steps, learning rates and "
                         f"batches), the papers' control: held-out CE {control.ce_before:.4f} -> "
                         f"{control.ce_after:.4f}; this pass is {gap:+.4f} from it")
+
+
+def token_divisors(x: torch.Tensor, layernorm: bool, eps: float) -> torch.Tensor:
+    """Each token's divisor, sqrt(var(x) + eps) (LayerNorm) or sqrt(mean(x^2) + eps) (RMSNorm),
+    shape [..., T], at least float32."""
+    s = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    v = torch.var_mean(s, -1, correction=0)[0] if layernorm else s.pow(2).mean(-1)
+    return torch.sqrt(v + eps)
+
+
+def aux_loss(d: torch.Tensor) -> torch.Tensor:
+    """The final norm's auxiliary loss on per-token divisors ``d`` [..., T] (rms or std): the mean
+    of (d / mean - 1)^2 over positions >= 1, the mean over those positions and the batch held
+    constant (a relative MSE: its weight does not depend on the stream's scale). Position 0, the
+    attention sink, is left out. Zero when every token has the same divisor: one constant then
+    divides them all alike, as a norm with a fixed divisor does."""
+    rest = d[..., 1:] if d.shape[-1] > 1 else d
+    target = rest.mean().detach()
+    return (rest / target - 1).pow(2).mean()

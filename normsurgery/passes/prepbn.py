@@ -10,6 +10,9 @@ model fine-tunes on its language-modelling loss (:func:`normsurgery.training.tra
   (m = mean_c mu_c for LayerNorm, 0 for RMSNorm), eta = 0, so RepBN(x) = g (x - m) / s + b;
 - batch statistics are per channel over the batch's real tokens (``attention_mask`` padding
   excluded);
+- ``final_aux=W`` (not the default) adds W times norms.aux_loss of the final norm's input to the
+  training loss from the decay's start (remove-ln's variant for the same position: every token
+  pulled toward one scale, so the fixed statistics divide them alike);
 - at the end, with the weights frozen, the running statistics are re-estimated exactly (mean and
   biased variance over every real token of the calibration windows), the model switches to them
   (eval mode) and bn-fold folds every RepBN into its readers: no statistic is computed at run time.
@@ -30,19 +33,25 @@ from ..errors import SurgeryError
 from ..registry import PassContext, PassReport
 from ..runtime import RepBN
 from . import PREPBN_OPTIONS as OPTIONS, bn_fold
-from .norms import (adaptive, control_report, refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln,
-                    vanilla_control)
+from .norms import (adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms,
+                    refuse_post_ln, token_divisors, vanilla_control)
 
 
 class ProgressiveNorm(nn.Module):
-    """lam * norm(x) + (1 - lam) * repbn(x); only the side(s) with a non-zero weight run."""
+    """lam * norm(x) + (1 - lam) * repbn(x); only the side(s) with a non-zero weight run.
+    ``aux_weight`` > 0 (final_aux, the final norm): each training forward keeps ``aux``, that weight
+    times norms.aux_loss of its input's per-token divisors."""
 
-    def __init__(self, norm: nn.Module, repbn: RepBN, kind: str, offset: float):
+    def __init__(self, norm: nn.Module, repbn: RepBN, kind: str, offset: float, eps: float):
         super().__init__()
-        self.norm, self.repbn, self.kind, self.offset = norm, repbn, kind, offset
+        self.norm, self.repbn, self.kind, self.offset, self.eps = norm, repbn, kind, offset, eps
         self.lam = 1.0
+        self.aux_weight = 0.0
+        self.aux: torch.Tensor | None = None
 
     def forward(self, x):
+        self.aux = (self.aux_weight * aux_loss(token_divisors(x, self.kind == "layernorm", self.eps))
+                    if self.training and self.aux_weight > 0 else None)
         if self.lam >= 1.0:
             return self.norm(x)
         if self.lam <= 0.0:
@@ -195,7 +204,7 @@ def install(model, layout: Layout, momentum: float = 0.1) -> list[ProgressiveNor
         norm = model.get_submodule(site.path)
         ref = norm.weight
         bn = RepBN(ref.shape[0], eps=site.eps, momentum=momentum).to(device=ref.device, dtype=ref.dtype)
-        prog = ProgressiveNorm(norm, bn, site.kind, site.offset)
+        prog = ProgressiveNorm(norm, bn, site.kind, site.offset, site.eps)
         model.set_submodule(site.path, prog)
         progs.append(prog)
     return progs
@@ -244,13 +253,21 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     progs = install(model, layout, opts["momentum"])
     repbns = [p.repbn for p in progs]
 
+    final = next((p for site, p in zip(layout.norms, progs) if site.role == "final"), None)
+    weight = opts["final_aux"] if final is not None else 0.0
+
     def on_step(step, m):
         if step == warmup:
             init_from_norms(m, progs, calib)
         lam = lam_at(step, warmup, decay)
         for p in progs:
             p.lam = lam
-        return {"lam": lam}
+        row = {"lam": lam}
+        if weight > 0:  # from the decay's start: the RepBN's fixed statistics take over
+            if final.aux is not None:
+                row["final_aux_loss"] = float(final.aux.detach()) / final.aux_weight
+            final.aux_weight = weight if step >= warmup else 0.0
+        return row
 
     workdir = ctx.workdir / "prepbn" if ctx.workdir else None
     config = {"steps": opts["steps"], "batch_size": opts["batch_size"], "seq_len": seq, "lr": opts["lr"],
@@ -260,9 +277,11 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     hook = attach_token_mask(model, repbns)
     try:
         result = ctx.train(model, train_ids, held, config, objective=layout.objective, on_step=on_step,
-                           progress=ctx.train_progress)
+                           progress=ctx.train_progress, **({"extra_loss": lambda: final.aux} if weight > 0 else {}))
     finally:
         hook.remove()
+        if final is not None:
+            final.aux_weight, final.aux = 0.0, None
     finish(model, layout, progs)
     t = time.perf_counter()
     reestimate(model, repbns, calib)
@@ -271,7 +290,10 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report.metrics.update(ce_before=result.ce_before, ce_trained=result.ce_after, ce_after=ce,
                           ce_delta=ce - result.ce_before, steps=result.steps, tokens=result.tokens,
                           seconds=result.seconds + time.perf_counter() - t, warmup=warmup, decay=decay,
-                          lr=opts["lr"], curve=result.curve)
+                          lr=opts["lr"], curve=result.curve, final_aux=weight)
+    if weight > 0:
+        report.notes.append(f"final norm: auxiliary loss on its input, weight {weight:g}, from step {warmup} (the "
+                            "decay's start)")
     report.notes.append(f"{result.done()}: lam = 1 for {warmup}, decayed to 0 over {decay}; held-out CE "
                         f"{result.ce_before:.4f} -> {ce:.4f} ({ce - result.ce_before:+.4f}) after the running "
                         f"statistics were re-estimated on {len(calib)} windows ({result.ce_after:.4f} at the end of "

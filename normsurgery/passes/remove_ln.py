@@ -62,8 +62,8 @@ from ..registry import PassContext, PassReport
 from ..runtime import NoNorm
 from . import REMOVE_LN_OPTIONS
 from . import removal_schedule as schedule
-from .norms import (adaptive, control_report, refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln,
-                    untie_if_touched, vanilla_control)
+from .norms import (adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms,
+                    refuse_post_ln, token_divisors, untie_if_touched, vanilla_control)
 
 MOMENTUM = 0.9
 STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance
@@ -123,9 +123,7 @@ class RemovableNorm(nn.Module):
 
     def stats(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token divisor sqrt(var + eps) (or rms), shape [..., T], at least float32."""
-        s = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        v = torch.var_mean(s, -1, correction=0)[0] if self.layernorm else s.pow(2).mean(-1)
-        return torch.sqrt(v + self.eps)
+        return token_divisors(x, self.layernorm, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._cache = {}
@@ -172,16 +170,6 @@ class RemovableNorm(nn.Module):
         y = y if self.bias is None else y + self.bias
         self._cache[p] = (x, y)
         return y
-
-
-def aux_loss(d: torch.Tensor) -> torch.Tensor:
-    """final_aux's loss on per-token divisors ``d`` [..., T] (rms or std): the mean of
-    (d / mean - 1)^2 over positions >= 1, the mean over those positions and the batch, held
-    constant (a relative MSE: its weight does not depend on the stream's scale). Position 0, the
-    attention sink, is left out. Zero when every token has the same divisor."""
-    rest = d[..., 1:] if d.shape[-1] > 1 else d
-    target = rest.mean().detach()
-    return (rest / target - 1).pow(2).mean()
 
 
 @torch.no_grad()
