@@ -303,6 +303,7 @@ def test_keep_final_leaves_exactly_the_final_norm_and_says_so(tmp_path, family, 
     note = f"block norms removed; final {final} kept"
     assert step["metrics"]["kept"] == ["final"] and any(note in n for n in step["notes"])
     assert "final" not in [s["stage"] for s in step["metrics"]["stages"]]  # no final event
+    assert "final_positions" not in step["metrics"]  # no final stage to measure around
     assert step["metrics"]["stages"][-1]["stage"] == "position 0"
     config = json.loads((out / "config.json").read_text())
     record = config["normsurgery"]["passes"][0]
@@ -502,3 +503,17 @@ def test_waiting_refuses_a_budget_or_final_gap_it_cannot_use(tmp_path):
     one_line_error(r, out, "the smallest budget that fits is steps=")
     r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:wait=0.01,final_gap=5", "--text", SAMPLE)
     one_line_error(r, out, "final_gap spaces the fixed schedule")
+
+
+def test_per_position_ce_before_and_after_the_final_stage():
+    """The final stage's CE by predicting position (0, 1-7, 8+), measured just before the final
+    removal and just before position 0's: the groups weighted by their positions are the held-out
+    CE of training.heldout_ce on the same windows."""
+    model, report = run_pass(None, save_every=0, control=False)
+    got = report.metrics["final_positions"]
+    assert list(got) == ["before", "after"] and all(list(v) == ["0", "1-7", "8+"] for v in got.values())
+    assert got["before"] != got["after"] and any("by predicting position, before the final stage" in n
+                                                 for n in report.notes)
+    held = token_ids(4, 32, seed=5)
+    ces = R.position_ce(model, held, 2)
+    assert (ces["0"] + 7 * ces["1-7"] + 23 * ces["8+"]) / 31 == pytest.approx(heldout_ce(model, held, 2), rel=1e-6)

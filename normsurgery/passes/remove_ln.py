@@ -238,13 +238,13 @@ def _set(model, path: str, mod: nn.Module) -> None:
 
 # ----------------------------------------------------------------------------- schedule
 
-def make(norms: list[RemovableNorm], event, step: int, level: float = math.nan, before_final=None) -> None:
+def make(norms: list[RemovableNorm], event, step: int, level: float = math.nan, before=None) -> None:
     """Make ``event`` (removal_schedule's) at ``step``: freeze its paths, noting the step and the
-    held-out CE just before (``level``), or drop position 0's special case; ``before_final()``
-    runs first when the event removes the final norm."""
+    held-out CE just before (``level``), or drop position 0's special case; ``before(stage)``
+    runs first."""
     _, stage, removal = event
-    if stage == "final" and before_final:
-        before_final()
+    if before:
+        before(stage)
     if not removal:
         for rn in norms:
             rn.special.fill_(False)
@@ -267,13 +267,13 @@ def made(norms: list[RemovableNorm], events) -> list:
     return out
 
 
-def freeze_until(norms: list[RemovableNorm], events, step: int, before_final=None) -> dict:
+def freeze_until(norms: list[RemovableNorm], events, step: int, before=None) -> dict:
     """Fixed gaps: make every event scheduled at or before ``step`` not made yet (a resumed run
     finds the earlier ones made). Returns the curve's labels: removals made, stage now."""
     done = made(norms, events)
     for event in events[len(done):]:
         if event[0] <= step:
-            make(norms, event, event[0], before_final=before_final)
+            make(norms, event, event[0], before=before)
     return labels(norms, events)
 
 
@@ -283,7 +283,7 @@ def labels(norms: list[RemovableNorm], events) -> dict:
 
 
 def wait_for_recovery(norms: list[RemovableNorm], events, step: int, gap: int, until: int, margin: float, ce,
-                      before_final=None) -> dict:
+                      before=None) -> dict:
     """Waiting (``wait`` = ``margin`` > 0): make the next event at ``step`` when
     removal_schedule.due says so, the held-out CE measured now (``ce()``, at most once) its level.
     Returns the curve's labels."""
@@ -302,7 +302,7 @@ def wait_for_recovery(norms: list[RemovableNorm], events, step: int, gap: int, u
             i, p = removal[0]
             previous = (at, float(norms[i].level[p]))
         if schedule.due(step, events[0][0], previous, len(events) - len(done), gap, until, margin, now):
-            make(norms, events[len(done)], step, now(), before_final)
+            make(norms, events[len(done)], step, now(), before)
     return labels(norms, events)
 
 
@@ -488,15 +488,20 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                                              if i == 0 or e[1] != events[i - 1][1]}))
     config = adaptive(config, o, settle=until)
     final = next(((rn, rn.paths.index("final")) for rn in norms if "final" in rn.paths), None)
-    before_final = (lambda: remeasure(final[0], final[1], lambda: _forward_eval(model, calib))) \
-        if variants["final_divisor"] == "remeasure" else None
+    by_position: dict[str, dict] = {}  # per-position held-out CE before and after the final stage
+
+    def before(stage):
+        if final is not None and stage in ("final", "position 0"):
+            by_position["before" if stage == "final" else "after"] = position_ce(model, held, o["batch_size"])
+        if stage == "final" and variants["final_divisor"] == "remeasure":
+            remeasure(final[0], final[1], lambda: _forward_eval(model, calib))
 
     def on_step(step, m):
         if waiting:
             row = wait_for_recovery(norms, events, step, gap, until, o["wait"],
-                                    lambda: ctx.heldout_ce(model, held, o["batch_size"], "causal-lm"), before_final)
+                                    lambda: ctx.heldout_ce(model, held, o["batch_size"], "causal-lm"), before)
         else:
-            row = freeze_until(norms, events, step, before_final)
+            row = freeze_until(norms, events, step, before)
         if final is not None and variants["final_aux"] > 0:
             if final[0].aux is not None:  # the previous step's term, unweighted: how far the scales spread
                 row["final_aux_loss"] = float(final[0].aux.detach()) / final[0].aux_weight
@@ -551,6 +556,11 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report.notes.append("stages as run (steps: held-out CE at the stage's last evaluation): " + "; ".join(
         f"{s['stage']} {s['from']}-{s['to']}" + ("" if s["heldout_ce"] is None else f": {s['heldout_ce']:.4f}")
         for s in report.metrics["stages"]))
+    if by_position:
+        report.metrics["final_positions"] = by_position
+        report.notes.append("held-out CE by predicting position, " + " and ".join(
+            f"{when} the final stage ({', '.join(f'{k}: {v:.4f}' for k, v in ces.items())})"
+            for when, ces in by_position.items()))
     if original is not None:
         control_report(report, vanilla_control(ctx, original, train_ids, held, config, "causal-lm"))
     return report
@@ -569,6 +579,29 @@ def final_variants(options: dict, events) -> dict:
     last = next((e[1] for e in reversed(events) if e[1] in schedule.STAGES), None)
     return {"final_divisor": divisor, "final_aux": weight,
             "aux_event": next((i for i, e in enumerate(events) if e[1] == last), None)}
+
+
+POSITION_GROUPS = (("0", 0, 1), ("1-7", 1, 8), ("8+", 8, None))  # predicting position: name, from, to
+
+
+@torch.no_grad()
+def position_ce(model, windows: torch.Tensor, batch_size: int) -> dict[str, float]:
+    """Held-out CE (nats/token) of ``windows`` [n, T] by the position that predicts: position 0
+    (the attention sink, predicting token 1), positions 1-7, 8 onwards (POSITION_GROUPS); eval
+    mode, the training mode restored."""
+    was = model.training
+    model.eval()
+    total = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
+    try:
+        for s in range(0, len(windows), batch_size):
+            ids = windows[s:s + batch_size].to(devices.of(model))
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+            total += ce.view(ids.shape[0], -1).sum(0).double().cpu()
+    finally:
+        model.train(was)
+    total /= len(windows)
+    return {name: float(total[a:b].mean()) for name, a, b in POSITION_GROUPS}
 
 
 @torch.no_grad()
