@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             row = {"model": name, "family": family, "options": opts, "wall_seconds": wall, **{k: m[k] for k in (
                 "ce_before", "ce_after", "ce_delta", "steps", "tokens", "seconds", "schedule", "curve",
                 "fold_error_float64", "fold_error_float32", "stages", "kept")},
-                   "loadavg": os.getloadavg()}
+                   "loadavg": os.getloadavg(), **{k: m[k] for k in ("final_positions",) if k in m}}
             if "ce_control" in m:
                 row["control"] = {"ce_after": m["ce_control"], "seconds": m["control_seconds"]}
                 row["gap_to_control"] = m["gap_to_control"]
@@ -102,6 +102,9 @@ def main(argv=None) -> int:
                       + (f"  aux {r['final_aux_loss']:.5f}" if "final_aux_loss" in r else ""))
             print("  stages: " + "; ".join(f"{st['stage']} {st['from']}-{st['to']}" + (
                 "" if st["heldout_ce"] is None else f": {st['heldout_ce']:.4f}") for st in m["stages"]))
+            for when, ces in m.get("final_positions", {}).items():
+                print(f"  held-out CE by predicting position, {when} the final stage: "
+                      + ", ".join(f"{k} {v:.4f}" for k, v in ces.items()))
             print(f"  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
         else:
             text = (ROOT / "normsurgery/data/sample.txt").read_text()
