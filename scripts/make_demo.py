@@ -129,7 +129,7 @@ def make_gpt2(eot: int, width: int = 128) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(cfg)
 
 
-def make_llama(eot: int, width: int = 128) -> LlamaForCausalLM:
+def make_llama(eot: int, width: int = 128, tied: bool = False) -> LlamaForCausalLM:
     cfg = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=width,
@@ -138,7 +138,7 @@ def make_llama(eot: int, width: int = 128) -> LlamaForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         rms_norm_eps=1e-5,
         bos_token_id=eot,
         eos_token_id=eot,
@@ -290,6 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="gpt2-tiny,llama-tiny")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--width", type=int, default=128, help="residual width (4 attention heads share it)")
+    ap.add_argument("--tied", action="store_true", help="llama-tiny with its embedding and head tied (as the "
+                    "held-back GQA Llama of issue 37; the demo's are untied)")
     ap.add_argument("--out", help="write held-back models here instead of the repository's demo folder")
     ap.add_argument("--held-back", metavar="DIR", help="make the three held-back models (HELD_BACK) under DIR")
     args = ap.parse_args(argv)
@@ -340,7 +342,7 @@ def main(argv=None) -> int:
     for i, name in enumerate(args.models.split(",")):
         print(f"== {name}", flush=True)
         torch.manual_seed(args.seed + i)
-        model = builders[name](eot, args.width)
+        model = builders[name](eot, args.width, **({"tied": True} if args.tied and name == "llama-tiny" else {}))
         model.eval()
         params = n_params(model)
         ce0 = heldout_ce(model, windows)
