@@ -517,3 +517,20 @@ def test_per_position_ce_before_and_after_the_final_stage():
     held = token_ids(4, 32, seed=5)
     ces = R.position_ce(model, held, 2)
     assert (ces["0"] + 7 * ces["1-7"] + 23 * ces["8+"]) / 31 == pytest.approx(heldout_ce(model, held, 2), rel=1e-6)
+
+
+def test_untie_gives_a_tied_head_its_own_weights_before_training():
+    """untie=true on a tied GPT-2: the head trains apart from the embedding (the run differs from
+    the tied one), its parameters counted; an untied model has nothing to untie."""
+    tied_model, tied = run_pass(None, save_every=0, control=False)
+    model, report = run_pass(None, save_every=0, control=False, untie=True)
+    assert report.metrics["untied_parameters"] == 1024 * 32
+    assert any("untie: lm_head untied from transformer.wte before training (32,768 parameters" in n
+               for n in report.notes)
+    assert report.metrics["curve"][1:] != tied.metrics["curve"][1:]
+    assert model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr()
+    torch.manual_seed(0)
+    llama = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=64, vocab_size=1024, max_position_embeddings=64))
+    _, untied = run_pass(None, model=llama, save_every=0, control=False, untie=True)
+    assert "untied_parameters" not in untied.metrics

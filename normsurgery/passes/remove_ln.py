@@ -39,7 +39,10 @@ final norm's input to the training loss, from the first removal of the last bloc
 paths, or the q/k ones) to the end: the mean squared relative deviation of each token's divisor
 (rms, or std for LayerNorm) from their mean over positions >= 1 (``aux_loss``; position 0 left
 out), pulling every token toward one scale so a constant divides them all alike (Heimersheim
-2024 and Baroni et al. 2025 use the absolute form on GPT-2, weight 0.1 to 0.01).
+2024 and Baroni et al. 2025 use the absolute form on GPT-2, weight 0.1 to 0.01). ``untie=true``
+gives a tied head its own copy of the embedding before training (vocabulary x width parameters
+more), so the unembedding can absorb the scale the final norm's divisor gave; the default export
+unties it anyway when the final norm folds into the head.
 """
 
 from __future__ import annotations
@@ -474,6 +477,9 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
               "seed": o["seed"], "eval_batch_size": o["batch_size"], "resume": o["resume"],
               "save_every": o["save_every"] if workdir else 0, "state_dir": workdir}
     original = copy.deepcopy(model) if o["control"] else None
+    untied = o["untie"] and algebra.untie(model, layout)
+    if untied:  # the head trains on its own: it can absorb the scale the final norm's divisor gave
+        layout = dataclasses.replace(layout, tied=False)
     norms = install(model, layout, split=o["export"] != "stock")  # a stock norm has one output
     start, gap, final_gap, events = schedule.plan([rn.paths for rn in norms], o)
     calib = windows(train_ids, o["seq_len"], 8)
@@ -556,6 +562,11 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report.notes.append("stages as run (steps: held-out CE at the stage's last evaluation): " + "; ".join(
         f"{s['stage']} {s['from']}-{s['to']}" + ("" if s["heldout_ce"] is None else f": {s['heldout_ce']:.4f}")
         for s in report.metrics["stages"]))
+    if untied:
+        head = model.get_submodule(layout.head).weight
+        report.metrics["untied_parameters"] = head.numel()
+        report.notes.append(f"untie: {layout.head} untied from {layout.token_embedding} before training "
+                            f"({head.numel():,} parameters of its own)")
     if by_position:
         report.metrics["final_positions"] = by_position
         report.notes.append("held-out CE by predicting position, " + " and ".join(
