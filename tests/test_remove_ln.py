@@ -534,3 +534,43 @@ def test_untie_gives_a_tied_head_its_own_weights_before_training():
                                              intermediate_size=64, vocab_size=1024, max_position_embeddings=64))
     _, untied = run_pass(None, model=llama, save_every=0, control=False, untie=True)
     assert "untied_parameters" not in untied.metrics
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_final_blend_moves_from_the_live_norm_to_the_constant(family):
+    """A frozen path with blend a divides by (1 - a) d(x) + a s: at a = 0 it is the live norm, at
+    a = 1 the frozen constant, between them the mix, computed here by hand in float64."""
+    model = tiny_model(family, torch.float64)
+    norms = R.install(model, layout(model))
+    R._calibrate(model, norms, token_ids(4, 32, seed=3))
+    rn = norms[-1]  # the final norm
+    p = rn.paths.index("final")
+    x = 3 * torch.randn(2, 7, rn.weight.shape[0], dtype=torch.float64)
+    live = rn.normalise(x, p)
+    rn._cache = {}
+    rn.frozen[p] = True
+    rn.special.fill_(False)
+    c = x - x.mean(-1, keepdim=True) if rn.layernorm else x
+    d = torch.sqrt((c.pow(2).mean(-1) if rn.layernorm else x.pow(2).mean(-1)) + rn.eps)[..., None]
+    bias = 0 if rn.bias is None else rn.bias
+    for a in (0.0, 0.25, 1.0):
+        rn.blend[p], rn._cache = a, {}
+        want = c * (rn.weight + rn.offset) / ((1 - a) * d + a * rn.scale[p]) + bias
+        assert torch.allclose(rn.normalise(x, p), want, rtol=1e-12, atol=1e-12), a
+    rn.blend[p], rn._cache = 0.0, {}
+    assert torch.allclose(rn.normalise(x, p), live, rtol=1e-12, atol=1e-12)
+
+
+def test_final_blend_runs_on_the_fixed_schedule_and_refuses_what_it_cannot_fit(tmp_path):
+    _, plain = run_pass(None, save_every=0, control=False, gap=1)
+    model, report = run_pass(None, save_every=0, control=False, gap=1, final_blend=2)
+    assert report.metrics["final_blend"] == 2 and any("blended in from each token's own over 2 steps" in n
+                                                      for n in report.notes)
+    assert report.metrics["ce_after"] != plain.metrics["ce_after"]
+    assert not [m for m in model.modules() if kind_of(m)[0] != "other"]
+    small_gpt2(tmp_path / "in")
+    out = tmp_path / "out"
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:gap=1,final_blend=3", "--text", SAMPLE, "--steps", 12)
+    one_line_error(r, out, "final_blend=3 steps do not fit in the final stage (2 steps: final_gap)")
+    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:wait=0.1,final_blend=1", "--text", SAMPLE)
+    one_line_error(r, out, "final_blend needs the fixed schedule")

@@ -39,7 +39,10 @@ final norm's input to the training loss, from the first removal of the last bloc
 paths, or the q/k ones) to the end: the mean squared relative deviation of each token's divisor
 (rms, or std for LayerNorm) from their mean over positions >= 1 (``aux_loss``; position 0 left
 out), pulling every token toward one scale so a constant divides them all alike (Heimersheim
-2024 and Baroni et al. 2025 use the absolute form on GPT-2, weight 0.1 to 0.01). ``untie=true``
+2024 and Baroni et al. 2025 use the absolute form on GPT-2, weight 0.1 to 0.01).
+``final_blend=S`` turns the final norm's divisor from each token's own into the constant over S
+steps, (1 - a) d(x) + a s with a rising from 1/S to 1, instead of at once (the fixed schedule; S at
+most the final stage's length). ``untie=true``
 gives a tied head its own copy of the embedding before training (vocabulary x width parameters
 more), so the unembedding can absorb the scale the final norm's divisor gave; the default export
 unties it anyway when the final norm folds into the head.
@@ -97,7 +100,7 @@ class RemovableNorm(nn.Module):
     Buffers (so a training state holds them): ``scale`` [P] and ``scale_first`` [P], the EMA of
     the divisor over positions >= 1 and at position 0; ``frozen`` [P]; ``special`` (position 0
     keeps its own constant); ``removed_at`` [P], ``level`` [P] and ``released_at``, the schedule
-    as it ran. Gain and bias are the original norm's parameters.
+    as it ran; ``blend`` [P] (final_blend). Gain and bias are the original norm's parameters.
     """
 
     def __init__(self, norm: nn.Module, layernorm: bool, eps: float, offset: float, paths: list[str]):
@@ -116,6 +119,8 @@ class RemovableNorm(nn.Module):
         self.register_buffer("removed_at", torch.full((p,), -1, dtype=torch.long, device=dev))
         self.register_buffer("level", torch.full((p,), math.nan, device=dev))
         self.register_buffer("released_at", torch.full((), -1, dtype=torch.long, device=dev))
+        # a frozen path divides by (1 - blend) d(x) + blend s (final_blend: from 0 to 1 over its steps)
+        self.register_buffer("blend", torch.ones(p, device=dev))
         self.calibrating = False
         self.measured: list[torch.Tensor] | None = None  # remeasure: per-token divisors seen, [B, T] each
         self.aux_weight = 0.0  # final_aux: weight of aux_loss while training (0: none)
@@ -167,9 +172,13 @@ class RemovableNorm(nn.Module):
             if bool(self.special):
                 d = self.scale[p].expand(x.shape[-2]).clone()
                 d[0] = self.scale_first[p]
-                y = c * (gain / d.to(x.dtype)[:, None])
+                d = d.to(x.dtype)[:, None]
             else:
-                y = c * (gain / self.scale[p].to(x.dtype))
+                d = self.scale[p].to(x.dtype)
+            a = float(self.blend[p])
+            if a < 1:  # final_blend: the token's own divisor, turning into the constant
+                d = (1 - a) * self.stats(x).to(x.dtype)[..., None] + a * d
+            y = c * (gain / d)
         y = y if self.bias is None else y + self.bias
         self._cache[p] = (x, y)
         return y
@@ -322,8 +331,8 @@ def check(model, layout: Layout, options: dict) -> str | None:
         return ("remove-ln: keep=final cannot export=stock: the stock classes read one epsilon from the "
                 "config, and the kept final norm needs its own; use the default export")
     try:
-        final_variants(options, [])
-        schedule.plan(removal_paths(removed_layout(layout, options), split=options["export"] != "stock"), options)
+        paths = removal_paths(removed_layout(layout, options), split=options["export"] != "stock")
+        final_variants(options, schedule.plan(paths, options)[3])
     except SurgeryError as e:
         return str(e)
     return None
@@ -334,7 +343,7 @@ def check(model, layout: Layout, options: dict) -> str | None:
 def fold(model, layout: Layout, norms: list[RemovableNorm]) -> int:
     """Frozen norms into the weights: centre the writers (when a LayerNorm removes the mean),
     readers W diag(g / s) and c + W b, each norm replaced by NoNorm. Returns readers folded."""
-    if any(not bool(rn.frozen.all()) or bool(rn.special) for rn in norms):
+    if any(not bool(rn.frozen.all()) or bool(rn.special) or bool((rn.blend < 1).any()) for rn in norms):
         raise SurgeryError("remove-ln: some norm is still live; nothing can be folded")
     touched = set(layout.embeddings) if any(rn.layernorm for rn in norms) else set()
     touched |= {r for s in layout.norms for r in s.readers}
@@ -508,6 +517,9 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                                     lambda: ctx.heldout_ce(model, held, o["batch_size"], "causal-lm"), before)
         else:
             row = freeze_until(norms, events, step, before)
+        if final is not None and variants["final_blend"] > 0 and int(final[0].removed_at[final[1]]) >= 0:
+            a = min(1.0, (step - int(final[0].removed_at[final[1]]) + 1) / variants["final_blend"])
+            final[0].blend[final[1]] = row["final_blend"] = a
         if final is not None and variants["final_aux"] > 0:
             if final[0].aux is not None:  # the previous step's term, unweighted: how far the scales spread
                 row["final_aux_loss"] = float(final[0].aux.detach()) / final[0].aux_weight
@@ -532,10 +544,14 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                                         "last_removal": ran[-1][0] if ran else None,
                                         "removals": [at for at, _, _ in ran]},
                            "curve": result.curve, "kept": kept,
-                           "final_divisor": variants["final_divisor"], "final_aux": variants["final_aux"]})
-    if final is not None and (variants["final_divisor"] != "ema" or variants["final_aux"] > 0):
+                           "final_divisor": variants["final_divisor"], "final_aux": variants["final_aux"],
+                           "final_blend": variants["final_blend"]})
+    if final is not None and (variants["final_divisor"] != "ema" or variants["final_aux"] > 0
+                              or variants["final_blend"] > 0):
         report.notes.append("final norm: divisor " + ("re-measured just before it was frozen (position 0 left "
                             "out)" if variants["final_divisor"] == "remeasure" else "the moving average")
+                            + (f", blended in from each token's own over {variants['final_blend']} steps"
+                               if variants["final_blend"] > 0 else "")
                             + (f"; auxiliary loss on its input, weight {variants['final_aux']:g}, from step "
                                f"{ran[variants['aux_event']][0]}" if variants["final_aux"] > 0 else ""))
     final_kind = next((("LayerNorm" if s.kind == "layernorm" else "RMSNorm") for s in full.norms
@@ -578,17 +594,28 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
 
 
 def final_variants(options: dict, events) -> dict:
-    """The final norm's removal variants (``final_divisor``, ``final_aux``) and the index of the
-    event the auxiliary loss starts at (the first removal of the last block stage). keep=final has
-    no final removal: there they are off, and a value other than the default is refused in one line."""
-    divisor, weight = options["final_divisor"], float(options["final_aux"])
+    """The final norm's removal variants (``final_divisor``, ``final_aux``, ``final_blend``) and the
+    index of the event the auxiliary loss starts at (the first removal of the last block stage).
+    keep=final has no final removal: there they are off, and a value other than the default is
+    refused in one line; a blend must end before position 0's removal, on the fixed schedule."""
+    names = ("final_divisor", "final_aux", "final_blend")
+    chosen = {k: options[k] for k in names}
     if keep_final(options):
-        if (divisor, weight) != (REMOVE_LN_OPTIONS["final_divisor"], REMOVE_LN_OPTIONS["final_aux"]):
-            raise SurgeryError("remove-ln: final_divisor and final_aux change the final norm's removal, and "
-                               "keep=final keeps it")
-        divisor, weight = "ema", 0.0
+        if chosen != {k: REMOVE_LN_OPTIONS[k] for k in names}:
+            raise SurgeryError("remove-ln: final_divisor, final_aux and final_blend change the final norm's removal, "
+                               "and keep=final keeps it")
+        chosen = {"final_divisor": "ema", "final_aux": 0.0, "final_blend": 0}
+    if chosen["final_blend"] > 0:
+        at = {stage: step for step, stage, _ in events}
+        if options["wait"] > 0:
+            raise SurgeryError("remove-ln: final_blend needs the fixed schedule (the final stage's length is known "
+                               "before it starts); drop wait")
+        if "final" in at and chosen["final_blend"] > at["position 0"] - at["final"]:
+            raise SurgeryError(f"remove-ln: final_blend={chosen['final_blend']} steps do not fit in the final stage "
+                               f"({at['position 0'] - at['final']} steps: final_gap); give a larger final_gap or a "
+                               "shorter blend")
     last = next((e[1] for e in reversed(events) if e[1] in schedule.STAGES), None)
-    return {"final_divisor": divisor, "final_aux": weight,
+    return {**chosen, "final_aux": float(chosen["final_aux"]),
             "aux_event": next((i for i, e in enumerate(events) if e[1] == last), None)}
 
 
