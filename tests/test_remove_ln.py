@@ -429,8 +429,6 @@ def test_final_variants_start_at_the_last_block_stage_and_are_refused_with_keep_
         R.final_variants({**o, "keep": "final", "final_aux": 0.1}, events)
     small_gpt2(tmp_path / "in")
     out = tmp_path / "out"
-    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:keep=final,final_divisor=remeasure", "--text", SAMPLE)
-    one_line_error(r, out, "keep=final keeps it")
     r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:final_divisor=x", "--text", SAMPLE)
     assert r.exit_code == 2 and "option final_divisor='x' must be one of" in r.output and not out.exists()
 
@@ -496,13 +494,26 @@ def test_waiting_resumes_an_interrupted_run_to_the_same_model(tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_waiting_refuses_a_budget_or_final_gap_it_cannot_use(tmp_path):
+@pytest.mark.parametrize("options,steps,match", [
+    # 6 removals from step 3 (30 // 10), 5 apart: the last at 28, past 20; steps=44: from 4 to 29, the deadline 29
+    ("wait=0.01,gap=5", 30, "end at step 28 at the earliest, past the deadline at 2/3 of steps=30 (step 20); the "
+                            "smallest budget that fits is steps=44 with gap=5 as given"),
+    ("wait=0.01,final_gap=5", 900, "final_gap spaces the fixed schedule"),
+    ("gap=1,final_blend=3", 12, "final_blend=3 steps do not fit in the final stage (2 steps: final_gap)"),
+    ("wait=0.1,final_blend=1", 900, "final_blend needs the fixed schedule"),
+    ("keep=final,final_divisor=remeasure", 900, "keep=final keeps it"),
+])
+def test_options_that_cannot_hold_together_are_refused_before_reading(tmp_path, monkeypatch, options, steps, match):
+    from normsurgery import pipeline
+
+    def no_reading(*a, **k):
+        raise AssertionError("weights read before the options were checked")
+
     small_gpt2(tmp_path / "in")
+    monkeypatch.setattr(pipeline.Loader, "load", no_reading)
     out = tmp_path / "out"
-    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:wait=0.01,gap=5", "--text", SAMPLE, "--steps", 30)
-    one_line_error(r, out, "the smallest budget that fits is steps=")
-    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:wait=0.01,final_gap=5", "--text", SAMPLE)
-    one_line_error(r, out, "final_gap spaces the fixed schedule")
+    r = cli("convert", tmp_path / "in", out, "--pass", f"remove-ln:{options}", "--text", SAMPLE, "--steps", steps)
+    one_line_error(r, out, match)
 
 
 def test_per_position_ce_before_and_after_the_final_stage():
@@ -561,16 +572,10 @@ def test_final_blend_moves_from_the_live_norm_to_the_constant(family):
     assert torch.allclose(rn.normalise(x, p), live, rtol=1e-12, atol=1e-12)
 
 
-def test_final_blend_runs_on_the_fixed_schedule_and_refuses_what_it_cannot_fit(tmp_path):
+def test_final_blend_runs_on_the_fixed_schedule():
     _, plain = run_pass(None, save_every=0, control=False, gap=1)
     model, report = run_pass(None, save_every=0, control=False, gap=1, final_blend=2)
     assert report.metrics["final_blend"] == 2 and any("blended in from each token's own over 2 steps" in n
                                                       for n in report.notes)
     assert report.metrics["ce_after"] != plain.metrics["ce_after"]
     assert not [m for m in model.modules() if kind_of(m)[0] != "other"]
-    small_gpt2(tmp_path / "in")
-    out = tmp_path / "out"
-    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:gap=1,final_blend=3", "--text", SAMPLE, "--steps", 12)
-    one_line_error(r, out, "final_blend=3 steps do not fit in the final stage (2 steps: final_gap)")
-    r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:wait=0.1,final_blend=1", "--text", SAMPLE)
-    one_line_error(r, out, "final_blend needs the fixed schedule")
