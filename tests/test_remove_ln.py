@@ -131,7 +131,7 @@ def small_gpt2(tmp_path=None):
     return model
 
 
-def run_pass(tmp_path, model=None, interrupt_at=None, heldout_ce=heldout_ce, **options):
+def run_pass(tmp_path, model=None, interrupt_at=None, heldout_ce=heldout_ce, train_fn=train, **options):
     model = model or small_gpt2()
     opts = {**get("remove-ln").options, "steps": 12, "batch_size": 2, "seq_len": 32, "eval_samples": 2,
             "lr": 1e-3, "save_every": 4, **options}
@@ -141,7 +141,7 @@ def run_pass(tmp_path, model=None, interrupt_at=None, heldout_ce=heldout_ce, **o
             raise KeyboardInterrupt
 
     ctx = PassContext(options=opts, tokenizer=checkpoint.Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
-                      train=train, heldout_ce=heldout_ce, workdir=tmp_path, train_progress=progress)
+                      train=train_fn, heldout_ce=heldout_ce, workdir=tmp_path, train_progress=progress)
     report = get("remove-ln").apply(model, layout(model), ctx)
     return model, report
 
@@ -400,15 +400,27 @@ def test_aux_loss_reaches_the_parameters_only_through_the_final_norms_input():
     assert final.aux is None  # evaluation forwards carry no aux term
 
 
-def test_final_aux_0_equals_the_plain_run_and_a_weight_changes_it():
-    plain, a = run_pass(None, save_every=0, control=False)
-    zero, b = run_pass(None, save_every=0, control=False, final_aux=0.0, final_divisor="ema")
-    assert a.metrics["curve"] == b.metrics["curve"]
-    for (name, p), q in zip(plain.state_dict().items(), zero.state_dict().values()):
-        assert torch.equal(p, q), name
-    aux, c = run_pass(None, save_every=0, control=False, final_aux=1.0)
-    assert c.metrics["final_aux"] == 1.0 and any("auxiliary loss on its input, weight 1" in n for n in c.notes)
-    assert c.metrics["curve"][-1]["heldout_ce"] != a.metrics["curve"][-1]["heldout_ce"]
+def test_final_aux_pulls_from_the_last_block_stage_and_0_is_the_plain_loop():
+    """final_aux=W: each training forward from the first removal of the last block stage on adds
+    the final norm's aux term, none before; W = 0 gives the training loop no extra loss at all (the
+    plain run); a weight changes the trained model and says so."""
+    added, given = [], []
+
+    def spy(*args, extra_loss=None, **kw):  # records what each training forward adds to its loss
+        given.append(extra_loss is not None)
+        if extra_loss is None:
+            return train(*args, **kw)
+        return train(*args, extra_loss=lambda: added.append(extra_loss()) or added[-1], **kw)
+
+    _, plain = run_pass(None, save_every=0, control=False, final_aux=0.0, train_fn=spy)
+    assert given == [False]
+    _, pulled = run_pass(None, save_every=0, control=False, final_aux=1.0, train_fn=spy)
+    start = next(s["from"] for s in pulled.metrics["stages"] if s["stage"] == "qk")  # GPT-2: q, k, v fused
+    assert given == [False, True] and len(added) == 12
+    assert added[:start] == [None] * start and all(t is not None and t.item() >= 0 for t in added[start:])
+    assert pulled.metrics["final_aux"] == 1.0 and any(f"auxiliary loss on its input, weight 1, from step {start}" in n
+                                                      for n in pulled.notes)
+    assert pulled.metrics["curve"][-1]["heldout_ce"] != plain.metrics["curve"][-1]["heldout_ce"]
 
 
 def test_final_divisor_remeasure_runs_and_differs_from_the_moving_average():
