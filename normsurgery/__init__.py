@@ -23,7 +23,7 @@ import types  # noqa: E402
 # The API is imported on first use (PEP 562), so ``import normsurgery.cli`` and
 # ``normsurgery --help`` do not pay for torch and transformers.
 _API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": "checkpoint",
-        "Source": "checkpoint", "save": "pipeline", "convert": "convert", "apply_passes": "convert",
+        "Source": "checkpoint", "save": "writer", "convert": "convert", "apply_passes": "convert",
         "load_recipe": "registry", "parse_pass": "registry", "SurgeryError": "errors", "passes": "passes",
         "register": "registry", "verify": "verify", "outliers": "verify", "prune": "prune", "heal": "heal",
         "PruneOptions": "options", "HealOptions": "options", "squeeze": "squeeze", "SqueezeOptions": "options",

@@ -18,7 +18,7 @@ outputs are computed once and serve the tolerance too. The result (and ``--json`
 forwards run and their seconds (``forwards``, ``seconds_check``; streamed: with the reads of the
 parts they entered).
 
-Plans (``pipeline``): every pass blockwise, the model is read and rewritten one part at a time
+Plans (``plan``, ``sweep``): every pass blockwise, the model is read and rewritten one part at a time
 (``streaming=None`` chooses it: it is the faster path at every size measured, and bounded in
 memory), except where a pass scans the whole model first (minimize, mask, compensated-ln: one
 more read per scan) and the model fits in memory; a pass that needs the whole model (training,
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +41,15 @@ from .checkpoint import Source
 from .errors import SurgeryError
 from .options import MAX_SHARD_SIZE, ON_OVERFLOW
 from .parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, output_kind, probe_ids
-from .pipeline import (FORWARDS, Check, StepSpec, Tolerances, Work, check_applies, check_before_reading,
-                       model_reader, save_work, source_reader, steps_of)
+from .check import Check, Tolerances, model_reader, source_reader
+from .plan import StepSpec, check_applies, check_before_reading, plan, steps_of
 from .progress import Progress, no_progress
 from .runner import Job
+from .sweep import FORWARDS, Work, step_reports
 from .texts import text_of
 from .registry import PassContext, load_recipe, parse_pass  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
+from .writer import save_work
 
 
 @dataclass
@@ -126,7 +129,6 @@ def plan_memory(work: Work) -> dict:
     before reading the next: the 2.7 GB bf16 Llama's 467 MB largest part, 470 MB measured above
     the imports), "parts": how many}."""
     from .families import layout
-    from .pipeline import plan
     from .shards import inside
 
     size = torch.finfo(work.dtype).bits // 8
@@ -182,9 +184,26 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     mark = FORWARDS.mark()
     steps = steps_of(passes)
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
+    work, result = _planned(job, steps, work_dtype, streaming, text, state_dir(out), progress)
+    source = job.source
+    cast = coarser(source.storage, work.dtype)  # checked before the cast, then the cast
+    ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, _length(source)) if verify else None
+    outs = _in_memory(work, ids, progress, cast) if work.resident else {}
+    if not is_main_process():  # one of several training processes: the main one saves
+        return result
+    check = _check(work, result, ids, outs, tolerance, force, progress, cast)
+    saved = save_work(work, out, storage=source.storage, record=partial(_record, result), check=check, force=force,
+                      on_overflow=on_overflow, max_shard_size=max_shard_size, progress=progress)
+    shutil.rmtree(state_dir(out), ignore_errors=True)
+    return _finished(result, saved, outs, check.tolerances, work.steps, mark)
+
+
+def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, streaming: bool | None, text: str,
+             workdir: Path, progress: Progress) -> tuple[Work, Result]:
+    """The work over ``job``'s source (its plan chosen, what the Layout already refuses refused
+    before any weight is read) and the result it starts."""
     source, where = job.source, job.device
     dtype = work_dtype_for(source.storage, work_dtype)
-    cast = coarser(source.storage, dtype)  # checked before the cast, then the cast
     why = choose_plan(source, steps, dtype, streaming, where)
     work = Work(source, dtype, streamed=why is not None, device=where)
     check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
@@ -192,38 +211,51 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if why is not None:
         why += (f" (about {needs['streamed'] / 2**30:.2f} GiB at a time in {needs['parts']} parts; in memory about "
                 f"{needs['in_memory'] / 2**30:.1f} GiB)")
-    workdir = state_dir(out)
     work.steps, work.context = steps, PassContext(
         tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
         storage_bytes=source.storage.itemsize,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,
                     device=devices.describe(where), memory=needs, against=_against(steps, dtype, source.storage))
-    ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, _length(source)) if verify else None
-    outs: dict[int, torch.Tensor] = {}
-    if work.resident:
-        work.load_all()
-        check_applies(work.model, steps[0].pass_name)
-        if verify:
-            outs = _step_outputs(work, ids, progress, cast)
-        work.enter(work.parts[0], len(steps))  # every step runs here, in every process
-    if not is_main_process():  # one of several training processes: the main one saves
-        return result
-    # the reference's outputs: those the anchor computes (streamed: once the parts are written),
-    # not read a second time for a tolerance
-    t = Tolerances(source_reader(source, ids, dtype, work.streamed, where), ids, dtype, lambda: outs.get(0),
-                   tolerance, source.head_output, work.streamed, where) if verify else None
+    return work, result
 
-    def anchor() -> torch.Tensor:  # streamed: the outputs are read once the parts are written
-        if not outs:
-            outs.update(_step_outputs(work, ids, progress, cast))
-        return outs[len(steps) if cast else _anchor_level(steps)]
 
-    check = Check(t, anchor if verify else None, before_check=lambda: _judge_steps(result, work, outs, t, force),
-                  failure=lambda c: _failure(steps, c, source.storage if cast else None))
-    saved = save_work(work, out, storage=source.storage, record=lambda c: _record(result, c), check=check, force=force,
-                      on_overflow=on_overflow, max_shard_size=max_shard_size, progress=progress)
-    shutil.rmtree(workdir, ignore_errors=True)
+def _in_memory(work: Work, ids: torch.Tensor | None, progress: Progress, cast: bool) -> dict[int, torch.Tensor]:
+    """The one-part plan: the model read, every step run (in every process), and the outputs the
+    checks need measured on the way (``ids``: None, no check)."""
+    work.load_all()
+    check_applies(work.model, work.steps[0].pass_name)
+    outs = _step_outputs(work, ids, progress, cast) if ids is not None else {}
+    work.enter(work.parts[0], len(work.steps))  # every step runs here, in every process
+    return outs
+
+
+def _check(work: Work, result: Result, ids: torch.Tensor | None, outs: dict[int, torch.Tensor],
+           tolerance: float | None, force: bool, progress: Progress, cast: bool) -> Check:
+    """How the written folder is checked (``ids``: None, it is not). The reference's outputs are
+    those the anchor computes (streamed: once the parts are written), not read a second time for a
+    tolerance."""
+    source, dtype, streamed, where = work.source, work.dtype, work.streamed, work.device
+    t = Tolerances(source_reader(source, ids, dtype, streamed, where), ids, dtype, lambda: outs.get(0),
+                   tolerance, source.head_output, streamed, where) if ids is not None else None
+    return Check(t, partial(_anchor, work, ids, progress, cast, outs) if ids is not None else None,
+                 before_check=partial(_judge_steps, result, work, outs, t, force),
+                 failure=partial(_failure, work.steps, cast=source.storage if cast else None))
+
+
+def _anchor(work: Work, ids: torch.Tensor, progress: Progress, cast: bool,
+            outs: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The outputs the written folder is compared with (streamed: read once the parts are
+    written, into ``outs``)."""
+    if not outs:
+        outs.update(_step_outputs(work, ids, progress, cast))
+    return outs[len(work.steps) if cast else _anchor_level(work.steps)]
+
+
+def _finished(result: Result, saved, outs: dict[int, torch.Tensor], t: Tolerances | None,
+              steps: list[StepSpec], mark: tuple[int, float]) -> Result:
+    """``result`` with what was saved, the written folder's parity, what the function's change
+    measured, and the checks' forwards since ``mark``."""
     result.saved, result.parity = saved.info, saved.comparison
     result.baseline = result.parity.null if result.parity is not None else None
     level = _anchor_level(steps)
@@ -325,7 +357,7 @@ def steps_with(work: Work, parities: dict[int, Comparison]) -> list[Step]:
     for i, s in enumerate(work.steps):
         if s.kind == "reference" and not work.reports[i]:  # a pass's reference step that did nothing
             continue
-        notes, metrics = work.step_reports(i)
+        notes, metrics = step_reports(list(work.reports[i].values()))
         out.append(Step(s.name, s.kind, s.options, notes, metrics, parities.get(i)))
     return out
 
@@ -333,7 +365,7 @@ def steps_with(work: Work, parities: dict[int, Comparison]) -> list[Step]:
 def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.Tensor | None = None,
                  tolerance: float | None = None, context: PassContext | None = None,
                  progress: Progress = no_progress) -> list[Step]:
-    """Run ``passes`` in order on ``model`` in memory (in place; the one-part plan of ``pipeline``).
+    """Run ``passes`` in order on ``model`` in memory (in place; the one-part plan of ``sweep``).
     With ``ids``, each step's outputs are compared with those before it, an exact step judged in
     the model's arithmetic, against its own rounding measured as it stands after the step
     (reported, not raised). A pass's own reference step (a mask first) is a step of its own, kind

@@ -35,7 +35,7 @@ from .errors import SurgeryError
 from .options import FORMATS  # re-exported
 from .output import writing, written
 from .parity import Comparison, compare, outputs, probe_ids, unpadded
-from .pipeline import Tolerances, model_reader
+from .check import Tolerances, model_reader
 from .runner import Job
 from .texts import text_of
 

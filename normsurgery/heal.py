@@ -24,7 +24,7 @@ accumulation, bf16 autocast where the device has it); only the adapters train.
 :func:`heal` is the whole command (``normsurgery heal``; ``prune --heal`` runs it on the pruned
 model): through the one runner (``runner.Job``), the text split into training and held-out
 windows, the checkpoint read whole on the chosen device, LoRA trained and merged, and the result
-saved and checked through ``pipeline.save`` (or the adapter saved unmerged).
+saved and checked through ``writer.save`` (or the adapter saved unmerged).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from .checkpoint import Source
 from .families import layout
 from .output import writing, written
 from .progress import no_progress
-from .pipeline import Work, earlier_records
+from .sweep import Work
+from .writer import earlier_records
 from .runner import Job
 from .texts import heldout_text, text_of
 from .devices import PRECISIONS  # noqa: F401  (re-exported)

@@ -27,7 +27,7 @@ from .checkpoint import Source, load
 from .errors import SurgeryError
 from .families import layout
 from .parity import compare, outputs, probe_ids
-from .pipeline import Tolerances, model_reader
+from .check import Tolerances, model_reader
 from .runtime import NoNorm
 
 INSTALL = "pip install 'normsurgery[lens]'"

@@ -34,7 +34,7 @@ SQUEEZE_STEPS = 900
 CRITERIA = ("magnitude", "activation")
 #: convert --on-overflow: a rewritten tensor that does not fit a half-precision checkpoint (``precision``)
 ON_OVERFLOW = ("refuse", "keep-float32")
-#: convert --max-shard-size: the largest safetensors shard written (``pipeline.save_work``), as transformers'
+#: convert --max-shard-size: the largest safetensors shard written (``writer.save_work``), as transformers'
 #: ``save_pretrained`` spells its default
 MAX_SHARD_SIZE = "5GB"
 #: verify --samples: probe windows compared (``verify.verify``)

@@ -37,7 +37,9 @@ from .heal import run as heal_run
 from .layout import LM_OBJECTIVES
 from .options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
 from .parity import output_kind, probe_ids
-from .pipeline import Check, Tolerances, Work, anchor, save_work
+from .check import Check, Tolerances, anchor
+from .sweep import Work
+from .writer import save_work
 from .progress import Progress, no_progress
 from .runner import Job
 from .texts import heldout_text, text_of

@@ -74,7 +74,7 @@ class PassReport:
 
     def count(self, template: str, **values) -> None:
         """A note, ``template`` formatted with ``values``. Where the model is rewritten in parts
-        (``pipeline``), the parts' notes of one template become one, its integer values summed
+        (``sweep``), the parts' notes of one template become one, its integer values summed
         (others: the first part's), so every plan says the same of the whole model."""
         note = template.format(**values)
         self.notes.append(note)

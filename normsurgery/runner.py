@@ -10,10 +10,10 @@ chosen (``devices.choose``). Then:
 - :meth:`Job.training_data`: the text split into training ids and held-out windows;
 - :meth:`Job.make_accelerator`: the training processes' accelerator on that device, with the
   precision asked for;
-- :meth:`Job.load`: the checkpoint whole, on the device (the one-part plan of ``pipeline``; under
+- :meth:`Job.load`: the checkpoint whole, on the device (the one-part plan of ``sweep``; under
   sharded training, on the main process only);
 - :meth:`Job.record`: what the saved config records (version, source, device, the steps');
-- :meth:`Job.save`: the model written and checked by ``pipeline.save`` on the main process (the
+- :meth:`Job.save`: the model written and checked by ``writer.save`` on the main process (the
   other processes of a distributed run wait for it).
 
 Training itself is ``training.train``, the one loop, which moves the model to the accelerator's
@@ -33,7 +33,8 @@ from .calibration import fit_seq_len, split_heldout, tokenize, windows
 from .checkpoint import Source
 from .errors import SurgeryError
 from .output import check_output
-from .pipeline import Work, save
+from .sweep import Work
+from .writer import save
 from .version import __version__
 
 
@@ -100,7 +101,7 @@ class Job:
 
     def save(self, model, record: dict, ids: torch.Tensor, *, extra: Callable[[Path], None] | None = None,
              progress=None) -> dict | None:
-        """``model`` written to the job's output and checked (``pipeline.save``) by the main process;
+        """``model`` written to the job's output and checked (``writer.save``) by the main process;
         every process waits for it. Returns what was written (None on the other processes)."""
         saved = None
         if self.main:

@@ -49,7 +49,7 @@ from .families import layout
 from .heal import heal_model, require_lm
 from .options import STRUCTURES, SqueezeOptions  # noqa: F401  (re-exported: the API's names)
 from .parity import probe_ids
-from .pipeline import check_applies
+from .plan import check_applies
 from .passes.mask import CALIBRATION
 from .progress import Progress, no_progress
 from .registry import PassContext

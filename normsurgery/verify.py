@@ -21,7 +21,8 @@ from .options import OUTLIER_SAMPLES, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLE
 from .families import FAMILIES, architecture, objective, positions, stock_class_of
 from .parity import (Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs,
                      probe_ids)
-from .pipeline import Tolerances, Work, model_reader, source_reader
+from .check import Tolerances, model_reader, source_reader
+from .sweep import Work
 from .shards import differing
 
 #: tokens per probe window when none is asked for (fewer when the model has fewer positions)

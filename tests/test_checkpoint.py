@@ -177,17 +177,17 @@ def test_a_single_pass_records_its_parity_and_the_overall_one(tmp_path, streamin
 def test_a_model_read_whole_is_freed_before_the_folder_is_read_back(tmp_path, monkeypatch):
     """The one-part plan: the weights are gone once written (the folder read back does not stack
     on them), and the check still compares with the outputs computed before."""
-    from normsurgery import pipeline
+    from normsurgery import writer
 
     src = tmp_path / "src"
     tiny_model("llama", torch.float32).save_pretrained(src)
-    check, devices = pipeline.check_written, []
+    check, devices = writer.check_written, []
 
     def checking(folder, records, tolerances, anchor, storage, model, *args):
         devices.extend({p.device.type for p in model.parameters()})
         return check(folder, records, tolerances, anchor, storage, model, *args)
 
-    monkeypatch.setattr(pipeline, "check_written", checking)
+    monkeypatch.setattr(writer, "check_written", checking)
     result = ns.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=False)
     assert devices == ["meta"] and result.saved["plain_transformers"] and result.ok
     assert result.streaming is None and 0 < result.parity.relative <= 1e-5

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from normsurgery.checkpoint import Source
 from normsurgery.cli import app
-from normsurgery.pipeline import Work
+from normsurgery.sweep import Work
 from normsurgery.shards import ShardWriter
 from normsurgery.training import TrainConfig, train
 

@@ -424,11 +424,11 @@ def test_every_value_a_built_in_pass_changes_is_noted(tmp_path, monkeypatch, fam
     identity alone (no patch of ``Parameter.data``). Every parameter whose values a step changed is
     marked; a pass writing through ``.data`` and claiming to be tracked is caught (the oracle can
     fail)."""
-    from normsurgery import pipeline, registry
+    from normsurgery import registry, sweep
     from normsurgery.registry import PassReport
 
     snaps, missed = {}, []
-    versions, mark = pipeline.versions, pipeline.mark_changed
+    versions, mark = sweep.versions, sweep.mark_changed
 
     def snapshot(model):
         snaps[id(model)] = [(n, p, p.detach().clone()) for n, p in model.named_parameters() if p.device.type != "meta"]
@@ -437,11 +437,11 @@ def test_every_value_a_built_in_pass_changes_is_noted(tmp_path, monkeypatch, fam
     def check(model, before, everything=False):
         mark(model, before, everything)
         live = {id(p) for p in model.parameters()}
-        missed.extend(n for n, p, old in snaps[id(model)] if id(p) in live and not getattr(p, pipeline.CHANGED, False)
+        missed.extend(n for n, p, old in snaps[id(model)] if id(p) in live and not getattr(p, sweep.CHANGED, False)
                       and not torch.equal(p.detach(), old))
 
-    monkeypatch.setattr(pipeline, "versions", snapshot)
-    monkeypatch.setattr(pipeline, "mark_changed", check)
+    monkeypatch.setattr(sweep, "versions", snapshot)
+    monkeypatch.setattr(sweep, "mark_changed", check)
     src = checkpoint_at(tmp_path, family)
     convert_mod.convert(src, tmp_path / "out", passes, streaming=streaming, verify=False)
     assert not missed
@@ -464,26 +464,26 @@ def test_every_value_a_built_in_pass_changes_is_noted(tmp_path, monkeypatch, fam
 def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
     """prune --streaming (no step runs on a kept block) copies each kept tensor's bytes under its
     renumbered name, reading nothing while it writes; the folder loads as the in-memory prune's."""
-    from normsurgery import pipeline, shards
+    from normsurgery import shards, writer
 
     src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
     reads, writing = [], []
-    read_into, write = shards.Reader.read_into, pipeline.Work.write
+    read_into, write = shards.Reader.read_into, writer.write_parts
 
     def spying(self, key, out):
         if writing:
             reads.append(key)
         return read_into(self, key, out)
 
-    def spied_write(self, *a, **k):
+    def spied_write(*a, **k):
         writing.append(True)
         try:
-            return write(self, *a, **k)
+            return write(*a, **k)
         finally:
             writing.clear()
 
     monkeypatch.setattr(shards.Reader, "read_into", spying)
-    monkeypatch.setattr(pipeline.Work, "write", spied_write)
+    monkeypatch.setattr(writer, "write_parts", spied_write)
     opts = {"layers": 1, "method": "last", "seq_len": 16}
     got = ns.prune(src, tmp_path / "stream", opts, streaming=True)
     assert reads == [] and copies["added"] == [] and len(copies["copied"]) == len(raw(tmp_path / "stream"))
@@ -503,18 +503,18 @@ def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
 def test_a_copied_tensor_is_still_checked_for_nan(tmp_path, monkeypatch):
     """An unread part's tensors are checked for NaN or Inf as they are copied (not only when the
     check reads the input again: without it, nothing else would), as reading refuses them."""
-    from normsurgery import pipeline
+    from normsurgery import writer
 
-    write, raised = pipeline.Work.write, []
+    write, raised = writer.write_parts, []
 
-    def spied_write(self, *a, **k):
+    def spied_write(*a, **k):
         try:
-            return write(self, *a, **k)
+            return write(*a, **k)
         except ns.SurgeryError:
             raised.append(True)
             raise
 
-    monkeypatch.setattr(pipeline.Work, "write", spied_write)
+    monkeypatch.setattr(writer, "write_parts", spied_write)
     src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
     sd = tensors(src)
     name = next(k for k in sd if ".layers.0.mlp." in k)  # kept (--method last removes a later block)
@@ -534,16 +534,18 @@ def test_a_copied_tensor_is_still_checked_for_nan(tmp_path, monkeypatch):
 
 @pytest.fixture
 def forwards(monkeypatch):
-    """Every model forward the executor runs, counted at parity.outputs as the pipeline calls it."""
-    from normsurgery import pipeline
+    """Every model forward the executor runs, counted at parity.outputs as the executor's modules
+    call it (the sweep's forwards, a model reader's, a model saved from memory)."""
+    from normsurgery import check, sweep, writer
 
-    calls, real = [], pipeline.outputs
+    calls, real = [], sweep.outputs
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(pipeline, "outputs", counting)
+    for module in (sweep, check, writer):
+        monkeypatch.setattr(module, "outputs", counting)
     return calls
 
 
@@ -590,7 +592,7 @@ def test_identical_outputs_need_no_baseline(tmp_path, forwards):
 def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
     """Logits kept as the head's input (rows read from the files when compared) give the full
     comparison's figures to float rounding, either side compact, in both plans."""
-    from normsurgery import pipeline
+    from normsurgery import check
     from normsurgery.parity import HeadInput, compare, probe_ids
 
     src = checkpoint_at(tmp_path, family, dtype)
@@ -601,7 +603,7 @@ def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
         got = {}
         for name, path in (("a", src), ("b", out)):
             for compact in (False, True):
-                got[name, compact] = pipeline.read_outputs(Source.open(path), ids, torch.float32, streamed, device="cpu",
+                got[name, compact] = check.read_outputs(Source.open(path), ids, torch.float32, streamed, device="cpu",
                                                            compact=compact)
         assert isinstance(got["a", True], HeadInput) and not isinstance(got["a", False], HeadInput)
         full = compare(got["a", False], got["b", False])
@@ -620,13 +622,13 @@ def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
 def test_every_compact_family_gives_its_logits(tmp_path, family):
     """Each family kept compact: its logits are exactly its head applied to the head's input
     (no scale or soft cap after it), as the full forward gives them."""
-    from normsurgery import pipeline
+    from normsurgery import check
     from normsurgery.parity import HeadInput, compare, probe_ids
 
     src = checkpoint_at(tmp_path, family)
     ids = probe_ids(None, CONFIGS[family]().vocab_size, None, 2, 8)
-    full = pipeline.read_outputs(Source.open(src), ids, torch.float32, False, device="cpu")
-    compact = pipeline.read_outputs(Source.open(src), ids, torch.float32, False, device="cpu", compact=True)
+    full = check.read_outputs(Source.open(src), ids, torch.float32, False, device="cpu")
+    compact = check.read_outputs(Source.open(src), ids, torch.float32, False, device="cpu", compact=True)
     assert isinstance(compact, HeadInput)
     assert compare(full, compact).relative < 1e-6
 

@@ -209,12 +209,12 @@ def test_quality_and_no_statistics_after_a_short_run(tmp_path):
 
 def test_a_schedule_the_budget_cannot_hold_is_refused_before_the_weights_are_read(monkeypatch):
     """warm-up + decay over the step budget: refused from the options alone, nothing loaded."""
-    from normsurgery import pipeline
+    from normsurgery import sweep
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the schedule was checked")
 
-    monkeypatch.setattr(pipeline.Loader, "load", no_reading)
+    monkeypatch.setattr(sweep.Loader, "load", no_reading)
     with pytest.raises(SurgeryError, match="warm-up 30 \\+ decay 80 steps exceed the budget of 100"):
         ns.convert(GPT2, "unused-out", [("prepbn", {"steps": 100, "warmup": 30, "decay": 80})], text=SAMPLE)
     assert not Path("unused-out").exists()

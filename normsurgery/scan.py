@@ -1,0 +1,74 @@
+"""A step on a part, and the whole-model facts its stages need first (their scans).
+
+A step runs its pass's ``run``, or its stages in turn, each after its scans: a scan collects on
+every part brought to where its stage starts, and gathers what it collected into facts about the
+whole model (index sets, thresholds), known once for every work over one plan (``Work.fresh``
+shares them). Written against a :class:`sweep.Work`'s own methods (no import of it: the sweep
+calls here).
+"""
+
+from __future__ import annotations
+
+from .families import layout
+from .layout import Layout
+from .registry import PassReport, Stage
+
+
+def run_step(work, i: int, scope: tuple[str, ...], stages: int | None = None) -> PassReport | None:
+    """Step ``i`` of ``work`` on the part ``scope``: its ``run``, or its first ``stages`` stages
+    (default: all), each after its scans (:func:`facts`) with the Layout as the stage finds it. A
+    staged step that has no stages (a mask not asked for) reports None."""
+    step, model, ctx = work.steps[i], work.model, work.context
+    if step.stages is None:
+        ctx.options = step.options
+        return step.run(model, layout(model, scope), ctx)
+    todo = step.stages(step.options, layout(model))
+    report = PassReport(step.pass_name) if todo else None
+    for k, stage in enumerate(todo[:stages]):
+        known = facts(work, i, k, todo)
+        ctx.options, ctx.facts = step.options, known
+        stage.run(model, layout(model, scope), ctx, report)
+    return report
+
+
+def facts(work, i: int, k: int, stages: list[Stage]) -> dict:
+    """What stage ``k`` of step ``i`` and those before it know of the whole model: each stage's
+    scans collect on every part brought to where the stage starts (the steps before ``i``, then
+    stages before ``k``), once for every work over this plan (``Work.fresh`` shares them). In
+    memory the one part is the model itself, already there; streamed, the parts of a work of their
+    own are read, brought there, collected and freed one at a time."""
+    if (i, k) in work.known:
+        return work.known[(i, k)]
+    known = dict(facts(work, i, k - 1, stages)) if k else {}
+    scans = stages[k].scans
+    if scans:
+        ctx, collected = work.context, [[] for _ in scans]
+
+        def collect(model, scope):
+            ctx.options, ctx.facts = work.steps[i].options, known
+            for c, scan in zip(collected, scans):
+                c.append(scan.collect(model, layout(model, scope), ctx))
+        whole = _collect_all(work, i, k, collect)
+        ctx.options, ctx.facts = work.steps[i].options, known
+        for c, scan in zip(collected, scans):
+            known.update(scan.gather(c, whole, ctx))
+    work.known[(i, k)] = known
+    return known
+
+
+def _collect_all(work, i: int, k: int, collect) -> Layout:
+    """``collect(model, scope)`` on every part at step ``i``'s stage ``k``: the resident model
+    itself, or the parts of a fresh work read one at a time. Returns the whole model's Layout."""
+    if work.resident:
+        collect(work.model, ())
+        return layout(work.model)
+    sweep = work.fresh()
+    try:
+        for part in sweep.parts:
+            sweep.enter(part, i)
+            run_step(sweep, i, part.scope, k)
+            collect(sweep.model, part.scope)
+            sweep.leave(part)
+    finally:
+        sweep.close()
+    return layout(sweep.model)

@@ -1,0 +1,377 @@
+"""The sweep: one executor over parts. Every model convert, verify, prune and heal read, rewrite,
+check and write goes through it, whether the whole model is in memory or one part at a time.
+
+A :class:`Work` is a model of a checkpoint (``checkpoint.Source``) built on the meta device (no
+memory for weights) and cut into parts (:func:`plan.plan`). "In memory" is the plan of one part
+holding the whole model, loaded once and kept (``resident``). A part is *entered* (its tensors
+read from the files, cast to the working dtype, then brought to a level: the first ``level``
+rewrite steps applied to it with the Layout restricted to it: ``scan.run_step``) and *left*
+(freed, unless resident). So:
+
+- outputs (:meth:`Work.outputs`): a forward pass whose hooks enter each part before its first
+  module runs and leave it after its last; the outputs are the whole model's;
+- writing (``writer.write_parts``): each part entered at the last level, its tensors cast to the
+  storage dtype (``precision.for_storage``: checked for overflow and underflow) and appended to
+  the output shards, then freed;
+- the written folder is checked as any checkpoint is read: a :class:`Work` over it, with the
+  stock class where loading with plain transformers is claimed (``writer.save_work``,
+  ``check.check_written``).
+
+The arithmetic of a part is the same in either plan, tensor for tensor, so both write the same
+tensors. Memory is about one part plus one tensor being read or written when streaming.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+from typing import Callable
+
+import torch
+
+from . import devices, memory
+from .checkpoint import Loader, Source
+from .errors import SurgeryError
+from .families import layout
+from .norms import faithful_norms
+from .parity import HeadInput, jittered, outputs
+from .plan import Part, StepSpec, check_applies, plan
+from .registry import PassContext, PassReport
+from .scan import run_step
+from .shards import Reader as ShardReader
+
+
+class Parts:
+    """A model whose parts are read from the checkpoint ``source`` (onto ``device``, in ``dtype``)
+    and freed part by part (see the module docstring). Given ``model``: a model already in memory
+    (one resident part; ``source``, if any, is where it came from: its side files are copied on
+    saving; it computes where it is)."""
+
+    def __init__(self, source: Source | None, dtype: torch.dtype | None = None, *, streamed: bool = False,
+                 alone: bool = False, stock: bool = False, model=None, device: torch.device | str | None = None):
+        self.source, self.streamed, self.alone = source, streamed, alone
+        read = model is None
+        if read and device is None:
+            raise SurgeryError("internal: a work that reads a checkpoint needs the device its parts go to")
+        self.model = source.meta_model(dtype, stock) if read else model
+        self.device = torch.device(device) if read else devices.of(model)
+        self.dtype = dtype or next(self.model.parameters()).dtype
+        self.restore = faithful_norms(self.model) if read and self.dtype == torch.float64 else None
+        self.loader = Loader(self.model, source, self.dtype, self.device) if read else None
+        self.parts = plan(self.model, layout(self.model), streamed, alone)
+        self.resident = not streamed
+        self.level: dict[Part, int] = {}  # parts held, and how many steps they went through
+        self.rewritten: set[Part] = set()  # parts freed after a step rewrote them
+        if self.loader is None:
+            self.level = {p: 0 for p in self.parts}
+
+    def replan(self) -> None:
+        """The parts again, after the model's blocks changed (``prune_model``); parts held are kept
+        (a one-part plan) or must have been left."""
+        held = {part.scope: level for part, level in self.level.items()}
+        self.parts = plan(self.model, layout(self.model), self.streamed, self.alone)
+        self.level = {p: held[p.scope] for p in self.parts if p.scope in held}
+
+    def read(self, part: Part) -> bool:
+        """Read ``part`` unless held (then at level 0); True when it was read now."""
+        if part in self.rewritten:
+            raise SurgeryError(f"internal: part {part.scope[:1]} was rewritten and freed: it cannot be read again")
+        if part in self.level:
+            return False
+        self.loader.load(part.scope)
+        self.level[part] = 0
+        return True
+
+    def stored_keys(self, name: str, p) -> tuple[str, ...]:
+        """The checkpoint's keys parameter ``p`` (named ``name``) was read from."""
+        stored = self.loader.stored(p)
+        return tuple(stored.keys) if stored is not None else (name,)
+
+    def leave(self, part: Part, force: bool = False) -> None:
+        """Free ``part`` (a resident part only when ``force``)."""
+        if part in self.level and (force or not self.resident) and self.loader is not None:
+            self.loader.free(part.scope)
+            if self.level.pop(part):
+                self.rewritten.add(part)
+
+    def close(self) -> None:
+        """Free every part; the loader gives its spare tensors back and closes the files (a part
+        entered later reads them again)."""
+        for part in list(self.level):
+            self.leave(part, force=True)
+        if self.loader is not None:
+            self.loader.close()
+
+
+class Work(Parts):
+    """:class:`Parts` brought to a level of the rewrite ``steps`` as they are entered (see the module
+    docstring); ``context``: what the steps' passes are given. ``device``: where the parts read go
+    and the forwards run (``devices.choose``; a model given computes where it is).
+    ``on_load(model, part, keys_of)``: called once a part read is at the level asked for
+    (``keys_of(name, parameter)``: the checkpoint keys it was read from)."""
+
+    def __init__(self, source: Source | None, dtype: torch.dtype | None = None, *, streamed: bool = False,
+                 alone: bool = False, stock: bool = False, model=None, on_load: Callable | None = None,
+                 device: torch.device | str | None = None, steps: list[StepSpec] | None = None,
+                 context: PassContext | None = None):
+        super().__init__(source, dtype, streamed=streamed, alone=alone, stock=stock, model=model, device=device)
+        self.steps: list[StepSpec] = [] if steps is None else steps
+        self.context = PassContext() if context is None else context
+        self.known: dict[tuple[int, int], dict] = {}  # (step, stage) -> the whole-model facts its scans gathered
+        self.reports: dict[int, dict[Part, PassReport]] = defaultdict(dict)  # step -> part -> its report
+        self.on_load = on_load
+        if streamed:
+            memory.map_large_blocks()  # freed parts go back to the system at once
+
+    def fresh(self) -> Work:
+        """A new work over the same checkpoint, plan and steps, nothing read yet: a rewritten part
+        (its modules changed) cannot be read again into the same model."""
+        work = Work(self.source, self.dtype, streamed=self.streamed, device=self.device, steps=self.steps,
+                    context=self.context)
+        work.known = self.known
+        return work
+
+    def enter(self, part: Part, level: int = 0) -> None:
+        """Read ``part`` (unless held) and apply steps up to ``level`` to it."""
+        read = self.read(part)
+        if self.level[part] > level:
+            raise SurgeryError(f"internal: part {part.scope[:1]} is at step {self.level[part]}, past {level}")
+        for i in range(self.level[part], level):
+            step = self.steps[i]
+            check_applies(self.model, step.pass_name, layout(self.model, part.scope))
+            before = versions(self.model)
+            report = run_step(self, i, part.scope)
+            mark_changed(self.model, before, everything=step.kind == "trained" or not step.tracked)
+            if report is not None:  # a part rewritten again (read again) reports again
+                self.reports[i][part] = report
+            self.level[part] = i + 1
+        if read and self.on_load is not None:
+            self.on_load(self.model, part, self.stored_keys)
+
+    @contextmanager
+    def running(self, level: int = 0):
+        """While active, a forward pass enters each part (at ``level``) before it runs and leaves
+        it after (hooks on the base model, the blocks and the model)."""
+        with part_by_part(self.model, self.parts, lambda p: self.enter(p, level), self.leave):
+            yield self.model
+
+    def outputs(self, ids: torch.Tensor, level: int = 0, jitter: bool = False, compact: bool = False):
+        """What the model outputs on ``ids`` with steps up to ``level`` applied (``jitter``: under
+        ``parity.jittered``), entering and leaving each part as the forward goes. A resident model is
+        brought to ``level`` first: a step may run forward passes of its own (training).
+
+        ``compact``: where the logits are a plain linear head's, read as stored (level 0, nothing
+        altered on loading), a :class:`parity.HeadInput` instead: the head's input, its rows read
+        from the checkpoint a slab at a time when compared (no positions x vocabulary tensor)."""
+        if self.resident:
+            self.enter(self.parts[0], level)
+        head = compact_head(self) if compact and not jitter and level == 0 else None
+        with FORWARDS.timed(), self.running(level), jittered(self.model) if jitter else nullcontext(), \
+                capture(head) if head is not None else nullcontext() as seen:
+            out = outputs(self.model, ids, self.device)
+        memory.trim()  # the forward's activations, freed after the last part: back to the system
+        return out if head is None else head_input(self, head, seen)
+
+    def load_all(self, level: int = 0):
+        """The whole model in memory at ``level`` (one-part plans: the model to train or mask)."""
+        if self.streamed:
+            raise SurgeryError("internal: load_all on a streamed plan")
+        self.enter(self.parts[0], level)
+        return self.model
+
+
+def compact_head(work: Work):
+    """The head module when ``work``'s logits are a plain linear map of the head's input stored as
+    one tensor (:meth:`Work.outputs`), else None."""
+    if work.loader is None or work.on_load is not None:
+        return None
+    lay = layout(work.model)
+    if lay.head is None or lay.objective != "causal-lm" or not lay.plain_logits:
+        return None
+    head = work.model.get_submodule(lay.head)
+    if type(head) is not torch.nn.Linear:
+        return None
+    stored = work.loader.stored(head.weight)
+    if stored is None or stored.stack is not None or work.loader.source.index[stored.keys[0]].tensor is not None:
+        return None
+    if work.resident and getattr(head.weight, CHANGED, False):
+        return None
+    return head
+
+
+def head_input(work: Work, head, seen: dict) -> HeadInput:
+    """The logits as :func:`capture` saw ``head``'s input, its rows read from the checkpoint."""
+    key, vocab = work.loader.stored(head.weight).keys[0], head.weight.shape[0]
+    reader, dtype = ShardReader(work.loader.source.index), work.dtype
+    rows = lambda i, j: reader.read_rows(key, i, j, dtype)  # noqa: E731
+    return HeadInput(seen["hidden"], rows, seen["bias"], vocab)
+
+
+def step_reports(reports: list[PassReport]) -> tuple[list[str], dict]:
+    """A step's notes (merged over its parts' ``reports``: :func:`merge_notes`) and metrics
+    (integers summed over parts): the same in every plan."""
+    metrics = {}
+    for r in reports:
+        for k, v in r.metrics.items():
+            if k in metrics and k not in r.same:
+                v = (metrics[k] + v if k in r.joined else _add(metrics[k], v) if k in r.sums
+                     else metrics[k] + v if _summed(v) else v)
+            metrics[k] = v
+    return merge_notes(reports), metrics
+
+
+def _summed(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _add(a, b):
+    """a + b: numbers, lists element by element, dicts key by key."""
+    if isinstance(a, dict):
+        return {k: _add(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+    if isinstance(a, list):
+        return [_add(x, y) for x, y in zip(a, b)]
+    return a + b
+
+
+def merge_notes(reports: list[PassReport]) -> list[str]:
+    """The notes of the parts' reports as one report's: each distinct note once, the notes of one
+    template (``PassReport.count``) as one with its integers summed; in the order each part gives
+    them (a note one part adds goes before the next note of that part already placed)."""
+    order: list[str] = []
+    values: dict[str, dict | None] = {}
+    for r in reports:
+        keys = []
+        for note in r.notes:
+            key, v = r.counted.get(note, (note, None))
+            keys.append(key)
+            if key not in values:
+                values[key] = None if v is None else dict(v)
+            elif v is not None:
+                total = values[key]
+                for k, x in v.items():
+                    total[k] = total.get(k, 0) + x if _summed(x) else total.get(k, x)
+        for j, key in enumerate(keys):
+            if key not in order:
+                order.insert(next((order.index(k) for k in keys[j + 1:] if k in order), len(order)), key)
+    return [key if values[key] is None else key.format(**values[key]) for key in order]
+
+
+@contextmanager
+def capture(head):
+    """While active, ``head`` computes nothing: it records its input (``hidden``, detached) and a
+    copy of its bias, and gives an empty output (no vocabulary columns)."""
+    seen = {}
+
+    def forward(x):
+        seen["hidden"] = x.detach()
+        seen["bias"] = None if head.bias is None else head.bias.detach().clone()
+        return x.new_zeros(*x.shape[:-1], 0)
+
+    head.forward = forward
+    try:
+        yield seen
+    finally:
+        del head.forward
+
+
+#: set on a parameter a rewrite step changed (its values, or its tensor replaced): it is written
+#: from memory; one read and left alone is copied as stored (``writer.write_parts``)
+CHANGED = "_normsurgery_changed"
+
+
+def versions(model) -> dict[int, tuple]:
+    """{id(parameter): (parameter, version counter, data pointer)} of ``model``'s parameters in
+    memory, before a step runs (:func:`mark_changed` after it)."""
+    return {id(p): (p, p._version, p.data_ptr()) for p in model.parameters() if p.device.type != "meta"}
+
+
+def mark_changed(model, before: dict[int, tuple], everything: bool = False) -> None:
+    """Mark (:data:`CHANGED`) each parameter in memory that a step changed since ``before``
+    (:func:`versions`): written in place (torch counts in-place writes in ``_version``, those
+    under ``no_grad`` too; not those through ``.data``, which no built-in pass makes:
+    ``registry.Pass.tracked``), given another tensor (``.data =``), or new; ``everything``: all of
+    them (a trained step: the optimiser may write in any way; a pass not known to be tracked)."""
+    for p in model.parameters():
+        if p.device.type == "meta":
+            continue
+        was = before.get(id(p))
+        if everything or was is None or was[0] is not p or was[1] != p._version or was[2] != p.data_ptr():
+            setattr(p, CHANGED, True)
+
+
+@contextmanager
+def part_by_part(model, parts: list[Part], enter: Callable[[Part], None], leave: Callable[[Part], None]):
+    """Hooks that, during a forward pass, ``enter`` each part before its first stage runs and
+    ``leave`` it after its last."""
+    lay = layout(model)
+    blocks = model.get_submodule(lay.layers_path)
+    n = len(blocks)
+    starts = {min(p.stages): p for p in parts}
+    ends = {max(p.stages): p for p in parts}
+
+    def start(stage):
+        if stage in starts:
+            enter(starts[stage])
+
+    def end(stage):
+        if stage in ends:
+            leave(ends[stage])
+
+    def before_block(i):
+        def hook(module, args):
+            if i == 0:
+                end(-1)
+            start(i)
+        return hook
+
+    def after_block(i):
+        def hook(module, args, output):
+            end(i)
+            if i == n - 1:
+                start(n)
+        return hook
+
+    # the embeddings come first, whether the model runs whole (OPT's calls its decoder, not its
+    # base model) or its base model alone (scoring)
+    handles = [model.register_forward_pre_hook(lambda m, a: start(-1)),
+               model.base_model.register_forward_pre_hook(lambda m, a: start(-1)),
+               model.register_forward_hook(lambda m, a, o: end(n))]
+    for i, b in enumerate(blocks):
+        handles += [b.register_forward_pre_hook(before_block(i)), b.register_forward_hook(after_block(i))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+# ---------------------------------------------------------------------------------------------
+# the checks' forwards, counted
+
+
+class Meter:
+    """Forward passes run for checks in this process, and the seconds they took (streamed: the
+    parts they read included): a command reads the difference across its run."""
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    @contextmanager
+    def timed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.count += 1
+            self.seconds += time.perf_counter() - start
+
+    def since(self, mark: tuple[int, float]) -> tuple[int, float]:
+        """(forwards, seconds) since ``mark`` (:meth:`mark`)."""
+        return self.count - mark[0], self.seconds - mark[1]
+
+    def mark(self) -> tuple[int, float]:
+        return self.count, self.seconds
+
+
+#: every model forward the executor runs (:meth:`Work.outputs`, ``check.model_reader``)
+FORWARDS = Meter()

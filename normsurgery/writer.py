@@ -1,0 +1,210 @@
+"""The writer: each part of a :class:`sweep.Work` cast to the storage dtype and appended to the
+output shards (:func:`write_parts`: raw bytes where a tensor is unchanged, a part no step runs on
+copied unread), then the config, records and side files, and the folder read back and checked
+(:func:`save_work`, :func:`save`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import devices, modelcard, precision
+from .check import Check, Tolerances, check_written, model_reader
+from .checkpoint import Source, check_finite, claims, finish, load_dtype, save_config, stamp, write_config
+from .families import positions
+from .norms import faithful_norms
+from .options import MAX_SHARD_SIZE
+from .output import writing, written
+from .parity import Comparison, output_kind, outputs, probe_ids
+from .plan import Part
+from .progress import Progress, no_progress
+from .shards import ShardWriter, header_room, saved_tensors
+from .sweep import CHANGED, Work
+
+
+def write_parts(work: Work, shards: ShardWriter, storage: torch.dtype, level: int, lost: list,
+                progress: Progress = no_progress) -> set[str]:
+    """Every part of ``work`` at ``level``, cast to ``storage`` (each tensor checked: ``lost``
+    collects those that do not fit), appended to ``shards``, then freed: a model read is spent (a
+    model given in memory is left as it was, its tensors cast to new memory where they are).
+    Returns the tensors cast to a narrower dtype (the rest: as stored)."""
+    rounded: set[str] = set()
+    for i, part in enumerate(work.parts):
+        progress("write", i, len(work.parts))
+        if not _copy_untouched(work, part, level, shards, storage):
+            work.enter(part, level)
+            _write_part(work, part, shards, storage, lost, rounded)
+            if work.loader is not None:  # a model given in memory stays as it was
+                work.leave(part, force=True)
+        progress("write", i + 1, len(work.parts))
+    return rounded
+
+
+def _write_part(work: Work, part: Part, shards: ShardWriter, storage: torch.dtype, lost: list,
+                rounded: set[str]) -> None:
+    """The tensors of ``part``, entered, appended to ``shards`` (no view of them is left on
+    return: the loader reuses the part's tensors)."""
+    saved = saved_tensors(work.model, part.scope or None)
+    users = Counter(t.untyped_storage().data_ptr() for t in saved.values())
+    params = dict(work.model.named_parameters(remove_duplicate=False))
+    for name, t in saved.items():  # a storage two names write is cast, not spent
+        key = _unchanged(work, params.get(name), storage)
+        if key is not None:  # read (and checked) on entering, no pass changed it: its bytes
+            shards.copy(name, work.loader.reader, key)
+            continue
+        spend = work.loader is not None and users[t.untyped_storage().data_ptr()] == 1
+        narrowed = t.is_floating_point() and torch.finfo(t.dtype).bits > torch.finfo(storage).bits
+        t = precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t
+        if narrowed and t.dtype == storage:
+            rounded.add(name)
+        shards.add(name, t)
+
+
+def _unchanged(work: Work, p, storage: torch.dtype, held: bool = True) -> str | None:
+    """The stored key whose bytes are what writing parameter ``p`` in ``storage`` would write,
+    or None: ``p`` was read from one stored tensor (not merged from several, not pickled) in a
+    dtype that holds it exactly, is written in the dtype it is stored in, and no step changed
+    it (``sweep.mark_changed``); ``held``: it is in memory (else: not read yet, on the meta
+    device)."""
+    if p is None or work.loader is None or (p.device.type == "meta") == held:
+        return None
+    stored = work.loader.stored(p)
+    if stored is None or stored.stack is not None or getattr(p, CHANGED, False):
+        return None
+    e = work.loader.source.index[stored.keys[0]]
+    if e.tensor is not None or tuple(p.shape) != e.shape:
+        return None
+    if e.dtype.is_floating_point:
+        exact = e.dtype == work.dtype or (torch.finfo(work.dtype).bits > torch.finfo(e.dtype).bits
+                                          and work.dtype != torch.bfloat16)
+        if e.dtype != storage or not exact:
+            return None
+    elif e.dtype != p.dtype:
+        return None
+    return stored.keys[0]
+
+
+def _copy_untouched(work: Work, part: Part, level: int, shards: ShardWriter, storage: torch.dtype) -> bool:
+    """Write ``part`` without reading it when no step is to run on it (``level`` 0: a prune's
+    kept blocks under their new names, a checkpoint written unchanged) and each of its tensors
+    is one stored tensor written as stored (:func:`_unchanged`): its bytes are copied, each
+    chunk checked for NaN or Inf as reading it would. False: it must be read."""
+    if work.loader is None or level != 0 or part in work.level or part in work.rewritten:
+        return False
+    params = dict(work.model.named_parameters(remove_duplicate=False))
+    keys = {}
+    for name in saved_tensors(work.model, part.scope or None, meta=True):
+        keys[name] = _unchanged(work, params.get(name), storage, held=False)
+        if keys[name] is None:  # a buffer, a merged tensor, a cast: read it
+            return False
+    source = work.loader.source
+    for name, key in keys.items():
+        shards.copy(name, work.loader.reader, key, lambda t, key=key: check_finite(t, key, source))
+    return True
+
+
+@dataclass
+class Saved:
+    """What :func:`save_work` wrote and checked."""
+
+    info: dict  # the folder, its files, claims
+    comparison: Comparison | None  # the written folder against the anchor
+    kept_float32: list[str]
+    warning: str | None
+
+
+def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[Comparison | None], dict],
+              check: Check | None = None, level: int | None = None, force: bool = False, on_overflow: str = "refuse",
+              max_shard_size: str | int = MAX_SHARD_SIZE, progress: Progress = no_progress,
+              extra: Callable[[Path], None] | None = None) -> Saved:
+    """Write ``work`` (at ``level``, default its last) to ``out`` atomically: the weights cast to
+    ``storage`` (a tensor that does not fit it is refused or kept in float32, ``on_overflow``),
+    the config with ``record(comparison)`` (the folder's check, or None), the overall parity and
+    the module records, the runtime where modules were rebuilt, the source's side files
+    (``extra(folder)`` adds more); then the folder read back and checked as ``check`` says
+    (:class:`Check`). The work is spent."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    level = len(work.steps) if level is None else level
+    history = earlier_records(getattr(work.model.config, "normsurgery", None))  # before stamp replaces it
+    with writing(out, force=force, source=work.source.path if work.source is not None else None) as stage:
+        lost = []
+        shards = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size),
+                             header_room(saved_tensors(work.model, meta=True)))
+        rounded = write_parts(work, shards, storage, level, lost, progress)
+        files = shards.close()
+        precision.check_policy(lost, storage, on_overflow)
+        kept = [x.name for x in lost]
+        work.close()  # the spare tensors too: the checks' forwards read parts of their own
+        check = check or Check()
+        reference = check.anchor() if check.anchor is not None else None
+        if check.before_check is not None:
+            check.before_check()
+        if work.restore:
+            work.restore()
+        loads_as = torch.float32 if kept else storage
+        records = stamp(work.model, {"kept_float32": kept} if kept else None)
+        write_config(work.model, stage.path, loads_as)
+        finish(stage.path, records, work.source)
+        if extra is not None:
+            extra(stage.path)
+        reload = None
+        if reference is not None:
+            progress("check", 0, 1)
+            reload = check_written(stage.path, records, check.tolerances, reference, storage, work.model, force,
+                                   check.failure, rounded)
+            progress("check", 1, 1)
+        comparison = None if reload is None else Comparison(
+            **{k: v for k, v in reload["comparison"].items() if k not in ("ok", "failed")})
+        done = record(comparison)  # a plain save (no record) writes the config save_pretrained writes
+        done = {**done, **({"parity": overall(reload)} if reload and done else {}),
+                **({"kept_float32": kept} if kept else {}), **({"history": history} if history else {})}
+        stamp(work.model, done)
+        save_config(work.model.config, stage.path)
+        modelcard.write(stage.path, done, reload, work.model.config, Path(out).name)
+    info = written(out, stage, {**claims(records, reload), "shards": len(files)})
+    return Saved(info, comparison, kept, precision.warning(lost, storage) if lost else None)
+
+
+def overall(reload: dict) -> dict:
+    """The record's overall parity: how the written folder loads and what it computes against the
+    reference (statistics, tolerances and verdict)."""
+    c = reload["comparison"]
+    keys = ("output", "relative", "kl", "top1", "cosine", "tolerance", "kl_tolerance", "reason", "ok", "failed")
+    return {"loader": reload["loader"], **{k: c.get(k) for k in keys}}
+
+
+def earlier_records(record: dict | None) -> list[dict]:
+    """The steps that made the input, earliest first: its record's own history, then its record
+    (without the module records, which describe that folder's modules: the output's are its own)."""
+    if not record:
+        return []
+    own = {k: v for k, v in record.items() if k not in ("history", "modules")}
+    return [*(record.get("history") or []), *([own] if own else [])]
+
+
+def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
+         force: bool = False, max_shard_size: str | int = MAX_SHARD_SIZE, extra: Callable[[Path], None] | None = None,
+         progress: Progress = no_progress) -> dict:
+    """Save a model held in memory (rewritten, pruned, healed) to ``out`` with :func:`save_work`,
+    checked: the folder read back, on the model's device, against the model's outputs on ``ids``
+    (default: random tokens); ``source`` (a checkpoint): where it came from, whose side files are copied. The model
+    is spent. Returns what was written (the folder, its files, how it loads)."""
+    source = None if source is None else Source.open(source)
+    if ids is None:
+        ids = probe_ids(None, model.config.vocab_size, None, 2, min(32, positions(model.config) or 32))
+    dtype = next(model.parameters()).dtype
+    restore = faithful_norms(model) if dtype == torch.float64 else None  # as the folder is read back
+    reference = outputs(model, ids)
+    if restore:
+        restore()
+    tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model),
+                            device=devices.of(model))
+    return save_work(Work(source, model=model), out, storage=load_dtype(model), record=lambda _: record or {},
+                     check=Check(tolerances, lambda: reference), force=force, max_shard_size=max_shard_size,
+                     extra=extra, progress=progress).info
