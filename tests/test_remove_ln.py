@@ -259,12 +259,12 @@ def test_saved_line_names_the_trained_model_and_the_difference_to_the_input(tmp_
 def test_a_step_budget_too_small_is_refused_before_the_weights_are_read(tmp_path, monkeypatch):
     """Issue 28: the schedule's needs follow from the Layout (no weights): refused before loading,
     naming the smallest budget that fits."""
-    from normsurgery import pipeline
+    from normsurgery.checkpoint import Loader
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the step budget was checked")
 
-    monkeypatch.setattr(pipeline.Loader, "load", no_reading)
+    monkeypatch.setattr(Loader, "load", no_reading)
     out = tmp_path / "out"
     r = cli("convert", GPT2, out, "--pass", "remove-ln", "--text", SAMPLE, "--steps", 20)
     one_line_error(r, out, "the smallest budget that fits is steps=22 (start and gaps chosen from the steps)")
@@ -516,13 +516,13 @@ def test_waiting_resumes_an_interrupted_run_to_the_same_model(tmp_path):
     ("keep=final,final_divisor=remeasure", 900, "keep=final keeps it"),
 ])
 def test_options_that_cannot_hold_together_are_refused_before_reading(tmp_path, monkeypatch, options, steps, match):
-    from normsurgery import pipeline
+    from normsurgery.checkpoint import Loader
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the options were checked")
 
     small_gpt2(tmp_path / "in")
-    monkeypatch.setattr(pipeline.Loader, "load", no_reading)
+    monkeypatch.setattr(Loader, "load", no_reading)
     out = tmp_path / "out"
     r = cli("convert", tmp_path / "in", out, "--pass", f"remove-ln:{options}", "--text", SAMPLE, "--steps", steps)
     one_line_error(r, out, match)
