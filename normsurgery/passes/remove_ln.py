@@ -30,11 +30,12 @@ the rest; the schedule has no final event (position 0's special case is still dr
 the notes and metrics (``kept``) say so. It is refused with ``export=stock`` (the stock classes
 read one epsilon from the config, and the kept norm needs its own).
 
-Two variants of the final norm's removal (issue 37; neither is the default until measured):
-``final_divisor=remeasure`` sets the final norm's frozen divisor, just before it is frozen, from a
+The final norm's removal (issue 37): by default (``final_aux=3``) the training loss carries an
+auxiliary loss on the final norm's input (below; its measurements against the control are in
+README). ``final_divisor=remeasure`` sets the final norm's frozen divisor, just before it is frozen, from a
 measurement on the model as it is then (eval mode, the same 8 training windows the divisors start
 from), position 0 left out of the average (and its own constant re-measured at position 0),
-instead of the moving average's last value. ``final_aux=W`` adds W times an auxiliary loss on the
+instead of the moving average's last value. ``final_aux=W`` (default 3; 0: off) adds W times an auxiliary loss on the
 final norm's input to the training loss, from the first removal of the last block stage (the v
 paths, or the q/k ones) to the end: the mean squared relative deviation of each token's divisor
 (rms, or std for LayerNorm) from their mean over positions >= 1 (``aux_loss``; position 0 left
