@@ -24,7 +24,7 @@ from .parity import (DRAWS, TOLERANCE, Comparison, beyond, coarser, compare, dty
                      needs_rounding_tolerance, null_summary, outputs, rounding_tolerance, tolerance)
 from .plan import Part
 from .shards import inside
-from .sweep import FORWARDS, Work
+from .sweep import Meter, Work
 
 
 Reader = Callable[..., torch.Tensor]  # (dtype=, jitter=, on_load=) -> a reference's outputs on the probe
@@ -134,10 +134,11 @@ def anchor(work: Work, ids: torch.Tensor, level: int = 0) -> Callable[[], torch.
 
 
 def source_reader(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool,
-                  device: torch.device | str) -> Reader:
+                  device: torch.device | str, meter: Meter | None = None) -> Reader:
+    """Reads ``source`` part by part (:func:`read_outputs`; ``meter``: counts its forwards)."""
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
         return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device,
-                            compact=True)
+                            compact=True, meter=meter)
     return read
 
 
@@ -149,7 +150,7 @@ def model_reader(model, ids: torch.Tensor) -> Reader:
         m = model if dtype is None and on_load is None else copy.deepcopy(model).to(dtype or model.dtype)
         if on_load is not None:
             on_load(m, Part((), ()), lambda name, p: (name,))
-        with FORWARDS.timed(), jittered(m) if jitter else nullcontext():
+        with jittered(m) if jitter else nullcontext():
             return outputs(m, ids)
     return read
 
@@ -168,10 +169,11 @@ def _perturbing(storage: torch.dtype, seed: int, keys: frozenset[str] | None) ->
 
 def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool, *, stock: bool = False,
                  jitter: bool = False, on_load: Callable | None = None,
-                 device: torch.device | str, compact: bool = False) -> torch.Tensor:
+                 device: torch.device | str, compact: bool = False, meter: Meter | None = None) -> torch.Tensor:
     """``source``'s outputs on ``ids`` in ``dtype`` on ``device``, read part by part (or whole);
-    ``compact``: logits as a :class:`parity.HeadInput` where they can be (:meth:`Work.outputs`)."""
-    work = Work(source, dtype, streamed=streamed, stock=stock, on_load=on_load, device=device)
+    ``compact``: logits as a :class:`parity.HeadInput` where they can be (:meth:`Work.outputs`);
+    ``meter``: counts the forward."""
+    work = Work(source, dtype, streamed=streamed, stock=stock, on_load=on_load, device=device, meter=meter)
     try:
         return work.outputs(ids, jitter=jitter, compact=compact)
     finally:
@@ -180,7 +182,8 @@ def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed
 
 def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anchor: torch.Tensor,
                   storage: torch.dtype, model, force: bool = False,
-                  failure: Callable[[Comparison], str] | None = None, rounded: set[str] = frozenset()) -> dict:
+                  failure: Callable[[Comparison], str] | None = None, rounded: set[str] = frozenset(),
+                  meter: Meter | None = None) -> dict:
     """Load ``folder`` back (with the plain stock class first, where every record says it computes
     the same function) and compare its outputs with ``anchor`` (weights stored in ``storage``). A
     false plain claim is corrected in the folder; a folder that does not compute the anchor's
@@ -191,7 +194,7 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
     folder may differ from it by what the cast of the tensors it rounded (``rounded``) costs: the
     null distribution is measured around the folder itself, those tensors perturbed as the cast
     rounds (the same statistics, whether the model before the cast is still held or was spent
-    writing)."""
+    writing). ``meter``: counts the forwards that read the folder."""
     t = tolerances
     if t.device is None:
         raise SurgeryError("internal: the tolerances of a written folder's check need the device it is read to")
@@ -200,7 +203,7 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
     def check(stock: bool) -> Comparison:
         def read(dtype: torch.dtype = t.dtype, jitter: bool = False, on_load: Callable | None = None):
             return read_outputs(Source.open(folder), t.ids, dtype, t.streamed, stock=stock, jitter=jitter,
-                                on_load=on_load, device=t.device, compact=True)
+                                on_load=on_load, device=t.device, compact=True, meter=meter)
         out = read()
         c = compare(anchor, out, t.output)
         if not cast:

@@ -45,7 +45,7 @@ from .check import Check, Tolerances, model_reader, source_reader
 from .plan import StepSpec, check_applies, check_before_reading, plan, steps_of
 from .progress import Progress, no_progress
 from .runner import Job
-from .sweep import FORWARDS, Work, step_reports
+from .sweep import Meter, Work, step_reports
 from .texts import text_of
 from .registry import PassContext, load_recipe, parse_pass  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
@@ -181,7 +181,6 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
     precision.check_policy([], torch.float32, on_overflow)
-    mark = FORWARDS.mark()
     steps = steps_of(passes)
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     work, result = _planned(job, steps, work_dtype, streaming, text, state_dir(out), progress)
@@ -195,7 +194,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     saved = save_work(work, out, storage=source.storage, record=partial(_record, result), check=check, force=force,
                       on_overflow=on_overflow, max_shard_size=max_shard_size, progress=progress)
     shutil.rmtree(state_dir(out), ignore_errors=True)
-    return _finished(result, saved, outs, check.tolerances, work.steps, mark)
+    return _finished(result, saved, outs, check.tolerances, work.steps, work.meter)
 
 
 def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, streaming: bool | None, text: str,
@@ -236,7 +235,7 @@ def _check(work: Work, result: Result, ids: torch.Tensor | None, outs: dict[int,
     those the anchor computes (streamed: once the parts are written), not read a second time for a
     tolerance."""
     source, dtype, streamed, where = work.source, work.dtype, work.streamed, work.device
-    t = Tolerances(source_reader(source, ids, dtype, streamed, where), ids, dtype, lambda: outs.get(0),
+    t = Tolerances(source_reader(source, ids, dtype, streamed, where, work.meter), ids, dtype, lambda: outs.get(0),
                    tolerance, source.head_output, streamed, where) if ids is not None else None
     return Check(t, partial(_anchor, work, ids, progress, cast, outs) if ids is not None else None,
                  before_check=partial(_judge_steps, result, work, outs, t, force),
@@ -253,9 +252,9 @@ def _anchor(work: Work, ids: torch.Tensor, progress: Progress, cast: bool,
 
 
 def _finished(result: Result, saved, outs: dict[int, torch.Tensor], t: Tolerances | None,
-              steps: list[StepSpec], mark: tuple[int, float]) -> Result:
+              steps: list[StepSpec], meter: Meter) -> Result:
     """``result`` with what was saved, the written folder's parity, what the function's change
-    measured, and the checks' forwards since ``mark``."""
+    measured, and the checks' forwards (``meter``: the work's)."""
     result.saved, result.parity = saved.info, saved.comparison
     result.baseline = result.parity.null if result.parity is not None else None
     level = _anchor_level(steps)
@@ -263,7 +262,7 @@ def _finished(result: Result, saved, outs: dict[int, torch.Tensor], t: Tolerance
         result.from_input = compare(outs[0], outs[level], t.output)
     if saved.kept_float32:
         result.kept_float32, result.warnings = saved.kept_float32, [saved.warning]
-    result.forwards, result.seconds_check = FORWARDS.since(mark)
+    result.forwards, result.seconds_check = meter.count, meter.seconds
     return result
 
 

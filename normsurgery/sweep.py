@@ -29,6 +29,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import devices, memory
 from .checkpoint import Loader, Source
@@ -109,17 +110,24 @@ class Work(Parts):
     docstring); ``context``: what the steps' passes are given. ``device``: where the parts read go
     and the forwards run (``devices.choose``; a model given computes where it is).
     ``on_load(model, part, keys_of)``: called once a part read is at the level asked for
-    (``keys_of(name, parameter)``: the checkpoint keys it was read from)."""
+    (``keys_of(name, parameter)``: the checkpoint keys it was read from). ``meter``: counts its
+    forwards (default: a meter of its own).
+
+    ``changed``: the parameters a step changed (:func:`changed`), by identity, none kept alive:
+    they are written from memory; one read and left alone is copied as stored
+    (``writer.write_parts``). Nothing is set on the model's parameters."""
 
     def __init__(self, source: Source | None, dtype: torch.dtype | None = None, *, streamed: bool = False,
                  alone: bool = False, stock: bool = False, model=None, on_load: Callable | None = None,
                  device: torch.device | str | None = None, steps: list[StepSpec] | None = None,
-                 context: PassContext | None = None):
+                 context: PassContext | None = None, meter: Meter | None = None):
         super().__init__(source, dtype, streamed=streamed, alone=alone, stock=stock, model=model, device=device)
         self.steps: list[StepSpec] = [] if steps is None else steps
         self.context = PassContext() if context is None else context
         self.known: dict[tuple[int, int], dict] = {}  # (step, stage) -> the whole-model facts its scans gathered
         self.reports: dict[int, dict[Part, PassReport]] = defaultdict(dict)  # step -> part -> its report
+        self.changed = WeakIdKeyDictionary()  # parameter -> True
+        self.meter = Meter() if meter is None else meter
         self.on_load = on_load
         if streamed:
             memory.map_large_blocks()  # freed parts go back to the system at once
@@ -128,7 +136,7 @@ class Work(Parts):
         """A new work over the same checkpoint, plan and steps, nothing read yet: a rewritten part
         (its modules changed) cannot be read again into the same model."""
         work = Work(self.source, self.dtype, streamed=self.streamed, device=self.device, steps=self.steps,
-                    context=self.context)
+                    context=self.context, meter=self.meter)
         work.known = self.known
         return work
 
@@ -142,7 +150,8 @@ class Work(Parts):
             check_applies(self.model, step.pass_name, layout(self.model, part.scope))
             before = versions(self.model)
             report = run_step(self, i, part.scope)
-            mark_changed(self.model, before, everything=step.kind == "trained" or not step.tracked)
+            everything = step.kind == "trained" or not step.tracked
+            self.changed.update((p, True) for p in changed(self.model, before, everything))
             if report is not None:  # a part rewritten again (read again) reports again
                 self.reports[i][part] = report
             self.level[part] = i + 1
@@ -167,7 +176,7 @@ class Work(Parts):
         if self.resident:
             self.enter(self.parts[0], level)
         head = compact_head(self) if compact and not jitter and level == 0 else None
-        with FORWARDS.timed(), self.running(level), jittered(self.model) if jitter else nullcontext(), \
+        with self.meter.timed(), self.running(level), jittered(self.model) if jitter else nullcontext(), \
                 capture(head) if head is not None else nullcontext() as seen:
             out = outputs(self.model, ids, self.device)
         memory.trim()  # the forward's activations, freed after the last part: back to the system
@@ -195,7 +204,7 @@ def compact_head(work: Work):
     stored = work.loader.stored(head.weight)
     if stored is None or stored.stack is not None or work.loader.source.index[stored.keys[0]].tensor is not None:
         return None
-    if work.resident and getattr(head.weight, CHANGED, False):
+    if work.resident and head.weight in work.changed:
         return None
     return head
 
@@ -275,29 +284,25 @@ def capture(head):
         del head.forward
 
 
-#: set on a parameter a rewrite step changed (its values, or its tensor replaced): it is written
-#: from memory; one read and left alone is copied as stored (``writer.write_parts``)
-CHANGED = "_normsurgery_changed"
-
-
 def versions(model) -> dict[int, tuple]:
     """{id(parameter): (parameter, version counter, data pointer)} of ``model``'s parameters in
-    memory, before a step runs (:func:`mark_changed` after it)."""
+    memory, before a step runs (:func:`changed` after it)."""
     return {id(p): (p, p._version, p.data_ptr()) for p in model.parameters() if p.device.type != "meta"}
 
 
-def mark_changed(model, before: dict[int, tuple], everything: bool = False) -> None:
-    """Mark (:data:`CHANGED`) each parameter in memory that a step changed since ``before``
-    (:func:`versions`): written in place (torch counts in-place writes in ``_version``, those
-    under ``no_grad`` too; not those through ``.data``, which no built-in pass makes:
-    ``registry.Pass.tracked``), given another tensor (``.data =``), or new; ``everything``: all of
-    them (a trained step: the optimiser may write in any way; a pass not known to be tracked)."""
+def changed(model, before: dict[int, tuple], everything: bool = False) -> list[torch.nn.Parameter]:
+    """The parameters of ``model`` in memory that a step changed since ``before`` (:func:`versions`):
+    written in place (torch counts in-place writes in ``_version``, those under ``no_grad`` too;
+    not those through ``.data``, which no built-in pass makes: ``registry.Pass.tracked``), given
+    another tensor (``.data =``), or new; ``everything``: all of them (a trained step: the
+    optimiser may write in any way; a pass not known to be tracked)."""
+    out = []
     for p in model.parameters():
-        if p.device.type == "meta":
-            continue
         was = before.get(id(p))
-        if everything or was is None or was[0] is not p or was[1] != p._version or was[2] != p.data_ptr():
-            setattr(p, CHANGED, True)
+        if p.device.type != "meta" and (everything or was is None or was[0] is not p or was[1] != p._version
+                                        or was[2] != p.data_ptr()):
+            out.append(p)
+    return out
 
 
 @contextmanager
@@ -350,8 +355,9 @@ def part_by_part(model, parts: list[Part], enter: Callable[[Part], None], leave:
 
 
 class Meter:
-    """Forward passes run for checks in this process, and the seconds they took (streamed: the
-    parts they read included): a command reads the difference across its run."""
+    """Forward passes run for checks, and the seconds they took (streamed: the parts they read
+    included): a :class:`Work`'s (:meth:`Work.outputs`), and those of the works that read what it
+    is checked against (``check.read_outputs``); a convert reports its work's."""
 
     def __init__(self):
         self.count, self.seconds = 0, 0.0
@@ -364,14 +370,3 @@ class Meter:
         finally:
             self.count += 1
             self.seconds += time.perf_counter() - start
-
-    def since(self, mark: tuple[int, float]) -> tuple[int, float]:
-        """(forwards, seconds) since ``mark`` (:meth:`mark`)."""
-        return self.count - mark[0], self.seconds - mark[1]
-
-    def mark(self) -> tuple[int, float]:
-        return self.count, self.seconds
-
-
-#: every model forward the executor runs (:meth:`Work.outputs`, ``check.model_reader``)
-FORWARDS = Meter()

@@ -24,7 +24,7 @@ from .parity import Comparison, output_kind, outputs, probe_ids
 from .plan import Part
 from .progress import Progress, no_progress
 from .shards import ShardWriter, header_room, saved_tensors
-from .sweep import CHANGED, Work
+from .sweep import Work
 
 
 def write_parts(work: Work, shards: ShardWriter, storage: torch.dtype, level: int, lost: list,
@@ -69,12 +69,12 @@ def _unchanged(work: Work, p, storage: torch.dtype, held: bool = True) -> str | 
     """The stored key whose bytes are what writing parameter ``p`` in ``storage`` would write,
     or None: ``p`` was read from one stored tensor (not merged from several, not pickled) in a
     dtype that holds it exactly, is written in the dtype it is stored in, and no step changed
-    it (``sweep.mark_changed``); ``held``: it is in memory (else: not read yet, on the meta
+    it (``Work.changed``); ``held``: it is in memory (else: not read yet, on the meta
     device)."""
     if p is None or work.loader is None or (p.device.type == "meta") == held:
         return None
     stored = work.loader.stored(p)
-    if stored is None or stored.stack is not None or getattr(p, CHANGED, False):
+    if stored is None or stored.stack is not None or p in work.changed:
         return None
     e = work.loader.source.index[stored.keys[0]]
     if e.tensor is not None or tuple(p.shape) != e.shape:
@@ -157,7 +157,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[Compar
         if reference is not None:
             progress("check", 0, 1)
             reload = check_written(stage.path, records, check.tolerances, reference, storage, work.model, force,
-                                   check.failure, rounded)
+                                   check.failure, rounded, work.meter)
             progress("check", 1, 1)
         comparison = None if reload is None else Comparison(
             **{k: v for k, v in reload["comparison"].items() if k not in ("ok", "failed")})

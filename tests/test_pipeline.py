@@ -422,26 +422,27 @@ def test_a_write_through_data_is_not_copied(tmp_path, copies):
 def test_every_value_a_built_in_pass_changes_is_noted(tmp_path, monkeypatch, family, passes, streaming):
     """Built-in passes are ``tracked``: the executor sees their writes by version counter and
     identity alone (no patch of ``Parameter.data``). Every parameter whose values a step changed is
-    marked; a pass writing through ``.data`` and claiming to be tracked is caught (the oracle can
-    fail)."""
+    noted (``sweep.changed``); a pass writing through ``.data`` and claiming to be tracked is caught
+    (the oracle can fail)."""
     from normsurgery import registry, sweep
     from normsurgery.registry import PassReport
 
     snaps, missed = {}, []
-    versions, mark = sweep.versions, sweep.mark_changed
+    versions, changed = sweep.versions, sweep.changed
 
     def snapshot(model):
         snaps[id(model)] = [(n, p, p.detach().clone()) for n, p in model.named_parameters() if p.device.type != "meta"]
         return versions(model)
 
     def check(model, before, everything=False):
-        mark(model, before, everything)
-        live = {id(p) for p in model.parameters()}
-        missed.extend(n for n, p, old in snaps[id(model)] if id(p) in live and not getattr(p, sweep.CHANGED, False)
+        noted = changed(model, before, everything)
+        live, seen = {id(p) for p in model.parameters()}, {id(p) for p in noted}
+        missed.extend(n for n, p, old in snaps[id(model)] if id(p) in live and id(p) not in seen
                       and not torch.equal(p.detach(), old))
+        return noted
 
     monkeypatch.setattr(sweep, "versions", snapshot)
-    monkeypatch.setattr(sweep, "mark_changed", check)
+    monkeypatch.setattr(sweep, "changed", check)
     src = checkpoint_at(tmp_path, family)
     convert_mod.convert(src, tmp_path / "out", passes, streaming=streaming, verify=False)
     assert not missed
@@ -459,6 +460,35 @@ def test_every_value_a_built_in_pass_changes_is_noted(tmp_path, monkeypatch, fam
         registry.PASSES.pop("test-halve")
     norms = {f"{s.path}.weight" for s in layout_of(ns.load(src)).norms}
     assert missed and set(missed) <= norms
+
+
+REWRITE = [("flashnorm", {}), ("rotate", {"seed": 1})]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_no_parameter_carries_an_attribute_of_ours(tmp_path, monkeypatch, streaming):
+    """What a step changed is the executor's to know (``Work.changed``): as each part is written
+    (every step run on it), its parameters carry no attribute (a parameter read or made carries
+    none)."""
+    from normsurgery import writer
+
+    seen, write = {}, writer._write_part
+
+    def spying(work, part, *a, **k):
+        seen.update({n: vars(p) for n, p in work.model.named_parameters() if p.device.type != "meta"})
+        return write(work, part, *a, **k)
+
+    monkeypatch.setattr(writer, "_write_part", spying)
+    convert_mod.convert(checkpoint_at(tmp_path, "llama"), tmp_path / "out", REWRITE, streaming=streaming, verify=False)
+    assert seen and not any(seen.values())
+
+
+def test_a_model_rewritten_in_memory_carries_no_attribute_of_ours():
+    """``apply_passes`` on one's own model: its parameters carry the attributes they had, no more."""
+    model = tiny_model("llama")
+    before = {n: dict(vars(p)) for n, p in model.named_parameters()}
+    ns.apply_passes(model, REWRITE)
+    assert all(vars(p) == before.get(n, {}) for n, p in model.named_parameters())
 
 
 def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
