@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import algebra
+from .. import algebra, devices
 from ..errors import SurgeryError
 from ..layout import Layout, NormSite
 
@@ -153,10 +153,11 @@ def token_divisors(x: torch.Tensor, layernorm: bool, eps: float) -> torch.Tensor
 
 def aux_loss(d: torch.Tensor) -> torch.Tensor:
     """The final norm's auxiliary loss on per-token divisors ``d`` [..., T] (rms or std): the mean
-    of (d / mean - 1)^2 over positions >= 1, the mean over those positions and the batch held
-    constant (a relative MSE: its weight does not depend on the stream's scale). Position 0, the
-    attention sink, is left out. Zero when every token has the same divisor: one constant then
-    divides them all alike, as a norm with a fixed divisor does."""
+    of (d / mean - 1)^2 over positions >= 1, the mean over those positions and the batch (of every
+    process: the one mean a single process of them all would take) held constant (a relative MSE:
+    its weight does not depend on the stream's scale). Position 0, the attention sink, is left out.
+    Zero when every token has the same divisor: one constant then divides them all alike, as a
+    norm with a fixed divisor does."""
     rest = d[..., 1:] if d.shape[-1] > 1 else d
-    target = rest.mean().detach()
+    target = devices.mean_over_processes(rest.mean().detach().clone())
     return (rest / target - 1).pow(2).mean()
