@@ -11,8 +11,9 @@ separate q/k/v projections ("attn" for a fused qkv), "final". The whole model fi
 language-modelling loss (training.train) while the paths freeze on a schedule
 (removal_schedule): the MLP path of each block in turn, then the q/k (or fused) paths, then the v
 paths, then the final norm, a gap of steps between removals, or (``wait=M``) each removal once the
-held-out CE is back within M of its level before the previous one. Position 0 carries a much larger residual norm (attention sink): a
-frozen path keeps a separate constant for it until the last removal drops that special case.
+held-out CE is back within M of its level before the previous one. Position 0 carries a much
+larger residual norm (attention sink): a frozen path keeps a separate constant for it until the
+last removal drops that special case.
 
 Then the frozen model is folded exactly: every writer is centred (so mean(x) = 0 on the stream;
 only where a LayerNorm was), the readers take W diag(g / s) and c + W b, and each norm becomes
@@ -460,26 +461,12 @@ def applies(model, layout: Layout) -> str | None:
 
 
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
-    o = ctx.options
-    if o["export"] not in ("self", "stock"):
-        raise SurgeryError(f"remove-ln: export={o['export']!r}; choose self or stock")
-    dtype = next(model.parameters()).dtype
-    if o["export"] == "stock" and dtype in (torch.float16, torch.bfloat16):
-        raise SurgeryError(f"remove-ln: export=stock stores gains near {math.sqrt(STOCK_EPS):.0e}, which {dtype} "
-                           "cannot hold accurately; use the default export or a float32 working dtype")
-    if not ctx.text:
-        raise SurgeryError("remove-ln trains the model: give it text (--text FILE)")
-    refused = check(model, layout, o)
-    if refused:
-        raise SurgeryError(refused)
+    o = _options(model, layout, ctx)
     kept = ["final"] if keep_final(o) else []
     full, layout = layout, removed_layout(layout, o)
-    o = {**o, "seq_len": fit_seq_len(positions(model.config), o["seq_len"], "remove-ln: seq_len")}
     ids = tokenize(ctx.tokenizer, ctx.text)
     train_ids, held_ids = split_heldout(ids, o["heldout"], o["seq_len"])
     held = windows(held_ids, o["seq_len"], o["eval_samples"], "the held-out part of the text")
-    if ctx.train is None or (o["wait"] > 0 and ctx.heldout_ce is None):
-        raise SurgeryError("remove-ln needs the training loop: run it through convert or apply_passes")
     workdir = ctx.workdir / "remove-ln" if ctx.workdir else None
     config = {"steps": o["steps"], "batch_size": o["batch_size"], "seq_len": o["seq_len"], "lr": o["lr"],
               "min_lr": None if o["min_lr"] < 0 else o["min_lr"], "warmup": None if o["warmup"] < 0 else o["warmup"],
@@ -494,88 +481,25 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     start, gap, final_gap, events = schedule.plan([rn.paths for rn in norms], o)
     calib = windows(train_ids, o["seq_len"], 8)
     _calibrate(model, norms, calib)
-    variants = final_variants(o, events)
-    waiting = o["wait"] > 0
-    until = schedule.deadline(o["steps"]) if waiting else events[-1][0]
-    if waiting:  # the stages' steps are not known before: evaluations every eval_every steps
-        config["eval_every"] = o["eval_every"]
-    else:
-        config["eval_steps"] = tuple(sorted({e[0] for i, e in enumerate(events)
-                                             if i == 0 or e[1] != events[i - 1][1]}))
-    config = adaptive(config, o, settle=until)
-    final = next(((rn, rn.paths.index("final")) for rn in norms if "final" in rn.paths), None)
-    by_position: dict[str, dict] = {}  # per-position held-out CE before and after the final stage
-
-    def before(stage):
-        if final is not None and stage in ("final", "position 0"):
-            by_position["before" if stage == "final" else "after"] = position_ce(model, held, o["batch_size"])
-        if stage == "final" and variants["final_divisor"] == "remeasure":
-            remeasure(final[0], final[1], lambda: _forward_eval(model, calib))
-
-    def on_step(step, m):
-        if waiting:
-            row = wait_for_recovery(norms, events, step, gap, until, o["wait"],
-                                    lambda: ctx.heldout_ce(model, held, o["batch_size"], "causal-lm"), before)
-        else:
-            row = freeze_until(norms, events, step, before)
-        if final is not None and variants["final_blend"] > 0 and int(final[0].removed_at[final[1]]) >= 0:
-            a = min(1.0, (step - int(final[0].removed_at[final[1]]) + 1) / variants["final_blend"])
-            final[0].blend[final[1]] = row["final_blend"] = a
-        if final is not None and variants["final_aux"] > 0:
-            if final[0].aux is not None:  # the previous step's term, unweighted: how far the scales spread
-                row["final_aux_loss"] = float(final[0].aux.detach()) / final[0].aux_weight
-            started = variants["aux_event"] is not None and len(made(norms, events)) > variants["aux_event"]
-            final[0].aux_weight = variants["final_aux"] if started else 0.0
-        return row
-
-    extra = {"extra_loss": lambda: final[0].aux} if final is not None and variants["final_aux"] > 0 else {}
-    result = ctx.train(model, train_ids, held, config, objective="causal-lm", on_step=on_step,
-                       progress=ctx.train_progress, **extra)
-    ran = made(norms, events)
-    if final is not None:
-        final[0].aux_weight, final[0].aux = 0.0, None
-    check_ids = held[: min(4, len(held))]
+    run = Run(model, norms, events, final_variants(o, events), o, gap, held, calib, ctx.heldout_ce)
+    config = adaptive({**config, **run.evaluations()}, o, settle=run.until)
+    result = ctx.train(model, train_ids, held, config, objective="causal-lm", on_step=run.on_step,
+                       progress=ctx.train_progress, **run.extra())
+    run.stop_pulling()
     report = PassReport("remove-ln")
     report.metrics.update({"ce_before": result.ce_before, "ce_after": result.ce_after,
                            "ce_delta": result.ce_after - result.ce_before, "steps": result.steps,
                            "tokens": result.tokens, "seconds": result.seconds, "processes": result.processes,
                            "precision": result.precision, "resumed_from": result.resumed_from,
-                           "schedule": {"start": start, "gap": gap, **({"wait": o["wait"], "deadline": until}
-                                        if waiting else {"final_gap": final_gap}),
-                                        "last_removal": ran[-1][0] if ran else None,
-                                        "removals": [at for at, _, _ in ran]},
-                           "curve": result.curve, "kept": kept,
-                           "final_divisor": variants["final_divisor"], "final_aux": variants["final_aux"],
-                           "final_blend": variants["final_blend"]})
-    if final is not None and (variants["final_divisor"] != "ema" or variants["final_aux"] > 0
-                              or variants["final_blend"] > 0):
-        report.notes.append("final norm: divisor " + ("re-measured just before it was frozen (position 0 left "
-                            "out)" if variants["final_divisor"] == "remeasure" else "the moving average")
-                            + (f", blended in from each token's own over {variants['final_blend']} steps"
-                               if variants["final_blend"] > 0 else "")
-                            + (f"; auxiliary loss on its input, weight {variants['final_aux']:g}, from step "
-                               f"{ran[variants['aux_event']][0]}" if variants["final_aux"] > 0 else ""))
-    final_kind = next((("LayerNorm" if s.kind == "layernorm" else "RMSNorm") for s in full.norms
-                       if s.role == "final"), "norm")
-    if o["export"] == "stock":
-        frozen = _logits(model, check_ids)
-        keys = export_stock(model, layout, norms)
-        err = _relative(frozen, _logits(model, check_ids))
-        report.metrics["stock_error"] = err
-        report.notes.append(f"export=stock: stock norms with {keys} = {STOCK_EPS:.0e} and gains scaled by "
-                            f"1e6 / s; relative logit error against the norm-free model {err:.2e}")
-    else:
-        report.metrics.update(fold_checked(model, layout, norms, check_ids))
-        if kept:
-            report.notes.append(f"block norms removed; final {final_kind} kept (it computes its statistic "
-                                "as the stock norm, trained with the model)")
-        report.notes.append(f"removed {len(norms)} norms: {report.metrics['readers_folded']} readers took g / s "
-                            f"and b; fold checked against the frozen model (relative error "
-                            f"{report.metrics['fold_error_float64']:.1e} in float64, "
-                            f"{report.metrics['fold_error_float32']:.1e} in float32)")
+                           "schedule": run.schedule_metrics(start, final_gap), "curve": result.curve, "kept": kept,
+                           **{k: run.variants[k] for k in ("final_divisor", "final_aux", "final_blend")}})
+    report.notes += run.variant_notes()
+    _fold_or_export(model, layout, norms, held[: min(4, len(held))], o["export"], report,
+                    kept and next((("LayerNorm" if s.kind == "layernorm" else "RMSNorm") for s in full.norms
+                                   if s.role == "final"), "norm"))
     report.notes.append(f"{result.done()}: held-out CE "
                         f"{result.ce_before:.4f} -> {result.ce_after:.4f} ({result.ce_after - result.ce_before:+.4f})")
-    report.metrics["stages"] = schedule.stages_run(ran, result.curve, result.steps)
+    report.metrics["stages"] = schedule.stages_run(made(norms, events), result.curve, result.steps)
     report.notes.append("stages as run (steps: held-out CE at the stage's last evaluation): " + "; ".join(
         f"{s['stage']} {s['from']}-{s['to']}" + ("" if s["heldout_ce"] is None else f": {s['heldout_ce']:.4f}")
         for s in report.metrics["stages"]))
@@ -584,14 +508,139 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         report.metrics["untied_parameters"] = head.numel()
         report.notes.append(f"untie: {layout.head} untied from {layout.token_embedding} before training "
                             f"({head.numel():,} parameters of its own)")
-    if by_position:
-        report.metrics["final_positions"] = by_position
-        report.notes.append("held-out CE by predicting position, " + " and ".join(
-            f"{when} the final stage ({', '.join(f'{k}: {v:.4f}' for k, v in ces.items())})"
-            for when, ces in by_position.items()))
+    run.position_report(report)
     if original is not None:
         control_report(report, vanilla_control(ctx, original, train_ids, held, config, "causal-lm"))
     return report
+
+
+def _options(model, layout: Layout, ctx: PassContext) -> dict:
+    """The pass's options, refused in one line where they cannot run here; seq_len fitted to the
+    model's positions."""
+    o = ctx.options
+    if o["export"] not in ("self", "stock"):
+        raise SurgeryError(f"remove-ln: export={o['export']!r}; choose self or stock")
+    dtype = next(model.parameters()).dtype
+    if o["export"] == "stock" and dtype in (torch.float16, torch.bfloat16):
+        raise SurgeryError(f"remove-ln: export=stock stores gains near {math.sqrt(STOCK_EPS):.0e}, which {dtype} "
+                           "cannot hold accurately; use the default export or a float32 working dtype")
+    if not ctx.text:
+        raise SurgeryError("remove-ln trains the model: give it text (--text FILE)")
+    refused = check(model, layout, o)
+    if refused:
+        raise SurgeryError(refused)
+    if ctx.train is None or (o["wait"] > 0 and ctx.heldout_ce is None):
+        raise SurgeryError("remove-ln needs the training loop: run it through convert or apply_passes")
+    return {**o, "seq_len": fit_seq_len(positions(model.config), o["seq_len"], "remove-ln: seq_len")}
+
+
+def _fold_or_export(model, layout: Layout, norms: list[RemovableNorm], check_ids: torch.Tensor, export: str,
+                    report: PassReport, kept_kind: str | None) -> None:
+    """The frozen norms folded into the weights (checked), or exported as stock norms (its error
+    measured); the notes and metrics in ``report``. ``kept_kind``: the final norm's kind where
+    keep=final kept it."""
+    if export == "stock":
+        frozen = _logits(model, check_ids)
+        keys = export_stock(model, layout, norms)
+        err = _relative(frozen, _logits(model, check_ids))
+        report.metrics["stock_error"] = err
+        report.notes.append(f"export=stock: stock norms with {keys} = {STOCK_EPS:.0e} and gains scaled by "
+                            f"1e6 / s; relative logit error against the norm-free model {err:.2e}")
+        return
+    report.metrics.update(fold_checked(model, layout, norms, check_ids))
+    if kept_kind:
+        report.notes.append(f"block norms removed; final {kept_kind} kept (it computes its statistic "
+                            "as the stock norm, trained with the model)")
+    report.notes.append(f"removed {len(norms)} norms: {report.metrics['readers_folded']} readers took g / s "
+                        f"and b; fold checked against the frozen model (relative error "
+                        f"{report.metrics['fold_error_float64']:.1e} in float64, "
+                        f"{report.metrics['fold_error_float32']:.1e} in float32)")
+
+
+class Run:
+    """The schedule as the training runs it: ``on_step`` makes the events (fixed gaps, or waiting
+    for recovery), sets the final norm's blend and the weight of its auxiliary loss; just before
+    the final removal and before position 0's, the held-out CE by predicting position is measured
+    (and, remeasure, the final divisor). Everything it decides follows from the step and the
+    norms' buffers, so a resumed run decides the same."""
+
+    def __init__(self, model, norms: list[RemovableNorm], events, variants: dict, o: dict, gap: int,
+                 held: torch.Tensor, calib: torch.Tensor, heldout_ce):
+        self.model, self.norms, self.events, self.variants, self.o = model, norms, events, variants, o
+        self.gap, self.held, self.calib, self.heldout_ce = gap, held, calib, heldout_ce
+        self.waiting = o["wait"] > 0
+        self.until = schedule.deadline(o["steps"]) if self.waiting else events[-1][0]
+        self.final = next(((rn, rn.paths.index("final")) for rn in norms if "final" in rn.paths), None)
+        self.by_position: dict[str, dict] = {}
+
+    def evaluations(self) -> dict:
+        """The training's evaluation steps: each stage's start (fixed), or every eval_every steps
+        (waiting: the stages' steps are not known before)."""
+        if self.waiting:
+            return {"eval_every": self.o["eval_every"]}
+        e = self.events
+        return {"eval_steps": tuple(sorted({e[i][0] for i in range(len(e)) if i == 0 or e[i][1] != e[i - 1][1]}))}
+
+    def before(self, stage: str) -> None:
+        if self.final is not None and stage in ("final", "position 0"):
+            when = "before" if stage == "final" else "after"
+            self.by_position[when] = position_ce(self.model, self.held, self.o["batch_size"])
+        if stage == "final" and self.variants["final_divisor"] == "remeasure":
+            remeasure(self.final[0], self.final[1], lambda: _forward_eval(self.model, self.calib))
+
+    def on_step(self, step: int, model) -> dict:
+        if self.waiting:
+            ce = lambda: self.heldout_ce(self.model, self.held, self.o["batch_size"], "causal-lm")  # noqa: E731
+            row = wait_for_recovery(self.norms, self.events, step, self.gap, self.until, self.o["wait"], ce,
+                                    self.before)
+        else:
+            row = freeze_until(self.norms, self.events, step, self.before)
+        if self.final is None:
+            return row
+        rn, p = self.final
+        blend = self.variants["final_blend"]
+        if blend > 0 and int(rn.removed_at[p]) >= 0:
+            rn.blend[p] = row["final_blend"] = min(1.0, (step - int(rn.removed_at[p]) + 1) / blend)
+        if self.variants["final_aux"] > 0:
+            if rn.aux is not None:  # the previous step's term, unweighted: how far the scales spread
+                row["final_aux_loss"] = float(rn.aux.detach()) / rn.aux_weight
+            event = self.variants["aux_event"]
+            rn.aux_weight = self.variants["final_aux"] if event is not None and len(
+                made(self.norms, self.events)) > event else 0.0
+        return row
+
+    def extra(self) -> dict:
+        """The training loop's extra loss: the final norm's auxiliary term, where it is pulled."""
+        if self.final is None or self.variants["final_aux"] <= 0:
+            return {}
+        return {"extra_loss": lambda: self.final[0].aux}
+
+    def stop_pulling(self) -> None:
+        if self.final is not None:
+            self.final[0].aux_weight, self.final[0].aux = 0.0, None
+
+    def schedule_metrics(self, start: int, final_gap: int) -> dict:
+        ran = made(self.norms, self.events)
+        return {"start": start, "gap": self.gap,
+                **({"wait": self.o["wait"], "deadline": self.until} if self.waiting else {"final_gap": final_gap}),
+                "last_removal": ran[-1][0] if ran else None, "removals": [at for at, _, _ in ran]}
+
+    def variant_notes(self) -> list[str]:
+        v = self.variants
+        if self.final is None or (v["final_divisor"] == "ema" and v["final_aux"] <= 0 and v["final_blend"] <= 0):
+            return []
+        return ["final norm: divisor " + ("re-measured just before it was frozen (position 0 left out)"
+                                          if v["final_divisor"] == "remeasure" else "the moving average")
+                + (f", blended in from each token's own over {v['final_blend']} steps" if v["final_blend"] > 0 else "")
+                + (f"; auxiliary loss on its input, weight {v['final_aux']:g}, from step "
+                   f"{made(self.norms, self.events)[v['aux_event']][0]}" if v["final_aux"] > 0 else "")]
+
+    def position_report(self, report: PassReport) -> None:
+        if self.by_position:
+            report.metrics["final_positions"] = self.by_position
+            report.notes.append("held-out CE by predicting position, " + " and ".join(
+                f"{when} the final stage ({', '.join(f'{k}: {v:.4f}' for k, v in ces.items())})"
+                for when, ces in self.by_position.items()))
 
 
 def final_variants(options: dict, events) -> dict:
