@@ -527,6 +527,10 @@ def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, 
         optimizer.zero_grad(set_to_none=True)
         losses.append(acc.reduce(total, "mean").item() if procs > 1 else total.item())
         done = step + 1
+        if not math.isfinite(losses[-1]):
+            raise SurgeryError(f"training diverged at step {done} of {config.steps}: the loss is {losses[-1]} (the "
+                               f"last finite one {next((x for x in reversed(losses) if math.isfinite(x)), None)}); "
+                               "nothing was saved: a lower --lr may hold")
         evaluated = done in eval_at or done == config.steps
         if evaluated:
             window = losses[curve[-1]["step"]:]

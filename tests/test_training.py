@@ -113,3 +113,19 @@ def test_training_stops_when_heldout_ce_stops_improving():
     assert learning.steps == 24 and learning.cap is None and learning.ce_after < learning.ce_before
     with pytest.raises(SurgeryError, match="needs evaluations during training"):
         TrainConfig(steps=10, patience=2).check()
+
+
+def test_a_loss_that_turns_nan_stops_the_training_in_one_line():
+    """A diverged run (here: the weights poisoned with NaN at the start of the third step) stops at
+    that step with the last finite loss, instead of training on to save NaN weights."""
+    ids, held = data()
+    model = tiny_model("llama", torch.float32)
+
+    def poison(step, m):
+        if step == 2:
+            with torch.no_grad():
+                m.model.embed_tokens.weight.fill_(float("nan"))
+
+    with pytest.raises(SurgeryError, match=r"training diverged at step 3 of 6: the loss is nan \(the last finite one "
+                                           r"\d+\.\d+\); nothing was saved: a lower --lr may hold"):
+        train(model, ids, held, TrainConfig(steps=6, batch_size=2, seq_len=32, lr=1e-3), on_step=poison)
