@@ -591,3 +591,22 @@ def test_final_blend_runs_on_the_fixed_schedule():
                                                       for n in report.notes)
     assert report.metrics["ce_after"] != plain.metrics["ce_after"]
     assert not [m for m in model.modules() if kind_of(m)[0] != "other"]
+
+
+def test_divisor_median_is_not_moved_by_a_token_with_a_massive_rms():
+    """divisor=median: a batch where one token's rms is 10^6 times the others' moves the mean's
+    moving average by orders of magnitude, the median's not at all."""
+    model = tiny_model("llama", torch.float64)
+    lay = layout(model)
+    x = torch.randn(2, 9, lay.stream_width, dtype=torch.float64)
+    spiked = x.clone()
+    spiked[1, 5] *= 1e6
+    got = {}
+    for divisor in ("mean", "median"):
+        rn = R.install(tiny_model("llama", torch.float64), lay, divisor=divisor)[0]
+        rn.train()
+        rn(x)
+        calm = rn.scale.clone()
+        rn(spiked)
+        got[divisor] = (rn.scale / calm).max().item()
+    assert got["mean"] > 1e3 and got["median"] == pytest.approx(1.0, rel=0.05)  # EMA: 0.1 of the batch

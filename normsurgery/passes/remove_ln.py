@@ -76,6 +76,9 @@ from .norms import (adaptive, aux_loss, control_report, refuse_experts, refuse_n
 MOMENTUM = 0.9
 STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance
 PATH_ORDER = ("mlp", "qk", "attn", "v", "final")
+#: divisor=: what a batch's per-token divisors give the moving average (median: a few tokens with a
+#: massive rms do not move the constant that divides all the others)
+DIVISOR_STATISTICS = {"mean": torch.mean, "median": torch.median}
 KEEP = ("", "none", "final")  # keep=final: the final norm stays the model's own, computing
 
 
@@ -105,7 +108,8 @@ class RemovableNorm(nn.Module):
     as it ran; ``blend`` [P] (final_blend). Gain and bias are the original norm's parameters.
     """
 
-    def __init__(self, norm: nn.Module, layernorm: bool, eps: float, offset: float, paths: list[str]):
+    def __init__(self, norm: nn.Module, layernorm: bool, eps: float, offset: float, paths: list[str],
+                 over_tokens=torch.mean):
         super().__init__()
         self.layernorm, self.eps, self.offset, self.paths = layernorm, eps, offset, list(paths)
         self.original = [norm]  # a list: not a submodule
@@ -124,6 +128,7 @@ class RemovableNorm(nn.Module):
         # a frozen path divides by (1 - blend) d(x) + blend s (final_blend: from 0 to 1 over its steps)
         self.register_buffer("blend", torch.ones(p, device=dev))
         self.calibrating = False
+        self.over_tokens = over_tokens  # a batch's divisors -> the value the moving average takes (divisor=)
         self.measured: list[torch.Tensor] | None = None  # remeasure: per-token divisors seen, [B, T] each
         self.aux_weight = 0.0  # final_aux: weight of aux_loss while training (0: none)
         self.aux: torch.Tensor | None = None  # the weighted aux_loss of the last training forward
@@ -146,8 +151,8 @@ class RemovableNorm(nn.Module):
         if (self.training or self.calibrating) and not bool(self.frozen.all()):
             with torch.no_grad():
                 d = self.stats(x.detach()).reshape(-1, x.shape[-2])
-                rest = (d[:, 1:] if d.shape[1] > 1 else d).mean().to(self.scale.dtype)
-                first = d[:, 0].mean().to(self.scale.dtype)
+                rest, first = (self.over_tokens(t).to(self.scale.dtype) for t in (d[:, 1:] if d.shape[1] > 1 else d,
+                                                                                   d[:, 0]))
                 if self.training:  # several processes: the mean over all their batches, as one process of them all
                     rest, first = devices.mean_over_processes(torch.stack([rest, first]))
                 live = ~self.frozen
@@ -219,7 +224,7 @@ def _path_of(reader: str, layout: Layout, role: str, split: bool = True) -> str:
     return "mlp" if role == "mlp" else "attn"
 
 
-def install(model, layout: Layout, split: bool = True) -> list[RemovableNorm]:
+def install(model, layout: Layout, split: bool = True, divisor: str = "mean") -> list[RemovableNorm]:
     """Replace each norm by a RemovableNorm and hook its readers; returns them in layout order.
     ``split``: separate paths (q/k, v, MLP) where a norm has several kinds of reader; else one."""
     norms = []
@@ -227,7 +232,7 @@ def install(model, layout: Layout, split: bool = True) -> list[RemovableNorm]:
         mod = model.get_submodule(site.path)
         paths = {r: _path_of(r, layout, site.role, split) for r in site.readers}
         order = sorted(set(paths.values()), key=PATH_ORDER.index)
-        rn = RemovableNorm(mod, site.kind == "layernorm", site.eps, site.offset, order)
+        rn = RemovableNorm(mod, site.kind == "layernorm", site.eps, site.offset, order, DIVISOR_STATISTICS[divisor])
         _set(model, site.path, rn)
         rn.readers = {reader: order.index(path) for reader, path in paths.items()}
         for reader, p in rn.readers.items():
@@ -477,7 +482,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     untied = o["untie"] and algebra.untie(model, layout)
     if untied:  # the head trains on its own: it can absorb the scale the final norm's divisor gave
         layout = dataclasses.replace(layout, tied=False)
-    norms = install(model, layout, split=o["export"] != "stock")  # a stock norm has one output
+    norms = install(model, layout, o["export"] != "stock", o["divisor"])  # a stock norm has one output
     start, gap, final_gap, events = schedule.plan([rn.paths for rn in norms], o)
     calib = windows(train_ids, o["seq_len"], 8)
     _calibrate(model, norms, calib)
