@@ -610,3 +610,25 @@ def test_divisor_median_is_not_moved_by_a_token_with_a_massive_rms():
         rn(spiked)
         got[divisor] = (rn.scale / calm).max().item()
     assert got["mean"] > 1e3 and got["median"] == pytest.approx(1.0, rel=0.05)  # EMA: 0.1 of the batch
+
+
+def test_block_aux_pulls_each_block_norms_input_from_its_first_removal():
+    """block_aux=W: from the first removal on, each training forward adds the aux terms of the
+    block norms frozen so far (none before); the final norm's term still starts at the last block
+    stage; 0 leaves the loop no extra loss when final_aux is 0 too."""
+    added, given = [], []
+
+    def spy(*args, extra_loss=None, **kw):
+        given.append(extra_loss is not None)
+        if extra_loss is None:
+            return train(*args, **kw)
+        return train(*args, extra_loss=lambda: added.append(extra_loss()) or added[-1], **kw)
+
+    run_pass(None, save_every=0, control=False, final_aux=0.0, block_aux=0.0, train_fn=spy)
+    assert given == [False]
+    _, report = run_pass(None, save_every=0, control=False, final_aux=0.0, block_aux=1.0, train_fn=spy)
+    first = report.metrics["schedule"]["removals"][0]
+    assert given == [False, True] and len(added) == 12 and report.metrics["block_aux"] == 1.0
+    assert any("block norms: auxiliary loss on each one's input, weight 1" in n for n in report.notes)
+    assert added[:first] == [None] * first and all(t is not None and t.item() >= 0 for t in added[first:])
+    assert report.metrics["ce_after"] != run_pass(None, save_every=0, control=False, final_aux=0.0)[1].metrics["ce_after"]

@@ -24,7 +24,7 @@ REMOVE_LN_OPTIONS = {"steps": 900, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "
                      "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
                      "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
                      "export": "self", "keep": "", "final_divisor": "ema", "final_aux": 3.0, "final_blend": 0,
-                     "wait": 0.0, "untie": False, "divisor": "mean",
+                     "wait": 0.0, "untie": False, "divisor": "mean", "block_aux": 0.0,
                      **TRAINED_OPTIONS, "patience": 4}
 PRE_LN = "Pre-LN and parallel models of every supported family"
 #: the values options take, checked before anything is loaded (options not listed: any of their type);
@@ -39,7 +39,7 @@ LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads"
           "warmup": between(-1), "decay": between(-1), "start": between(-1), "gap": between(0),
           "final_gap": between(0), "precision": one_of(*PRECISIONS),
           "export": one_of("self", "stock"), "keep": Limit("one of none (the default), final", lambda x: x in ("", "none", "final")), "final_divisor": one_of("ema", "remeasure"), "final_aux": between(0), "final_blend": between(0), "wait": between(0),
-          "divisor": one_of("mean", "median"),
+          "divisor": one_of("mean", "median"), "block_aux": between(0),
           "patience": between(0), "eval_every": between(1),
           "kind": one_of("hadamard", "random"), "seed": between(0)}
 

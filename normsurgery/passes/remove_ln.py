@@ -47,7 +47,10 @@ steps, (1 - a) d(x) + a s with a rising from 1/S to 1, instead of at once (the f
 most the final stage's length). ``untie=true``
 gives a tied head its own copy of the embedding before training (vocabulary x width parameters
 more), so the unembedding can absorb the scale the final norm's divisor gave; the default export
-unties it anyway when the final norm folds into the head.
+unties it anyway when the final norm folds into the head. ``block_aux=W`` (not the default) adds
+the same auxiliary loss on each block norm's input, W times, from that norm's first removal on:
+a token whose scale runs away from the batch's (a gated MLP with a constant norm squares it) is
+pulled back.
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ class RemovableNorm(nn.Module):
         self.calibrating = False
         self.over_tokens = over_tokens  # a batch's divisors -> the value the moving average takes (divisor=)
         self.measured: list[torch.Tensor] | None = None  # remeasure: per-token divisors seen, [B, T] each
-        self.aux_weight = 0.0  # final_aux: weight of aux_loss while training (0: none)
+        self.aux_weight = 0.0  # final_aux / block_aux: weight of aux_loss while training (0: none)
         self.aux: torch.Tensor | None = None  # the weighted aux_loss of the last training forward
         self.hooks = []
         self.readers: dict[str, int] = {}  # reader path -> index of its path
@@ -499,6 +502,10 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                            "schedule": run.schedule_metrics(start, final_gap), "curve": result.curve, "kept": kept,
                            **{k: run.variants[k] for k in ("final_divisor", "final_aux", "final_blend")}})
     report.notes += run.variant_notes()
+    report.metrics["block_aux"] = o["block_aux"]
+    if o["block_aux"] > 0:
+        report.notes.append(f"block norms: auxiliary loss on each one's input, weight {o['block_aux']:g}, from its "
+                            "first removal")
     _fold_or_export(model, layout, norms, held[: min(4, len(held))], o["export"], report,
                     kept and next((("LayerNorm" if s.kind == "layernorm" else "RMSNorm") for s in full.norms
                                    if s.role == "final"), "norm"))
@@ -600,6 +607,9 @@ class Run:
                                     self.before)
         else:
             row = freeze_until(self.norms, self.events, step, self.before)
+        for rn in self.norms:  # block_aux: each block norm's input, from its first frozen path on
+            if self.final is None or rn is not self.final[0]:
+                rn.aux_weight = self.o["block_aux"] if bool(rn.frozen.any()) else 0.0
         if self.final is None:
             return row
         rn, p = self.final
@@ -615,14 +625,20 @@ class Run:
         return row
 
     def extra(self) -> dict:
-        """The training loop's extra loss: the final norm's auxiliary term, where it is pulled."""
-        if self.final is None or self.variants["final_aux"] <= 0:
+        """The training loop's extra loss: the auxiliary terms of the norms pulled (the final
+        norm's, final_aux; the block norms', block_aux), None while none is."""
+        if (self.final is None or self.variants["final_aux"] <= 0) and self.o["block_aux"] <= 0:
             return {}
-        return {"extra_loss": lambda: self.final[0].aux}
+
+        def terms():
+            pulled = [rn.aux for rn in self.norms if rn.aux is not None]
+            return sum(pulled) if pulled else None
+
+        return {"extra_loss": terms}
 
     def stop_pulling(self) -> None:
-        if self.final is not None:
-            self.final[0].aux_weight, self.final[0].aux = 0.0, None
+        for rn in self.norms:
+            rn.aux_weight, rn.aux = 0.0, None
 
     def schedule_metrics(self, start: int, final_gap: int) -> dict:
         ran = made(self.norms, self.events)
