@@ -412,9 +412,9 @@ def test_final_aux_pulls_from_the_last_block_stage_and_0_is_the_plain_loop():
             return train(*args, **kw)
         return train(*args, extra_loss=lambda: added.append(extra_loss()) or added[-1], **kw)
 
-    _, plain = run_pass(None, save_every=0, control=False, final_aux=0.0, train_fn=spy)
+    _, plain = run_pass(None, save_every=0, control=False, final_aux=0.0, block_aux=0.0, train_fn=spy)
     assert given == [False]
-    _, pulled = run_pass(None, save_every=0, control=False, final_aux=1.0, train_fn=spy)
+    _, pulled = run_pass(None, save_every=0, control=False, final_aux=1.0, block_aux=0.0, train_fn=spy)
     start = next(s["from"] for s in pulled.metrics["stages"] if s["stage"] == "qk")  # GPT-2: q, k, v fused
     assert given == [False, True] and len(added) == 12
     assert added[:start] == [None] * start and all(t is not None and t.item() >= 0 for t in added[start:])
@@ -631,4 +631,5 @@ def test_block_aux_pulls_each_block_norms_input_from_its_first_removal():
     assert given == [False, True] and len(added) == 12 and report.metrics["block_aux"] == 1.0
     assert any("block norms: auxiliary loss on each one's input, weight 1" in n for n in report.notes)
     assert added[:first] == [None] * first and all(t is not None and t.item() >= 0 for t in added[first:])
-    assert report.metrics["ce_after"] != run_pass(None, save_every=0, control=False, final_aux=0.0)[1].metrics["ce_after"]
+    plain = run_pass(None, save_every=0, control=False, final_aux=0.0, block_aux=0.0)[1]
+    assert report.metrics["ce_after"] != plain.metrics["ce_after"]
