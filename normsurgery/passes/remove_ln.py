@@ -703,10 +703,10 @@ def position_ce(model, windows: torch.Tensor, batch_size: int) -> dict[str, floa
     total = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
     try:
         for s in range(0, len(windows), batch_size):
-            ids = windows[s:s + batch_size].to(devices.of(model))
-            logits = model(input_ids=ids).logits[:, :-1].float()
+            ids = windows[s:s + batch_size]
+            logits = _logits(model, ids)[:, :-1].cpu()
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-            total += ce.view(ids.shape[0], -1).sum(0).double().cpu()
+            total += ce.view(ids.shape[0], -1).sum(0)
     finally:
         model.train(was)
     total /= len(windows)
