@@ -3,7 +3,8 @@
 A step runs its pass's ``run``, or its stages in turn, each after its scans: a scan collects on
 every part brought to where its stage starts, and gathers what it collected into facts about the
 whole model (index sets, thresholds), known once for every work over one plan (``Work.fresh``
-shares them). Written against a :class:`sweep.Work`'s own methods (no import of it: the sweep
+shares them). Streamed, every scan a part's steps need runs before the part is read
+(:func:`scan_ahead`): a scan holds one part at a time, its own. Written against a :class:`sweep.Work`'s own methods (no import of it: the sweep
 calls here).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from .families import layout
 from .layout import Layout
+from .plan import check_applies
 from .registry import PassReport, Stage
 
 
@@ -29,6 +31,20 @@ def run_step(work, i: int, scope: tuple[str, ...], stages: int | None = None) ->
         ctx.options, ctx.facts = step.options, known
         stage.run(model, layout(model, scope), ctx, report)
     return report
+
+
+def scan_ahead(work, level: int) -> None:
+    """Streamed, the facts of every stage of the steps before ``level`` (each step's pass checked
+    to apply first): their scans read every part in works of their own, so run before ``work``
+    reads a part, none holds a part of ``work`` beside its own. In memory, nothing: a scan
+    collects on the resident model when its stage comes."""
+    if work.resident:
+        return
+    for i, step in enumerate(work.steps[:level]):
+        todo = step.stages(step.options, layout(work.model)) if step.stages is not None else []
+        if todo and (i, len(todo) - 1) not in work.known:
+            check_applies(work.model, step.pass_name)
+            facts(work, i, len(todo) - 1, todo)
 
 
 def facts(work, i: int, k: int, stages: list[Stage]) -> dict:

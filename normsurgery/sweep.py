@@ -39,7 +39,7 @@ from .norms import faithful_norms
 from .parity import HeadInput, jittered, outputs
 from .plan import Part, StepSpec, check_applies, plan
 from .registry import PassContext, PassReport
-from .scan import run_step
+from .scan import run_step, scan_ahead
 from .shards import Reader as ShardReader
 
 
@@ -141,7 +141,9 @@ class Work(Parts):
         return work
 
     def enter(self, part: Part, level: int = 0) -> None:
-        """Read ``part`` (unless held) and apply steps up to ``level`` to it."""
+        """Read ``part`` (unless held) and apply steps up to ``level`` to it, their scans run first
+        (``scan.scan_ahead``)."""
+        scan_ahead(self, level)
         read = self.read(part)
         if self.level[part] > level:
             raise SurgeryError(f"internal: part {part.scope[:1]} is at step {self.level[part]}, past {level}")

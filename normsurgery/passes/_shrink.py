@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from .. import algebra, analysis
 from ..layout import AttentionSite, Layout, MlpSite, NormSite
@@ -28,9 +29,16 @@ def set_matrix(mod: nn.Module, w: torch.Tensor, c: torch.Tensor | None = None) -
                 setattr(mod, k, v)
 
 
+def matrix(mod: nn.Module) -> torch.Tensor:
+    """W as [out, in] (embeddings: [rows, d]) in the dtype it is held in: selecting entries is
+    exact in any dtype, and a float64 copy of a large matrix would double its memory."""
+    w = mod.weight.detach()
+    return w.T if isinstance(mod, Conv1D) else w
+
+
 def keep_outputs(mod: nn.Module, idx: torch.Tensor) -> None:
     """Keep the outputs ``idx``: rows of W and entries of c (an embedding: its columns)."""
-    w = algebra.weight(mod)
+    w = matrix(mod)
     if isinstance(mod, nn.Embedding):
         set_matrix(mod, w[:, idx])
         return
@@ -40,7 +48,7 @@ def keep_outputs(mod: nn.Module, idx: torch.Tensor) -> None:
 
 def keep_inputs(mod: nn.Module, idx: torch.Tensor) -> None:
     """Keep the inputs ``idx``: columns of W."""
-    set_matrix(mod, algebra.weight(mod)[:, idx])
+    set_matrix(mod, matrix(mod)[:, idx])
 
 
 def add_to_bias(mod: nn.Module, delta: torch.Tensor) -> None:
@@ -167,7 +175,7 @@ def compensated(norm, site: NormSite, keep: torch.Tensor) -> nn.Module:
 def planned_widths(model, layout: Layout) -> dict:
     """The widths of ``layout``'s blocks as they stand: MLP units, and (heads, kv heads, head
     dim) of each attention (:func:`record_widths` of the whole model's)."""
-    return {"mlp": [algebra.weight(model.get_submodule(m.down)).shape[1] for m in layout.mlps],
+    return {"mlp": [algebra.in_width(model.get_submodule(m.down)) for m in layout.mlps],
             "heads": [(a.num_heads, a.num_kv_heads, a.head_dim) for a in layout.attention]}
 
 
