@@ -417,3 +417,39 @@ def test_bytes_are_counted_in_the_storage_dtype(tmp_path):
                   for t in load_file(f).values())
     assert step.metrics["bytes"] == [2 * step.metrics["params"][0], written]
     assert f"bytes {2 * step.metrics['params'][0]:,} -> {written:,}" in step.notes[-1]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_shrinking_selects_in_the_weights_own_dtype(family):
+    """Channels, units and heads are kept by selecting a matrix's entries as it is held (exact in
+    any dtype): no float64 matrix is made (an embedding's copy would double a streamed part's
+    memory), and the entries kept are the ones held, bit for bit (GPT-2's Conv1D stores W^T)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from normsurgery.passes import _shrink
+
+    class Float64Matrices(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.made += [func for t in tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.dim() > 1]
+            return out
+
+    model = tiny_model(family, torch.float32)
+    lay = layout(model)
+    embedding, writer, reader = (model.get_submodule(p) for p in (lay.embeddings[0], lay.writers[0],
+                                                                    lay.norms[0].readers[0]))
+    keep = torch.tensor([0, 2, 3, 7])
+    expected = [algebra.weight(embedding)[:, keep], algebra.weight(writer)[keep], algebra.weight(reader)[:, keep]]
+    with Float64Matrices() as seen:
+        _shrink.keep_outputs(embedding, keep)
+        _shrink.keep_outputs(writer, keep)
+        _shrink.keep_inputs(reader, keep)
+    assert seen.made == []
+    for mod, want in zip((embedding, writer, reader), expected):
+        assert mod.weight.dtype == torch.float32 and torch.equal(algebra.weight(mod), want)
