@@ -4,8 +4,8 @@ A step runs its pass's ``run``, or its stages in turn, each after its scans: a s
 every part brought to where its stage starts, and gathers what it collected into facts about the
 whole model (index sets, thresholds), known once for every work over one plan (``Work.fresh``
 shares them). Streamed, every scan a part's steps need runs before the part is read
-(:func:`scan_ahead`): a scan holds one part at a time, its own. Written against a :class:`sweep.Work`'s own methods (no import of it: the sweep
-calls here).
+(:func:`scan_ahead`): a scan holds one part at a time, its own. Written against a
+:class:`sweep.Work`'s own methods (no import of it: the sweep calls here).
 """
 
 from __future__ import annotations
@@ -34,16 +34,15 @@ def run_step(work, i: int, scope: tuple[str, ...], stages: int | None = None) ->
 
 
 def scan_ahead(work, level: int) -> None:
-    """Streamed, the facts of every stage of the steps before ``level`` (each step's pass checked
-    to apply first): their scans read every part in works of their own, so run before ``work``
-    reads a part, none holds a part of ``work`` beside its own. In memory, nothing: a scan
-    collects on the resident model when its stage comes."""
+    """Streamed, the facts of every stage of the steps before ``level``: their scans read every
+    part in works of their own, so run before ``work`` reads a part, none holds a part of
+    ``work`` beside its own. In memory, nothing: a scan collects on the resident model when its
+    stage comes."""
     if work.resident:
         return
     for i, step in enumerate(work.steps[:level]):
         todo = step.stages(step.options, layout(work.model)) if step.stages is not None else []
-        if todo and (i, len(todo) - 1) not in work.known:
-            check_applies(work.model, step.pass_name)
+        if todo:
             facts(work, i, len(todo) - 1, todo)
 
 
@@ -74,7 +73,8 @@ def facts(work, i: int, k: int, stages: list[Stage]) -> dict:
 
 def _collect_all(work, i: int, k: int, collect) -> Layout:
     """``collect(model, scope)`` on every part at step ``i``'s stage ``k``: the resident model
-    itself, or the parts of a fresh work read one at a time. Returns the whole model's Layout."""
+    itself, or the parts of a fresh work read one at a time (each checked to be one step ``i``'s
+    pass applies to, as ``Work.enter`` checks it). Returns the whole model's Layout."""
     if work.resident:
         collect(work.model, ())
         return layout(work.model)
@@ -82,6 +82,7 @@ def _collect_all(work, i: int, k: int, collect) -> Layout:
     try:
         for part in sweep.parts:
             sweep.enter(part, i)
+            check_applies(sweep.model, sweep.steps[i].pass_name, layout(sweep.model, part.scope))
             run_step(sweep, i, part.scope, k)
             collect(sweep.model, part.scope)
             sweep.leave(part)

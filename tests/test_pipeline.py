@@ -187,6 +187,21 @@ def test_streaming_holds_one_part_whatever_the_depth(tmp_path, monkeypatch, pass
     assert peaks[1] == peaks[0] < parts * totals[0] / 2
 
 
+def test_a_scan_run_ahead_refuses_a_pass_where_its_stage_starts(tmp_path, monkeypatch):
+    """crmsnorm then minimize, streamed: minimize's scans run before any part is read for writing,
+    each part brought through crmsnorm first; the first is refused with the pass's reason, as
+    entering it would be, before anything is collected."""
+    from normsurgery import masks
+
+    src = checkpoint_at(tmp_path, "gpt2")
+    collected = []
+    monkeypatch.setattr(masks, "channel_energies", lambda *a: collected.append(a))
+    with pytest.raises(ns.SurgeryError, match="ln_1 is a crmsnorm"):
+        convert_mod.convert(src, tmp_path / "out", [("crmsnorm", {}), ("minimize", {"prune_channels": 4})],
+                            streaming=True, verify=False)
+    assert collected == []
+
+
 def test_a_freed_part_is_reused_only_when_nothing_holds_it(tmp_path):
     """The loader reads the next block into the tensors the last one gave back (no new pages),
     but never into a tensor a view still reads."""
