@@ -19,10 +19,12 @@ WORK = torch.float64
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
-def weight(mod: nn.Module) -> torch.Tensor:
-    """W as [out, in] in float64 (embeddings: [rows, d], each row a vector the stream gets)."""
+def weight(mod: nn.Module, dtype: torch.dtype | None = WORK) -> torch.Tensor:
+    """W as [out, in] in float64 (embeddings: [rows, d], each row a vector the stream gets);
+    ``dtype`` None: the tensor held, no copy (selecting entries is exact in any dtype)."""
     w = mod.weight.detach()
-    return (w.T if isinstance(mod, Conv1D) else w).to(WORK)
+    w = w.T if isinstance(mod, Conv1D) else w
+    return w if dtype is None else w.to(dtype)
 
 
 def is_linear(mod: nn.Module) -> bool:
@@ -30,10 +32,10 @@ def is_linear(mod: nn.Module) -> bool:
     return isinstance(mod, (nn.Linear, Conv1D))
 
 
-def written_matrix(mod: nn.Module) -> torch.Tensor:
-    """The weight in float64 with one row per entry of the vectors the module writes: a linear's
-    W [out, in]; an embedding's table transposed, [d, rows]."""
-    w = weight(mod)
+def written_matrix(mod: nn.Module, dtype: torch.dtype | None = WORK) -> torch.Tensor:
+    """The weight in float64 (``dtype``: :func:`weight`'s) with one row per entry of the vectors
+    the module writes: a linear's W [out, in]; an embedding's table transposed, [d, rows]."""
+    w = weight(mod, dtype)
     return w.T if isinstance(mod, nn.Embedding) else w
 
 

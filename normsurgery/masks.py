@@ -60,6 +60,10 @@ def magnitude(model, layout: Layout, sparsity: float) -> dict[str, torch.Tensor]
     return masks
 
 
+#: rows of a writer's matrix squared in float64 at once (channel_energies)
+SLAB = 256
+
+
 def channel_energies(model, layout: Layout) -> list[torch.Tensor]:
     """Energy each of ``layout``'s embeddings and writers writes into each residual channel: the
     sum of squares of its row j (and bias entry j; an embedding's column j), in float64, in
@@ -67,7 +71,8 @@ def channel_energies(model, layout: Layout) -> list[torch.Tensor]:
     out = []
     for path in layout.embeddings + layout.writers:
         mod = model.get_submodule(path)
-        score = algebra.written_matrix(mod).cpu().double().pow(2).sum(1)
+        w = algebra.written_matrix(mod, None)  # in float64 a slab of rows at a time: no float64 copy of the whole
+        score = torch.cat([w[i:i + SLAB].cpu().double().pow(2).sum(1) for i in range(0, len(w), SLAB)])
         c = algebra.bias(mod)
         out.append(score if c is None else score + c.cpu().double().pow(2))
     return out

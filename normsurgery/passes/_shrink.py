@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from .. import algebra, analysis
 from ..layout import AttentionSite, Layout, MlpSite, NormSite
@@ -29,16 +28,9 @@ def set_matrix(mod: nn.Module, w: torch.Tensor, c: torch.Tensor | None = None) -
                 setattr(mod, k, v)
 
 
-def matrix(mod: nn.Module) -> torch.Tensor:
-    """W as [out, in] (embeddings: [rows, d]) in the dtype it is held in: selecting entries is
-    exact in any dtype, and a float64 copy of a large matrix would double its memory."""
-    w = mod.weight.detach()
-    return w.T if isinstance(mod, Conv1D) else w
-
-
 def keep_outputs(mod: nn.Module, idx: torch.Tensor) -> None:
     """Keep the outputs ``idx``: rows of W and entries of c (an embedding: its columns)."""
-    w = matrix(mod)
+    w = algebra.weight(mod, None)  # selecting entries: exact in the dtype held, no float64 copy
     if isinstance(mod, nn.Embedding):
         set_matrix(mod, w[:, idx])
         return
@@ -48,7 +40,7 @@ def keep_outputs(mod: nn.Module, idx: torch.Tensor) -> None:
 
 def keep_inputs(mod: nn.Module, idx: torch.Tensor) -> None:
     """Keep the inputs ``idx``: columns of W."""
-    set_matrix(mod, matrix(mod)[:, idx])
+    set_matrix(mod, algebra.weight(mod, None)[:, idx])
 
 
 def add_to_bias(mod: nn.Module, delta: torch.Tensor) -> None:
