@@ -636,7 +636,7 @@ def test_block_aux_pulls_each_block_norms_input_from_its_first_removal():
 
 
 def test_block_aux_defaults_to_the_gated_value_on_gated_mlps_only(tmp_path):
-    """block_aux's default (-1): 3 on a Llama (gated MLP: the pass pulls its block norms' inputs, and
+    """block_aux's default (-1): 1 on a Llama (gated MLP: the pass pulls its block norms' inputs, and
     says it is the default), 0 on a GPT-2; a value given is kept on either."""
     got = {}
     llama = lambda: small_llama(tmp_path / str(len(got)))  # noqa: E731
@@ -646,4 +646,4 @@ def test_block_aux_defaults_to_the_gated_value_on_gated_mlps_only(tmp_path):
         got[name] = report.metrics["block_aux"], any("(the default for gated MLPs)" in n for n in report.notes)
     assert got == {"llama": (R.GATED_BLOCK_AUX, True), "gpt2": (0.0, False), "llama 0": (0.0, False),
                    "gpt2 2": (2.0, False)}
-    assert R.GATED_BLOCK_AUX == 3.0
+    assert R.GATED_BLOCK_AUX == 1.0

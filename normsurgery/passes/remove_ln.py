@@ -552,7 +552,7 @@ def _options(model, layout: Layout, ctx: PassContext) -> dict:
 
 
 #: block_aux's value where the MLPs are gated (measured on five Llamas against their controls: README)
-GATED_BLOCK_AUX = 3.0
+GATED_BLOCK_AUX = 1.0
 
 
 def block_aux(value: float, layout: Layout) -> float:
