@@ -131,6 +131,13 @@ class Layout:
         return final if final is not None and not final.readers else None
 
     @property
+    def gated_mlp(self) -> bool:
+        """Whether the blocks' MLPs multiply two linear maps of their input (gate and up, a mixture
+        of experts' gate_up): quadratic in the input's scale, where a plain MLP is linear in it up to
+        its activation."""
+        return bool(self.experts) or any(m.gate is not None for m in self.mlps)
+
+    @property
     def norm_kinds(self) -> set[str]:
         return {s.kind for s in self.norms}
 

@@ -149,8 +149,10 @@ def one_of(*values: str) -> Limit:
 
 KINDS = ("exact", "reference", "trained")
 #: option values that mean "chosen from the model and the other options" (seq_len 0: min(128, the
-#: model's positions); warmup, start, min_lr -1 and gap, final_gap 0: from the steps): "auto" in a card
-AUTO = {"seq_len": 0, "min_lr": -1, "warmup": -1, "decay": -1, "start": -1, "gap": 0, "final_gap": 0}
+#: model's positions); warmup, start, min_lr -1 and gap, final_gap 0: from the steps; block_aux -1: from the
+#: layout's MLPs): "auto" in a card
+AUTO = {"seq_len": 0, "min_lr": -1, "warmup": -1, "decay": -1, "start": -1, "gap": 0, "final_gap": 0,
+        "block_aux": -1}
 PASSES: dict[str, Pass] = {}
 
 

@@ -4,6 +4,7 @@ on variants of the families (projected embeddings, Post-LN OPT, QK-norm Phi, seq
 untied GPT-2)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -145,3 +146,28 @@ def test_a_norm_whose_offset_is_unknown_is_refused_not_folded():
     with pytest.raises(ns.SurgeryError, match="offset"):
         ns.apply_passes(model, [("flashnorm", {})])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _scale_exponent(module, width: int, t: float = 1e3) -> float:
+    """log_t of |module(t x)| / |module(x)| for a random x: about 2 for an MLP that multiplies two
+    linear maps of its input, about 1 for one linear in it up to its activation."""
+    x = torch.randn(1, 5, width, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out = lambda v: module(v)[0] if isinstance(module(v), tuple) else module(v)  # noqa: E731 (MoE: router logits)
+    return float(torch.log(out(t * x).norm() / out(x).norm()) / math.log(t))
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_gated_mlp_says_which_mlps_are_quadratic_in_their_input(family):
+    """Layout.gated_mlp against what each block's MLP computes: its output's growth with its
+    input's scale (remove-ln's block_aux default follows it)."""
+    model = tiny_model(family)
+    lay = layout(model)
+    blocks = {f"{lay.layers_path}.{i}" for i in range(len(model.get_submodule(lay.layers_path)))}
+    mlps = [m.down.rsplit(".", 1)[0] for m in lay.mlps] + list(lay.experts)
+    mlps = [p for p in mlps if p not in blocks]  # OPT's linears lie in the block itself: no MLP module to run
+    if not mlps:
+        assert not lay.gated_mlp
+        return
+    with torch.no_grad():
+        exponents = [_scale_exponent(model.get_submodule(p), lay.stream_width) for p in mlps]
+    assert all(abs(e - (2 if lay.gated_mlp else 1)) < 0.2 for e in exponents), exponents

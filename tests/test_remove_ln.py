@@ -633,3 +633,17 @@ def test_block_aux_pulls_each_block_norms_input_from_its_first_removal():
     assert added[:first] == [None] * first and all(t is not None and t.item() >= 0 for t in added[first:])
     plain = run_pass(None, save_every=0, control=False, final_aux=0.0, block_aux=0.0)[1]
     assert report.metrics["ce_after"] != plain.metrics["ce_after"]
+
+
+def test_block_aux_defaults_to_the_gated_value_on_gated_mlps_only(tmp_path):
+    """block_aux's default (-1): 1 on a Llama (gated MLP: the pass pulls its block norms' inputs, and
+    says it is the default), 0 on a GPT-2; a value given is kept on either."""
+    got = {}
+    llama = lambda: small_llama(tmp_path / str(len(got)))  # noqa: E731
+    for name, make, given in [("llama", llama, {}), ("gpt2", small_gpt2, {}), ("llama 0", llama, {"block_aux": 0.0}),
+                              ("gpt2 2", small_gpt2, {"block_aux": 2.0})]:
+        report = run_pass(None, make(), save_every=0, control=False, **given)[1]
+        got[name] = report.metrics["block_aux"], any("(the default for gated MLPs)" in n for n in report.notes)
+    assert got == {"llama": (R.GATED_BLOCK_AUX, True), "gpt2": (0.0, False), "llama 0": (0.0, False),
+                   "gpt2 2": (2.0, False)}
+    assert R.GATED_BLOCK_AUX == 1.0

@@ -19,12 +19,13 @@ PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_si
                   **TRAINED_OPTIONS}
 #: remove-ln: up to 900 steps, stopping once held-out CE has gone 4 evaluations (100 steps) without improving
 #: after the last removal (measured on the demo models against the control: README, remove-ln); final_aux 3:
-#: the auxiliary loss on the final norm's input (measured on 4 Llamas and 4 GPT-2s against their controls)
+#: the auxiliary loss on the final norm's input (measured on 4 Llamas and 4 GPT-2s against their controls);
+#: block_aux -1: 1 where the MLPs are gated (measured on 7 Llamas, GQA ones included), else 0 (``remove_ln.block_aux``)
 REMOVE_LN_OPTIONS = {"steps": 900, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
                      "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
                      "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
                      "export": "self", "keep": "", "final_divisor": "ema", "final_aux": 3.0, "final_blend": 0,
-                     "wait": 0.0, "untie": False, "divisor": "mean", "block_aux": 0.0,
+                     "wait": 0.0, "untie": False, "divisor": "mean", "block_aux": -1.0,
                      **TRAINED_OPTIONS, "patience": 4}
 PRE_LN = "Pre-LN and parallel models of every supported family"
 #: the values options take, checked before anything is loaded (options not listed: any of their type);
@@ -39,7 +40,7 @@ LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads"
           "warmup": between(-1), "decay": between(-1), "start": between(-1), "gap": between(0),
           "final_gap": between(0), "precision": one_of(*PRECISIONS),
           "export": one_of("self", "stock"), "keep": Limit("one of none (the default), final", lambda x: x in ("", "none", "final")), "final_divisor": one_of("ema", "remeasure"), "final_aux": between(0), "final_blend": between(0), "wait": between(0),
-          "divisor": one_of("mean", "median"), "block_aux": between(0),
+          "divisor": one_of("mean", "median"), "block_aux": Limit("-1 (1 where the MLPs are gated, else 0) or >= 0", lambda x: x == -1 or x >= 0),
           "patience": between(0), "eval_every": between(1),
           "kind": one_of("hadamard", "random"), "seed": between(0)}
 

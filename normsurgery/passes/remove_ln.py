@@ -47,10 +47,13 @@ steps, (1 - a) d(x) + a s with a rising from 1/S to 1, instead of at once (the f
 most the final stage's length). ``untie=true``
 gives a tied head its own copy of the embedding before training (vocabulary x width parameters
 more), so the unembedding can absorb the scale the final norm's divisor gave; the default export
-unties it anyway when the final norm folds into the head. ``block_aux=W`` (not the default) adds
-the same auxiliary loss on each block norm's input, W times, from that norm's first removal on:
-a token whose scale runs away from the batch's (a gated MLP with a constant norm squares it) is
-pulled back.
+unties it anyway when the final norm folds into the head. ``block_aux=W`` adds the same auxiliary
+loss on each block norm's input, W times, from that norm's first removal on: a token whose scale
+runs away from the batch's is pulled back. A gated MLP, down(act(gate x) * up x), is quadratic in
+the scale of x once its norm divides by a constant, so one such token can grow without bound
+(measured: a GQA Llama's stream reached 10^10 times the rest and the run diverged); a plain MLP is
+not. The default (-1) is therefore ``GATED_BLOCK_AUX`` where the layout's MLPs are gated
+(``Layout.gated_mlp``) and 0 elsewhere (on a GPT-2 it cost +0.010; README, issue 37).
 """
 
 from __future__ import annotations
@@ -505,7 +508,8 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report.metrics["block_aux"] = o["block_aux"]
     if o["block_aux"] > 0:
         report.notes.append(f"block norms: auxiliary loss on each one's input, weight {o['block_aux']:g}, from its "
-                            "first removal")
+                            "first removal" + (" (the default for gated MLPs)" if ctx.options["block_aux"] == -1
+                                               else ""))
     _fold_or_export(model, layout, norms, held[: min(4, len(held))], o["export"], report,
                     kept and next((("LayerNorm" if s.kind == "layernorm" else "RMSNorm") for s in full.norms
                                    if s.role == "final"), "norm"))
@@ -543,7 +547,20 @@ def _options(model, layout: Layout, ctx: PassContext) -> dict:
         raise SurgeryError(refused)
     if ctx.train is None or (o["wait"] > 0 and ctx.heldout_ce is None):
         raise SurgeryError("remove-ln needs the training loop: run it through convert or apply_passes")
-    return {**o, "seq_len": fit_seq_len(positions(model.config), o["seq_len"], "remove-ln: seq_len")}
+    return {**o, "seq_len": fit_seq_len(positions(model.config), o["seq_len"], "remove-ln: seq_len"),
+            "block_aux": block_aux(o["block_aux"], layout)}
+
+
+#: block_aux's value where the MLPs are gated (measured on five Llamas against their controls: README)
+GATED_BLOCK_AUX = 1.0
+
+
+def block_aux(value: float, layout: Layout) -> float:
+    """The block norms' auxiliary weight: ``value``, or where it is -1 (the default)
+    GATED_BLOCK_AUX for gated MLPs and 0 for plain ones."""
+    if value != -1:
+        return float(value)
+    return GATED_BLOCK_AUX if layout.gated_mlp else 0.0
 
 
 def _fold_or_export(model, layout: Layout, norms: list[RemovableNorm], check_ids: torch.Tensor, export: str,
