@@ -144,6 +144,20 @@ def load_config(path: Path, any_family: bool = False):
     return cfg
 
 
+def config_refusal(config) -> str | None:
+    """Why ``config``'s class refuses the values it holds now (transformers' strict configs check
+    them, e.g. hidden_size a multiple of the head count, on saving and on loading), None where it
+    accepts them or checks nothing."""
+    validate = getattr(config, "validate", None)
+    if validate is None:
+        return None
+    try:
+        validate()
+    except Exception as e:  # huggingface_hub's StrictDataclassClassValidationError, ValueError, ...
+        return " ".join(str(e.__cause__ or e).split())
+    return None
+
+
 def save_config(config, folder: Path) -> None:
     """``config.json``. A checkpoint whose recorded modules do not all compute the stock function
     names its family ``normsurgery_<family>``, which stock transformers does not know, and maps

@@ -453,3 +453,31 @@ def test_shrinking_selects_in_the_weights_own_dtype(family):
     assert seen.made == []
     for mod, want in zip((embedding, writer, reader), expected):
         assert mod.weight.dtype == torch.float32 and torch.equal(algebra.weight(mod), want)
+
+
+def test_head_counts_the_config_class_refuses_are_recorded_by_the_modules(tmp_path):
+    """Found on a 2048-wide Llama with 16 heads: minimize kept 11 in every block, and writing 11 into
+    LlamaConfig (hidden_size a multiple of the head count, checked on saving and loading) failed the
+    save with an internal error. The config keeps its counts, the attention modules record theirs,
+    and the output loads (through the runtime) computing the masked model."""
+    from normsurgery.checkpoint import config_refusal
+
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=4, intermediate_size=64, vocab_size=96,
+                                             max_position_embeddings=64)).to(torch.float64)
+    zero(model, "model.layers.0.self_attn.o_proj", cols=head_cols(layout(model).attention[0], [1]), bias=False)
+    zero(model, "model.layers.1.self_attn.o_proj", cols=head_cols(layout(model).attention[1], [2]), bias=False)
+    model.save_pretrained(tmp_path / "in")
+    result = ns.convert(tmp_path / "in", tmp_path / "out", [("minimize", {})])
+    assert result.ok
+    notes = " ".join(n for s in result.steps for n in s.notes)
+    out = ns.load(tmp_path / "out")
+    assert [a.num_heads for a in layout(out).attention] == [3, 3]
+    probe = T.LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=8)
+    probe.num_attention_heads = 3
+    refused = config_refusal(probe)
+    if refused is not None:  # transformers that checks it
+        assert "LlamaConfig refuses 3" in notes and out.config.num_attention_heads == 4
+    ids = token_ids(seed=4)
+    assert rel(model, out, ids) <= 1e-10

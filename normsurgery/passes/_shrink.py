@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import algebra, analysis
+from ..checkpoint import config_refusal
 from ..layout import AttentionSite, Layout, MlpSite, NormSite
 from ..runtime import SIZE_ATTRS, CompensatedLayerNorm, RMSNorm
 
@@ -185,11 +186,18 @@ def record_widths(model, layout: Layout, widths: dict) -> list[str]:
     if len(heads) == 1 and {"heads", "kv_heads", "head_dim"} <= set(keys):
         (h, kv, hd), = heads
         if (h, kv) != stock:  # (a part after the first finds it written)
-            setattr(cfg, keys["heads"], h)
-            setattr(cfg, keys["kv_heads"], kv)
-            setattr(cfg, keys["head_dim"], hd)
-            notes.append(f"config {keys['heads']} = {h}, {keys['kv_heads']} = {kv}")
-            stock = (h, kv)
+            was = {k: getattr(cfg, keys[k]) for k in ("heads", "kv_heads", "head_dim")}
+            for k, v in (("heads", h), ("kv_heads", kv), ("head_dim", hd)):
+                setattr(cfg, keys[k], v)
+            refused = config_refusal(cfg)
+            if refused is None:
+                notes.append(f"config {keys['heads']} = {h}, {keys['kv_heads']} = {kv}")
+                stock = (h, kv)
+            else:  # the attention modules record their counts, as where blocks differ
+                for k, v in was.items():
+                    setattr(cfg, keys[k], v)
+                notes.append(f"config keeps {keys['heads']} = {was['heads']}: {type(cfg).__name__} refuses {h} "
+                             f"({refused}); each attention records its head counts")
     for a in layout.attention:
         attn = model.get_submodule(a.path)
         if (a.num_heads, a.num_kv_heads) != stock and a.count_attrs:
