@@ -186,7 +186,7 @@ def record_widths(model, layout: Layout, widths: dict) -> list[str]:
     if len(heads) == 1 and {"heads", "kv_heads", "head_dim"} <= set(keys):
         (h, kv, hd), = heads
         if (h, kv) != stock:  # (a part after the first finds it written)
-            was = {k: getattr(cfg, keys[k]) for k in ("heads", "kv_heads", "head_dim")}
+            was = {k: getattr(cfg, keys[k], None) for k in ("heads", "kv_heads", "head_dim")}  # None: unset
             for k, v in (("heads", h), ("kv_heads", kv), ("head_dim", hd)):
                 setattr(cfg, keys[k], v)
             refused = config_refusal(cfg)
@@ -195,7 +195,10 @@ def record_widths(model, layout: Layout, widths: dict) -> list[str]:
                 stock = (h, kv)
             else:  # the attention modules record their counts, as where blocks differ
                 for k, v in was.items():
-                    setattr(cfg, keys[k], v)
+                    if v is None:
+                        delattr(cfg, keys[k])
+                    else:
+                        setattr(cfg, keys[k], v)
                 notes.append(f"config keeps {keys['heads']} = {was['heads']}: {type(cfg).__name__} refuses {h} "
                              f"({refused}); each attention records its head counts")
     for a in layout.attention:
