@@ -174,8 +174,9 @@ def planned_widths(model, layout: Layout) -> dict:
 
 def record_widths(model, layout: Layout, widths: dict) -> list[str]:
     """Write uniform widths (``widths``: :func:`planned_widths` over every block of the model)
-    into the config where its keys can say them; head counts it cannot say go into each of
-    ``layout``'s attention modules' ``_normsurgery_attrs`` (set again after loading)."""
+    into the config where its keys can say them; head counts it cannot say, or its class refuses
+    (``checkpoint.config_refusal``), go into each of ``layout``'s attention modules'
+    ``_normsurgery_attrs`` (set again after loading)."""
     notes = []
     cfg, keys = model.config, dict(layout.config_widths)
     mlp, heads = set(widths["mlp"]), set(widths["heads"])
