@@ -147,19 +147,21 @@ def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, strea
     whole = [s for s in steps if s.whole]
     if streaming is False:
         return None
+    need = in_memory_bytes(source, dtype)
+    free, where = memory.room(device)
+    numbers = (f"in memory this needs about {need / 2**30:.1f} GiB ({source.index.numel / 1e9:.2f}B parameters in "
+               f"{dtype_name(dtype)}), {free / 2**30:.1f} GiB are available{where}")
     if streaming is None:
-        need = in_memory_bytes(source, dtype)
-        free, where = memory.room(device)
         if (whole or any(s.stages for s in steps)) and need <= free:
             return None
-        why = ("every pass rewrites one part at a time: bounded memory, and faster" if not need > free else
-               f"in memory this needs about {need / 2**30:.1f} GiB ({source.index.numel / 1e9:.2f}B parameters in "
-               f"{dtype_name(dtype)}), {free / 2**30:.1f} GiB are available{where}")
+        why = "every pass rewrites one part at a time: bounded memory, and faster" if need <= free else numbers
     else:
         why = "asked for (--streaming)"
-    if whole:
+    if whole:  # the advice names only what fits
+        advice = ("--in-memory loads the whole model" if need <= free else
+                  "it cannot run on this machine" if streaming is None else f"{numbers}: it cannot run on this machine")
         raise SurgeryError(f"pass {whole[0].pass_name} cannot run one block at a time ({whole[0].whole}), and "
-                           f"streaming was chosen: {why}; --in-memory loads the whole model")
+                           f"streaming was chosen: {why}; {advice}")
     return why
 
 

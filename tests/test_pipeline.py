@@ -228,8 +228,10 @@ def test_a_freed_part_is_reused_only_when_nothing_holds_it(tmp_path):
 def test_a_whole_model_pass_is_refused_when_the_model_does_not_fit(tmp_path, monkeypatch):
     src = checkpoint_at(tmp_path, "gpt2")
     monkeypatch.setattr(memory, "available", lambda: 2**20)
-    with pytest.raises(ns.SurgeryError, match="GiB are available; --in-memory loads the whole model"):
+    with pytest.raises(ns.SurgeryError, match="GiB are available; it cannot run on this machine$"):
         convert_mod.convert(src, tmp_path / "out", [("minimize", {"prune_units": 0.5, "by": "activation"})])
+    with pytest.raises(ns.SurgeryError, match="GiB are available: it cannot run on this machine$"):  # not --in-memory
+        convert_mod.convert(src, tmp_path / "out", [("remove-ln", {})], streaming=True)
     res = convert_mod.convert(src, tmp_path / "out", [("pre-rmsnorm", {})])  # blockwise: streamed
     assert res.streaming and res.ok
     # scans first, then part by part: minimize streams where it does not fit (issue 35), and loads
@@ -248,8 +250,9 @@ def test_a_whole_model_pass_is_refused_when_the_model_does_not_fit(tmp_path, mon
 ])
 def test_streaming_refuses_and_writes_nothing(tmp_path, family, passes, match):
     src = checkpoint_at(tmp_path, family)
-    with pytest.raises(ns.SurgeryError, match=match):
+    with pytest.raises(ns.SurgeryError, match=match) as refused:
         convert_mod.convert(src, tmp_path / "out", passes, streaming=True)
+    assert "already RMSNorm" in match or str(refused.value).endswith("; --in-memory loads the whole model")  # it fits
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["in"]  # no temporary folder left either
 
