@@ -144,15 +144,17 @@ def load_config(path: Path, any_family: bool = False):
     return cfg
 
 
-def config_refusal(config) -> str | None:
-    """Why ``config``'s class refuses the values it holds now (transformers' strict configs check
-    them, e.g. hidden_size a multiple of the head count, on saving and on loading), None where it
-    accepts them or checks nothing."""
-    validate = getattr(config, "validate", None)
-    if validate is None:
+def config_refusal(config, **changes) -> str | None:
+    """Why ``config``'s class would refuse it with ``changes`` set (transformers' strict configs
+    check their values, e.g. hidden_size a multiple of the head count, on saving and on loading),
+    None where it accepts them or checks nothing. ``config`` itself is left as it is."""
+    if getattr(config, "validate", None) is None:
         return None
+    trial = copy.deepcopy(config)
+    for key, value in changes.items():
+        setattr(trial, key, value)
     try:
-        validate()
+        trial.validate()
     except Exception as e:  # huggingface_hub's StrictDataclassClassValidationError, ValueError, ...
         return " ".join(str(e.__cause__ or e).split())
     return None

@@ -152,6 +152,7 @@ def _scale_exponent(module, width: int, t: float = 1e3) -> float:
     """log_t of |module(t x)| / |module(x)| for a random x: about 2 for an MLP that multiplies two
     linear maps of its input, about 1 for one linear in it up to its activation."""
     x = torch.randn(1, 5, width, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
     def out(v):
         y = module(v)
         return y[0] if isinstance(y, tuple) else y  # a mixture of experts gives its router logits too

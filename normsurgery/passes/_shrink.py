@@ -187,21 +187,16 @@ def record_widths(model, layout: Layout, widths: dict) -> list[str]:
     if len(heads) == 1 and {"heads", "kv_heads", "head_dim"} <= set(keys):
         (h, kv, hd), = heads
         if (h, kv) != stock:  # (a part after the first finds it written)
-            was = {k: getattr(cfg, keys[k], None) for k in ("heads", "kv_heads", "head_dim")}  # None: unset
-            for k, v in (("heads", h), ("kv_heads", kv), ("head_dim", hd)):
-                setattr(cfg, keys[k], v)
-            refused = config_refusal(cfg)
+            counts = {keys["heads"]: h, keys["kv_heads"]: kv, keys["head_dim"]: hd}
+            refused = config_refusal(cfg, **counts)
             if refused is None:
+                for key, value in counts.items():
+                    setattr(cfg, key, value)
                 notes.append(f"config {keys['heads']} = {h}, {keys['kv_heads']} = {kv}")
                 stock = (h, kv)
             else:  # the attention modules record their counts, as where blocks differ
-                for k, v in was.items():
-                    if v is None:
-                        delattr(cfg, keys[k])
-                    else:
-                        setattr(cfg, keys[k], v)
-                notes.append(f"config keeps {keys['heads']} = {was['heads']}: {type(cfg).__name__} refuses {h} "
-                             f"({refused}); each attention records its head counts")
+                notes.append(f"config keeps {keys['heads']} = {getattr(cfg, keys['heads'])}: {type(cfg).__name__} "
+                             f"refuses {h} ({refused}); each attention records its head counts")
     for a in layout.attention:
         attn = model.get_submodule(a.path)
         if (a.num_heads, a.num_kv_heads) != stock and a.count_attrs:
