@@ -58,11 +58,14 @@ def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> CastLoss |
 
     One pass in chunks: d = cast(w) - w is exact in ``w``'s dtype (a value minus its rounding),
     ||d||^2 and ||w||^2 are summed in float32. An overflow makes the sum infinite; then, and for
-    tensors too small for float32 sums, :func:`_exact_loss` counts in float64."""
+    tensors too small for float32 sums, :func:`_exact_loss` counts in float64. float32 to bfloat16
+    needs only ||w||^2 (:func:`_same_range_loss`)."""
     if not tensor.is_floating_point() or torch.finfo(dtype).bits >= torch.finfo(tensor.dtype).bits:
         return None
     w = tensor.detach().reshape(-1)
     bound = torch.finfo(dtype).eps / 2
+    if w.dtype == torch.float32 and dtype == torch.bfloat16:
+        return _same_range_loss(name, w, bound)
     err2 = norm2 = 0.0
     for i in range(0, w.numel(), CHUNK):
         a = w[i:i + CHUNK]
@@ -73,6 +76,19 @@ def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> CastLoss |
         return _exact_loss(name, w, w.to(dtype), dtype)
     relative = math.sqrt(err2 / norm2)
     return CastLoss(name, 0, relative, bound) if relative > bound else None
+
+
+def _same_range_loss(name: str, w: torch.Tensor, bound: float) -> CastLoss | None:
+    """:func:`cast_loss` from float32 to bfloat16, which share their exponent range: a finite entry
+    rounds to ±inf only above 3.39e38 (its square overflows float32), and one below bfloat16's
+    smallest normal value is a float32 subnormal too, erring by at most 2^-134 (which matters only
+    to a tensor whose norm is itself tiny). So a tensor whose ||w||^2, summed in float32, is finite
+    and not tiny (:data:`SMALLEST_SUM`) loses nothing beyond rounding within range: one reduction,
+    no temporaries; any other is counted by :func:`_exact_loss`."""
+    norm2 = float(torch.dot(w, w))
+    if math.isfinite(norm2) and norm2 * bound ** 2 >= SMALLEST_SUM:
+        return None
+    return _exact_loss(name, w, w.to(torch.bfloat16), torch.bfloat16)
 
 
 def _exact_loss(name: str, w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> CastLoss | None:

@@ -42,6 +42,9 @@ def test_overflow_is_counted():
     loss = precision.cast_loss("w", w, torch.float16)
     assert loss is not None and loss.overflow == 2 and "2 values overflow" in str(loss)
     assert precision.cast_loss("w", w, torch.bfloat16) is None  # bfloat16 has float32's range
+    w[3:5] = torch.tensor([3.397e38, -3.39e38])  # the first rounds to inf in bfloat16 (its largest: 3.3895e38)
+    loss = precision.cast_loss("w", w, torch.bfloat16)
+    assert loss is not None and loss.overflow == 1 and "1 value overflows" in str(loss)
 
 
 def test_underflow_is_found_by_the_cast_error_exceeding_the_rounding_bound():
@@ -55,7 +58,7 @@ def test_underflow_is_found_by_the_cast_error_exceeding_the_rounding_bound():
 
 def test_the_float32_sums_agree_with_the_float64_check():
     """The one-pass check (float32 sums) decides as the float64 one and reports its error."""
-    for scale in (0.02, 2e-5, 3e-6):  # within range; some float16 subnormals; mostly subnormals
+    for scale in (0.02, 2e-5, 3e-6, 1e-39):  # within range; some float16 subnormals; mostly subnormals; float32's
         for src in (torch.float32, torch.float64):
             w = realistic_weights(scale=scale).to(src)
             for dtype in (torch.float16, torch.bfloat16):
