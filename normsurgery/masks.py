@@ -53,11 +53,61 @@ def magnitude(model, layout: Layout, sparsity: float) -> dict[str, torch.Tensor]
         raise SurgeryError(f"sparsity must be in [0, 1), got {sparsity}")
     masks = {}
     for name, w in block_weights(model, layout).items():
-        k = round(sparsity * w.numel())
-        keep = torch.ones(w.numel(), dtype=torch.bool, device=w.device)
-        keep[w.detach().abs().flatten().argsort(stable=True)[:k]] = False
-        masks[name] = keep.view(w.shape)
+        masks[name] = drop_smallest(w, round(sparsity * w.numel()))
     return masks
+
+
+#: entries per block when :func:`_past_nth_true` scans a mask (its only index work: one block's)
+BLOCK = 1 << 20
+
+
+def drop_smallest(w: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep mask (bool, ``w``'s shape and device) without the ``k`` entries of smallest |w|, ties
+    broken by position: exactly ``keep[|w|.flatten().argsort(stable=True)[:k]] = False``.
+
+    By threshold, in O(numel) and without an index per entry: t = the k-th smallest |w|; every
+    |w| < t goes, every |w| > t stays, and of the entries with |w| == t the first (in flattened
+    order) k - count(|w| < t) go, the rest stay. (NaN-free ``w``; any float dtype and device.)"""
+    n = w.numel()
+    keep = torch.ones(n, dtype=torch.bool, device=w.device)
+    if k <= 0:
+        return keep.view(w.shape)
+    if k >= n:
+        return keep.zero_().view(w.shape)
+    t = _kth_abs(w, k)
+    mag = w.detach().abs().flatten()
+    torch.gt(mag, t, out=keep)
+    tie = mag == t
+    del mag
+    below = n - int(keep.count_nonzero()) - int(tie.count_nonzero())
+    p = _past_nth_true(tie, k - below)  # of the ties the first k - below go (at least one)
+    keep[p:] |= tie[p:]
+    return keep.view(w.shape)
+
+
+def _kth_abs(w: torch.Tensor, k: int) -> float:
+    """The k-th smallest |w| (1-based, 1 <= k <= numel), exactly (a value of |w|)."""
+    v = w.detach().flatten()
+    if v.device.type != "cpu":
+        return torch.kthvalue(v.abs(), k).values.item()
+    # host: NumPy's in-place introselect (torch.kthvalue on CPU allocates int64 indices)
+    a = v.abs() if v.dtype in (torch.float32, torch.float64) else v.float().abs_()  # exact widening
+    x = a.numpy()
+    x.partition(k - 1)
+    return float(x[k - 1])
+
+
+def _past_nth_true(mask: torch.Tensor, m: int) -> int:
+    """Position just past the m-th True (m >= 1) of the 1-D bool ``mask`` (which has >= m): blocks of
+    :data:`BLOCK` counted in order, then a cumulative sum inside the one block that holds it."""
+    seen = 0
+    for start in range(0, mask.numel(), BLOCK):
+        block = mask[start:start + BLOCK]
+        c = int(block.count_nonzero())
+        if seen + c >= m:
+            return start + int(torch.searchsorted(block.cumsum(0), m - seen)) + 1
+        seen += c
+    raise ValueError(f"mask has {seen} True entries, fewer than {m}")
 
 
 #: rows of a writer's matrix squared in float64 at once (channel_energies)

@@ -208,6 +208,92 @@ def test_magnitude_sparsity_option_equals_the_masked_model():
     assert rel(model, new) > 1e-3  # the mask itself changed the function
 
 
+def stable_argsort_keep(w: torch.Tensor, k: int) -> torch.Tensor:
+    """The reference magnitude selection: zero the k smallest |w|, ties by position (stable argsort)."""
+    keep = torch.ones(w.numel(), dtype=torch.bool, device=w.device)
+    keep[w.detach().abs().flatten().argsort(stable=True)[:k]] = False
+    return keep.view(w.shape)
+
+
+def tied(shape, levels, seed, zeros=0.0) -> torch.Tensor:
+    """Entries drawn from ``levels`` values (both signs: |w| ties across them), a ``zeros`` fraction
+    of them planted exact zeros (signed: -0.0 and 0.0 tie too)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.tensor(levels)[torch.randint(len(levels), shape, generator=g)]
+    w = w * (torch.randint(2, shape, generator=g) * 2 - 1)
+    return torch.where(torch.rand(shape, generator=g) < zeros, 0.0 * w, w)
+
+
+def selection_cases():
+    """(name, matrix, ks): realistic random matrices, heavy ties, all-equal; k = 0, small, half,
+    numel - 1 (and ones landing inside a run of ties)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dtype, shape in [(torch.float32, (1024, 2816)), (torch.bfloat16, (1024, 2816)), (torch.float64, (384, 1000))]:
+        out.append((f"randn {dtype}", (torch.randn(shape, generator=g) * 0.02).to(dtype), None))
+    out.append(("bfloat16 small randn (many ties)", (torch.randn(512, 700, generator=g) * 0.02).bfloat16(), None))
+    out.append(("levels", tied((700, 600), [0.01, 0.02, 0.03, 0.05], 1), None))
+    out.append(("levels, half zeros", tied((1000, 700), [0.01, 0.02], 2, zeros=0.5), None))
+    out.append(("levels, planted zeros, bfloat16", tied((600, 512), [0.5, 0.25, 0.125], 3, zeros=0.2).bfloat16(), None))
+    out.append(("all equal", torch.full((300, 700), 0.02), None))
+    out.append(("all zero", torch.zeros(257, 300), None))
+    out.append(("one row", torch.randn(1, 5000, generator=g), None))
+    return out
+
+
+@pytest.mark.parametrize("name,w,_", selection_cases(), ids=[c[0] for c in selection_cases()])
+def test_magnitude_selection_is_the_stable_argsorts(name, w, _):
+    """masks.drop_smallest (threshold + ties by position) gives the stable argsort's mask bit for
+    bit, at sparsity 0, a small k, 0.3, 0.5, numel - 1 and numel."""
+    n = w.numel()
+    for k in (0, 1, 7, round(0.3 * n), round(0.5 * n), n - 1, n):
+        got, want = masks.drop_smallest(w, k), stable_argsort_keep(w, k)
+        assert got.dtype == torch.bool and got.shape == w.shape
+        assert torch.equal(got, want), (name, k, (got != want).sum().item())
+        assert (~got).sum().item() == k
+
+
+@pytest.mark.parametrize("block", [1, 5, 64])
+def test_magnitude_ties_cross_blocks(monkeypatch, block):
+    """The tie cut found across many counting blocks (block sizes that split runs of ties), for every
+    k on a small tied matrix; the rule fails if the last equal entries went instead of the first."""
+    monkeypatch.setattr(masks, "BLOCK", block)
+    w = tied((13, 17), [0.1, 0.2, 0.3], 4, zeros=0.3)
+    for k in range(w.numel() + 1):
+        assert torch.equal(masks.drop_smallest(w, k), stable_argsort_keep(w, k)), k
+    first = masks.drop_smallest(torch.ones(4, 5), 7).flatten()  # all equal: the first 7 go
+    assert first.tolist() == [False] * 7 + [True] * 13
+
+
+def test_magnitude_threshold_is_torch_kthvalue():
+    """The host's selection (NumPy introselect on the |w| copy) gives torch.kthvalue's value, which
+    other devices use."""
+    g = torch.Generator().manual_seed(5)
+    for w in [torch.randn(300, 200, generator=g) * 0.02, (torch.randn(300, 200, generator=g) * 0.02).bfloat16(),
+              torch.randn(300, 200, generator=g, dtype=torch.float64), tied((300, 200), [0.1, 0.2], 6, 0.4)]:
+        for k in (1, 17, 30000, 59999, 60000):
+            assert masks._kth_abs(w, k) == torch.kthvalue(w.abs().flatten(), k).values.item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no GPU here")
+def test_magnitude_selection_on_cuda():
+    for name, w, _ in selection_cases():
+        n = w.numel()
+        for k in (0, 1, round(0.5 * n), n - 1):
+            got = masks.drop_smallest(w.cuda(), k)
+            assert got.device.type == "cuda" and torch.equal(got.cpu(), stable_argsort_keep(w, k)), (name, k)
+
+
+def test_magnitude_masks_every_block_matrix_by_the_rule():
+    model = tiny_model("llama")
+    lay = layout(model)
+    keep = masks.magnitude(model, lay, 0.37)
+    assert keep.keys() == masks.block_weights(model, lay).keys()
+    for name, w in masks.block_weights(model, lay).items():
+        assert torch.equal(keep[name], stable_argsort_keep(w, round(0.37 * w.numel()))), name
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_prune_channels_option(family, tmp_path):
     model = tiny_model(family)
