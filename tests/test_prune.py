@@ -170,7 +170,11 @@ def test_float16_models_with_large_hidden_states_score_without_overflow():
     for i in range(len(u)):
         for j in range(len(u)):
             hand = torch.arccos((u[i] * u[j]).sum(-1).clamp(-1, 1)).mean() / math.pi
-            assert abs(scores.angular[i, j].item() - hand.item()) < 1e-9
+            if i == j:  # a state against itself: 0, up to arccos(1 - d eps) ~ sqrt(2 d eps) of float64's rounding
+                # of the dot product (its order differs by CPU), which arccos magnifies at 1
+                assert scores.angular[i, j].item() < 1e-7 and hand.item() < 1e-7, i
+            else:
+                assert abs(scores.angular[i, j].item() - hand.item()) < 1e-9, (i, j)
     hand = [1 - (u[l] * u[l + 1]).sum(-1).mean().item() for l in range(len(u) - 1)]
     assert torch.allclose(scores.influence, torch.tensor(hand, dtype=torch.float64), atol=1e-12, rtol=0)
 
