@@ -370,7 +370,7 @@ class Loader:
         entry = self.keys.get(id(p))
         return entry[1] if entry is not None and entry[0]() is p else None
 
-    def _uses(self, scope):
+    def uses(self, scope):
         """Distinct parameters inside ``scope`` (() : all): (parameter, [(module, attribute, full name)])."""
         uses = {}
         for path, mod in self.model.named_modules(remove_duplicate=False):
@@ -387,13 +387,14 @@ class Loader:
         for mod, attr, _ in uses:
             mod._parameters[attr] = new
 
-    def load(self, scope: tuple[str, ...]) -> None:
+    def load(self, scope: tuple[str, ...], unread: frozenset[int] = frozenset()) -> None:
         """Read the parameters (and stored buffers) of ``scope`` (() : the whole model), floats cast
         to the working dtype, into the tensors the last :meth:`free` gave back where shapes agree;
-        the rest of those go back to the system first."""
+        the rest of those go back to the system first. Parameters whose ids are in ``unread`` stay
+        on the meta device."""
         todo = []
-        for p, uses in self._uses(scope):
-            if p.device.type != "meta":
+        for p, uses in self.uses(scope):
+            if p.device.type != "meta" or id(p) in unread:
                 continue
             stored = self.stored(p)
             if stored is None:
@@ -422,7 +423,7 @@ class Loader:
     def free(self, scope: tuple[str, ...]) -> None:
         """Put ``scope``'s parameters back on the meta device. A tensor nothing else holds (no
         view of it is alive) is kept for the next :meth:`load`."""
-        for p, uses in self._uses(scope):
+        for p, uses in self.uses(scope):
             if p.device.type == "cpu" and memory.owned(p):
                 self.spare.setdefault((tuple(p.shape), p.dtype), []).append(p.detach())
             self._replace(p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad), uses)

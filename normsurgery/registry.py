@@ -125,6 +125,10 @@ class Pass:
     # tests/test_pipeline.py checks each); False (``register``): every parameter of a part it ran on
     # counts as changed, none is copied as stored
     tracked: bool = False
+    # (layout, options) -> the module paths whose parameters it reads or writes on the part the
+    # layout holds; the executor's write sweep leaves the rest unread (their bytes copied as stored,
+    # never decoded: ``sweep.Work.enter``). None: it may read any parameter
+    reads: Callable[..., set[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -184,10 +188,10 @@ class Lazy:
 
 def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
             reference: bool = False, blockwise: bool = False, limits=None, check: bool = False,
-            stages: bool = False) -> None:
-    """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference`` and ``check``
-    when said; ``stages``: ``stages``, ``whole`` and with a reference ``reference_stages``) are
-    functions of ``module``, imported on first use."""
+            stages: bool = False, reads: bool = False) -> None:
+    """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference``, ``check`` and
+    ``reads`` when said; ``stages``: ``stages``, ``whole`` and with a reference ``reference_stages``)
+    are functions of ``module``, imported on first use."""
     if kind not in KINDS:
         raise ValueError(kind)
     PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"),
@@ -196,7 +200,8 @@ def declare(name: str, module: str, description: str, kind: str, families: str, 
                         {k: v for k, v in (limits or {}).items() if k in (options or {})},
                         Lazy(module, "check") if check else None, Lazy(module, "stages") if stages else None,
                         Lazy(module, "reference_stages") if stages and reference else None,
-                        Lazy(module, "whole") if stages else None, tracked=True)
+                        Lazy(module, "whole") if stages else None, tracked=True,
+                        reads=Lazy(module, "reads") if reads else None)
 
 
 def get(name: str) -> Pass:

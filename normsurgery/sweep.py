@@ -31,7 +31,10 @@ from typing import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import devices, memory
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import devices, memory, registry
 from .checkpoint import Loader, Source
 from .errors import SurgeryError
 from .families import layout
@@ -40,7 +43,7 @@ from .parity import HeadInput, jittered, outputs
 from .plan import Part, StepSpec, check_applies, plan
 from .registry import PassContext, PassReport
 from .scan import run_step, scan_ahead
-from .shards import Reader as ShardReader
+from .shards import Reader as ShardReader, inside
 
 
 class Parts:
@@ -74,13 +77,14 @@ class Parts:
         self.parts = plan(self.model, layout(self.model), self.streamed, self.alone)
         self.level = {p: held[p.scope] for p in self.parts if p.scope in held}
 
-    def read(self, part: Part) -> bool:
-        """Read ``part`` unless held (then at level 0); True when it was read now."""
+    def read(self, part: Part, unread: frozenset[int] = frozenset()) -> bool:
+        """Read ``part`` unless held (then at level 0), but the parameters whose ids are in
+        ``unread``; True when it was read now."""
         if part in self.rewritten:
             raise SurgeryError(f"internal: part {part.scope[:1]} was rewritten and freed: it cannot be read again")
         if part in self.level:
             return False
-        self.loader.load(part.scope)
+        self.loader.load(part.scope, unread)
         self.level[part] = 0
         return True
 
@@ -140,25 +144,48 @@ class Work(Parts):
         work.known = self.known
         return work
 
-    def enter(self, part: Part, level: int = 0) -> None:
+    def enter(self, part: Part, level: int = 0, copied: Callable | None = None) -> None:
         """Read ``part`` (unless held) and apply steps up to ``level`` to it, their scans run first
-        (``scan.scan_ahead``)."""
+        (``scan.scan_ahead``). ``copied(p)``: True where parameter ``p`` can be written without
+        being read (its stored bytes); then those no step declares it reads (``registry.Pass.reads``)
+        stay unread, on the meta device (:meth:`unread`)."""
         scan_ahead(self, level)
-        read = self.read(part)
+        unread = self.unread(part, level, copied) if copied is not None else {}
+        read = self.read(part, frozenset(unread))
         if self.level[part] > level:
             raise SurgeryError(f"internal: part {part.scope[:1]} is at step {self.level[part]}, past {level}")
-        for i in range(self.level[part], level):
-            step = self.steps[i]
-            check_applies(self.model, step.pass_name, layout(self.model, part.scope))
-            before = versions(self.model)
-            report = run_step(self, i, part.scope)
-            everything = step.kind == "trained" or not step.tracked
-            self.changed.update((p, True) for p in changed(self.model, before, everything))
-            if report is not None:  # a part rewritten again (read again) reports again
-                self.reports[i][part] = report
-            self.level[part] = i + 1
+        with RefuseUnread() if unread else nullcontext():
+            for i in range(self.level[part], level):
+                step = self.steps[i]
+                check_applies(self.model, step.pass_name, layout(self.model, part.scope))
+                before = versions(self.model)
+                report = run_step(self, i, part.scope)
+                everything = step.kind == "trained" or not step.tracked
+                self.changed.update((p, True) for p in changed(self.model, before, everything))
+                if report is not None:  # a part rewritten again (read again) reports again
+                    self.reports[i][part] = report
+                self.level[part] = i + 1
+        if unread:
+            left_unread(self.model, part, unread)
         if read and self.on_load is not None:
             self.on_load(self.model, part, self.stored_keys)
+
+    def unread(self, part: Part, level: int, copied: Callable) -> dict[int, tuple]:
+        """{id: (parameter, version)} of the parameters of ``part`` (not held yet) that the steps up
+        to ``level`` leave alone, each pass saying what it reads (``registry.Pass.reads``; none
+        if one does not say), and ``copied`` can write as stored. None when the part is held, or
+        read to compute outputs (``on_load``)."""
+        if self.loader is None or self.on_load is not None or part in self.level:
+            return {}
+        needed: set[str] = set()
+        for step in self.steps[:level]:
+            reads = registry.get(step.pass_name).reads
+            if reads is None:
+                return {}
+            needed |= reads(layout(self.model, part.scope), step.options)
+        return {id(p): (p, p._version) for p, uses in self.loader.uses(part.scope)
+                if p.device.type == "meta" and not any(inside(full, tuple(needed)) for *_, full in uses)
+                and copied(p)}
 
     @contextmanager
     def running(self, level: int = 0):
@@ -190,6 +217,30 @@ class Work(Parts):
             raise SurgeryError("internal: load_all on a streamed plan")
         self.enter(self.parts[0], level)
         return self.model
+
+
+class RefuseUnread(TorchDispatchMode):
+    """Refuses an operation that mixes a parameter left unread (meta) with tensors read: in place,
+    torch would leave the tensor read unchanged without a word."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        metas = {t.device.type == "meta" for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        if len(metas) > 1:
+            raise SurgeryError(f"internal: {func} reads a parameter its pass does not declare it reads "
+                               "(registry.Pass.reads): it was left unread")
+        return func(*args, **kwargs)
+
+
+def left_unread(model, part: Part, unread: dict[int, tuple]) -> None:
+    """Refuse a part whose steps made a parameter from one left unread: every parameter still on
+    the meta device must be one left unread, unchanged (its version as read)."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.device.type == "meta" and inside(name, part.scope):
+            was = unread.get(id(p))
+            if was is None or was[0] is not p or was[1] != p._version:
+                raise SurgeryError(f"internal: {name} was computed from a parameter left unread (its pass does not "
+                                   "declare what it reads: registry.Pass.reads)")
 
 
 def compact_head(work: Work):

@@ -37,7 +37,7 @@ def write_parts(work: Work, shards: ShardWriter, storage: torch.dtype, level: in
     for i, part in enumerate(work.parts):
         progress("write", i, len(work.parts))
         if not _copy_untouched(work, part, level, shards, storage):
-            work.enter(part, level)
+            work.enter(part, level, lambda p: _unchanged(work, p, storage, held=False) is not None)
             _write_part(work, part, shards, storage, lost, rounded)
             if work.loader is not None:  # a model given in memory stays as it was
                 work.leave(part, force=True)
@@ -53,9 +53,12 @@ def _write_part(work: Work, part: Part, shards: ShardWriter, storage: torch.dtyp
     users = Counter(t.untyped_storage().data_ptr() for t in saved.values())
     params = dict(work.model.named_parameters(remove_duplicate=False))
     for name, t in saved.items():  # a storage two names write is cast, not spent
-        key = _unchanged(work, params.get(name), storage)
-        if key is not None:  # read (and checked) on entering, no pass changed it: its bytes
-            shards.copy(name, work.loader.reader, key)
+        held = t.device.type != "meta"  # else left unread (``Work.enter``)
+        key = _unchanged(work, params.get(name), storage, held)
+        if key is not None:  # read (and checked) on entering, no pass changed it: its bytes; or left
+            # unread: its bytes, each chunk checked for NaN or Inf as reading it would
+            check = None if held else lambda c, key=key: check_finite(c, key, work.loader.source)
+            shards.copy(name, work.loader.reader, key, check)
             continue
         spend = work.loader is not None and users[t.untyped_storage().data_ptr()] == 1
         narrowed = t.is_floating_point() and torch.finfo(t.dtype).bits > torch.finfo(storage).bits

@@ -96,6 +96,80 @@ def test_both_plans_write_the_same_tensors_and_check_the_folder(tmp_path, family
             assert all(s.parity is not None for s in res.steps + mem.steps)
 
 
+def decoded_keys(monkeypatch) -> list[str]:
+    """The checkpoint keys read into tensors from now on (``shards.Reader.read_into``)."""
+    from normsurgery import shards
+
+    seen, read_into = [], shards.Reader.read_into
+    monkeypatch.setattr(shards.Reader, "read_into", lambda self, key, out: seen.append(key) or read_into(self, key, out))
+    return seen
+
+
+@pytest.mark.parametrize("family,untouched,touched", [
+    ("llama", ("self_attn.o_proj.weight", "mlp.down_proj.weight", "embed_tokens.weight"), ("q_proj", "up_proj")),
+    ("gpt2", ("attn.c_proj.weight", "mlp.c_proj.bias"), ("wte.weight", "c_attn.weight", "c_fc.bias")),  # tied: untied
+])
+def test_a_streamed_fold_copies_what_it_does_not_read_without_decoding_it(tmp_path, monkeypatch, family, untouched,
+                                                                          touched):
+    """flashnorm says what it reads (its norms and their readers): streamed, the other tensors' bytes
+    are copied as stored, never read into tensors, and the folder is the in-memory plan's, bit for bit."""
+    src = checkpoint_at(tmp_path, family)
+    convert_mod.convert(src, tmp_path / "mem", [("flashnorm", {})], verify=False, streaming=False)
+    seen = decoded_keys(monkeypatch)
+    convert_mod.convert(src, tmp_path / "stream", [("flashnorm", {})], verify=False, streaming=True)
+    assert not [k for k in seen if k.endswith(untouched)]
+    assert all(any(t in k for k in seen) for t in touched)
+    a, b = tensors(tmp_path / "mem"), tensors(tmp_path / "stream")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith(untouched) for k in b)
+
+
+@pytest.mark.parametrize("omitted", ["readers", "norms"])
+def test_a_pass_that_reads_what_it_does_not_declare_is_refused(tmp_path, monkeypatch, omitted):
+    """A pass whose ``reads`` leaves out what it reads meets a tensor left unread: refused as an
+    internal error, never written from a rewrite that silently skipped it (torch leaves a tensor
+    multiplied in place by a meta one unchanged)."""
+    import dataclasses
+
+    from normsurgery import registry
+    from normsurgery.passes import flashnorm
+
+    def reads(lay, options):
+        sites = flashnorm.folded(lay, options)
+        return {s.path for s in sites} if omitted == "readers" else {r for s in sites for r in s.readers}
+
+    p = registry.get("flashnorm")
+    monkeypatch.setitem(registry.PASSES, "flashnorm", dataclasses.replace(p, reads=reads))
+    src = checkpoint_at(tmp_path, "llama")
+    with pytest.raises(ns.SurgeryError, match="internal: .*(reads|computed from) a parameter"):
+        convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], verify=False, streaming=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_reading_an_undeclared_tensor_into_one_read_is_refused(tmp_path, monkeypatch):
+    """A pass that reads a tensor it does not declare, only to scale one it declares in place: the
+    tensor left unread is meta, and torch would leave the scaled one unchanged without a word. The
+    operation is refused (nothing it made is meta, so only the operation shows it)."""
+    from normsurgery import registry
+
+    def apply(model, lay, ctx):
+        for i, block in enumerate(model.model.layers):
+            if not lay.holds(f"model.layers.{i}"):
+                continue
+            with torch.no_grad():
+                block.self_attn.q_proj.weight.mul_(block.self_attn.o_proj.weight[0, 0])
+        return registry.PassReport("scale-q")
+
+    def reads(lay, options):
+        return {f"model.layers.{i}.self_attn.q_proj" for i in range(64)}
+
+    monkeypatch.setitem(registry.PASSES, "scale-q", registry.Pass(
+        "scale-q", "test", "exact", "llama", lambda m, lay: None, apply, blockwise=True, tracked=True, reads=reads))
+    src = checkpoint_at(tmp_path, "llama")
+    with pytest.raises(ns.SurgeryError, match="internal: .*reads a parameter its pass does not declare"):
+        convert_mod.convert(src, tmp_path / "out", [("scale-q", {})], verify=False, streaming=True)
+
+
 CLASSES = [("llama", "LlamaModel"), ("llama", "LlamaForSequenceClassification"),
            ("gpt_neox", "GPTNeoXForTokenClassification"), ("bert", "BertForMaskedLM"), ("gpt2", "GPT2Model")]
 
@@ -167,8 +241,8 @@ def test_streaming_holds_one_part_whatever_the_depth(tmp_path, monkeypatch, pass
     held, loaders = [], weakref.WeakSet()
     load = checkpoint.Loader.load
 
-    def counting(self, scope):
-        load(self, scope)
+    def counting(self, scope, *unread):
+        load(self, scope, *unread)
         loaders.add(self)
         held.append(sum(sum(p.numel() for p in x.model.parameters() if p.device.type != "meta")
                         + sum(t.numel() for kept in x.spare.values() for t in kept)  # freed, kept for reuse

@@ -50,7 +50,7 @@ for name, module, description, kind, families, extra in [
      {"options": {"fold": False}, "blockwise": True}),
     ("flashnorm", "flashnorm", "FlashNorm: fold every norm's gain (and bias) into the linears that read it",
      "exact", "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)",
-     {"options": {"keep_tied": False}, "blockwise": True}),
+     {"options": {"keep_tied": False}, "blockwise": True, "reads": True}),
     ("crmsnorm", "crmsnorm", "Pre-CRMSNorm: after pre-rmsnorm, store the zero-mean stream in d-1 dimensions",
      "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
      {"blockwise": True}),

@@ -10,7 +10,7 @@ an untied head it changes nothing, and the report says so).
 
 from __future__ import annotations
 
-from ..layout import Layout
+from ..layout import Layout, NormSite
 from ..registry import PassContext, PassReport
 from .norms import fold_into_readers, foldable, output_note, refuse_norms, refuse_post_ln, untie_if_touched
 
@@ -19,14 +19,28 @@ def applies(model, layout: Layout) -> str | None:
     return refuse_post_ln(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
 
 
+def folded(layout: Layout, options: dict) -> tuple[NormSite, ...]:
+    """The norms folded: every foldable one, but a tied head's final norm with ``keep_tied``."""
+    sites, final = foldable(layout), layout.final_norm
+    if options.get("keep_tied") and layout.tied and final in sites and layout.head in final.readers:
+        return tuple(s for s in sites if s is not final)
+    return sites
+
+
+def reads(layout: Layout, options: dict) -> set[str]:
+    """What a fold reads and writes: the norms folded and their readers (a tied head is the
+    embedding's tensor, untied from it there)."""
+    sites = folded(layout, options)
+    return {s.path for s in sites} | {r for s in sites for r in s.readers}
+
+
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report = PassReport("flashnorm")
-    sites = foldable(layout)
+    sites = folded(layout, ctx.options)
     final = layout.final_norm
     keep = ctx.options.get("keep_tied")
-    if layout.tied and final in sites and layout.head in final.readers:
+    if layout.tied and final in foldable(layout) and layout.head in final.readers:
         if keep:
-            sites = tuple(s for s in sites if s is not final)
             report.notes.append(f"kept {final.path}'s gain (keep_tied=true): {layout.head} stays tied to "
                                 f"{layout.token_embedding}, so the output keeps the input's size and tying")
         else:
