@@ -16,6 +16,7 @@ import torch
 from . import devices, modelcard, precision
 from .check import Check, Tolerances, check_written, model_reader
 from .checkpoint import Source, check_finite, claims, finish, load_dtype, save_config, stamp, write_config
+from .errors import SurgeryError
 from .families import positions
 from .norms import faithful_norms
 from .options import MAX_SHARD_SIZE
@@ -37,12 +38,20 @@ def write_parts(work: Work, shards: ShardWriter, storage: torch.dtype, level: in
     for i, part in enumerate(work.parts):
         progress("write", i, len(work.parts))
         if not _copy_untouched(work, part, level, shards, storage):
-            work.enter(part, level, lambda p: _unchanged(work, p, storage, held=False) is not None)
+            work.enter(part, level, _copyable(work, part, storage))
             _write_part(work, part, shards, storage, lost, rounded)
             if work.loader is not None:  # a model given in memory stays as it was
                 work.leave(part, force=True)
         progress("write", i + 1, len(work.parts))
     return rounded
+
+
+def _copyable(work: Work, part: Part, storage: torch.dtype) -> Callable:
+    """Whether a parameter of ``part``, not read yet, could be written as its stored bytes: saved
+    under its own name (not renamed on saving) and :func:`_unchanged` if no step changes it."""
+    names = set(saved_tensors(work.model, part.scope or None, meta=True))
+    saved = {id(p) for n, p in work.model.named_parameters(remove_duplicate=False) if n in names}
+    return lambda p: id(p) in saved and _unchanged(work, p, storage, held=False) is not None
 
 
 def _write_part(work: Work, part: Part, shards: ShardWriter, storage: torch.dtype, lost: list,
@@ -60,6 +69,8 @@ def _write_part(work: Work, part: Part, shards: ShardWriter, storage: torch.dtyp
             check = None if held else lambda c, key=key: check_finite(c, key, work.loader.source)
             shards.copy(name, work.loader.reader, key, check)
             continue
+        if not held:
+            raise SurgeryError(f"internal: {name} was left unread and cannot be copied as stored")
         spend = work.loader is not None and users[t.untyped_storage().data_ptr()] == 1
         narrowed = t.is_floating_point() and torch.finfo(t.dtype).bits > torch.finfo(storage).bits
         t = precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t
