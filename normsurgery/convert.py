@@ -320,7 +320,12 @@ def _step_outputs(work: Work, ids: torch.Tensor, progress: Progress, cast: bool)
     outs = {}
     for i, level in enumerate(levels):  # a streamed part goes through the steps once per read
         progress("outputs", i, len(levels))
-        outs[level] = (work if work.resident else work.fresh()).outputs(ids, level, compact=True)
+        reading = work if work.resident else work.fresh()
+        try:
+            outs[level] = reading.outputs(ids, level, compact=True)
+        finally:
+            if reading is not work:  # its spare tensors go back now, not when collected
+                reading.close()
     progress("outputs", len(levels), len(levels))
     return outs
 
