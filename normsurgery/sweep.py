@@ -12,7 +12,8 @@ rewrite steps applied to it with the Layout restricted to it: ``scan.run_step``)
   module runs and leave it after its last; the outputs are the whole model's;
 - writing (``writer.write_parts``): each part entered at the last level, its tensors cast to the
   storage dtype (``precision.for_storage``: checked for overflow and underflow) and appended to
-  the output shards, then freed;
+  the output shards, then freed; where every step says what it reads (``registry.Pass.reads``),
+  the part's other parameters are never read, their stored bytes copied (:meth:`Work.unread`);
 - the written folder is checked as any checkpoint is read: a :class:`Work` over it, with the
   stock class where loading with plain transformers is claimed (``writer.save_work``,
   ``check.check_written``).
@@ -29,10 +30,9 @@ from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
-
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import devices, memory, registry
 from .checkpoint import Loader, Source
@@ -173,7 +173,7 @@ class Work(Parts):
     def unread(self, part: Part, level: int, copied: Callable) -> dict[int, tuple]:
         """{id: (parameter, version)} of the parameters of ``part`` (not held yet) that the steps up
         to ``level`` leave alone, each pass saying what it reads (``registry.Pass.reads``; none
-        if one does not say), and ``copied`` can write as stored. None when the part is held, or
+        if one does not say), and ``copied`` can write as stored; empty when the part is held or
         read to compute outputs (``on_load``)."""
         if self.loader is None or self.on_load is not None or part in self.level:
             return {}
