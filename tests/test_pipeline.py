@@ -60,6 +60,7 @@ def tensors(path):
     ("phi3", [("minimize", {"prune_heads": 0.5, "prune_channels": 2})], True),
     ("gpt_neox", [("flashnorm", {}), ("compensated-ln", {"prune_channels": 5})], True),
     ("qwen2", [("mask", {"prune_units": 0.5, "prune_channels": 3}), ("minimize", {})], True),
+    ("llama", [("mask", {"sparsity": 0.5}), ("minimize", {})], True),  # the 7B run's recipe (README)
 ])
 def test_both_plans_write_the_same_tensors_and_check_the_folder(tmp_path, family, passes, verify):
     src = checkpoint_at(tmp_path, family)
