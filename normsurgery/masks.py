@@ -92,7 +92,7 @@ def _kth_abs(w: torch.Tensor, k: int) -> float:
         return torch.kthvalue(v.abs(), k).values.item()
     # host: NumPy's in-place introselect (torch.kthvalue on CPU allocates int64 indices)
     a = v.abs() if v.dtype in (torch.float32, torch.float64) else v.float().abs_()  # exact widening
-    x = a.numpy()
+    x = a.numpy()  # host
     x.partition(k - 1)
     return float(x[k - 1])
 

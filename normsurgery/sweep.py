@@ -183,9 +183,9 @@ class Work(Parts):
             if reads is None:
                 return {}
             needed |= reads(layout(self.model, part.scope), step.options)
+        scope = tuple(needed)
         return {id(p): (p, p._version) for p, uses in self.loader.uses(part.scope)
-                if p.device.type == "meta" and not any(inside(full, tuple(needed)) for *_, full in uses)
-                and copied(p)}
+                if p.device.type == "meta" and not any(inside(full, scope) for *_, full in uses) and copied(p)}
 
     @contextmanager
     def running(self, level: int = 0):

@@ -27,11 +27,16 @@ def folded(layout: Layout, options: dict) -> tuple[NormSite, ...]:
     return sites
 
 
+def readers(sites: tuple[NormSite, ...]) -> set[str]:
+    """The linears the gains of ``sites`` fold into."""
+    return {r for s in sites for r in s.readers}
+
+
 def reads(layout: Layout, options: dict) -> set[str]:
     """What a fold reads and writes: the norms folded and their readers (a tied head is the
     embedding's tensor, untied from it there)."""
     sites = folded(layout, options)
-    return {s.path for s in sites} | {r for s in sites for r in s.readers}
+    return {s.path for s in sites} | readers(sites)
 
 
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
@@ -48,7 +53,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     elif keep:
         report.notes.append(f"keep_tied=true changed nothing: {layout.head} is not tied to {layout.token_embedding}, "
                             "so folding the final norm into it unties nothing (its gain is folded as without it)")
-    touched = {r for s in sites for r in s.readers}
+    touched = readers(sites)
     report.notes += untie_if_touched(model, layout, touched)
     for site in sites:
         fold_into_readers(model, layout, site)
