@@ -41,6 +41,20 @@ from .layout import AttentionSite, Layout, MlpSite
 CENTRING = ("layernorm", "compensated-layernorm")
 
 
+@contextmanager
+def evaluating(model):
+    """While active, every module in eval mode (dropout off: a model left in training mode, as a
+    model built from a config is, computes its function, not a random draw of it); each module's
+    mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 @dataclass
 class LayerDead:
     layer: int
@@ -273,12 +287,14 @@ def residual_capture(model):
 
 def forward_base(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     """Run the base model only (no head: the scores read hidden states, and a base model or a
-    classifier without a pad token works the same), without a KV cache."""
+    classifier without a pad token works the same), without a KV cache, in eval mode
+    (:func:`evaluating`)."""
     base = model.base_model
     kw = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
     device = devices.of(model)
-    base(input_ids=input_ids.to(device), attention_mask=None if attention_mask is None else attention_mask.to(device),
-         **kw)
+    with evaluating(model):
+        base(input_ids=input_ids.to(device),
+             attention_mask=None if attention_mask is None else attention_mask.to(device), **kw)
 
 
 @torch.no_grad()

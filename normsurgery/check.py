@@ -188,7 +188,9 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
     the same function) and compare its outputs with ``anchor`` (weights stored in ``storage``). A
     false plain claim is corrected in the folder; a folder that does not compute the anchor's
     function is an error, unless ``force``: then it stays and its comparison says so. Returns what
-    was checked.
+    was checked. What ``tolerances`` measure beyond the arithmetic's own (a float32 model's own
+    rounding, a cast's null) is measured around the folder itself: the anchor may be a model that
+    a step changed on purpose (pruned, trained), which rounds differently from the input.
 
     ``storage`` coarser than the arithmetic: ``anchor`` is the model before the cast, and the
     folder may differ from it by what the cast of the tensors it rounded (``rounded``) costs: the
@@ -206,10 +208,8 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
                                 on_load=on_load, device=t.device, compact=True, meter=meter)
         out = read()
         c = compare(anchor, out, t.output)
-        if not cast:
-            return t.judge(c, storage)
-        what = f"the written folder with the {len(rounded)} tensors the cast rounded"
-        return t.around(out, read, frozenset(rounded), what).judge(c, storage)
+        what = f"the written folder with the {len(rounded)} tensors the cast rounded" if cast else "the written folder"
+        return t.around(out, read, frozenset(rounded) if cast else frozenset(), what).judge(c, storage)
 
     plain = None
     if all(r.get("stock_equivalent") for r in records):

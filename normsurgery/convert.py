@@ -41,7 +41,7 @@ from .checkpoint import Source
 from .errors import SurgeryError
 from .options import MAX_SHARD_SIZE, ON_OVERFLOW
 from .parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, output_kind, probe_ids
-from .check import Check, Tolerances, model_reader, source_reader
+from .check import Check, Reader, Tolerances, source_reader
 from .plan import StepSpec, check_applies, check_before_reading, plan, steps_of
 from .progress import Progress, no_progress
 from .runner import Job
@@ -189,10 +189,13 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
     source = job.source
     cast = coarser(source.storage, work.dtype)  # checked before the cast, then the cast
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, _length(source)) if verify else None
-    outs = _in_memory(work, ids, progress, cast) if work.resident else {}
+    outs, parities = {}, {}  # level -> outputs, step -> parity: measured together (_step_outputs)
+    t = _tolerances(work, ids, tolerance, outs)
+    if work.resident:
+        _in_memory(work, t, progress, cast, outs, parities)
     if not is_main_process():  # one of several training processes: the main one saves
         return result
-    check = _check(work, result, ids, outs, tolerance, force, progress, cast)
+    check = _check(work, result, t, outs, parities, force, progress, cast)
     saved = save_work(work, out, storage=source.storage, record=partial(_record, result), check=check, force=force,
                       on_overflow=on_overflow, max_shard_size=max_shard_size, progress=progress)
     shutil.rmtree(state_dir(out), ignore_errors=True)
@@ -221,35 +224,45 @@ def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, st
     return work, result
 
 
-def _in_memory(work: Work, ids: torch.Tensor | None, progress: Progress, cast: bool) -> dict[int, torch.Tensor]:
-    """The one-part plan: the model read, every step run (in every process), and the outputs the
-    checks need measured on the way (``ids``: None, no check)."""
+def _in_memory(work: Work, t: Tolerances | None, progress: Progress, cast: bool, outs: dict[int, torch.Tensor],
+               parities: dict[int, Comparison]) -> None:
+    """The one-part plan: the model read, every step run (in every process), and the outputs and
+    parities the checks need measured on the way into ``outs`` and ``parities`` (``t``: None, no
+    check)."""
     work.load_all()
     check_applies(work.model, work.steps[0].pass_name)
-    outs = _step_outputs(work, ids, progress, cast) if ids is not None else {}
+    if t is not None:
+        _step_outputs(work, t, progress, cast, outs, parities)
     work.enter(work.parts[0], len(work.steps))  # every step runs here, in every process
-    return outs
 
 
-def _check(work: Work, result: Result, ids: torch.Tensor | None, outs: dict[int, torch.Tensor],
-           tolerance: float | None, force: bool, progress: Progress, cast: bool) -> Check:
-    """How the written folder is checked (``ids``: None, it is not). The reference's outputs are
+def _tolerances(work: Work, ids: torch.Tensor | None, tolerance: float | None,
+                outs: dict[int, torch.Tensor]) -> Tolerances | None:
+    """The checks' rules around the input (its outputs: ``outs[0]`` once measured; ``ids``: None,
+    no check)."""
+    if ids is None:
+        return None
+    source = work.source
+    return Tolerances(source_reader(source, ids, work.dtype, work.streamed, work.device, work.meter), ids,
+                      work.dtype, lambda: outs.get(0), tolerance, source.head_output, work.streamed, work.device)
+
+
+def _check(work: Work, result: Result, t: Tolerances | None, outs: dict[int, torch.Tensor],
+           parities: dict[int, Comparison], force: bool, progress: Progress, cast: bool) -> Check:
+    """How the written folder is checked (``t``: None, it is not). The reference's outputs are
     those the anchor computes (streamed: once the parts are written), not read a second time for a
     tolerance."""
-    source, dtype, streamed, where = work.source, work.dtype, work.streamed, work.device
-    t = Tolerances(source_reader(source, ids, dtype, streamed, where, work.meter), ids, dtype, lambda: outs.get(0),
-                   tolerance, source.head_output, streamed, where) if ids is not None else None
-    return Check(t, partial(_anchor, work, ids, progress, cast, outs) if ids is not None else None,
-                 before_check=partial(_judge_steps, result, work, outs, t, force),
-                 failure=partial(_failure, work.steps, cast=source.storage if cast else None))
+    anchor = partial(_anchor, work, t, progress, cast, outs, parities) if t is not None else None
+    return Check(t, anchor, before_check=partial(_judge_steps, result, work, parities, force),
+                 failure=partial(_failure, work.steps, cast=work.source.storage if cast else None))
 
 
-def _anchor(work: Work, ids: torch.Tensor, progress: Progress, cast: bool,
-            outs: dict[int, torch.Tensor]) -> torch.Tensor:
+def _anchor(work: Work, t: Tolerances, progress: Progress, cast: bool, outs: dict[int, torch.Tensor],
+            parities: dict[int, Comparison]) -> torch.Tensor:
     """The outputs the written folder is compared with (streamed: read once the parts are
-    written, into ``outs``)."""
+    written, into ``outs``, the steps' parities into ``parities``)."""
     if not outs:
-        outs.update(_step_outputs(work, ids, progress, cast))
+        _step_outputs(work, t, progress, cast, outs, parities)
     return outs[len(work.steps) if cast else _anchor_level(work.steps)]
 
 
@@ -310,24 +323,47 @@ def _failure(steps: list[StepSpec], c: Comparison, cast: torch.dtype | None) -> 
     return f"{what}: {beyond(c)}; nothing was saved (--force saves anyway)"
 
 
-def _step_outputs(work: Work, ids: torch.Tensor, progress: Progress, cast: bool) -> dict[int, torch.Tensor]:
-    """{level: outputs} the checks need: the reference (level 0), and with several steps, one that
-    changes the function, or a ``cast`` to a coarser storage dtype to check apart, every step's
-    outputs, each step applied in turn."""
+def _step_outputs(work: Work, t: Tolerances, progress: Progress, cast: bool, outs: dict[int, torch.Tensor],
+                  parities: dict[int, Comparison]) -> None:
+    """Into ``outs`` ({level: outputs}) what the checks need: the reference (level 0), and with
+    several steps, one that changes the function, or a ``cast`` to a coarser storage dtype to
+    check apart, every step's outputs, each step applied in turn; into ``parities`` each step's
+    (:func:`step_parity`), measured while the model it produced can still be read."""
     steps = work.steps
     every = len(steps) > 1 or steps[0].kind != "exact" or cast
     levels = [0] + (list(range(1, len(steps) + 1)) if every else [])
-    outs = {}
     for i, level in enumerate(levels):  # a streamed part goes through the steps once per read
         progress("outputs", i, len(levels))
+        read = level_reader(work, t.ids, level)
+        outs[level] = read()
+        if level - 1 in outs:
+            parities[level - 1] = step_parity(steps[level - 1], outs[level - 1], outs[level], t, read)
+    progress("outputs", len(levels), len(levels))
+
+
+def level_reader(work: Work, ids: torch.Tensor, level: int) -> Reader:
+    """Reads ``work``'s outputs on ``ids`` with its steps up to ``level`` applied (a resident model
+    as it stands; a streamed plan from the checkpoint, its spare tensors given back at once)."""
+    def read(jitter: bool = False) -> torch.Tensor:
         reading = work if work.resident else work.fresh()
         try:
-            outs[level] = reading.outputs(ids, level, compact=True)
+            return reading.outputs(ids, level, jitter=jitter, compact=True)
         finally:
-            if reading is not work:  # its spare tensors go back now, not when collected
+            if reading is not work:
                 reading.close()
-    progress("outputs", len(levels), len(levels))
-    return outs
+    return read
+
+
+def step_parity(step: StepSpec, before: torch.Tensor, after: torch.Tensor, t: Tolerances,
+                read: Reader) -> Comparison:
+    """What ``step`` changed in the outputs (``before`` -> ``after``); an exact step judged by ``t``'s
+    rules around the model it produced (``read``: its outputs): the rounding a float32 tolerance
+    measures is that model's, not the input's, which a reference step before it may have changed
+    (a pruned model rounds differently)."""
+    c = compare(before, after, t.output)
+    if step.kind != "exact":
+        return c
+    return t.around(after, read, frozenset(), f"the model after {step.name}").judge(c)
 
 
 def _anchor_level(steps: list[StepSpec]) -> int:
@@ -336,17 +372,9 @@ def _anchor_level(steps: list[StepSpec]) -> int:
     return max((i + 1 for i, s in enumerate(steps) if s.kind != "exact"), default=0)
 
 
-def _judge_steps(result: Result, work: Work, outs: dict[int, torch.Tensor], t: Tolerances | None,
-                 force: bool) -> None:
-    """The result's steps, with their parity where the outputs before and after them were
-    measured (``outs``: level -> outputs), judged by ``t`` when exact; an exact step out of
-    tolerance stops the save (unless ``force``)."""
-    parities = {}
-    for i, s in enumerate(work.steps):
-        if t is not None and i in outs and i + 1 in outs:
-            parities[i] = compare(outs[i], outs[i + 1], t.output)
-            if s.kind == "exact":
-                t.judge(parities[i])
+def _judge_steps(result: Result, work: Work, parities: dict[int, Comparison], force: bool) -> None:
+    """The result's steps, with their parities (``step_parity``; where measured); an exact step out
+    of tolerance stops the save (unless ``force``)."""
     result.steps = steps_with(work, parities)
     bad = [s for s in result.steps if s.kind == "exact" and s.parity is not None and not s.parity.ok]
     if bad and not force:
@@ -382,16 +410,15 @@ def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.
     work.context.train = work.context.train or train
     work.context.heldout_ce = work.context.heldout_ce or heldout_ce
     check_applies(model, work.steps[0].pass_name)
+    t = Tolerances(None, ids, next(model.parameters()).dtype, given=tolerance, output=output_kind(model))
     before, parities = None if ids is None else work.outputs(ids), {}
     for i, step in enumerate(work.steps):
         progress("passes", i, len(work.steps))
         work.enter(work.parts[0], i + 1)
         if ids is not None and (step.kind != "reference" or work.reports[i]):
-            after = work.outputs(ids, i + 1)
-            parities[i] = compare(before, after, output_kind(model))
-            if step.kind == "exact":
-                Tolerances(model_reader(model, ids), ids, next(model.parameters()).dtype, after, tolerance,
-                           output_kind(model)).judge(parities[i])
+            read = level_reader(work, ids, i + 1)
+            after = read()
+            parities[i] = step_parity(step, before, after, t, read)
             before = after
     progress("passes", len(work.steps), len(work.steps))
     return steps_with(work, parities)

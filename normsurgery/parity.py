@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from . import algebra, calibration, devices
-from .analysis import residual_states
+from .analysis import evaluating, residual_states
 from .errors import SurgeryError
 from .families import layout, objective
 
@@ -147,7 +147,7 @@ def outputs(model, ids: torch.Tensor, device: torch.device | None = None) -> tor
     it read every row's last token, as each row alone would."""
     kind = objective(model)
     kwargs = {"use_cache": False} if kind == "causal-lm" else {}
-    with unpadded(model):
+    with unpadded(model), evaluating(model):
         out = model(input_ids=ids.to(device or devices.of(model)), **kwargs)
     out = out.logits if kind != "none" else out.last_hidden_state
     return out if out.dtype in (torch.float32, torch.float64) else out.float()

@@ -120,19 +120,14 @@ def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     tokens = int(mask.sum())
     if tokens == 0:
         raise SurgeryError("the calibration batch has no unmasked tokens")
-    was_training = model.training
-    model.eval()
     t0 = time.perf_counter()
     total = len(input_ids)
-    try:
-        with residual_capture(model) as states:
-            for start in range(0, total, batch_size):
-                ids, m = input_ids[start:start + batch_size], mask[start:start + batch_size]
-                progress("score", start, total)
-                forward_base(model, ids, m)
-                _accumulate(states, m, ang, cos_adj)
-    finally:
-        model.train(was_training)
+    with residual_capture(model) as states:
+        for start in range(0, total, batch_size):
+            ids, m = input_ids[start:start + batch_size], mask[start:start + batch_size]
+            progress("score", start, total)
+            forward_base(model, ids, m)
+            _accumulate(states, m, ang, cos_adj)
     progress("score", total, total)
     ang /= tokens
     return LayerScores(ang, 1.0 - cos_adj / tokens, tokens, time.perf_counter() - t0)

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import devices
+from .analysis import evaluating
 from .devices import make_accelerator, mixed_precision  # noqa: F401  (the API's names)
 from .errors import SurgeryError
 from .families import layout, stock_class_of
@@ -214,18 +215,14 @@ def heldout_ce(model, windows: torch.Tensor, batch_size: int = 8, objective: str
     objective = objective or objective_of(model)
     mlm = _mlm_spec(objective, model, mask_token_id)
     inputs, labels = mask_tokens(windows, *mlm, torch.Generator().manual_seed(0)) if mlm else (windows, windows)
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
     device = next(model.parameters()).device  # where it is now (tests stand devices.of in for home)
-    try:
+    with evaluating(model):
         for s in range(0, len(windows), batch_size):
             with autocast() if autocast else nullcontext():
                 loss, n = loss_sum(model, inputs[s:s + batch_size].to(device), labels[s:s + batch_size].to(device),
                                    mlm is None)
             total, count = total + loss.item(), count + n.item()
-    finally:
-        model.train(was_training)
     return total / count
 
 

@@ -193,6 +193,24 @@ def test_a_model_read_whole_is_freed_before_the_folder_is_read_back(tmp_path, mo
     assert result.streaming is None and 0 < result.parity.relative <= 1e-5
 
 
+
+def test_a_model_left_in_training_mode_is_checked_as_its_function_not_a_dropout_draw(tmp_path):
+    """A model built from a config is in training mode, where its outputs are a random draw
+    (dropout). The save's check compares the folder with the model's function: outputs are read
+    with every module in eval mode, and each module's mode is left as it was. With dropout on, the
+    reference differed from the folder by 0.56 (relative) and the check passed only because the
+    model's rounding was measured with dropout too."""
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=1024, n_positions=64))
+    model.transformer.h[1].attn.eval()  # a mixed state, restored as it was
+    ids = token_ids(2, 16)
+    first = outputs(model, ids)
+    assert torch.equal(first, outputs(model, ids))
+    assert model.training and not model.transformer.h[1].attn.training and model.transformer.h[0].attn.training
+    info = ns.save(model, tmp_path / "out")
+    assert info["reload"]["comparison"]["relative"] == 0.0, info["reload"]
+    assert torch.equal(outputs(T.GPT2LMHeadModel.from_pretrained(tmp_path / "out"), ids), first)
+
 def test_float64_work_dtype_is_exact(tmp_path):
     src = tmp_path / "src"
     tiny_model("llama", torch.float64).save_pretrained(src)
