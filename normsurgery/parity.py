@@ -359,16 +359,25 @@ def _unmeasured(what: str) -> str:
             f"or Inf); only the arithmetic's own tolerance applies")
 
 
+#: entries of a linear's output jittered at a time: one factor temporary of 4 MB in float32, not one
+#: of the output's size (a 152k-token head's logits on the probe: 156 MB)
+JITTER_CHUNK = 1 << 20
+
+
 @contextmanager
 def jittered(model, seed: int = 0):
     """While active, every linear's output y becomes y (1 ± eps) (random signs, eps of y's dtype):
     one rounding error per output, so the model's outputs move by about its own rounding."""
     g = torch.Generator().manual_seed(seed)
 
-    def hook(module, args, y):  # in place, one temporary: factors 1 - eps or 1 + eps
+    def hook(module, args, y):  # in place, factors 1 - eps or 1 + eps drawn JITTER_CHUNK at a time
         eps = torch.finfo(y.dtype).eps
-        factor = torch.randint(0, 2, y.shape, generator=g, dtype=y.dtype).to(y.device)
-        return y.mul_(factor.mul_(2 * eps).add_(1 - eps))
+        flat = y.reshape(-1)  # y itself where contiguous; the draws are the whole tensor's, in order
+        for i in range(0, flat.numel(), JITTER_CHUNK):
+            part = flat[i:i + JITTER_CHUNK]
+            factor = torch.randint(0, 2, part.shape, generator=g, dtype=y.dtype).to(y.device)
+            part.mul_(factor.mul_(2 * eps).add_(1 - eps))
+        return flat.view(y.shape)
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if algebra.is_linear(m)]
     try:

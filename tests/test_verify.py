@@ -209,6 +209,28 @@ def test_jitter_tracks_the_float32_rounding_measured_against_float64(family, lay
     assert truth / 3 <= jitter <= 3 * truth, (jitter, truth)
 
 
+
+def test_the_jitter_draws_a_factor_per_output_entry_a_chunk_at_a_time(monkeypatch):
+    """The jitter's factors are drawn a chunk at a time (no temporary of the logits' size) and are
+    the draws of one whole-tensor ``randint`` per linear output, in order: written here by hand."""
+    from normsurgery import parity
+
+    model, ids = tiny_model("llama", torch.float32), token_ids(2, 16)
+    g = torch.Generator().manual_seed(0)
+
+    def whole(module, args, y):  # every entry times 1 - eps or 1 + eps, one draw of the output's shape
+        eps = torch.finfo(y.dtype).eps
+        return y * (torch.randint(0, 2, y.shape, generator=g, dtype=y.dtype) * 2 * eps + 1 - eps)
+
+    handles = [m.register_forward_hook(whole) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    expected = outputs(model, ids)
+    for h in handles:
+        h.remove()
+    monkeypatch.setattr(parity, "JITTER_CHUNK", 7)  # chunks that cross rows and outputs' ends
+    with parity.jittered(model):
+        got = outputs(model, ids)
+    assert torch.equal(got, expected) and not torch.equal(got, outputs(model, ids))
+
 def test_deep_float32_model_converts_and_verifies_with_its_own_rounding(tmp_path):
     """A 24-block Llama's float32 forward is about 2e-5 from its float64 value: the fixed 1e-5
     refused exact rewrites of it; the tolerance now comes from its measured rounding."""
