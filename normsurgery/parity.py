@@ -42,12 +42,11 @@ from typing import Callable
 import torch
 
 from . import algebra, calibration, devices
+from .algebra import TOLERANCE
 from .analysis import evaluating, residual_states
 from .errors import SurgeryError
 from .families import layout, objective
 
-#: relative-error tolerance of arithmetic in a dtype on weights it holds exactly
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 #: a model may differ by this many times the reference's own rounding (or storage cost)
 ROUNDING_FACTOR = 4
 #: ... and its KL by this many times the null's: KL grows with the square of the outputs' change

@@ -20,7 +20,6 @@ model fine-tunes on its language-modelling loss (:func:`normsurgery.training.tra
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -33,8 +32,8 @@ from ..errors import SurgeryError
 from ..registry import PassContext, PassReport
 from ..runtime import RepBN
 from . import PREPBN_OPTIONS as OPTIONS, bn_fold
-from .norms import (adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms,
-                    refuse_post_ln, token_divisors, vanilla_control)
+from .norms import (Control, adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms,
+                    refuse_post_ln, token_divisors)
 
 
 class ProgressiveNorm(nn.Module):
@@ -249,7 +248,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                            "parallel (without --use_fsdp / ACCELERATE_USE_FSDP)")
     warmup, decay = schedule(opts["steps"], opts["warmup"], opts["decay"])
     train_ids, held, calib, seq = _data(ctx, opts, positions(model.config))
-    original = copy.deepcopy(model) if opts["control"] else None
+    control = Control(model, ctx.workdir) if opts["control"] else None
     progs = install(model, layout, opts["momentum"])
     repbns = [p.repbn for p in progs]
 
@@ -305,6 +304,6 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         report.metrics["ce_folded"] = ctx.heldout_ce(model, held, objective=layout.objective)
     else:
         report.notes.append("not folded (fold=false): the norms are eval-mode RepBN; run bn-fold to fold them")
-    if original is not None:
-        control_report(report, vanilla_control(ctx, original, train_ids, held, config, layout.objective))
+    if control is not None:
+        control_report(report, control.run(ctx, model, train_ids, held, config, layout.objective))
     return report
