@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import algebra, devices
+from ..analysis import evaluating
 from ..calibration import fit_seq_len, split_heldout, tokenize, windows
 from ..errors import SurgeryError
 from ..families import positions
@@ -710,11 +711,13 @@ POSITION_GROUPS = (("0", 0, 1), ("1-7", 1, 8), ("8+", 8, None))  # predicting po
 def position_ce(model, windows: torch.Tensor, batch_size: int) -> dict[str, float]:
     """Held-out CE (nats/token) of ``windows`` [n, T] by the position that predicts: position 0
     (the attention sink, predicting token 1), positions 1-7, 8 onwards (POSITION_GROUPS); eval
-    mode (``parity.outputs``)."""
+    mode. It runs during training, sharded too (its model's class is then FSDP's, which
+    ``parity.outputs`` would not know), so it calls the causal LM itself."""
     total = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
     for s in range(0, len(windows), batch_size):
         ids = windows[s:s + batch_size]
-        logits = outputs(model, ids)[:, :-1].double().cpu()
+        with evaluating(model):
+            logits = model(input_ids=ids.to(devices.of(model)), use_cache=False).logits[:, :-1].double().cpu()
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
         total += ce.view(ids.shape[0], -1).sum(0)
     total /= len(windows)
