@@ -54,6 +54,7 @@ from .passes.mask import CALIBRATION
 from .progress import Progress, no_progress
 from .registry import PassContext
 from .runner import Job
+from .stash import Stash
 from .texts import text_of
 from .training import STATE_FILE, heldout_ce, is_main_process
 
@@ -292,8 +293,10 @@ def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
     same = {"storage_bytes": job.source.storage.itemsize, "accelerator": acc,
             "mask_token_id": getattr(job.source.tokenizer, "mask_token_id", None)}
     model, result = squeeze_model(model, train_ids, held, opts, state=state, resume=resume, progress=progress, **same)
-    if opts.control and opts.cycles > 1:
+    if opts.control and opts.cycles > 1:  # the squeezed model waits on disk meanwhile
+        aside = Stash(model, state / "squeezed")
         result.control = one_shot(job.load(), result.cycles, train_ids, held, opts, progress, **same)
+        aside.back()
     result.device = devices.describe(job.device)
     record = job.record(squeeze={"options": result.options, "original": result.original,
                                  "cycles": [asdict(c) for c in result.cycles],

@@ -11,6 +11,7 @@ each emptied in place once written: no serialised copy in memory) and reads each
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -20,12 +21,14 @@ from .shards import Index, Reader, ShardWriter, header_room
 
 
 class Stash:
-    """``model``'s parameters and buffers in ``folder`` (made, then removed by :meth:`back`), each
-    object left in the model holding an empty tensor until then."""
+    """``model``'s parameters and buffers in ``folder`` (in a folder of this process's own, ``rank-R``
+    where several processes run one job: made, then removed by :meth:`back`; one left by an
+    interrupted run is replaced), each object left in the model holding an empty tensor until then."""
 
     def __init__(self, model, folder: Path):
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = Path(folder) / f"rank-{os.environ.get('RANK', '0')}"
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True)
         self.tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # tied: once
         writer = ShardWriter(self.folder, 1 << 62, header_room(self.tensors))  # one file
         for name, t in self.tensors.items():

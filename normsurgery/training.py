@@ -428,6 +428,7 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
         return _train(model, acc, train_ids, heldout, config, objective, mask_token_id, mlm, on_step,
                       [p for n, p in model.named_parameters() if n in names], progress, shards, extra_loss)
     finally:
+        acc.free_memory()  # its references to this training's optimizer (and moments) and wrapped model
         if shards:
             shards.whole()
         for n, p in model.named_parameters():

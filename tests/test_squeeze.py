@@ -7,6 +7,7 @@ release against the tensor it was given; resume against an uninterrupted run, fi
 from __future__ import annotations
 
 import copy
+import importlib
 import dataclasses
 import json
 
@@ -206,13 +207,32 @@ def test_squeeze_command(tmp_path):
     assert sum(f.stat().st_size for f in (tmp_path / "bytes").glob("*.safetensors")) <= 5_000_000 + 20_000
 
 
-def test_the_control_is_one_shot_at_the_same_target_and_steps(tmp_path):
+def test_the_control_is_one_shot_at_the_same_target_and_steps(tmp_path, monkeypatch):
     """The control squeeze reports equals a one-cycle squeeze run by itself with every cycle's
     steps (same seed): the papers' comparison at equal size and tokens; --no-control and one
-    cycle run none."""
+    cycle run none. While it runs, the squeezed model waits on disk (the only parameters holding
+    values are the input's it starts from), and comes back bit for bit: the output is the one
+    written without a control."""
+    import gc
+
+    S = importlib.import_module("normsurgery.squeeze")  # the module (ns.squeeze is the function)
+
     text, held = open(SAMPLE).read()[:20000], open(HELD).read()[:4000]
     opts = {"target": 0.6, "cycles": 2, "steps_per_cycle": 3, **SMALL}
+    seen, one_shot = [], S.one_shot
+
+    def spy(model, *args, **kwargs):
+        gc.collect()
+        seen.append((sum(o.numel() for o in gc.get_objects() if type(o) is torch.nn.Parameter),
+                     sum(p.numel() for p in model.parameters())))
+        return one_shot(model, *args, **kwargs)
+
+    monkeypatch.setattr(S, "one_shot", spy)
     squeezed = ns.squeeze(DEMO, tmp_path / "squeezed", text, eval_text=held, options=opts)
+    assert len(seen) == 1 and seen[0][0] == seen[0][1], seen
+    ns.squeeze(DEMO, tmp_path / "plain", text, eval_text=held, options={**opts, "control": False})
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("squeezed", "plain"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     alone = ns.squeeze(DEMO, tmp_path / "alone", text, eval_text=held,
                        options={**opts, "cycles": 1, "steps_per_cycle": 6})
     assert alone.control is None and squeezed.control.steps == 6

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 from pathlib import Path
 
@@ -138,9 +137,7 @@ class Control:
 
     def __init__(self, model, workdir: Path | None):
         self.original = copy.deepcopy(model)
-        self.folder = None if workdir is None else Path(workdir) / f"control-{os.environ.get('RANK', '0')}"
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)  # an interrupted run's
+        self.folder = None if workdir is None else Path(workdir) / "control"
         self.stash = None if self.folder is None else Stash(self.original, self.folder / "input")
 
     def run(self, ctx, model, train_ids, held, config: dict, objective: str):
