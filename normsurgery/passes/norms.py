@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 
 import torch
@@ -150,9 +149,8 @@ class Control:
             return ctx.train(self.original, train_ids, held, config, objective=objective, progress=ctx.train_progress)
         finally:
             self.original = None  # freed before the pass's model comes back
-            if aside is not None:
+            if aside is not None:  # each process removes its own stash (the state folder goes at the end)
                 aside.back()
-                shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def control_report(report, control) -> None:
