@@ -209,7 +209,7 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
         out = read()
         c = compare(anchor, out, t.output)
         what = f"the written folder with the {len(rounded)} tensors the cast rounded" if cast else "the written folder"
-        return t.around(out, read, frozenset(rounded) if cast else frozenset(), what).judge(c, storage)
+        return t.around(out, read, frozenset(rounded), what).judge(c, storage)  # rounded: none without a cast
 
     plain = None
     if all(r.get("stock_equivalent") for r in records):

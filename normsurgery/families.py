@@ -259,10 +259,12 @@ def objective(model) -> str:
 
 
 def stock_class_of(model) -> type:
-    """The stock transformers class of ``model`` (a runtime ``NormSurgery<Class>`` subclass's base)."""
+    """The stock transformers class of ``model``, through the subclasses made around it: the
+    runtime's ``NormSurgery<Class>`` (bases: the class) and FSDP2's ``FSDP<Class>`` while a training
+    is sharded (``fully_shard``; bases: FSDPModule, the class)."""
     cls = type(model)
-    while cls.__name__.startswith("NormSurgery"):
-        cls = cls.__bases__[0]
+    while cls.__name__.startswith(("NormSurgery", "FSDP")):
+        cls = cls.__bases__[-1]
     return cls
 
 

@@ -19,11 +19,17 @@ def applies(model, layout: Layout) -> str | None:
     return refuse_post_ln(layout) or refuse_norms(layout, ("layernorm", "rmsnorm"))
 
 
+def tied_final(layout: Layout) -> bool:
+    """Whether folding the final norm would write into a head tied to the embedding."""
+    final = layout.final_norm
+    return layout.tied and final in foldable(layout) and layout.head in final.readers
+
+
 def folded(layout: Layout, options: dict) -> tuple[NormSite, ...]:
     """The norms folded: every foldable one, but a tied head's final norm with ``keep_tied``."""
-    sites, final = foldable(layout), layout.final_norm
-    if options.get("keep_tied") and layout.tied and final in sites and layout.head in final.readers:
-        return tuple(s for s in sites if s is not final)
+    sites = foldable(layout)
+    if options.get("keep_tied") and tied_final(layout):
+        return tuple(s for s in sites if s is not layout.final_norm)
     return sites
 
 
@@ -44,7 +50,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     sites = folded(layout, ctx.options)
     final = layout.final_norm
     keep = ctx.options.get("keep_tied")
-    if layout.tied and final in foldable(layout) and layout.head in final.readers:
+    if tied_final(layout):
         if keep:
             report.notes.append(f"kept {final.path}'s gain (keep_tied=true): {layout.head} stays tied to "
                                 f"{layout.token_embedding}, so the output keeps the input's size and tying")

@@ -711,13 +711,11 @@ POSITION_GROUPS = (("0", 0, 1), ("1-7", 1, 8), ("8+", 8, None))  # predicting po
 def position_ce(model, windows: torch.Tensor, batch_size: int) -> dict[str, float]:
     """Held-out CE (nats/token) of ``windows`` [n, T] by the position that predicts: position 0
     (the attention sink, predicting token 1), positions 1-7, 8 onwards (POSITION_GROUPS); eval
-    mode. It runs during training, sharded too (its model's class is then FSDP's, which
-    ``parity.outputs`` would not know), so it calls the causal LM itself."""
+    mode (``parity.outputs``)."""
     total = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
     for s in range(0, len(windows), batch_size):
         ids = windows[s:s + batch_size]
-        with evaluating(model):
-            logits = model(input_ids=ids.to(devices.of(model)), use_cache=False).logits[:, :-1].double().cpu()
+        logits = outputs(model, ids)[:, :-1].double().cpu()
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
         total += ce.view(ids.shape[0], -1).sum(0)
     total /= len(windows)
@@ -727,24 +725,18 @@ def position_ce(model, windows: torch.Tensor, batch_size: int) -> dict[str, floa
 @torch.no_grad()
 def _forward_eval(model, batch: torch.Tensor) -> None:
     """One forward of ``batch`` in eval mode (the training mode restored)."""
-    was = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         model(input_ids=batch.to(devices.of(model)))
-    finally:
-        model.train(was)
 
 
 @torch.no_grad()
 def _calibrate(model, norms: list[RemovableNorm], batch: torch.Tensor) -> None:
     """Start every divisor EMA at its value on a few training windows."""
-    was = model.training
-    model.eval()
     for rn in norms:
         rn.calibrating = True
     try:
-        model(input_ids=batch.to(devices.of(model)))
+        with evaluating(model):
+            model(input_ids=batch.to(devices.of(model)))
     finally:
         for rn in norms:
             rn.calibrating = False
-        model.train(was)
