@@ -140,20 +140,34 @@ def narrow_in_place(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def perturb(t: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
     """In place: each nonzero entry x of ``t`` (kept in a wider dtype) moved by u h(x), u uniform
-    in [-1, 1] (``seed``) and h(x) half the spacing of ``dtype`` at x: the error rounding x into
-    ``dtype`` makes, distributed as rounding's (uniform over the interval, not always the largest).
-    The spacing in [2^(e-1), 2^e) is eps 2^(e-1), and eps tiny below the smallest normal value
-    tiny. Exact zeros stay: a zero is stored exactly."""
+    in (-1, 1) (``seed``: :func:`uniform`) and h(x) half the spacing of ``dtype`` at x: the error
+    rounding x into ``dtype`` makes, distributed as rounding's (uniform over the interval, not always
+    the largest). The spacing in [2^(e-1), 2^e) is eps 2^(e-1), and eps tiny below the smallest
+    normal value tiny; 2^(e-1) is x with its sign and mantissa bits cleared. Exact zeros stay (a zero
+    is stored exactly), and so do infinities and NaN."""
     info = torch.finfo(dtype)
     g = torch.Generator().manual_seed(seed)
     flat = t.detach().view(-1)
+    bits, exponent = EXPONENT_BITS[flat.dtype]
     with torch.no_grad():
         for i in range(0, flat.numel(), CHUNK):
             x = flat[i:i + CHUNK]
-            half = torch.ldexp(torch.full_like(x, info.eps), torch.frexp(x).exponent - 2)
-            u = torch.rand(x.shape, generator=g, dtype=torch.float64).mul_(2).sub_(1)  # on the CPU: any device alike
-            half.clamp_(min=info.eps * info.tiny / 2).mul_(u.to(x.device, x.dtype))
+            binade = (x.view(bits) & exponent).view(x.dtype)  # 2^(e-1); infinite where x is not finite
+            half = binade.clamp_(min=info.tiny, max=torch.finfo(x.dtype).max).mul_(info.eps / 2)
+            half.mul_(uniform(x.numel(), g).to(x.device, x.dtype))
             x.add_(half.masked_fill_(x == 0, 0))
+
+
+#: per working dtype: the integer dtype of its bits and the mask of its exponent field
+EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
+def uniform(n: int, g: torch.Generator) -> torch.Tensor:
+    """``n`` draws uniform in (-1, 1) on the CPU, float32, of 16 bits each: (k + 1/2) 2^-15 for k a
+    random int16, four from each 64-bit draw of ``g`` (a draw of the generator costs several times
+    the arithmetic around it)."""
+    k = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), generator=g, dtype=torch.int64).view(torch.int16)[:n]
+    return k.float().add_(0.5).mul_(2**-15)
 
 
 def spans_storage(t: torch.Tensor) -> bool:

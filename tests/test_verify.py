@@ -4,6 +4,7 @@ parity, a layer whose MLP units are all dead)."""
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -426,9 +427,12 @@ def test_convert_checks_the_rewrite_before_the_cast_at_float32s_tolerance(tmp_pa
                       options=flash.options, blockwise=True)(wrong)
     try:
         src = stored(tmp_path, "llama", torch.bfloat16)
-        wrong = r"broke parity: relative error .* > 1\.\d+e-05 \(float32.*--work-dtype float64"
-        with pytest.raises(ns.SurgeryError, match=wrong):
+        wrong = r"broke parity: relative error .* > (\d\.\d+e-0\d) \(float32.*--work-dtype float64"
+        with pytest.raises(ns.SurgeryError, match=wrong) as caught:
             ns.convert(src, tmp_path / "out", [("test-wrong-flashnorm", {})])
+        # float32's tolerance: its floor, or a few times the model's float32 rounding as measured on this
+        # CPU (2.1e-5 on one Xeon), far below what storing in bf16 costs (about 1e-2)
+        assert 1e-5 <= float(re.search(wrong, str(caught.value)).group(1)) < 1e-4
         assert not (tmp_path / "out").exists()
         fine = ns.convert(src, tmp_path / "fine", [("flashnorm", {})])
         assert fine.ok and fine.steps[0].parity.tolerance == 1e-5 and "before its cast" in fine.against
