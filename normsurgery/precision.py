@@ -50,6 +50,8 @@ CHUNK = 1 << 17
 #: the fast check's sums are float32: valid while u^2 ||w||^2 stays far above float32's smallest
 #: values (squares of tiny errors flush to zero); below it the exact float64 check runs
 SMALLEST_SUM = 1e-20
+#: per working dtype: the integer dtype of its bits and the mask of its exponent field
+EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
 
 
 def cast_loss(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> CastLoss | None:
@@ -156,10 +158,6 @@ def perturb(t: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
             half = binade.clamp_(min=info.tiny, max=torch.finfo(x.dtype).max).mul_(info.eps / 2)
             half.mul_(uniform(x.numel(), g).to(x.device, x.dtype))
             x.add_(half.masked_fill_(x == 0, 0))
-
-
-#: per working dtype: the integer dtype of its bits and the mask of its exponent field
-EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
 
 
 def uniform(n: int, g: torch.Generator) -> torch.Tensor:

@@ -87,6 +87,8 @@ def test_perturbing_moves_each_weight_as_rounding_into_the_storage_dtype_does(dt
     again = w.clone()
     precision.perturb(again, dtype, seed=1)
     assert torch.equal(again, v)  # seeded
-    odd = torch.tensor([float("inf"), -float("inf"), float("nan"), torch.finfo(torch.float32).max])
-    precision.perturb(odd, dtype, seed=2)  # their binade is infinite: what is not finite stays as it is
-    assert odd[:2].tolist() == [float("inf"), -float("inf")] and odd[2].isnan() and odd[3].isfinite()
+    for seed in range(8):  # signs of u both ways on each entry
+        odd = torch.tensor([float("inf"), -float("inf"), float("nan"), torch.finfo(dtype).max, -torch.finfo(dtype).max])
+        precision.perturb(odd, dtype, seed=seed)  # a binade of inf (or NaN) is clamped: not finite stays as it is
+        assert odd[:2].tolist() == [float("inf"), -float("inf")] and odd[2].isnan()
+        assert odd[3:].isfinite().all()  # the largest values the storage dtype holds stay finite
