@@ -4,7 +4,7 @@ export HF_HUB_OFFLINE = 1
 export HF_HUB_DISABLE_PROGRESS_BARS = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-fsdp test-min test-real test-gpu fuzz bench bench-gpu clean
+.PHONY: install demo test test-fsdp test-min test-real test-gpu fuzz bench bench-gpu docs clean
 
 $(PY):
 	python3 -m venv .venv
@@ -69,5 +69,17 @@ test-gpu:
 bench-gpu:
 	$(GPU_PY) benchmarks/bench_gpu.py
 
+# the documentation site (docs/, mkdocs.yml) into site/, with mkdocs and its material theme pinned in
+# their own small venv (make install's is untouched); --strict: a broken link or anchor, or a page
+# missing from the nav, fails. The generated pages are checked by tests/test_docs.py
+PY_DOCS = .venv-docs/bin/python
+$(PY_DOCS):
+	python3 -m venv .venv-docs
+	$(PY_DOCS) -m pip install -q --upgrade pip
+	$(PY_DOCS) -m pip install -q mkdocs==1.6.1 mkdocs-material==9.8.2
+
+docs: $(PY_DOCS)
+	NO_MKDOCS_2_WARNING=1 $(PY_DOCS) -m mkdocs build --strict
+
 clean:
-	rm -rf demo-out bench-out .pytest_cache
+	rm -rf demo-out bench-out .pytest_cache site

@@ -13,7 +13,7 @@ INTERRUPTED = 130
 
 #: where the CLI asks users to report exit code 3
 REPORT_BUGS = ("this is a bug in normsurgery: please report it with the command line and the "
-               "traceback NORMSURGERY_DEBUG=1 prints (README: Reporting bugs)")
+               "traceback NORMSURGERY_DEBUG=1 prints (docs/errors.md: Reporting bugs)")
 
 
 class SurgeryError(Exception):

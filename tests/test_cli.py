@@ -275,31 +275,39 @@ def test_a_table_never_cuts_a_number(tmp_path):
         assert row[-1] in ("-", "yes")
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def doc_pages() -> list[Path]:
+    """README and every page of the documentation (docs/), README first."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
 def test_readme_matches_the_cli():
-    """What README promises exists: the bug-report section errors.REPORT_BUGS points at, the
-    flag spellings the CLI takes; its examples need nothing beside the clone (no ../shared)."""
+    """What README and the docs promise exists: the bug-report section errors.REPORT_BUGS points at,
+    the flag spellings the CLI takes; their examples need nothing beside the clone (no ../shared)."""
     from normsurgery.heal import PRECISIONS
     from normsurgery.errors import REPORT_BUGS
 
-    root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
-    assert "README: Reporting bugs" in REPORT_BUGS and "\n### Reporting bugs\n" in readme
-    shown = readme.split("[--precision ")[1].split("]")[0].split("|")
+    docs = "\n".join(p.read_text() for p in doc_pages())
+    assert "docs/errors.md: Reporting bugs" in REPORT_BUGS
+    assert "\n## Reporting bugs\n" in (ROOT / "docs/errors.md").read_text()
+    shown = docs.split("[--precision ")[1].split("]")[0].split("|")
     assert set(shown) <= set(PRECISIONS) and "fp32" in shown
-    assert "--on-overflow refuse|keep-float32" in readme
-    for f in [root / "README.md", root / "normsurgery/demo/README.md",
-              *(p for p in [*root.glob("recipes/*"), *root.glob("scripts/*")] if p.is_file())]:
+    assert "--on-overflow refuse|keep-float32" in docs
+    for f in [*doc_pages(), ROOT / "normsurgery/demo/README.md",
+              *(p for p in [*ROOT.glob("recipes/*"), *ROOT.glob("scripts/*")] if p.is_file())]:
         assert "../shared" not in f.read_text(), f
-    assert "/demo-out/" in (root / ".gitignore").read_text().split()
+    assert "/demo-out/" in (ROOT / ".gitignore").read_text().split()
 
 
-#: flags README quotes alone that belong to a script, not to normsurgery: the script that takes each
+#: flags README and the docs quote alone that belong to a script, not to normsurgery: the script taking each
 SCRIPT_FLAGS = {"--models": "scripts/make_demo.py", "--summarize": "benchmarks/bench_squeeze.py",
                 "--real": "benchmarks/bench_rotate.py"}
 
 
 def readme_commands(readme: str):
-    """(command or None, text) for every command line README shows: a `normsurgery CMD ...` line of
+    """(command or None, text) for every command line a page shows: a `normsurgery CMD ...` line of
     a code block with its continuation lines, a quoted `CMD ...` or `... normsurgery CMD ...`, and
     (None) a quoted `--flag ...`."""
     import itertools
@@ -325,8 +333,8 @@ def readme_commands(readme: str):
 
 
 def test_readme_names_only_options_that_exist():
-    """Issue 34.9: every option README shows is one the command takes (a few scripts' flags excepted,
-    each checked against its script)."""
+    """Issue 34.9: every option README and the docs show is one the command takes (a few scripts'
+    flags excepted, each checked against its script)."""
     import re
 
     import typer
@@ -342,31 +350,49 @@ def test_readme_names_only_options_that_exist():
     for flag, script in SCRIPT_FLAGS.items():
         assert f'"{flag}"' in (root / script).read_text(), (flag, script)
     every = set().union(*per.values()) | set(SCRIPT_FLAGS)
-    shown = list(readme_commands((root / "README.md").read_text()))
+    shown = [(c, text) for page in doc_pages() for c, text in readme_commands(page.read_text())]
     assert {c for c, _ in shown} >= {"convert", "verify", "prune", "heal", "squeeze", "export", None}
+    assert {c for c, _ in readme_commands((root / "README.md").read_text())} >= {
+        "convert", "verify", "prune", "heal", "squeeze", "export"}
     wrong = [(c, f) for c, text in shown for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)
              if f not in (per[c] if c else every)]
     assert not wrong, wrong
 
 
+def shown_examples(text: str):
+    """(command line, output shown) for every code block of a page that starts with `$ normsurgery`."""
+    for block in text.split("```")[1::2]:
+        lines = block.split("\n")
+        if len(lines) > 1 and lines[1].startswith("$ normsurgery "):
+            yield lines[1][2:], "\n".join(lines[2:])
+
+
 def test_readme_example_output_is_what_the_command_prints(tmp_path, monkeypatch):
-    """Issue 34.9: README's example output is the command's, run where README runs it (80 columns;
-    digits aside: they follow the machine's rounding)."""
+    """Issue 34.9: every example output README and the docs show (a code block starting with
+    `$ normsurgery ...`) is the command's, run where README runs it (80 columns, on the CPU; the
+    commands in the order shown, README's first, each run once); numbers aside: they follow the
+    machine's rounding and speed. A line `...` stands for lines left out."""
     import re
 
-    root = Path(__file__).resolve().parent.parent
-    command = "$ normsurgery convert normsurgery/demo/gpt2-tiny out/gpt2-rms --pass pre-rmsnorm --fold\n"
-    shown = (root / "README.md").read_text().split(command)[1].split("```")[0]
-    (tmp_path / "normsurgery" / "demo").mkdir(parents=True)
-    (tmp_path / "normsurgery" / "demo" / "gpt2-tiny").symlink_to(root / GPT2)
+    shown = [(page, command, out) for page in doc_pages() for command, out in shown_examples(page.read_text())]
+    assert {command.split()[1] for page, command, _ in shown if page.name == "README.md"} >= {
+        "convert", "verify", "prune", "heal", "squeeze", "export"}
+    (tmp_path / "normsurgery").mkdir()
+    for name in ("demo", "data"):
+        (tmp_path / "normsurgery" / name).symlink_to(ROOT / "normsurgery" / name)
     monkeypatch.chdir(tmp_path)
-    r = runner.invoke(app, command.split()[2:] + ["--device", "cpu"], env={"COLUMNS": "80"})
-    assert r.exit_code == 0, r.output
 
     def same(text):
-        return re.sub(r"\d", "#", " ".join(text.split()))
+        return re.sub(r"\d+", "#", " ".join(text.split()))
 
-    assert same(r.output) == same(shown), r.output
+    printed = {}
+    for page, command, out in shown:
+        if command not in printed:
+            r = runner.invoke(app, command.split()[1:] + ["--device", "cpu"], env={"COLUMNS": "80"})
+            assert r.exit_code == 0, (page, command, r.output)
+            printed[command] = same(r.output)
+        parts = [same(part) for part in re.split(r"^\.\.\.$", out, flags=re.M)]
+        assert re.fullmatch(".*".join(map(re.escape, parts)), printed[command], re.S), (page, command, printed[command])
 
 
 def test_keep_tied_on_an_untied_head_says_it_changed_nothing(tmp_path):
@@ -406,10 +432,12 @@ def test_readme_pass_table_and_streaming_help_say_what_the_code_does():
 
     from normsurgery import passes, registry  # noqa: F401  (the built-in passes)
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     rows = dict(re.findall(r"^\| `([a-z-]+)` \| (exact|reference|trained) \|", readme, re.M))
     assert rows == {p.name: p.kind for p in registry.all_passes()}
-    assert "bit-identical to the in-memory" not in readme
+    table = (ROOT / "docs/passes/index.md").read_text()
+    assert dict(re.findall(r"^\| `([a-z-]+)` \| (exact|reference|trained) \|", table, re.M)) == rows
+    assert not [p for p in doc_pages() if "bit-identical to the in-memory" in p.read_text()]
     help_text = " ".join(run("convert", "--help").output.split())
     assert "convert streams when every pass is blockwise" in help_text.replace("│ ", "").replace(" │", "")
 
