@@ -603,3 +603,4 @@ def test_a_destructive_prune_is_saved_with_a_warning_and_a_mild_one_without(tmp_
         assert len(lines) == 1 and data["warnings"] == [lines[0].removeprefix("warning: ")] == record["warnings"]
         assert f"top-1 agreement with the model before it {agreement:.3f}" in lines[0], (lines, agreement)
         assert "by=activation" in lines[0] and "normsurgery heal" in lines[0] and "KL" in lines[0]
+        assert f"**Warning:** {record['warnings'][0]}" in (out / "README.md").read_text()  # the card
