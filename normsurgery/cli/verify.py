@@ -10,7 +10,7 @@ import typer
 from ..errors import FAILED
 from ..options import AT_LEAST, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
 from .app import ALLOW_PICKLE, DEVICE, JSON, STREAMING, command, dtype_option, emit_json, positive, \
-    read_text, say, say_device, show, torch_dtype
+    read_text, say, say_device, say_error, show, torch_dtype
 
 
 @command
@@ -58,5 +58,8 @@ def verify(
                 f"{r.output} compared above is what the model outputs")
         say_device(r.device)
         say("same function" if r.ok else f"DIFFERENT: {r.failed}")
-    if not r.ok:
+    if not r.ok:  # the table (or JSON) above on stdout, and the one error line every failure gives on stderr
+        from ..parity import beyond
+
+        say_error(f"{b} does not compute the same function as {a}: {beyond(r)}")
         raise typer.Exit(FAILED)
