@@ -109,8 +109,10 @@ class Result:
 #: that it is likely damaged (exit code 0: it was asked for). Measured on the probe of the trained
 #: demo Llama (4 windows of 64 tokens): mild prunes keep 0.93-0.96 (mask sparsity 0.1: 0.957;
 #: minimize prune_units 0.01 to 0.05: 0.934-0.938; sparsity 0.3: 0.863), destructive ones fall
-#: below (sparsity 0.5: 0.766, 0.7: 0.438; prune_units 0.1: 0.664, 0.2: 0.559); SmolLM2-135M
-#: with prune_units 0.1, whose output generated garbage: 0.152.
+#: below (sparsity 0.5: 0.766, 0.7: 0.438; prune_units 0.1: 0.664, 0.2: 0.559), while units chosen
+#: by=activation stay above (0.1: 0.902, 0.3: 0.812). SmolLM2-135M-Instruct: prune_units 0.1 by
+#: magnitude, whose output generated garbage, 0.152 (0.01: 0.219; sparsity 0.1: 0.770), and
+#: prune_units 0.05 by=activation 0.844.
 DAMAGING_TOP1 = 0.8
 
 
@@ -223,8 +225,8 @@ def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, st
     check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
     needs = plan_memory(work)
     if why is not None:
-        why += (f" (about {needs['streamed'] / 2**30:.2f} GiB at a time in {needs['parts']} parts; in memory about "
-                f"{needs['in_memory'] / 2**30:.1f} GiB)")
+        why += (f" (about {_size(needs['streamed'])} at a time in {needs['parts']} parts; in memory about "
+                f"{_size(needs['in_memory'], 1)})")
     work.steps, work.context = steps, PassContext(
         tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
         storage_bytes=source.storage.itemsize,
@@ -232,6 +234,11 @@ def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, st
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,
                     device=devices.describe(where), memory=needs, against=_against(steps, dtype, source.storage))
     return work, result
+
+
+def _size(n: float, digits: int = 2) -> str:
+    """Bytes for people: GiB (``digits`` decimals), or MB under 0.1 GiB (where GiB would say 0.00)."""
+    return f"{n / 2**30:.{digits}f} GiB" if n >= 0.1 * 2**30 else f"{n / 1e6:.1f} MB"
 
 
 def _in_memory(work: Work, t: Tolerances | None, progress: Progress, cast: bool, outs: dict[int, torch.Tensor],
@@ -283,7 +290,7 @@ def _finished(result: Result, saved, outs: dict[int, torch.Tensor], t: Tolerance
     result.saved, result.parity = saved.info, saved.comparison
     result.baseline = result.parity.null if result.parity is not None else None
     level = _anchor_level(steps)
-    if t is not None and level and 0 in outs and level in outs:  # what the function's change measured
+    if t is not None and level and 0 in outs and level in outs and any(s.kind != "exact" for s in result.steps):
         result.from_input = compare(outs[0], outs[level], t.output)
     if saved.kept_float32:
         result.kept_float32, result.warnings = saved.kept_float32, [*(result.warnings or []), saved.warning]
@@ -314,7 +321,7 @@ def _record(result: Result, written: Comparison | None) -> dict:
             **({"warnings": result.warnings} if result.warnings else {})}
 
 
-def _against(steps: list[StepSpec], dtype: torch.dtype, storage: torch.dtype) -> str:
+def _against(steps: list[StepSpec] | list[Step], dtype: torch.dtype, storage: torch.dtype) -> str:
     """What the written folder is compared with, in words."""
     if coarser(storage, dtype):
         return (f"the rewrite before its cast to {dtype_name(storage)} (checked in {dtype_name(dtype)}: "
@@ -387,6 +394,7 @@ def _judge_steps(result: Result, work: Work, parities: dict[int, Comparison], fo
     """The result's steps, with their parities (``step_parity``; where measured); an exact step out
     of tolerance stops the save (unless ``force``)."""
     result.steps = steps_with(work, parities)
+    result.against = _against(result.steps, work.dtype, work.source.storage)  # a reference step that did nothing: gone
     result.warnings = (result.warnings or []) + damage(result.steps) or None
     bad = [s for s in result.steps if s.kind == "exact" and s.parity is not None and not s.parity.ok]
     if bad and not force:

@@ -419,7 +419,11 @@ def test_force_help_names_no_other_command(command):
     """Issue 28: --force's help, shared by every writing command, names none of them."""
     text = " ".join(run(command, "--help").output.replace("│", " ").split())
     assert "--force" in text and "convert, prune, heal" not in text
-    assert "kept even if its reload check fails" in text
+    if command == "export":  # its own (issue 47.11): what it replaces is a file or an export's folder, and an
+        # export that fails its check is never kept
+        assert "a GGUF file" in text and "kept even if its reload check fails" not in text
+    else:
+        assert "kept even if its reload check fails" in text
 
 
 def test_dead_units_table_fits_80_columns():
@@ -512,3 +516,27 @@ def test_a_heal_report_says_how_it_was_trained(monkeypatch):
     assert "(256 tokens/s, sharded (FSDP2) over 2 processes, precision fp32)" in heal_line(report)
     report.processes = 1
     assert "(256 tokens/s, 1 process, precision fp32)" in heal_line(report)
+
+
+def test_help_and_legends_say_what_they_do():
+    """Issue 47.11: verify's --streaming help spoke of a rewrite, export's --force of checkpoints
+    only, squeeze's legend of "(/ of the KV-head groups, where other)"; a size under 0.1 GiB was
+    "about 0.00 GiB"."""
+    from types import SimpleNamespace
+
+    from normsurgery.cli.report import squeeze_table
+    from normsurgery.convert import _size
+
+    def helped(command, option):
+        text = " ".join(run(command, "--help").output.split())
+        return text[text.index(option):][:240]
+
+    assert "rewrite" not in helped("verify", "--streaming") and "comparing only their outputs" in \
+        helped("verify", "--streaming")
+    assert "a GGUF file" in helped("export", "--force")
+    cycle = SimpleNamespace(cycle=1, fraction=0.25, heads_fraction=0.5, params=10, bytes=40, minimize_relative=1e-7,
+                            released=3, ce_masked=4.0, ce_after=3.5)
+    result = SimpleNamespace(original={"params": 20, "bytes": 80, "ce": 3.4}, cycles=[cycle], control=None)
+    legend = str(squeeze_table(result).caption)
+    assert "(/ of" not in legend and "a/b: a of the MLP units and channels, b of the KV-head groups" in legend
+    assert [_size(2.2e6), _size(0.1 * 2**30), _size(3 * 2**30)] == ["2.2 MB", "0.10 GiB", "3.00 GiB"]

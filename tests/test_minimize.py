@@ -604,3 +604,15 @@ def test_a_destructive_prune_is_saved_with_a_warning_and_a_mild_one_without(tmp_
         assert f"top-1 agreement with the model before it {agreement:.3f}" in lines[0], (lines, agreement)
         assert "by=activation" in lines[0] and "normsurgery heal" in lines[0] and "KL" in lines[0]
         assert f"**Warning:** {record['warnings'][0]}" in (out / "README.md").read_text()  # the card
+
+
+def test_a_minimize_that_removed_nothing_is_compared_with_the_input(tmp_path):
+    """Issue 47.11: with nothing masked, the output was said to be compared with "the model after
+    minimize (reference) (reference: it changes the function on purpose)", which changed nothing."""
+    from typer.testing import CliRunner
+
+    from normsurgery.cli import app
+
+    r = CliRunner().invoke(app, ["convert", "normsurgery/demo/gpt2-tiny", str(tmp_path / "out"), "--pass", "minimize"])
+    assert r.exit_code == 0 and "saved folder vs the input (logits)" in r.output, r.output
+    assert "reference" not in r.output and "that model vs the input" not in r.output, r.output

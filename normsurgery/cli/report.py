@@ -338,7 +338,8 @@ def squeeze_table(result) -> Table:
     t = table("squeeze: one row per cycle (held-out CE never trained on)",
               ("cycle", "masked", "params", "bytes", "min. err", "released", "CE min.", "CE after"), rows,
               right=tuple(range(1, 8)))
-    t.caption = Text("masked: the fraction of each structure masked (/ of the KV-head groups, where other); "
+    t.caption = Text("masked: the fraction of each structure masked (a/b: a of the MLP units and channels, b of the "
+                     "KV-head groups, where they differ); "
                      "min. err: minimize's relative error against the masked model; released: zeros given back "
                      "to training; CE min.: once minimized, before retraining"
                      + ("; one-shot: the control, the input masked to the target at once and retrained with "

@@ -9,7 +9,7 @@ import typer
 
 from ..errors import FAILED
 from ..options import AT_LEAST, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
-from .app import ALLOW_PICKLE, DEVICE, JSON, STREAMING, command, dtype_option, emit_json, positive, \
+from .app import ALLOW_PICKLE, DEVICE, JSON, command, dtype_option, emit_json, positive, \
     read_text, say, say_device, say_error, show, torch_dtype
 
 
@@ -29,7 +29,10 @@ def verify(
     generate: int = typer.Option(PROBE_GENERATE, min=AT_LEAST["generate"], metavar="N",
                                  help="greedy tokens to compare (0: skip)"),
     layers: bool = typer.Option(False, "--layers", help="also compare every hidden state"),
-    streaming: Optional[bool] = STREAMING,
+    streaming: Optional[bool] = typer.Option(None, "--streaming/--in-memory",
+                                             help="read the checkpoints one block at a time, comparing only their "
+                                                  "outputs (default: only when the two do not fit in memory "
+                                                  "together); --in-memory loads each whole"),
     device: str = DEVICE,
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
