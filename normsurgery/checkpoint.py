@@ -6,18 +6,21 @@ weight files with their parsed headers, the dtype the weights are stored in, the
 class (head) the config names, and the tokenizer. Every later step takes it, never a path.
 
 A model is built on the meta device from the config (:meth:`Source.meta_model`: no memory for
-weights) with the class its ``architectures`` names (causal or masked LM, base model, sequence
-or token classifier: ``families.FAMILIES``), or its normsurgery subclass when the config records
-rebuilt modules. The :class:`Loader` maps each parameter to its tensor in the files the way
-``from_pretrained`` does (its key renamings, the base model's prefix added or removed, a
-mixture's experts stored one tensor each merged into the stacked parameter: :class:`Stored`),
-reads a part's parameters (all of them: the whole model, one part) cast to a working dtype, and
-frees them again. A missing weight is an error naming it (transformers would initialise it at
-random and only log it); so are a mis-shaped one, NaN or Inf weights, and a tensor of a module the
-class has not (a head, another base model: the config names the wrong class). A buffer older
-transformers saved (BERT's ``embeddings.position_ids``, a rotary ``inv_freq`` per layer) is skipped
-as ``from_pretrained`` skips it; any other unexpected tensor is left unread, as ``from_pretrained``
-leaves it, with a :class:`~normsurgery.errors.SurgeryWarning` naming it (the CLI: one ``warning:`` line).
+weights) with the class its ``architectures`` names (causal or masked LM, base model, sequence or
+token classifier: ``families.FAMILIES``), or its normsurgery subclass when the config records
+rebuilt modules; a sentence-transformers checkpoint whose config names the masked LM its encoder
+was pretrained as while its file holds the base model alone is read as that base class, as
+sentence-transformers reads it, with a note (:func:`_base_when_headless`). The :class:`Loader`
+maps each parameter to its tensor in the files the way ``from_pretrained`` does (its key
+renamings, the base model's prefix added or removed, a mixture's experts stored one tensor each
+merged into the stacked parameter: :class:`Stored`), reads a part's parameters (all of them: the
+whole model, one part) cast to a working dtype, and frees them again. A missing weight is an error
+naming it (transformers would initialise it at random and only log it); so are a mis-shaped one,
+NaN or Inf weights, and a tensor of a module the class has not (a head, another base model: the
+config names the wrong class). A buffer older transformers saved (BERT's
+``embeddings.position_ids``, a rotary ``inv_freq`` per layer) is skipped as ``from_pretrained``
+skips it; any other unexpected tensor is left unread, as ``from_pretrained`` leaves it, with a
+:class:`~normsurgery.errors.SurgeryWarning` naming it (the CLI: one ``warning:`` line).
 
 A rewritten model whose modules differ from its stock architecture is saved with a list of
 module records in ``config.normsurgery["modules"]``, the runtime copied beside the weights as
