@@ -6,18 +6,21 @@ weight files with their parsed headers, the dtype the weights are stored in, the
 class (head) the config names, and the tokenizer. Every later step takes it, never a path.
 
 A model is built on the meta device from the config (:meth:`Source.meta_model`: no memory for
-weights) with the class its ``architectures`` names (causal or masked LM, base model, sequence
-or token classifier: ``families.FAMILIES``), or its normsurgery subclass when the config records
-rebuilt modules. The :class:`Loader` maps each parameter to its tensor in the files the way
-``from_pretrained`` does (its key renamings, the base model's prefix added or removed, a
-mixture's experts stored one tensor each merged into the stacked parameter: :class:`Stored`),
-reads a part's parameters (all of them: the whole model, one part) cast to a working dtype, and
-frees them again. A missing weight is an error naming it (transformers would initialise it at
-random and only log it); so are a mis-shaped one, NaN or Inf weights, and a tensor of a module the
-class has not (a head, another base model: the config names the wrong class). A buffer older
-transformers saved (BERT's ``embeddings.position_ids``, a rotary ``inv_freq`` per layer) is skipped
-as ``from_pretrained`` skips it; any other unexpected tensor is left unread, as ``from_pretrained``
-leaves it, with a :class:`~normsurgery.errors.SurgeryWarning` naming it (the CLI: one ``warning:`` line).
+weights) with the class its ``architectures`` names (causal or masked LM, base model, sequence or
+token classifier: ``families.FAMILIES``), or its normsurgery subclass when the config records
+rebuilt modules; a sentence-transformers checkpoint whose config names the masked LM its encoder
+was pretrained as while its file holds the base model alone is read as that base class, as
+sentence-transformers reads it, with a note (:func:`_base_when_headless`). The :class:`Loader`
+maps each parameter to its tensor in the files the way ``from_pretrained`` does (its key
+renamings, the base model's prefix added or removed, a mixture's experts stored one tensor each
+merged into the stacked parameter: :class:`Stored`), reads a part's parameters (all of them: the
+whole model, one part) cast to a working dtype, and frees them again. A missing weight is an error
+naming it (transformers would initialise it at random and only log it); so are a mis-shaped one,
+NaN or Inf weights, and a tensor of a module the class has not (a head, another base model: the
+config names the wrong class). A buffer older transformers saved (BERT's
+``embeddings.position_ids``, a rotary ``inv_freq`` per layer) is skipped as ``from_pretrained``
+skips it; any other unexpected tensor is left unread, as ``from_pretrained`` leaves it, with a
+:class:`~normsurgery.errors.SurgeryWarning` naming it (the CLI: one ``warning:`` line).
 
 A rewritten model whose modules differ from its stock architecture is saved with a list of
 module records in ``config.normsurgery["modules"]``, the runtime copied beside the weights as
@@ -48,8 +51,9 @@ from torch import nn
 from transformers.initialization import no_init_weights
 
 from . import devices, memory, runtime
-from .errors import SurgeryError, SurgeryWarning
-from .families import AUTO_CLASS, Head, class_name, family, head_of, positions, stock_class_name, stock_class_of
+from .errors import SurgeryError, SurgeryNote, SurgeryWarning
+from .families import (AUTO_CLASS, Head, class_name, family, head_of, positions, stock_class_name, stock_class_of,
+                       stock_objective)
 from .output import WEIGHT_SUFFIXES, copied_folders
 from .shards import Index, Reader, inside
 
@@ -216,7 +220,9 @@ class Source:
             return src
         path = resolve(src)
         config = load_config(path, any_family)
-        return cls(str(src), path, config, Index(weight_files(path, allow_pickle)), allow_pickle)
+        source = cls(str(src), path, config, Index(weight_files(path, allow_pickle)), allow_pickle)
+        _base_when_headless(source)
+        return source
 
     @property
     def family(self) -> str:
@@ -273,15 +279,52 @@ class Source:
     def meta_model(self, dtype: torch.dtype, stock: bool = False):
         """The model (rebuilt modules included unless ``stock``) with its parameters on the meta
         device; buffers (rotary frequencies) are real. Eval mode."""
-        from accelerate import init_empty_weights
+        return _meta(self.model_class(stock), self.config, dtype)
 
-        cfg = copy.deepcopy(self.config)
-        if dtype == torch.float64:  # mixtures of experts: the default grouped_mm takes no float64
-            cfg._experts_implementation = "eager"
-        with init_empty_weights(), no_init_weights():  # initialising meta tensors costs 0.7 s on GPT-2
-            model = self.model_class(stock)._from_config(cfg, dtype=dtype)
-        model.tie_weights()  # as from_pretrained does: a tied head is the embedding's parameter
-        return model.eval()
+
+def _meta(cls, config, dtype: torch.dtype):
+    """A ``cls`` built from ``config`` with its parameters on the meta device (:meth:`Source.meta_model`)."""
+    from accelerate import init_empty_weights
+
+    cfg = copy.deepcopy(config)
+    if dtype == torch.float64:  # mixtures of experts: the default grouped_mm takes no float64
+        cfg._experts_implementation = "eager"
+    with init_empty_weights(), no_init_weights():  # initialising meta tensors costs 0.7 s on GPT-2
+        model = cls._from_config(cfg, dtype=dtype)
+    model.tie_weights()  # as from_pretrained does: a tied head is the embedding's parameter
+    return model.eval()
+
+
+def _base_when_headless(source: Source) -> None:
+    """A sentence-transformers checkpoint loaded as sentence-transformers loads it. Their files hold
+    the base model (a pooler included) while the config keeps the class the encoder was pretrained
+    as (all-mpnet-base-v2: ``MPNetForMaskedLM``), and sentence-transformers reads them with
+    ``AutoModel``, the family's base class. When the config names a masked LM (or the folder is a
+    sentence-transformers model, ``modules.json``), the files hold none of its head's own weights
+    and every weight of the base class, ``source`` is read as that base class (its config's
+    ``architectures`` say so, and a rewrite saves it as that class: the head is not there), with a
+    :class:`~normsurgery.errors.SurgeryNote` saying so. A head partly stored, or a base model with
+    weights missing, is left to the :class:`Loader`'s errors."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    named, base = source.class_name, MODEL_MAPPING_NAMES.get(source.family)
+    if not isinstance(base, str) or base == named or not hasattr(transformers, base) or not (
+            stock_objective(named) == "masked-lm" or (source.path / "modules.json").is_file()):
+        return
+    model = _meta(getattr(transformers, named), source.config, torch.float32)
+    missing = _unstored(model, _model_keys(model, source))
+    inner = {id(p) for p in model.base_model.parameters()}
+    head = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in inner}
+    if not missing or set(missing) != head:
+        return
+    config = copy.deepcopy(source.config)
+    config.architectures = [base]
+    model = _meta(getattr(transformers, base), config, torch.float32)
+    if _unstored(model, _model_keys(model, source)):
+        return
+    source.config.architectures = [base]
+    warnings.warn(f"{source.name}: the file holds the base model without {named}'s head: loaded as {base}, as "
+                  "sentence-transformers does", SurgeryNote, stacklevel=3)
 
 
 def load(src, dtype: torch.dtype | None = None, *, stock: bool = False, allow_pickle: bool = False,
@@ -328,12 +371,12 @@ class Loader:
             if stored is not None and id(p) not in self.keys:
                 self.keys[id(p)] = (weakref.ref(p), stored)
                 used.update(stored.keys)
+        missing = _unstored(model, names)
         persistent = set(model.state_dict())
         for name, _ in model.named_buffers():
             if name in persistent and names.get(name) is not None:
                 self.buffers[name] = names[name]
                 used.update(names[name].keys)
-        missing = sorted({n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in self.keys})
         renamed = {k: n for n, s in names.items() for k in s.keys}
         unexpected = sorted(k for k in source.index.keys() if k not in used and not _stale(k, renamed.get(k, k), model))
         foreign = [k for k in unexpected if _outside(renamed.get(k, k), model)]
@@ -546,6 +589,12 @@ def _model_keys(model, source: Source) -> dict[str, Stored]:
             stored.append(tuple(k for _, k in found))
         names[name] = Stored(tuple(stored), ops[0].dim, ops[-1].dim if len(ops) > 1 else 0)
     return names
+
+
+def _unstored(model, names: dict[str, Stored]) -> list[str]:
+    """The names of ``model``'s parameters (every name a tied one has) with no tensor in ``names``."""
+    stored = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in names}
+    return sorted({n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in stored})
 
 
 def _stale(key: str, name: str, model) -> bool:

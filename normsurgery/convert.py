@@ -104,6 +104,18 @@ class Result:
                 "seconds_check": self.seconds_check, "against": self.against}
 
 
+#: the least top-1 agreement with the model before it that a step changing the function on purpose
+#: (kind "reference": a mask, minimize's or compensated-ln's pruning) keeps before the result warns
+#: that it is likely damaged (exit code 0: it was asked for). Measured on the probe of the trained
+#: demo Llama (4 windows of 64 tokens): mild prunes keep 0.93-0.96 (mask sparsity 0.1: 0.957;
+#: minimize prune_units 0.01 to 0.05: 0.934-0.938; sparsity 0.3: 0.863), destructive ones fall
+#: below (sparsity 0.5: 0.766, 0.7: 0.438; prune_units 0.1: 0.664, 0.2: 0.559), while units chosen
+#: by=activation stay above (0.1: 0.902, 0.3: 0.812). SmolLM2-135M-Instruct: prune_units 0.1 by
+#: magnitude, whose output generated garbage, 0.152 (0.01: 0.219; sparsity 0.1: 0.770), and
+#: prune_units 0.05 by=activation 0.844.
+DAMAGING_TOP1 = 0.8
+
+
 def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
     if requested is not None and requested not in TOLERANCE:
         raise SurgeryError(f"--work-dtype {dtype_name(requested)}: rewrites are done in float32 or "
@@ -213,8 +225,8 @@ def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, st
     check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
     needs = plan_memory(work)
     if why is not None:
-        why += (f" (about {needs['streamed'] / 2**30:.2f} GiB at a time in {needs['parts']} parts; in memory about "
-                f"{needs['in_memory'] / 2**30:.1f} GiB)")
+        why += (f" (about {_size(needs['streamed'])} at a time in {needs['parts']} parts; in memory about "
+                f"{_size(needs['in_memory'], 1)})")
     work.steps, work.context = steps, PassContext(
         tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
         storage_bytes=source.storage.itemsize,
@@ -222,6 +234,11 @@ def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, st
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,
                     device=devices.describe(where), memory=needs, against=_against(steps, dtype, source.storage))
     return work, result
+
+
+def _size(n: float, digits: int = 2) -> str:
+    """Bytes for people: GiB (``digits`` decimals), or MB under 0.1 GiB (where GiB would say 0.00)."""
+    return f"{n / 2**30:.{digits}f} GiB" if n >= 0.1 * 2**30 else f"{n / 1e6:.1f} MB"
 
 
 def _in_memory(work: Work, t: Tolerances | None, progress: Progress, cast: bool, outs: dict[int, torch.Tensor],
@@ -273,10 +290,10 @@ def _finished(result: Result, saved, outs: dict[int, torch.Tensor], t: Tolerance
     result.saved, result.parity = saved.info, saved.comparison
     result.baseline = result.parity.null if result.parity is not None else None
     level = _anchor_level(steps)
-    if t is not None and level and 0 in outs and level in outs:  # what the function's change measured
+    if t is not None and level and 0 in outs and level in outs and any(s.kind != "exact" for s in result.steps):
         result.from_input = compare(outs[0], outs[level], t.output)
     if saved.kept_float32:
-        result.kept_float32, result.warnings = saved.kept_float32, [saved.warning]
+        result.kept_float32, result.warnings = saved.kept_float32, [*(result.warnings or []), saved.warning]
     result.forwards, result.seconds_check = meter.count, meter.seconds
     return result
 
@@ -300,10 +317,11 @@ def _record(result: Result, written: Comparison | None) -> dict:
                         "reason": s.parity.reason if s.parity else None,
                         **({"heldout": {k: s.metrics[k] for k in (*HELDOUT, *CONTROL) if k in s.metrics}}
                            if HELDOUT <= s.metrics.keys() else {})}
-                       for s in result.steps]}
+                       for s in result.steps],
+            **({"warnings": result.warnings} if result.warnings else {})}
 
 
-def _against(steps: list[StepSpec], dtype: torch.dtype, storage: torch.dtype) -> str:
+def _against(steps: list[StepSpec] | list[Step], dtype: torch.dtype, storage: torch.dtype) -> str:
     """What the written folder is compared with, in words."""
     if coarser(storage, dtype):
         return (f"the rewrite before its cast to {dtype_name(storage)} (checked in {dtype_name(dtype)}: "
@@ -376,6 +394,8 @@ def _judge_steps(result: Result, work: Work, parities: dict[int, Comparison], fo
     """The result's steps, with their parities (``step_parity``; where measured); an exact step out
     of tolerance stops the save (unless ``force``)."""
     result.steps = steps_with(work, parities)
+    result.against = _against(result.steps, work.dtype, work.source.storage)  # a reference step that did nothing: gone
+    result.warnings = (result.warnings or []) + damage(result.steps) or None
     bad = [s for s in result.steps if s.kind == "exact" and s.parity is not None and not s.parity.ok]
     if bad and not force:
         p = bad[0].parity
@@ -383,6 +403,24 @@ def _judge_steps(result: Result, work: Work, parities: dict[int, Comparison], fo
                   if work.dtype == torch.float32 and "float32" in (p.reason or "") else "")
         raise SurgeryError(f"pass {bad[0].name} broke parity: {beyond(p)}{advice}; nothing was saved "
                            "(--force saves anyway)")
+
+
+def damage(steps: list[Step]) -> list[str]:
+    """A warning for each step that changed the function on purpose and kept less of the top-1
+    predictions before it than :data:`DAMAGING_TOP1` (logits only: a base model has none), with
+    what to try instead."""
+    out = []
+    for s in steps:
+        p = s.parity
+        if s.kind != "reference" or p is None or p.top1 is None or p.top1 >= DAMAGING_TOP1:
+            continue
+        tries = (["by=activation (with --text FILE)"] if s.options.get("by") == "magnitude" else []) + [
+            "a smaller fraction", "healing the output (normsurgery heal OUT HEALED --text FILE)"]
+        out.append(f"{s.name} changed the model's top-1 prediction on {1 - p.top1:.0%} of the probe's tokens "
+                   f"(top-1 agreement with the model before it {p.top1:.3f} < {DAMAGING_TOP1}"
+                   + (f", KL {p.kl:.3g}" if p.kl is not None else "") + "): the output is likely damaged; try "
+                   + ", ".join(tries))
+    return out
 
 
 def steps_with(work: Work, parities: dict[int, Comparison]) -> list[Step]:

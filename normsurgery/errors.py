@@ -28,3 +28,8 @@ class UsageError(SurgeryError):
 class SurgeryWarning(UserWarning):
     """Something the user should know that does not stop the work (an unexpected weight left
     unread, as transformers leaves it): the CLI prints it as one ``warning:`` line."""
+
+
+class SurgeryNote(UserWarning):
+    """Something done differently from what the input says, as the tool it comes from does it (a
+    sentence-transformers checkpoint loaded as its base model): the CLI prints it as one ``note:`` line."""

@@ -186,6 +186,7 @@ def _parity(record: dict, reload: dict | None) -> list[str]:
     dtypes = (f"rewritten in {record['work_dtype']}, stored in {record['storage_dtype']}"
               if "work_dtype" in record else None)
     rows = [f"Dtypes: {dtypes}.", ""] if dtypes else []
+    rows += [line for w in record.get("warnings") or () for line in (f"**Warning:** {w}", "")]
     steps = [p for p in record.get("passes") or [] if p.get("relative_error") is not None]
     if steps:
         rows += ["| pass | relative logit error | tolerance | why |", "|---|---|---|---|"]

@@ -114,7 +114,7 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> list[str
         if why:
             raise SurgeryError(f"--force replaces only a checkpoint folder, and {out} {why}; move what you "
                                "keep there or choose another output")
-    _check_writable(target.parent)
+    _check_writable(out, target.parent)
     return stale
 
 
@@ -177,16 +177,19 @@ def _module_folders(source: Path) -> set[str]:
     return {Path(p).parts[0] for p in paths if isinstance(p, str) and Path(p).parts}
 
 
-def _check_writable(folder: Path) -> None:
-    """The nearest existing ancestor of ``folder`` must take a new folder: probed, then removed."""
+def _check_writable(out: Path, folder: Path) -> None:
+    """The nearest existing ancestor of ``folder`` (where ``out`` goes) must take a new folder:
+    probed, then removed (a file system that takes none, such as /proc, answers "No such file or
+    directory": said as what it means)."""
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
-        raise SurgeryError(f"cannot write there: {folder} is a file")
+        raise SurgeryError(f"cannot create {out}: {folder} is a file")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".normsurgery-probe-", dir=folder))
     except OSError as e:
-        raise SurgeryError(f"cannot write to {folder}: {e.strerror or e}") from None
+        raise SurgeryError(f"cannot create {out}: {folder} does not take new folders ({e.strerror or e}); "
+                           "choose an output elsewhere") from None
 
 
 STALE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)")

@@ -447,7 +447,11 @@ def test_force_help_names_no_other_command(command):
     """Issue 28: --force's help, shared by every writing command, names none of them."""
     text = " ".join(run(command, "--help").output.replace("│", " ").split())
     assert "--force" in text and "convert, prune, heal" not in text
-    assert "kept even if its reload check fails" in text
+    if command == "export":  # its own (issue 47.11): what it replaces is a file or an export's folder, and an
+        # export that fails its check is never kept
+        assert "a GGUF file" in text and "kept even if its reload check fails" not in text
+    else:
+        assert "kept even if its reload check fails" in text
 
 
 def test_dead_units_table_fits_80_columns():
@@ -502,3 +506,65 @@ def test_python_run_beside_a_clone_named_normsurgery_says_so(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (
         f"ImportError: Python imported the normsurgery repository ({tmp_path / 'normsurgery'}) instead of the "
         "package inside it, because it runs from the folder holding the clone: run it from any other folder")
+
+
+def test_verify_different_says_so_in_one_error_line_on_stderr(tmp_path):
+    """Issue 47.9: README promises one `error:` line on stderr for exit code 1; verify's DIFFERENT
+    verdict went to stdout only. Now the table (or JSON) on stdout, and one error line on stderr."""
+    other = tmp_path / "other"
+    m = T.AutoModelForCausalLM.from_pretrained(GPT2)
+    m.transformer.h[0].mlp.c_fc.weight.data.mul_(1.5)
+    m.save_pretrained(other)
+    try:  # click < 8.2 mixes stderr into stdout unless told not to
+        apart = CliRunner(mix_stderr=False)
+    except TypeError:
+        apart = CliRunner()
+    for extra in ((), ("--json",)):
+        r = apart.invoke(app, ["verify", GPT2, str(other), "--generate", "0", *extra])
+        lines = r.stderr.splitlines()
+        assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+        assert f"{other} does not compute the same function as {GPT2}: relative error" in lines[0]
+        assert ("DIFFERENT: relative error" in r.stdout) if not extra else json.loads(r.stdout)["ok"] is False
+    r = apart.invoke(app, ["verify", GPT2, GPT2, "--generate", "0"])
+    assert r.exit_code == 0 and not r.stderr and "same function" in r.stdout
+
+
+def test_a_heal_report_says_how_it_was_trained(monkeypatch):
+    """Issue 47.9: an FSDP2 run was reported as "2 process(es)", like a data-parallel one."""
+    from types import SimpleNamespace
+
+    from normsurgery.cli.report import heal_line
+
+    report = SimpleNamespace(steps=4, tokens=512, seconds=2.0, tokens_per_second=256.0, processes=2,
+                             mixed_precision="no", train="lora", rank=8, target_modules=7, trainable_parameters=99)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert "(256 tokens/s, data-parallel over 2 processes, precision fp32)" in heal_line(report)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert "(256 tokens/s, sharded (FSDP2) over 2 processes, precision fp32)" in heal_line(report)
+    report.processes = 1
+    assert "(256 tokens/s, 1 process, precision fp32)" in heal_line(report)
+
+
+def test_help_and_legends_say_what_they_do():
+    """Issue 47.11: verify's --streaming help spoke of a rewrite, export's --force of checkpoints
+    only, squeeze's legend of "(/ of the KV-head groups, where other)"; a size under 0.1 GiB was
+    "about 0.00 GiB"."""
+    from types import SimpleNamespace
+
+    from normsurgery.cli.report import squeeze_table
+    from normsurgery.convert import _size
+
+    def helped(command, option):
+        text = " ".join(run(command, "--help").output.split())
+        return text[text.index(option):][:240]
+
+    assert "rewrite" not in helped("verify", "--streaming") and "comparing only their outputs" in \
+        helped("verify", "--streaming")
+    assert "a GGUF file" in helped("export", "--force")
+    cycle = SimpleNamespace(cycle=1, fraction=0.25, heads_fraction=0.5, params=10, bytes=40, minimize_relative=1e-7,
+                            released=3, ce_masked=4.0, ce_after=3.5)
+    result = SimpleNamespace(original={"params": 20, "bytes": 80, "ce": 3.4}, cycles=[cycle], control=None)
+    legend = str(squeeze_table(result).caption)
+    assert "(/ of" not in legend and "a/b: a of the MLP units and channels, b of the KV-head groups" in legend
+    assert [_size(2.2e6), _size(0.1 * 2**30), _size(3 * 2**30)] == ["2.2 MB", "0.10 GiB", "3.00 GiB"]

@@ -118,3 +118,14 @@ def test_passes_refuse_with_reason(family, pass_name, reason):
 def test_unknown_option_is_refused():
     with pytest.raises(ns.SurgeryError, match="no option"):
         ns.apply_passes(tiny_model("gpt2"), [("pre-rmsnorm", {"fodl": "true"})])
+
+
+def test_flashnorm_notes_name_its_option_once():
+    """Issue 47.11: a tied head's note read "flashnorm: flashnorm:keep_tied=true would ..." once the
+    CLI put the pass's name before it."""
+    from models import tiny_model
+
+    model = tiny_model("qwen2", torch.float64)  # a tied head
+    notes = ns.apply_passes(model, [("flashnorm", {})])[-1].notes
+    assert "keep_tied=true would keep the head tied and the final norm's gain" in notes, notes
+    assert not any(n.startswith("flashnorm") for n in notes), notes

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 import normsurgery as ns
 from normsurgery import checkpoint
+from normsurgery.errors import SurgeryNote
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
 from normsurgery.cli import app
 from normsurgery.families import FAMILIES, layout
@@ -221,3 +222,103 @@ def test_a_rewritten_classifier_loads_with_trust_remote_code(tmp_path):
     name, remote = torch.load(tmp_path / "o.pt")
     assert name == "NormSurgeryGPTNeoXForTokenClassification"
     assert compare(outputs(plain(src), ids), remote).relative <= 1e-5
+
+
+# ---- sentence-transformers checkpoints (issue 47.5): the base model under a masked LM's config ----
+
+def headless(tmp_path, cls, config, prefix: str, name: str = "st", modules: bool = False):
+    """A tiny ``cls`` base model (with its pooler) saved as sentence-transformers saves one: only the
+    base model's weights (their keys with ``prefix`` before them), the config naming the masked LM
+    the encoder was pretrained as (all-mpnet-base-v2: MPNetForMaskedLM); ``modules``: also
+    sentence-transformers' modules.json."""
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    make_realistic(model, 0)
+    path = Path(tmp_path) / name
+    model.save_pretrained(path)
+    weights = load_file(path / "model.safetensors")
+    save_file({prefix + k: v for k, v in weights.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    data = json.loads((path / "config.json").read_text())
+    data["architectures"] = [cls.__name__.replace("Model", "ForCausalLM" if modules else "ForMaskedLM")]
+    (path / "config.json").write_text(json.dumps(data))
+    if modules:
+        (path / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "",
+                                                        "type": "sentence_transformers.models.Transformer"}]))
+    return path, model
+
+
+def noted(r, cls):
+    notes = [line for line in r.output.splitlines() if line.startswith("note:") and "sentence-transformers" in line]
+    assert len(notes) == 1 and f"loaded as {cls}" in notes[0], r.output
+
+
+@pytest.mark.parametrize("prefix", ["", "bert."])
+def test_a_sentence_transformers_bert_loads_as_its_base_model(tmp_path, prefix):
+    """all-mpnet-base-v2's config names MPNetForMaskedLM while its file holds MPNetModel's weights and
+    pooler: verify, inspect, prune and convert refused it ("weights missing lm_head..."). Now read as
+    sentence-transformers reads it (AutoModel: the base class), with one note; the output is saved
+    as the base class, the pooler kept, and computes what the base model computed."""
+    src, model = headless(tmp_path, T.BertModel, CONFIGS["bert"](), prefix)
+    ids = token_ids(2, 16)
+    with pytest.warns(SurgeryNote, match="without BertForMaskedLM's head: loaded as BertModel"):
+        loaded = ns.load(src)
+    assert type(loaded) is T.BertModel and rel(model, loaded, ids) == 0
+    r = run("inspect", src)
+    assert r.exit_code == 0 and "BertModel" in r.output, r.output
+    noted(r, "BertModel")
+    r = run("verify", src, src, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["output"] == "last hidden state", r.output
+    noted(r, "BertModel")
+    r = run("convert", src, tmp_path / "out", "--pass", "flashnorm")  # no exact pass applies to Post-LN
+    assert r.exit_code == 1 and "bert is Post-LN" in r.output and "missing" not in r.output, r.output
+    out = tmp_path / "pruned"
+    r = run("prune", src, out, "--layers", "1", "--method", "last", "--seq-len", "16", "--json")
+    assert r.exit_code == 0, r.output
+    noted(r, "BertModel")
+    removed = json.loads(r.stdout)["prune"]["removed"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertModel"]
+    saved = load_file(out / "model.safetensors")
+    assert "pooler.dense.weight" in saved and not any(k.startswith("cls.") for k in saved)
+    pruned, info = T.AutoModel.from_pretrained(out, output_loading_info=True)  # as sentence-transformers loads it
+    assert type(pruned) is T.BertModel and not info["missing_keys"] and not info["unexpected_keys"]
+    with pytest.warns(SurgeryNote):
+        reference = ns.load(src)
+    prune_model(reference, removed)
+    assert pruned.config.num_hidden_layers == 2 and rel(reference, pruned.eval(), ids) <= 1e-6
+
+
+def test_a_sentence_transformers_mpnet_is_verified_as_its_base_model(tmp_path):
+    """A family without an adapter (mpnet): verify compares what MPNetModel outputs; the commands
+    that need an adapter refuse with their own reason, not with missing weights."""
+    config = T.MPNetConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=66)
+    for prefix in ("", "mpnet."):
+        src, _ = headless(tmp_path / (prefix or "bare"), T.MPNetModel, config, prefix)
+        r = run("verify", src, src, "--json")
+        assert r.exit_code == 0 and json.loads(r.stdout)["output"] == "last hidden state", r.output
+        noted(r, "MPNetModel")
+        r = run("convert", src, tmp_path / "out", "--pass", "flashnorm")
+        assert r.exit_code == 1 and "no adapter for 'mpnet'" in r.output and "missing" not in r.output, r.output
+
+
+def test_a_partly_missing_head_is_still_an_error(tmp_path):
+    """Only a head wholly absent makes the checkpoint a base model: one weight of it stored, the others
+    missing, is the error it was (never a random init); a causal LM's config without its head is the
+    base model only in a sentence-transformers folder (modules.json)."""
+    src, _ = headless(tmp_path, T.BertModel, CONFIGS["bert"](), "bert.")
+    weights = load_file(src / "model.safetensors")
+    save_file({**weights, "cls.predictions.bias": torch.zeros(CONFIGS["bert"]().vocab_size)},
+              src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ns.SurgeryError, match=r"cannot load .* as BertForMaskedLM: weights missing cls\.predictions"):
+        ns.load(src)
+    config = CONFIGS["llama"]()
+    st, _ = headless(tmp_path, T.LlamaModel, config, "", name="st-llama", modules=True)
+    with pytest.warns(SurgeryNote, match="without LlamaForCausalLM's head: loaded as LlamaModel"):
+        assert type(ns.load(st)) is T.LlamaModel
+    r = run("convert", st, tmp_path / "flash", "--pass", "flashnorm")
+    assert r.exit_code == 0, r.output
+    noted(r, "LlamaModel")
+    assert json.loads((tmp_path / "flash" / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    (st / "modules.json").unlink()
+    with pytest.raises(ns.SurgeryError, match=r"weights missing lm_head\.weight"):
+        ns.load(st)

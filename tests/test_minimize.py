@@ -565,3 +565,54 @@ def test_head_counts_the_config_class_refuses_are_recorded_by_the_modules(tmp_pa
         assert "LlamaConfig refuses 3" in notes and out.config.num_attention_heads == 4
     ids = token_ids(seed=4)
     assert rel(model, out, ids) <= 1e-10
+
+
+def test_a_destructive_prune_is_saved_with_a_warning_and_a_mild_one_without(tmp_path):
+    """Issue 47.4: `convert smollm2 --pass minimize:prune_units=0.1` kept 15% of the input's top-1
+    predictions, and the garbage it generated was saved with exit 0 and no word. A step that changes
+    the function on purpose and keeps fewer than DAMAGING_TOP1 of them now says so in one warning
+    line (stderr), in --json's warnings and in the saved record; the exit code stays 0."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from normsurgery.cli import app
+    from normsurgery.convert import DAMAGING_TOP1
+    from normsurgery.parity import probe_ids
+
+    try:  # click < 8.2 mixes stderr into stdout unless told not to
+        runner = CliRunner(mix_stderr=False)
+    except TypeError:
+        runner = CliRunner()
+    demo = "normsurgery/demo/llama-tiny"
+    source = ns.Source.open(demo)
+    probe = probe_ids(source.tokenizer, source.config.vocab_size, None, 4, 64)  # convert's probe
+    reference = outputs(ns.load(demo), probe).argmax(-1)
+    for fraction, damaging in ((0.02, False), (0.2, True)):
+        out = tmp_path / f"units{fraction}"
+        r = runner.invoke(app, ["convert", demo, str(out), "--pass", f"minimize:prune_units={fraction}", "--json"])
+        assert r.exit_code == 0, r.output
+        data = json.loads(r.stdout)
+        agreement = (outputs(ns.load(out), probe).argmax(-1) == reference).double().mean().item()  # the saved folder's
+        assert (agreement < DAMAGING_TOP1) == damaging, agreement
+        lines = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+        record = json.loads((out / "config.json").read_text())["normsurgery"]
+        if not damaging:
+            assert not lines and not data["warnings"] and "warnings" not in record, r.stderr
+            continue
+        assert len(lines) == 1 and data["warnings"] == [lines[0].removeprefix("warning: ")] == record["warnings"]
+        assert f"top-1 agreement with the model before it {agreement:.3f}" in lines[0], (lines, agreement)
+        assert "by=activation" in lines[0] and "normsurgery heal" in lines[0] and "KL" in lines[0]
+        assert f"**Warning:** {record['warnings'][0]}" in (out / "README.md").read_text()  # the card
+
+
+def test_a_minimize_that_removed_nothing_is_compared_with_the_input(tmp_path):
+    """Issue 47.11: with nothing masked, the output was said to be compared with "the model after
+    minimize (reference) (reference: it changes the function on purpose)", which changed nothing."""
+    from typer.testing import CliRunner
+
+    from normsurgery.cli import app
+
+    r = CliRunner().invoke(app, ["convert", "normsurgery/demo/gpt2-tiny", str(tmp_path / "out"), "--pass", "minimize"])
+    assert r.exit_code == 0 and "saved folder vs the input (logits)" in r.output, r.output
+    assert "reference" not in r.output and "that model vs the input" not in r.output, r.output

@@ -402,8 +402,14 @@ def test_verify_refuses_models_that_cannot_be_compared(tmp_path):
 
 
 def test_unwritable_output_location(tmp_path):
+    """Issue 47.11: /proc/x said "No such file or directory" (mkdir's answer there), not that the
+    output cannot be created."""
     out = Path("/sys/normsurgery-test/out")  # refused even to root
-    one_line_error(run("convert", GPT2, out, "--pass", "flashnorm"), match="cannot write")
+    one_line_error(run("convert", GPT2, out, "--pass", "flashnorm"),
+                   match="cannot create /sys/normsurgery-test/out: /sys does not take new folders")
+    one_line_error(run("convert", GPT2, "/proc/x", "--pass", "flashnorm"),
+                   match="cannot create /proc/x: /proc does not take new folders (No such file or directory); "
+                         "choose an output elsewhere")
 
 
 def test_hub_id_not_in_the_cache_says_how_to_pass_a_path(tmp_path):

@@ -21,7 +21,8 @@ import typer
 
 from .. import __version__, devices, launch, output, threads
 from ..options import AT_LEAST, SEQ_LEN
-from ..errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryWarning, UsageError
+from ..errors import (BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryNote, SurgeryWarning,
+                      UsageError)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
@@ -117,9 +118,11 @@ def say_warning(message: str) -> None:
 
 
 def _show_warning(shown, message, category, *args, **kwargs) -> None:
-    """Our warnings as one ``warning:`` line; any other as Python shows it."""
+    """Our warnings as one ``warning:`` line, our notes as one ``note:`` line; any other as Python shows it."""
     if issubclass(category, SurgeryWarning):
         say_warning(str(message))
+    elif issubclass(category, SurgeryNote):
+        typer.echo(f"note: {message}", err=True)
     else:
         shown(message, category, *args, **kwargs)
 
@@ -159,6 +162,7 @@ def command(fn=None, *, preload: bool = True):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("default", SurgeryWarning)  # a warning repeated (two loads) is shown once
+                warnings.simplefilter("default", SurgeryNote)
                 shown = warnings.showwarning
                 warnings.showwarning = functools.partial(_show_warning, shown)
                 if preload:

@@ -10,7 +10,7 @@ import typer
 
 from ..errors import UsageError
 from ..options import FORMATS, GGUF_DTYPES
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, claimed, command, did_you_mean, emit_json, one_of, positive, \
+from .app import ALLOW_PICKLE, DEVICE, JSON, claimed, command, did_you_mean, emit_json, one_of, positive, \
     read_text, say, say_device
 
 
@@ -30,7 +30,9 @@ def export(
     tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
                                         help="relative tolerance (default: float32 rounding)"),
     device: str = DEVICE,
-    force: bool = FORCE,
+    force: bool = typer.Option(False, "--force", help="replace DEST if it exists: a GGUF file, or a folder holding "
+                                                       "only what an export or a convert writes (never a folder of "
+                                                       "other files)"),
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):

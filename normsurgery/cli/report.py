@@ -246,9 +246,19 @@ def heal_line(report, seconds: float | None = None) -> str:
     what = {"lora": f"LoRA rank {report.rank} on {report.target_modules} linears",
             "norms": f"norms only ({report.target_modules} norms)", "full": "every parameter"}[report.train]
     return (f"healed: {report.steps} steps, {report.tokens} tokens in {report.seconds:.1f} s "
-            f"({report.tokens_per_second:.0f} tokens/s, {report.processes} process(es), precision "
+            f"({report.tokens_per_second:.0f} tokens/s, {how_trained(report.processes)}, precision "
             f"{precision}); {what}, "
             f"{report.trainable_parameters} trainable parameters{share}")
+
+
+def how_trained(processes: int) -> str:
+    """How the training ran: "1 process", "data-parallel over N processes" (each holding the whole
+    training state) or "sharded (FSDP2) over N processes" (``devices.sharding``: as it was asked)."""
+    from ..devices import sharding
+
+    if processes <= 1:
+        return "1 process"
+    return f"{'sharded (FSDP2)' if sharding() else 'data-parallel'} over {processes} processes"
 
 
 def recovered_fraction(original: float, pruned: float, healed: float) -> float | None:
@@ -328,7 +338,8 @@ def squeeze_table(result) -> Table:
     t = table("squeeze: one row per cycle (held-out CE never trained on)",
               ("cycle", "masked", "params", "bytes", "min. err", "released", "CE min.", "CE after"), rows,
               right=tuple(range(1, 8)))
-    t.caption = Text("masked: the fraction of each structure masked (/ of the KV-head groups, where other); "
+    t.caption = Text("masked: the fraction of each structure masked (a/b: a of the MLP units and channels, b of the "
+                     "KV-head groups, where they differ); "
                      "min. err: minimize's relative error against the masked model; released: zeros given back "
                      "to training; CE min.: once minimized, before retraining"
                      + ("; one-shot: the control, the input masked to the target at once and retrained with "

@@ -9,8 +9,8 @@ import typer
 
 from ..errors import FAILED
 from ..options import AT_LEAST, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
-from .app import ALLOW_PICKLE, DEVICE, JSON, STREAMING, command, dtype_option, emit_json, positive, \
-    read_text, say, say_device, show, torch_dtype
+from .app import ALLOW_PICKLE, DEVICE, JSON, command, dtype_option, emit_json, positive, \
+    read_text, say, say_device, say_error, show, torch_dtype
 
 
 @command
@@ -29,7 +29,10 @@ def verify(
     generate: int = typer.Option(PROBE_GENERATE, min=AT_LEAST["generate"], metavar="N",
                                  help="greedy tokens to compare (0: skip)"),
     layers: bool = typer.Option(False, "--layers", help="also compare every hidden state"),
-    streaming: Optional[bool] = STREAMING,
+    streaming: Optional[bool] = typer.Option(None, "--streaming/--in-memory",
+                                             help="read the checkpoints one block at a time, comparing only their "
+                                                  "outputs (default: only when the two do not fit in memory "
+                                                  "together); --in-memory loads each whole"),
     device: str = DEVICE,
     allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
@@ -58,5 +61,8 @@ def verify(
                 f"{r.output} compared above is what the model outputs")
         say_device(r.device)
         say("same function" if r.ok else f"DIFFERENT: {r.failed}")
-    if not r.ok:
+    if not r.ok:  # the table (or JSON) above on stdout, and the one error line every failure gives on stderr
+        from ..parity import beyond
+
+        say_error(f"{b} does not compute the same function as {a}: {beyond(r)}")
         raise typer.Exit(FAILED)

@@ -55,7 +55,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
             report.notes.append(f"kept {final.path}'s gain (keep_tied=true): {layout.head} stays tied to "
                                 f"{layout.token_embedding}, so the output keeps the input's size and tying")
         else:
-            report.notes.append("flashnorm:keep_tied=true would keep the head tied and the final norm's gain")
+            report.notes.append("keep_tied=true would keep the head tied and the final norm's gain")
     elif keep:
         report.notes.append(f"keep_tied=true changed nothing: {layout.head} is not tied to {layout.token_embedding}, "
                             "so folding the final norm into it unties nothing (its gain is folded as without it)")

@@ -513,7 +513,9 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report.metrics["stages"] = schedule.stages_run(made(norms, events), result.curve, result.steps)
     report.notes.append("stages as run (steps: held-out CE at the stage's last evaluation): " + "; ".join(
         f"{s['stage']} {s['from']}-{s['to']}" + ("" if s["heldout_ce"] is None else f": {s['heldout_ce']:.4f}")
-        for s in report.metrics["stages"]))
+        for s in report.metrics["stages"])
+        + (" (position 0: the first position's own frozen divisors dropped, so that every position divides by "
+           "one constant)" if any(s["stage"] == "position 0" for s in report.metrics["stages"]) else ""))
     if untied:
         head = model.get_submodule(layout.head).weight
         report.metrics["untied_parameters"] = head.numel()
@@ -575,8 +577,10 @@ def _fold_or_export(model, layout: Layout, norms: list[RemovableNorm], check_ids
     if kept_kind:
         report.notes.append(f"block norms removed; final {kept_kind} kept (it computes its statistic "
                             "as the stock norm, trained with the model)")
-    report.notes.append(f"removed {len(norms)} norms: {report.metrics['readers_folded']} readers took g / s "
-                        f"and b; fold checked against the frozen model (relative error "
+    took = "g / s (each norm's gain over its frozen divisor)" + (
+        " and b (its bias)" if any(n.bias is not None for n in norms) else "")
+    report.notes.append(f"removed {len(norms)} norms: {report.metrics['readers_folded']} readers took {took}; "
+                        f"fold checked against the frozen model (relative error "
                         f"{report.metrics['fold_error_float64']:.1e} in float64, "
                         f"{report.metrics['fold_error_float32']:.1e} in float32)")
 
