@@ -11,7 +11,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU wheel of torch first, so nothing resolves to a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,gguf]'
+	$(PY) -m pip install -q -e '.[test,gguf,mlx]'
 
 install: $(PY)
 

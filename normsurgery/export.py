@@ -22,7 +22,7 @@ then one token at a time through the cache) and must equal ``generate``'s in tor
 from __future__ import annotations
 
 import importlib.util
-import shutil
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import devices, gguf, modelcard
-from .checkpoint import finish, load
+from .checkpoint import finish, legacy_keys, load
 from .errors import SurgeryError
 from .options import FORMATS  # re-exported
 from .output import writing, written
@@ -161,7 +161,8 @@ def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, t
                 if c.generation < 1:
                     raise SurgeryError(f"ONNX Runtime's greedy tokens (with the cache) differ from generate's: "
                                        f"{c.generation:.1%} agree; nothing was written")
-            shutil.copyfile(source.path / "config.json", stage.path / "config.json")
+            config = legacy_keys(json.loads((source.path / "config.json").read_text()))
+            (stage.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             finish(stage.path, [], source)
             modelcard.write_export(stage.path, Path(dest).name, source.name, source.config, c.as_dict(), bool(past),
                                    external)
