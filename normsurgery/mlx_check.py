@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import devices
 from .check import Tolerances, model_reader
 from .checkpoint import TOKENIZER_FILES, Source, load
 from .errors import SurgeryError
@@ -116,15 +117,17 @@ def compare_runtime(folder: Path, model, ids: torch.Tensor, tolerance: float | N
     continuations of each window's first :data:`PROMPT` tokens."""
     reference = outputs(model, ids)
     mlx_model = load_folder(folder)
-    got = logits(mlx_model, ids)
+    got = logits(mlx_model, ids).to(reference.device)
     if got.shape != reference.shape:
         raise SurgeryError(f"MLX-LM's logits have shape {tuple(got.shape)}, the torch model's {tuple(reference.shape)}")
     tol = Tolerances(model_reader(model, ids), ids, torch.float32, reference, tolerance, "logits")
     c = tol.judge(compare(reference, got, "logits"))
     prompts = ids[:, :PROMPT]
-    with torch.no_grad():
-        expected = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  pad_token_id=0, eos_token_id=None)[:, PROMPT:].cpu()
+    on = prompts.to(devices.of(model))
+    with torch.no_grad():  # the mask given: else generate masks the prompt's tokens that equal the pad id
+        expected = model.generate(on, attention_mask=torch.ones_like(on), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None)[:, PROMPT:].cpu()
     tokens = greedy(mlx_model, prompts, new_tokens)
     c.generation = (tokens == expected).double().mean().item()
     return Checked(c, {"prompts": int(prompts.shape[0]), "new_tokens": new_tokens, "agree": c.generation,
