@@ -311,14 +311,26 @@ def export(src, dest, *, text: str | None = None, tolerance: float | None = None
     return Exported(saved, p, str(storage).removeprefix("torch."), checked.parity, checked.greedy)
 
 
+def runs(values: list) -> str:
+    """Per-layer values in words, equal neighbours counted: "1280 x 2, no-op, 1024" (None: no-op)."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[i]:
+            j += 1
+        word = "no-op" if values[i] is None else str(values[i])
+        out.append(word if j == i else f"{word} x {j - i + 1}")
+        i = j + 1
+    return ", ".join(out)
+
+
 def card(name: str, source: str, p: Plan, checked) -> str:
     """The folder's README: what it is, how each runtime loads it, what was checked."""
     c = checked.parity
-    widths = ", ".join("no-op" if w is None else str(w) for w in p.widths)
     return f"""# {name}
 
 {source} as a DeciLM ("nemotron-nas") checkpoint, written by normsurgery `export --to nemotron-nas`:
-per-layer MLP widths {widths}; key/value heads {p.kv_heads}. Each MLP is padded with zero units to a
+per-layer MLP widths {runs(p.widths)}; key/value heads {runs(p.kv_heads)}. Each MLP is padded with zero units to a
 multiple of 256 ({p.padding_bytes:,} bytes of zeros), which add nothing.
 
 Checked in MLX-LM against the checkpoint in transformers (float32, probe windows): relative error

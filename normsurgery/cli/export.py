@@ -138,7 +138,7 @@ def _nemotron(src: str, dest: Path, text: Path | None, tol: float | None, device
     say(f"MLX-LM vs transformers (logits): relative error {fmt(p.relative)}, KL {fmt(p.kl)}, top-1 agreement "
         f"{p.top1:.4f}; tolerance {fmt(p.tolerance)}: {p.reason}")
     say(f"greedy: {g['agree']:.0%} of {g['new_tokens']} tokens after each of {g['prompts']} prompts equal transformers'")
-    widths = ", ".join("no-op" if w is None else str(w) for w in plan.widths)
-    say(f"saved {r.saved['path']}: nemotron-nas ({r.dtype}), MLP widths {widths} (zero units padding "
-        f"{plan.padding_bytes:,} bytes), key/value heads "
-        + ", ".join("no-op" if k is None else str(k) for k in plan.kv_heads))
+    from ..nemotron import runs
+
+    say(f"saved {r.saved['path']}: nemotron-nas ({r.dtype}), MLP widths {runs(plan.widths)} (units {runs(plan.units)}; "
+        f"the zero units padding them take {plan.padding_bytes:,} bytes), key/value heads {runs(plan.kv_heads)}")
