@@ -159,3 +159,14 @@ def test_what_the_format_cannot_say_is_refused(tmp_path, case):
     assert r.exit_code == 1 and message in r.output, r.output
     assert r.output.count("error:") == 1 and "Traceback" not in r.output
     assert not (tmp_path / "deci").exists()
+
+
+def test_a_bfloat16_checkpoint_is_written_in_bfloat16(tmp_path):
+    model = tiny_model("qwen2", torch.bfloat16)
+    ns.save(model, tmp_path / "src")
+    r = ns.export(tmp_path / "src", tmp_path / "deci", to="nemotron-nas")
+    assert r.parity.ok and r.parity.generation == 1 and r.dtype == "bfloat16"
+    weights = stored(tmp_path / "deci")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert torch.equal(weights["model.layers.2.mlp.down_proj.weight"][:, :64], model.model.layers[2].mlp.down_proj.weight)
+    assert r.plan.padding_bytes == 3 * 3 * (256 - 64) * 32 * 2
