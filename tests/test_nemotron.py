@@ -129,14 +129,18 @@ def heads_differ(model):
 REFUSED = {
     "per-layer query heads": (lambda tmp: zeroed(tmp, heads_differ),
                               "layer 1 has 2 query heads, not 4: DeciLM varies only key/value heads; GGUF's deci"),
-    "head width": (lambda tmp: ns.convert(LLAMA, tmp / "h", [("mask", {"prune_heads": 0.5}), ("minimize", {})])
-                   and tmp / "h", "its heads are 32 wide, and DeciLM's are hidden / heads = 64; GGUF's deci"),
-    "removed channels": (lambda tmp: ns.convert(LLAMA, tmp / "c", [("mask", {"prune_channels": 4}), ("minimize", {})])
-                         and tmp / "c", "its stream holds 124 of 128 channels"),
+    "head width": (lambda tmp: minimized(tmp, prune_heads=0.5),  # 2 heads of 32 in every layer
+                   "its heads are 32 wide, and DeciLM's are hidden / heads = 64; GGUF's deci"),
+    "removed channels": (lambda tmp: minimized(tmp, prune_channels=4), "its stream holds 124 of 128 channels"),
     "norm with a bias": (lambda tmp: norm_bias(tmp), "model.layers.0.input_layernorm is a RMSNorm (rmsnorm), not the "
                          "plain RMSNorm DeciLM computes"),
     "another family": (lambda tmp: Path("normsurgery/demo/gpt2-tiny"), "it is a gpt2 model"),
 }
+
+
+def minimized(tmp_path: Path, **mask) -> Path:
+    ns.convert(LLAMA, tmp_path / "min", [("mask", mask), ("minimize", {})])
+    return tmp_path / "min"
 
 
 def norm_bias(tmp_path: Path) -> Path:
