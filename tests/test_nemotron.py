@@ -134,6 +134,7 @@ REFUSED = {
     "removed channels": (lambda tmp: minimized(tmp, prune_channels=4), "its stream holds 124 of 128 channels"),
     "norm with a bias": (lambda tmp: norm_bias(tmp), "model.layers.0.input_layernorm is a RMSNorm (rmsnorm), not the "
                          "plain RMSNorm DeciLM computes"),
+    "head with a bias": (lambda tmp: head_bias(tmp), "its head has a bias"),
     "another family": (lambda tmp: Path("normsurgery/demo/gpt2-tiny"), "it is a gpt2 model"),
 }
 
@@ -141,6 +142,18 @@ REFUSED = {
 def minimized(tmp_path: Path, **mask) -> Path:
     ns.convert(LLAMA, tmp_path / "min", [("mask", mask), ("minimize", {})])
     return tmp_path / "min"
+
+
+def head_bias(tmp_path: Path) -> Path:
+    """The demo Llama with a bias on its head (recorded in the folder, as remove-ln's fold leaves it)."""
+    model = ns.load(LLAMA, torch.float32)
+    head = torch.nn.Linear(128, 1024, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.fill_(0.01)
+    model.lm_head = head
+    ns.save(model, tmp_path / "head", source=LLAMA)
+    return tmp_path / "head"
 
 
 def norm_bias(tmp_path: Path) -> Path:
