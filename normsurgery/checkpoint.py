@@ -171,14 +171,31 @@ def save_config(config, folder: Path) -> None:
     ``trust_remote_code=True``) instead of loading the stock class with weights missing or
     ignored, and ``trust_remote_code=True`` or :func:`load` load it."""
     config.save_pretrained(folder)
-    modules = (getattr(config, "normsurgery", None) or {}).get("modules") or []
-    if all(r.get("stock_equivalent") for r in modules):
-        return
     file = folder / "config.json"
-    data = json.loads(file.read_text())
-    data["model_type"] = runtime.RUNTIME_TYPE + data["model_type"]
-    data.setdefault("auto_map", {})["AutoConfig"] = f"{RUNTIME_FILE[:-3]}.NormSurgery{type(config).__name__}"
+    data = legacy_keys(json.loads(file.read_text()))
+    modules = (getattr(config, "normsurgery", None) or {}).get("modules") or []
+    if not all(r.get("stock_equivalent") for r in modules):
+        data["model_type"] = runtime.RUNTIME_TYPE + data["model_type"]
+        data.setdefault("auto_map", {})["AutoConfig"] = f"{RUNTIME_FILE[:-3]}.NormSurgery{type(config).__name__}"
     file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def legacy_keys(data: dict) -> dict:
+    """``data`` (a config.json) with the RoPE keys that runtimes reading the keys before
+    transformers 5 look for at the top level, from transformers 5's one ``rope_parameters`` dict
+    (not nested per layer type): ``rope_theta`` (MLX-LM builds RoPE with base 10000 without it),
+    ``partial_rotary_factor``, and ``rope_scaling`` (a copy of ``rope_parameters``, which
+    transformers reads first) where the RoPE type is not the default. Read back, transformers
+    builds the same config."""
+    rope = data.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        return data
+    data["rope_theta"] = rope["rope_theta"]
+    if "partial_rotary_factor" in rope:
+        data["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if rope.get("rope_type", "default") != "default":
+        data["rope_scaling"] = dict(rope)
+    return data
 
 
 def write_config(model, folder: Path, dtype: torch.dtype) -> None:

@@ -22,7 +22,7 @@ then one token at a time through the cache) and must equal ``generate``'s in tor
 from __future__ import annotations
 
 import importlib.util
-import shutil
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import devices, gguf, modelcard
-from .checkpoint import finish, load
+from .checkpoint import finish, legacy_keys, load
 from .errors import SurgeryError
 from .options import FORMATS  # re-exported
 from .output import writing, written
@@ -114,7 +114,7 @@ def output_name(model) -> str:
 
 def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, tolerance: float | None = None,
            force: bool = False, external_data: bool | None = None, with_past: bool = False,
-           allow_pickle: bool = False, device: str = "auto", dtype: str | None = None) -> Exported | gguf.Exported:
+           allow_pickle: bool = False, device: str = "auto", dtype: str | None = None):
     """Export ``src`` to ``dest`` (see the module docstring); ``external_data``: None decides by
     size; ``with_past``: the graph takes and returns the key/value cache (decoders), checked by
     greedy generation as well. The torch side (reference outputs, ``generate``) computes on
@@ -123,7 +123,8 @@ def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, t
     from ``generate``'s. ``text``: the check's text
     (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file.
     ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``; the ONNX
-    options do not apply)."""
+    options do not apply). ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM
+    (``nemotron.export``)."""
     text = text_of(text)
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
@@ -132,6 +133,14 @@ def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, t
             raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
         return gguf.export(src, dest, dtype=dtype or "f32", text=text, tolerance=tolerance, force=force,
                            allow_pickle=allow_pickle)
+    if to == "nemotron-nas":
+        if with_past or external_data is not None or dtype is not None:
+            raise SurgeryError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "
+                               "folder is stored in the checkpoint's dtype")
+        from . import nemotron
+
+        return nemotron.export(src, dest, text=text, tolerance=tolerance, force=force, allow_pickle=allow_pickle,
+                               device=device)
     if dtype is not None:
         raise SurgeryError("--dtype is a GGUF option; an ONNX export is float32")
     require_onnx()
@@ -161,7 +170,8 @@ def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, t
                 if c.generation < 1:
                     raise SurgeryError(f"ONNX Runtime's greedy tokens (with the cache) differ from generate's: "
                                        f"{c.generation:.1%} agree; nothing was written")
-            shutil.copyfile(source.path / "config.json", stage.path / "config.json")
+            config = legacy_keys(json.loads((source.path / "config.json").read_text()))
+            (stage.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             finish(stage.path, [], source)
             modelcard.write_export(stage.path, Path(dest).name, source.name, source.config, c.as_dict(), bool(past),
                                    external)

@@ -47,7 +47,7 @@ PROBE_GENERATE = 16
 #: inspect --outliers --samples: calibration windows (``verify.outliers``)
 OUTLIER_SAMPLES = 8
 #: export --to (``export``)
-FORMATS = ("onnx", "gguf")
+FORMATS = ("onnx", "gguf", "nemotron-nas")
 #: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32)
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 

@@ -99,3 +99,64 @@ def test_bf16_checks_pass_a_rewrite_and_fail_a_two_percent_temperature(real, tmp
 
     r = run("verify", src, copy_with("warm", warmer), "--generate", "0")
     assert r.exit_code == 1 and "DIFFERENT: " in r.output, r.output
+
+
+def _mlx_greedy_equals_transformers(source: Path, folder: Path, n: int = 32) -> list[int]:
+    """``n`` greedy tokens after the prompt by MLX-LM (``folder``: its own load and generate_step)
+    and by transformers (``source``, through normsurgery's runtime where it needs it): equal."""
+    import normsurgery as ns
+    from normsurgery import mlx_check
+
+    tok = T.AutoTokenizer.from_pretrained(source)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    model = ns.load(source, torch.float32)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=tok.eos_token_id, eos_token_id=None)[0, ids.shape[1]:]
+    got = mlx_check.greedy(mlx_check.load_folder(folder), ids, n)[0]
+    assert got.tolist() == expected.tolist(), (tok.decode(got), tok.decode(expected))
+    return got.tolist()
+
+
+def test_stock_convert_output_runs_in_mlx(real, tmp_path):
+    """SmolLM2's RoPE base is 1e5: without the top-level rope_theta MLX-LM ran base 10000."""
+    from normsurgery import mlx_check
+
+    r = run("convert", real, tmp_path / "flash", "--pass", "flashnorm")
+    assert r.exit_code == 0, r.output
+    checked = mlx_check.check(tmp_path / "flash")
+    assert checked.ok, checked.failure()
+    _mlx_greedy_equals_transformers(tmp_path / "flash", tmp_path / "flash")
+
+
+def _uneven(real: Path, tmp_path: Path) -> Path:
+    """SmolLM2 with 300 MLP units of layer 3 and 700 of layer 9 zeroed: minimize leaves uneven widths."""
+    import normsurgery as ns
+
+    model = ns.load(real, torch.float32)
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight[:, :300] = 0
+        model.model.layers[9].mlp.down_proj.weight[:, :700] = 0
+    ns.save(model, tmp_path / "zeroed", source=real)
+    return tmp_path / "zeroed"
+
+
+@pytest.mark.parametrize("case", ["stock", "mask-minimize", "uneven"])
+def test_nemotron_nas_export_runs_in_mlx(real, tmp_path, case):
+    src, passes = real, ["flashnorm"]
+    if case == "mask-minimize":
+        passes = ["mask:prune_units=0.3", "minimize"]
+    elif case == "uneven":
+        src, passes = _uneven(real, tmp_path), ["minimize"]
+    r = run("convert", src, tmp_path / "out", *[a for p in passes for a in ("--pass", p)])
+    assert r.exit_code == 0, r.output
+    r = run("export", tmp_path / "out", tmp_path / "deci", "--to", "nemotron-nas", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["ok"] and data["greedy"]["agree"] == 1 and data["parity"]["top1"] == 1.0
+    assert all(w % 256 == 0 and w >= u for w, u in zip(data["mlp_widths"], data["mlp_units"]))
+    expected = {"stock": {1536}, "mask-minimize": {1280}, "uneven": {1536, 1280, 1024}}[case]
+    assert set(data["mlp_widths"]) == expected
+    cfg = T.AutoConfig.from_pretrained(tmp_path / "deci", trust_remote_code=True)
+    assert [b.attention.n_heads_in_group for b in cfg.block_configs] == [3] * 30
+    _mlx_greedy_equals_transformers(tmp_path / "out", tmp_path / "deci")

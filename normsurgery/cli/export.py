@@ -39,11 +39,16 @@ def export(
     """Export a checkpoint to ONNX (inputs input_ids and attention_mask, dynamic batch and sequence),
     run it in ONNX Runtime on probe text and compare with the torch model; or to one GGUF file
     (--to gguf) run in llama.cpp and compared with the checkpoint in transformers. Exit 1, writing
-    nothing, when they differ beyond the tolerance. Needs pip install 'normsurgery[onnx]' (or [gguf])."""
+    nothing, when they differ beyond the tolerance. Or to a nemotron-nas (DeciLM) folder (--to
+    nemotron-nas: per-layer widths as vLLM, SGLang, TensorRT-LLM and MLX-LM read them), checked in
+    MLX-LM. Needs pip install 'normsurgery[onnx]' (or [gguf], [mlx])."""
     if to not in FORMATS:
         raise UsageError(f"--to {to!r}: choose one of {', '.join(FORMATS)}{did_you_mean(to, FORMATS)}")
     if to == "gguf":
         return _gguf(src, dest, dtype, text, tol, force, allow_pickle, json, with_past or external_data is not None)
+    if to == "nemotron-nas":
+        return _nemotron(src, dest, text, tol, device, force, allow_pickle, json,
+                         with_past or external_data is not None or dtype is not None)
     if dtype is not None:
         raise UsageError("--dtype is a GGUF option (--to gguf); an ONNX graph is float32")
     from ..export import require_onnx
@@ -107,3 +112,35 @@ def _gguf(src: str, dest: Path, dtype: str | None, text: Path | None, tol: float
     say(f"saved {r.saved['path']} ({r.saved['bytes']:,} bytes): llama.cpp architecture {r.arch}, {r.dtype.upper()}"
         + (", norms removed (eps trick: eps 1e12, gains 1e6)" if r.eps_trick else "")
         + f"; card {r.saved['card']}")
+
+
+def _nemotron(src: str, dest: Path, text: Path | None, tol: float | None, device: str, force: bool,
+              allow_pickle: bool, json: bool, other_options: bool) -> None:
+    """``export --to nemotron-nas``: the DeciLM folder written and checked in MLX-LM (``nemotron.export``)."""
+    if other_options:
+        raise UsageError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas folder "
+                         "is stored in the checkpoint's dtype")
+    from ..mlx_check import require_mlx
+
+    require_mlx()
+    from .app import load_transformers
+
+    load_transformers()
+    from ..export import export as export_api
+
+    body = read_text(text)
+    with claimed(src, dest, force, allow_pickle) as source:
+        r = export_api(source, dest, to="nemotron-nas", text=body, tolerance=tol, force=force, device=device)
+    if json:
+        emit_json(r.as_dict())
+        return
+    from .report import fmt
+
+    p, g, plan = r.parity, r.greedy, r.plan
+    say(f"MLX-LM vs transformers (logits): relative error {fmt(p.relative)}, KL {fmt(p.kl)}, top-1 agreement "
+        f"{p.top1:.4f}; tolerance {fmt(p.tolerance)}: {p.reason}")
+    say(f"greedy: {g['agree']:.0%} of {g['new_tokens']} tokens after each of {g['prompts']} prompts equal transformers'")
+    from ..nemotron import runs
+
+    say(f"saved {r.saved['path']}: nemotron-nas ({r.dtype}), MLP widths {runs(plan.widths)} (units {runs(plan.units)}; "
+        f"the zero units padding them take {plan.padding_bytes:,} bytes), key/value heads {runs(plan.kv_heads)}")

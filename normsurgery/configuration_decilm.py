@@ -1,0 +1,84 @@
+"""The config of a DeciLM ("nemotron-nas") checkpoint: Llama's, with one block config per layer.
+
+Copied verbatim beside the weights by ``export --to nemotron-nas`` (``normsurgery.nemotron``) as
+``configuration_decilm.py`` and named by config.json's ``auto_map``, so
+``AutoConfig.from_pretrained(folder, trust_remote_code=True)`` (how vLLM and TensorRT-LLM read
+the folder) works with only transformers installed: it imports nothing else.
+
+Each layer's block config holds its attention (``no_op``: no attention and no input norm;
+``n_heads_in_group``: query heads per key/value head) and its MLP (``no_op``: no MLP and no
+post-attention norm; ``ffn_mult``: the width is ``int(2 * ffn_mult * hidden_size / 3)`` rounded
+up to a multiple of 256, :func:`ffn_width`). The runtimes read them as attributes
+(``block.attention.no_op``): held as dataclasses, written back to config.json as dicts.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from transformers import PretrainedConfig
+
+#: MLP widths are multiples of this (the runtimes' ``_find_multiple(..., 256)``)
+FFN_MULTIPLE = 256
+
+
+def ffn_width(ffn_mult: float, hidden_size: int) -> int:
+    """The MLP width the runtimes build from ``ffn_mult`` (vLLM, SGLang, TensorRT-LLM, MLX-LM)."""
+    width = int(2 * ffn_mult * hidden_size / 3)
+    return width if width % FFN_MULTIPLE == 0 else width + FFN_MULTIPLE - width % FFN_MULTIPLE
+
+
+@dataclass
+class AttentionConfig:
+    no_op: bool = False
+    replace_with_linear: bool = False
+    n_heads_in_group: Optional[int] = None
+
+
+@dataclass
+class FFNConfig:
+    no_op: bool = False
+    replace_with_linear: bool = False
+    ffn_mult: Optional[float] = None
+
+
+@dataclass
+class BlockConfig:
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+
+    @classmethod
+    def from_dict(cls, data):
+        if isinstance(data, cls):
+            return data
+        return cls(AttentionConfig(**data.get("attention", {})), FFNConfig(**data.get("ffn", {})))
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+class DeciLMConfig(PretrainedConfig):
+    model_type = "nemotron-nas"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(self, vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                 hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
+                 rope_scaling=None, rope_parameters=None, attention_bias=False, mlp_bias=False,
+                 attention_dropout=0.0, tie_word_embeddings=False, block_configs=None, **kwargs):
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
+        self.rms_norm_eps, self.rope_theta = rms_norm_eps, rope_theta
+        # transformers 5 reads rope_parameters, the runtimes rope_theta and (scaled RoPE) rope_scaling
+        self.rope_parameters = rope_parameters or rope_scaling or {"rope_type": "default", "rope_theta": rope_theta}
+        if rope_scaling is not None:
+            self.rope_scaling = rope_scaling
+        self.attention_bias, self.mlp_bias, self.attention_dropout = attention_bias, mlp_bias, attention_dropout
+        self.head_dim = hidden_size // num_attention_heads
+        self.block_configs = [BlockConfig.from_dict(b) for b in block_configs or []]
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def to_dict(self):
+        out = super().to_dict()
+        out["block_configs"] = [b.to_dict() for b in self.block_configs]
+        return out
