@@ -76,6 +76,7 @@ class HealReport:
     train: str = "lora"  # what trained (TRAIN_MODES)
     train_ce_before: float | None = None  # CE on fixed windows of the training text (:func:`run` measures it)
     train_ce_after: float | None = None
+    merged: bool = False  # LoRA merged into the weights (False: kept as an adapter, or no adapter trained)
 
     @property
     def overfit(self) -> bool:
@@ -183,7 +184,7 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
     report = HealReport(result.ce_before, result.ce_after, result.steps, result.tokens,
                         result.tokens / len(train_ids), result.seconds, rank, alpha, lr,
                         result.trainable_parameters, targets, result.precision, result.processes, result.losses,
-                        train_mode)
+                        train_mode, merged=merge)
     return (peft_model.merge_and_unload() if merge else peft_model), report
 
 
@@ -260,14 +261,74 @@ def summary(report: HealReport) -> dict:
     return {k: v for k, v in report.as_dict().items() if k != "losses"}
 
 
-def write_adapter(peft_model, folder: Path, base, source: Source | None = None) -> None:
-    """Write the peft adapter into ``folder``; ``base`` is what adapter_config.json names;
-    ``source``'s tokenizer files are copied."""
-    peft_model.peft_config["default"].base_model_name_or_path = str(base)
-    peft_model.save_pretrained(folder, save_embedding_layers=False)  # LoRA never touches embeddings
-    if source is not None:
-        for f in source.path.glob("*token*"):
-            shutil.copy2(f, Path(folder) / f.name)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter taken out of its peft model (before it is merged or unloaded, which would take
+    the adapters out of it): the tensors as peft names them in its files, and its config."""
+
+    tensors: dict[str, torch.Tensor]
+    config: object  # peft's LoraConfig
+    expected: dict[str, tuple[int, ...]]  # every LoRA parameter of the model, as named in the files, and its shape
+
+
+def take_adapter(peft_model) -> Adapter:
+    """The adapter of ``peft_model``, copied to the CPU (peft's state dict of it, embeddings aside:
+    LoRA never touches them), with every LoRA parameter the model holds, by name, to check a save
+    against (:func:`write_adapter`)."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+
+    name = peft_model.active_adapter
+    state = get_peft_model_state_dict(peft_model, adapter_name=name, save_embedding_layers=False)
+    expected = {n.replace(f".{name}.", "."): tuple(p.shape) for n, p in peft_model.named_parameters()
+                if re.search(r"\.lora_[AB]\.", n)}
+    return Adapter({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()},
+                   copy.deepcopy(peft_model.peft_config[name]), expected)
+
+
+def write_adapter(adapter: Adapter, folder: Path, base: str, *, source: Source, record: dict, name: str) -> dict:
+    """The one way an adapter is saved (``heal --save-adapter``, ``prune --heal --save-adapter``):
+    ``adapter``'s config (naming ``base``, the folder or hub id peft loads it onto) and tensors written
+    into ``folder``, ``source``'s tokenizer files copied, then the file read back: it must hold every
+    LoRA parameter of the model (by name and shape) with the values trained, or nothing is kept (a
+    SurgeryError). The card (``modelcard.write_adapter``) gives ``record``. Returns what the file holds."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from . import modelcard
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = adapter.config
+    config.base_model_name_or_path = str(base)
+    config.save_pretrained(folder)
+    save_file(adapter.tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    with safe_open(folder / ADAPTER_WEIGHTS, "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    missing = [k for k in adapter.expected if k not in saved or tuple(saved[k].shape) != adapter.expected[k]]
+    changed = [k for k in adapter.expected if k not in missing and not torch.equal(saved[k], adapter.tensors[k])]
+    if missing or changed or not adapter.expected:
+        what = (f"{len(missing)} of its {len(adapter.expected)} LoRA tensors missing or misshapen (first "
+                f"{missing[0]})" if missing else f"{len(changed)} LoRA tensors differ from those trained (first "
+                f"{changed[0]})" if changed else "no LoRA tensor at all")
+        raise SurgeryError(f"the adapter written to {folder} holds {what}; nothing was saved")
+    for f in source.path.glob("*token*"):
+        shutil.copy2(f, folder / f.name)
+    info = {"tensors": len(saved), "parameters": sum(t.numel() for t in saved.values()), "rank": config.r,
+            "alpha": config.lora_alpha, "base": str(base)}
+    modelcard.write_adapter(folder, record, info, source, name)
+    return info
+
+
+def adapter_base(source: Source) -> str:
+    """What an adapter's config names as its base: the hub id ``source`` was opened by, else its folder."""
+    from .modelcard import hub_id
+
+    return source.name if hub_id(source.name) else str(source.path.resolve())
 
 
 def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: HealOptions | dict | None = None,
@@ -296,9 +357,11 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     if save_adapter:
         saved = None
         if job.main:
+            adapter = take_adapter(model)
             with writing(out, force=force, source=job.source.path) as stage:
-                write_adapter(model, stage.path, job.source.path.resolve(), job.source)
-            saved = written(out, stage, {})
+                held_info = write_adapter(adapter, stage.path, adapter_base(job.source), source=job.source,
+                                          record=record, name=Path(out).name)
+            saved = written(out, stage, {"adapter": held_info})
         acc.wait_for_everyone()
     else:
         saved = job.save(model, record, held[:4])

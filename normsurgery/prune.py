@@ -32,7 +32,7 @@ from .analysis import blocks_of, forward_base, residual_capture
 from .calibration import bundled_text, fit_seq_len, tokenize, windows
 from .errors import SurgeryError
 from .families import family, layout
-from .heal import HealOptions, HealReport, heldout_record, summary, write_adapter
+from .heal import HealOptions, HealReport, heldout_record, summary, take_adapter, write_adapter
 from .heal import run as heal_run
 from .layout import LM_OBJECTIVES
 from .options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
@@ -349,10 +349,14 @@ def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor
                        device=work.device)
         return save_work(work, job.out, storage=work.dtype, record=lambda _: record, check=Check(t, reference),
                          force=job.force, progress=progress).info
-    model = healed
-    extra = None
-    if keep_adapter:
-        peft_model, model = model, model.unload()
-        dest = job.out.expanduser().resolve()
-        extra = lambda folder: write_adapter(peft_model, folder / "adapter", dest)  # noqa: E731
-    return job.save(model, record, probe, extra=extra, progress=progress)
+    if not keep_adapter:
+        return job.save(healed, record, probe, progress=progress)
+    adapter = take_adapter(healed)  # before unload() takes the adapters out of the model
+    held = {}
+
+    def extra(folder: Path) -> None:
+        held.update(write_adapter(adapter, folder / "adapter", job.out.expanduser().resolve(), source=job.source,
+                                  record=record, name=f"{job.out.name}/adapter"))
+
+    saved = job.save(healed.unload(), record, probe, extra=extra, progress=progress)
+    return saved and {**saved, "adapter": held}

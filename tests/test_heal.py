@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
+import yaml
 from peft import PeftModel
 from typer.testing import CliRunner
 
@@ -88,6 +89,64 @@ def test_heal_can_keep_the_adapter_for_peft(tmp_path):
         assert not torch.allclose(tuned(input_ids=ids).logits, plain_logits)
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert Path(config["base_model_name_or_path"]) == pruned.resolve()
+    tensors = lora_tensors(adapter)  # every linear of the 6 blocks: A and B
+    assert len(tensors) == 2 * 6 * 7
+    card = (adapter / "README.md").read_text()
+    header = yaml.safe_load(card.split("---\n")[1])
+    assert "Model Card for Model ID" not in card and header["library_name"] == "peft" and "base_model" not in header
+    assert "normsurgery" in header["tags"] and "Its base is the local folder `pruned`" in card
+    record = json.loads(r.stdout)
+    assert f"| heal | {record['heal']['ce_before']:.4f} | {record['heal']['ce_after']:.4f} |" in card
+    assert "LoRA rank 8, kept unmerged as an adapter" in card and "held-out" in card.lower()
+    assert record["saved"]["adapter"]["tensors"] == len(tensors)
+
+
+def lora_tensors(folder):
+    """The adapter file's tensors, read with safetensors (not peft)."""
+    from safetensors.torch import load_file
+
+    return load_file(Path(folder) / "adapter_model.safetensors")
+
+
+def test_prune_heal_save_adapter_holds_the_trained_adapter(tmp_path):
+    """Issue 47.1: prune --heal --save-adapter wrote an adapter of 0 tensors (unloaded before it was
+    saved). The adapter must hold A (r x in) and B (out x r) of every linear of the 6 kept blocks,
+    and the pruned base with it must compute what the same heal merged computes."""
+    common = ["--layers", 2, "--samples", 4, "--seq-len", 64, "--heal", "--steps", 3, "--eval-samples", 2,
+              "--text", SAMPLE]
+    assert run("prune", LLAMA, tmp_path / "merged", *common).exit_code == 0
+    r = run("prune", LLAMA, tmp_path / "out", *common, "--save-adapter", "--json")
+    assert r.exit_code == 0, r.output
+    base = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    linears = {n: m for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    assert len(base.model.layers) == 6 and len(linears) == 6 * 7
+    tensors = lora_tensors(tmp_path / "out" / "adapter")
+    assert len(tensors) == 2 * len(linears)
+    for n, m in linears.items():
+        a, b = tensors[f"base_model.model.{n}.lora_A.weight"], tensors[f"base_model.model.{n}.lora_B.weight"]
+        assert a.shape == (8, m.in_features) and b.shape == (m.out_features, 8)
+    assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)  # trained (B starts at 0)
+    assert json.loads(r.stdout)["saved"]["adapter"]["tensors"] == len(tensors)
+    ids = token_ids(2, 16)
+    merged = T.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        expected = merged(input_ids=ids).logits
+        got = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()(input_ids=ids).logits
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()  # float32 rounding of the merge
+
+
+def test_an_adapter_that_does_not_hold_its_tensors_is_refused(tmp_path, monkeypatch):
+    """The adapter is read back after writing: a file missing LoRA tensors is an error, nothing kept."""
+    import safetensors.torch
+
+    write = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda tensors, path, metadata=None: write(dict(list(tensors.items())[:-1]), path, metadata))
+    out = tmp_path / "adapter"
+    r = run("heal", LLAMA, out, "--text", SAMPLE, "--steps", 1, "--seq-len", 32, "--batch-size", 2,
+            "--eval-samples", 2, "--save-adapter")
+    assert r.exit_code == 1 and "1 of its 112 LoRA tensors missing" in " ".join(r.output.split()), r.output
+    assert not out.exists()
 
 
 def test_a_recipe_describes_prune_and_heal(tmp_path):
