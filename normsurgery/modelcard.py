@@ -310,12 +310,13 @@ def _trained(record: dict) -> list[str]:
                 rows.append(f"| {p['name']}: the vanilla fine-tune at the same budget (control; the pass is "
                             f"{h['gap_to_control']:+.4f} from it) | {h['ce_before']:.4f} | {h['ce_control']:.4f} | "
                             f"{h['control_tokens']} |")
-    ce = record.get("heldout_ce") or {}
-    if "original" in ce and "pruned" in ce:
-        rows.append(f"| prune | {ce['original']:.4f} | {ce['pruned']:.4f} | 0 |")
     h = record.get("heal")
-    if h and h.get("ce_before") is not None:
-        rows.append(f"| heal | {h['ce_before']:.4f} | {h['ce_after']:.4f} | {h['tokens']} |")
+    for ce, on in ((record.get("heldout_ce") or {}, ""), (record.get("eval_text_ce") or {}, " (--eval-text)")):
+        if "original" in ce and "pruned" in ce:
+            rows.append(f"| prune{on} | {ce['original']:.4f} | {ce['pruned']:.4f} | 0 |")
+        before = ce.get("pruned", ce.get("input"))
+        if h and before is not None and ce.get("healed") is not None:
+            rows.append(f"| heal{on} | {before:.4f} | {ce['healed']:.4f} | {h['tokens']} |")
     sq = record.get("squeeze") or {}
     for c in sq.get("cycles") or []:
         rows.append(f"| squeeze cycle {c['cycle']} | {c['ce_released']:.4f} | {c['ce_after']:.4f} | {c['tokens']} |")
@@ -329,13 +330,26 @@ def _trained(record: dict) -> list[str]:
 def _heldout(record: dict) -> list[str]:
     """What the held-out cross-entropy was measured on (prune, heal) and, healing a pruned model,
     the original's on the same windows."""
-    h, ce = record.get("heldout"), record.get("heldout_ce") or {}
+    h, ce, other = record.get("heldout"), record.get("heldout_ce") or {}, record.get("eval_text")
     if not h:
         return []
-    rows = ["", f"Cross-entropy in nats per token on {h['text']}: {h['windows']} windows of {h['seq_len']} tokens."]
+    rows = ["", f"Cross-entropy in nats per token on {h['text']}: {h['windows']} windows of {h['seq_len']} tokens"
+            + (f" ({h['fewer']})" if h.get("fewer") else "") + "."]
+    if other:
+        rows.append(f"(--eval-text): on a second text, never trained on: {other['windows']} windows of "
+                    f"{other['seq_len']} tokens" + (f" ({other['fewer']})" if other.get("fewer") else "") + ".")
     if "original" in h:
-        rows.append(f"The original before pruning (`{h['original']}`): {ce['original']:.4f} on the same windows."
+        theirs = (record.get("eval_text_ce") or {}).get("original")
+        rows.append(f"The original before pruning (`{h['original']}`): {ce['original']:.4f} on the same windows"
+                    + (f", {theirs:.4f} on --eval-text" if theirs is not None else "") + "."
                     if "original" in ce else f"The original before pruning: {h['original']}.")
+    rec = record.get("recovered") or {}
+    shares = [f"{rec[k]:.1%} on {what}" for k, what in (("heldout", "the held-out end of the text"),
+                                                       ("eval_text", "--eval-text")) if rec.get(k) is not None]
+    if shares:
+        rows.append(f"Share of the gap pruning opened that healing closed: {', '.join(shares)}.")
+    if rec.get("note"):
+        rows.append(f"**Note**: {rec['note']}.")
     return rows
 
 

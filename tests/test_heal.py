@@ -15,6 +15,7 @@ import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
 from normsurgery.cli import app
 from normsurgery.heal import heal_model, heldout_ce, linear_targets, target_pattern
 
+from conftest import assert_refused, causal_ce
 from models import VOCAB, tiny_model, token_ids
 
 LLAMA = "normsurgery/demo/llama-tiny"
@@ -173,11 +174,7 @@ def test_heal_refuses_bad_text(tmp_path, text, match):
     files["empty"].write_text("")
     files["short"].write_text("Now is the winter of our discontent. " * 5)
     out = tmp_path / "out"
-    r = run("heal", LLAMA, out, "--text", files[text], "--steps", 1)
-    assert r.exit_code == 1, r.output
-    lines = [line for line in r.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and match in r.output, r.output
-    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert_refused(run("heal", LLAMA, out, "--text", files[text], "--steps", 1), out, match)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -241,24 +238,36 @@ SMALL = {"steps": 2, "seq_len": 64, "batch_size": 2, "eval_samples": 3}
 
 def test_heal_alone_gives_the_original_before_pruning_on_held_out_text(tmp_path):
     """Issue 34.6: heal of a pruned model reports held-out CE of the input, the healed model and the
-    original the record names (where it opens here; else says it is not available)."""
+    original the record names (where it opens here; else says it is not available). Issue 47.2: on
+    the held-out end of the text and, beside it, on --eval-text. Oracles by hand: one window asked
+    for is the first 64 tokens of --eval-text and of the text's last 10% of tokens."""
     import shutil
-
-    from normsurgery.calibration import tokenize, windows
 
     original = tmp_path / "original"
     shutil.copytree(LLAMA, original)
     ns.prune(original, tmp_path / "pruned", {"layers": 2, "samples": 4, "seq_len": 64})
-    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", Path(SAMPLE), eval_text=Path(HELD), options=SMALL)
-    held = windows(tokenize(T.AutoTokenizer.from_pretrained(LLAMA), Path(HELD).read_text()), 64, 3)
-    assert h.ce["original"] == pytest.approx(heldout_ce(T.AutoModelForCausalLM.from_pretrained(LLAMA), held),
-                                             abs=1e-4)
+    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", Path(SAMPLE), eval_text=Path(HELD),
+                options={**SMALL, "eval_samples": 1})
+    tok = T.AutoTokenizer.from_pretrained(LLAMA)
+    other = tok(Path(HELD).read_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :64]
+    ids = tok(Path(SAMPLE).read_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    start = len(ids) - max(64, int(0.1 * len(ids)))  # the last 10% of the tokens, at least one window
+    end = ids[start:start + 64][None]
+    models = {"original": T.AutoModelForCausalLM.from_pretrained(LLAMA),
+              "input": T.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned"),
+              "healed": T.AutoModelForCausalLM.from_pretrained(tmp_path / "healed")}
+    for name, model in models.items():
+        assert h.ce[name] == pytest.approx(causal_ce(model, end), abs=1e-4), name
+        assert h.eval_text_ce[name] == pytest.approx(causal_ce(model, other), abs=1e-4), name
     assert h.ce["input"] == h.report.ce_before and h.ce["healed"] == h.report.ce_after
-    assert h.original == str(original) and h.heldout == "the held-out text (--eval-text)"
+    assert h.original == str(original) and h.heldout == "the last 10% of the text (never trained on)"
     record = json.loads((tmp_path / "healed" / "config.json").read_text())["normsurgery"]
     assert record["heldout_ce"] == h.ce and record["heldout"]["original"] == str(original)
+    assert record["eval_text_ce"] == h.eval_text_ce and record["eval_text"] == {"windows": 1, "seq_len": 64}
     card = (tmp_path / "healed" / "README.md").read_text()
-    assert f"The original before pruning (`{original}`): {h.ce['original']:.4f} on the same windows." in card
+    assert (f"The original before pruning (`{original}`): {h.ce['original']:.4f} on the same windows, "
+            f"{h.eval_text_ce['original']:.4f} on --eval-text.") in card
+    assert f"| heal (--eval-text) | {h.eval_text_ce['input']:.4f} | {h.eval_text_ce['healed']:.4f} |" in card
     shutil.rmtree(original)
     r = run("heal", tmp_path / "pruned", tmp_path / "again", "--text", SAMPLE, "--steps", 2, "--seq-len", 64,
             "--eval-samples", 3)
@@ -277,9 +286,11 @@ def test_heal_warns_when_it_over_fits_its_text(tmp_path):
             "--seq-len", 32, "--batch-size", 4, "--eval-samples", 4, "--json")
     assert r.exit_code == 0, r.output
     h = json.loads(r.stdout)["heal"]
-    assert h["ce_after"] > h["ce_before"] and h["train_ce_after"] < h["train_ce_before"] - 1.0, h
+    assert h["eval_text_ce_after"] > h["eval_text_ce_before"] and h["train_ce_after"] < h["train_ce_before"] - 0.5, h
+    assert h["cause"] == "overfit" and h["epochs"] > 1
     r = run("heal", LLAMA, tmp_path / "out2", "--text", small, "--eval-text", HELD, "--steps", 30, "--lr", 1e-2,
             "--seq-len", 32, "--batch-size", 4, "--eval-samples", 4)
     said = " ".join(r.output.split())
-    assert r.exit_code == 0 and said.count("warning: healing over-fit its text: held-out CE rose") == 1, r.output
+    assert r.exit_code == 0 and said.count("warning: healing over-fit its text: held-out CE on --eval-text rose") == 1, \
+        r.output
     assert "original before pruning" not in r.output  # the demo model was not pruned: nothing to say

@@ -17,6 +17,7 @@ from normsurgery.cli import app
 from normsurgery.analysis import residual_states
 from normsurgery.prune import count_layers, prune_model, score_layers, select_layers
 
+from conftest import assert_refused
 from models import CAUSAL, CONFIGS, tiny_model, token_ids
 
 LLAMA = "normsurgery/demo/llama-tiny"
@@ -242,15 +243,6 @@ def test_prune_alone_measures_cross_entropy_on_the_held_out_end_of_the_text(tmp_
     assert "on the last 10% of the text (never trained on): 3 windows of 64 tokens" in card
     r = run("prune", LLAMA, tmp_path / "table", "--layers", 2, "--samples", 4, "--seq-len", 64)
     assert r.exit_code == 0 and "held out: the last 10% of the text (never trained on)" in r.output, r.output
-
-
-def assert_refused(result, out, match):
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    assert match in result.output and "Traceback" not in result.output
-    assert not Path(out).exists()
-    assert not [p for p in Path(out).parent.iterdir() if p.name.startswith(f".{Path(out).name}.")]
 
 
 @pytest.mark.parametrize("args, match", [
