@@ -258,7 +258,8 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
           eval_text: str | Path | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
           streaming: bool = False, force: bool = False, progress: Progress = no_progress,
           allow_pickle: bool = False, device: str = "auto") -> PruneResult:
-    """Score the layers of ``src`` on ``text`` (default: the bundled sample), remove the chosen
+    """Score the layers of ``src`` on ``text`` (default: the bundled sample) before its held-out
+    end (where cross-entropy is measured, and on ``eval_text`` beside), remove the chosen
     ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``streaming``:
     scored and copied one part at a time (no cross-entropy, no healing). Computed on ``device``
     (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a
@@ -293,7 +294,6 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     ce, mask_id = {}, getattr(tok, "mask_token_id", None)
     measure = lm and not streaming and data is not None
     other = {} if measure and data.other is not None else None  # CE on --eval-text
-
 
     def measured(name: str, model) -> None:
         if measure:
