@@ -123,3 +123,25 @@ def test_a_card_keeps_the_source_cards_metadata(tmp_path):
     assert header == {"license": "mit", "library_name": "normsurgery",
                       "tags": ["normsurgery", "gpt2", "flashnorm", "text-generation"]}
     assert "TransformerLens" in body  # a causal LM of a family it takes
+
+
+def test_an_adapter_card_names_its_base_by_hub_id_only(tmp_path):
+    """Issue 47.1: the adapter's card is ours (not peft's template); from a local folder its header
+    keeps the source card's base_model and its text names the folder; its config names a hub id
+    when the source was opened by one, else the folder."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    src = tmp_path / "mine"
+    shutil.copytree("normsurgery/demo/llama-tiny", src)
+    (src / "README.md").write_text("---\nlicense: mit\nbase_model: org/base\n---\n# mine\n")
+    ns.heal(src, tmp_path / "adapter", bundled_text()[:20000], save_adapter=True,
+            options={"steps": 1, "seq_len": 32, "batch_size": 2, "eval_samples": 1})
+    header, body = card(tmp_path / "adapter")
+    assert header == {"base_model": "org/base", "license": "mit", "library_name": "peft",
+                      "tags": ["normsurgery", "lora", "peft", "llama", "heal"]}
+    assert "Its base is the local folder `mine`" in body and "Model Card for Model ID" not in body
+    from normsurgery.heal import adapter_base
+
+    assert adapter_base(SimpleNamespace(name="org/model", path=Path("/nowhere"))) == "org/model"
+    assert adapter_base(SimpleNamespace(name=str(src), path=src)) == str(src.resolve())
