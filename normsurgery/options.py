@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, fields
 from .devices import PRECISION_CHOICES, PRECISIONS
 from .errors import SurgeryError, UsageError
 
-__all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE", "METHODS", "ON_OVERFLOW",
-           "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES", "PruneOptions", "STRUCTURES",
-           "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values", "defaults", "flag"]
+__all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
+           "METHODS", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
+           "PruneOptions", "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values",
+           "defaults", "flag"]
 
 #: tokens per window when none is given (or the model's positions when fewer: ``calibration.fit_seq_len``)
 SEQ_LEN = 128

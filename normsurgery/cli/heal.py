@@ -52,7 +52,8 @@ def heal(
                                         help=f"optimizer steps (default {H.steps})"),
     rank: Optional[int] = typer.Option(None, min=AT_LEAST["rank"], metavar="R", help=f"LoRA rank (default {H.rank})"),
     alpha: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="LoRA alpha (default 2 x rank)"),
-    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help=f"learning rate (default by --train: {LR_HELP})"),
+    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X",
+                                      help=f"learning rate (default by --train: {LR_HELP})"),
     target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="linears to adapt, by name, e.g. "
                                                        "q_proj,v_proj (default: every linear in the blocks)"),
     batch_size: Optional[int] = typer.Option(None, min=AT_LEAST["batch_size"], metavar="B",

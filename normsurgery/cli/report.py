@@ -241,7 +241,8 @@ def ce_table(title: str, ce: dict[str, float], recovered: dict | None = None, ot
     columns = ("model", "CE (nats/token)") if other is None else ("model", "held-out end of the text", "--eval-text")
     body = [(name, f"{v:.4f}", *([fmt_ce(other.get(name))] if other is not None else [])) for name, v in ce.items()]
     if rec.get("heldout") is not None or rec.get("eval_text") is not None:
-        body.append(("gap recovered by healing", share("heldout"), *([share("eval_text")] if other is not None else [])))
+        body.append(("gap recovered by healing", share("heldout"),
+                     *([share("eval_text")] if other is not None else [])))
     return table(title, columns, body, right=tuple(range(1, len(columns))))
 
 
