@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import write_json  # noqa: E402
+from normsurgery.options import LEARNING_RATES  # noqa: E402  (no torch: --help stays light)
 
 LLAMA = ROOT / "normsurgery/demo/llama-tiny"
 TEXT, HELD = ROOT / "normsurgery/data/sample.txt", ROOT / "normsurgery/data/heldout.txt"
@@ -30,9 +31,11 @@ TEXT, HELD = ROOT / "normsurgery/data/sample.txt", ROOT / "normsurgery/data/held
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--lr", type=float, default=2e-3, help="learning rate of lora (heal's default)")
-    ap.add_argument("--lr-norms", type=float, default=1e-2, help="learning rate of norms (few parameters: larger)")
-    ap.add_argument("--lr-full", type=float, default=2e-4, help="learning rate of full (every parameter)")
+    ap.add_argument("--lr", type=float, default=LEARNING_RATES["lora"], help="learning rate of lora (heal's default)")
+    ap.add_argument("--lr-norms", type=float, default=LEARNING_RATES["norms"],
+                    help="learning rate of norms (heal's default: few parameters, larger)")
+    ap.add_argument("--lr-full", type=float, default=LEARNING_RATES["full"],
+                    help="learning rate of full (heal's default: every parameter, smaller)")
     ap.add_argument("--json", default=None, help="write the rows as JSON to FILE (- for stdout)")
     args = ap.parse_args()
     import torch

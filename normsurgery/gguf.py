@@ -703,7 +703,8 @@ def export(src, dest, *, dtype: str = GGUF_DTYPES[0], text: str | None = None, t
                                    f"{result.tokenizer['first_difference']}); nothing was written")
             out = Exported({"path": str(dest), "card": f"{dest}.md", "bytes": size}, p.arch, dtype, p.eps_trick,
                            p.widths, voc.pre, c, result.greedy, result.tokenizer)
-            card.write_text(modelcard.gguf_card(dest.name, source.name, source.config, out.as_dict()))
+            card.write_text(modelcard.gguf_card(dest.name, source.name, source.config, out.as_dict(),
+                                                  modelcard.source_header(source.path / modelcard.CARD)))
             os.replace(tmp, dest)
             os.replace(card, f"{dest}.md")
         finally:

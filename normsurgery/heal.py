@@ -11,9 +11,11 @@ pruned model's exact function. Only A and B train, on the language-modelling los
 - causal models: CE(logits_t, x_{t+1}) averaged over positions;
 - BERT: masked LM, 15% of positions predicted (of those 80% [MASK], 10% a random token,
   10% unchanged), CE averaged over the predicted positions.
-Held-out CE is the same loss on fixed windows (fixed masks for BERT), before and after, of text
-never trained on (the end of the text, or the held-out text given); the same loss on as many fixed
-windows of the training text tells over-fitting (held-out CE up while the training text's falls).
+Held-out CE is the same loss on fixed windows (fixed masks for BERT), before and after, of the end
+of the text, never trained on, and of a second text when one is given (--eval-text): healing beyond
+the original on the first alone is adaptation to the text, not recovery (:func:`recovery`). The same
+loss on as many fixed windows of the training text tells why held-out CE rose
+(:attr:`HealReport.cause`: over-fitting, or a learning rate too high for what trains).
 ``heal`` also measures the original before pruning (the input record's prune source) where it
 opens here.
 Merging writes W + (alpha / r) B A back into W: a plain checkpoint of the same architecture.
@@ -76,21 +78,37 @@ class HealReport:
     train: str = "lora"  # what trained (TRAIN_MODES)
     train_ce_before: float | None = None  # CE on fixed windows of the training text (:func:`run` measures it)
     train_ce_after: float | None = None
+    merged: bool = False  # LoRA merged into the weights (False: kept as an adapter, or no adapter trained)
+    eval_text_ce_before: float | None = None  # CE on --eval-text's windows (:func:`run` measures it when given)
+    eval_text_ce_after: float | None = None
 
     @property
-    def overfit(self) -> bool:
-        """Held-out CE rose while CE on the training text fell: healing fit its text, not the language."""
-        return None not in (self.train_ce_before, self.train_ce_after) and self.ce_after > self.ce_before \
-            and self.train_ce_after < self.train_ce_before
+    def rose(self) -> tuple[str, float, float] | None:
+        """The held-out CE healing raised, (what, before, after): the held-out end of the text's, else
+        --eval-text's; None when neither rose."""
+        for what, before, after in (("held-out CE", self.ce_before, self.ce_after),
+                                    ("held-out CE on --eval-text", self.eval_text_ce_before, self.eval_text_ce_after)):
+            if None not in (before, after) and after > before:
+                return what, before, after
+        return None
+
+    @property
+    def cause(self) -> str | None:
+        """Why held-out CE rose (:attr:`rose`), as measured (None: it did not rise, or the training
+        text was not measured): "overfit" when CE on the training text fell after the text was read
+        at least once over (healing fit its text, not the language); "lr" when it rose as well, or
+        fell after less than one reading, too little to over-fit (the steps are too large for what
+        trains)."""
+        if None in (self.train_ce_before, self.train_ce_after) or self.rose is None:
+            return None
+        return "overfit" if self.train_ce_after < self.train_ce_before and self.epochs >= 1 else "lr"
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else float("nan")
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d["tokens_per_second"] = self.tokens_per_second
-        return d
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second, "cause": self.cause}
 
 
 def linear_targets(model) -> list[str]:
@@ -183,7 +201,7 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, st
     report = HealReport(result.ce_before, result.ce_after, result.steps, result.tokens,
                         result.tokens / len(train_ids), result.seconds, rank, alpha, lr,
                         result.trainable_parameters, targets, result.precision, result.processes, result.losses,
-                        train_mode)
+                        train_mode, merged=merge)
     return (peft_model.merge_and_unload() if merge else peft_model), report
 
 
@@ -196,18 +214,19 @@ class HealResult:
     ce: dict[str, float]  # held-out CE of the original before pruning (when measured), the input, the healed model
     heldout: str  # what the held-out CE was measured on (``texts.heldout_text``)
     original: str | None  # the original's name, or why it was not measured; None: the input was not pruned
+    eval_text_ce: dict[str, float] | None = None  # the same three on --eval-text, when given
 
 
 def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = True, accelerator=None,
-        progress=no_progress):
+        progress=no_progress, other: torch.Tensor | None = None):
     """:func:`heal_model` with ``opts``, reporting its steps to ``progress`` (stage "heal", the
     running loss and when it evaluates as the note), and CE on as many fixed windows of the training
-    text as are held out, before and after (what :attr:`HealReport.overfit` compares); returns
-    (model, report, wall seconds)."""
+    text as are held out, before and after (what :attr:`HealReport.cause` compares), and on
+    ``other`` (--eval-text's windows) when given; returns (model, report, wall seconds)."""
     progress("heal", 0, opts.steps, "evaluating held-out CE")
     mask_id = getattr(tokenizer, "mask_token_id", None)
     fit = windows(train_ids, opts.seq_len, len(held), "the training text")
-    train_ce = lambda m: heldout_ce(m, fit, opts.batch_size, mask_token_id=mask_id)  # noqa: E731
+    train_ce = lambda m, w=fit: heldout_ce(m, w, opts.batch_size, mask_token_id=mask_id)  # noqa: E731
 
     def step(done, total, loss):
         progress("heal", done, total, f"loss {loss:.4f}" + ("; evaluating held-out CE" if done == total else ""))
@@ -215,21 +234,52 @@ def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = T
     t0 = time.perf_counter()
     # a sharded run's other processes hold the model on the meta device until training shards it:
     # only the main process (which reports) measures it before
-    before = None if any(p.is_meta for p in model.parameters()) else train_ce(model)
+    meta = any(p.is_meta for p in model.parameters())
+    before = None if meta else train_ce(model)
+    other_before = None if meta or other is None else train_ce(model, other)
     model, report = heal_model(model, train_ids, held, steps=opts.steps, seq_len=opts.seq_len,
-                               batch_size=opts.batch_size, rank=opts.rank, alpha=opts.alpha, lr=opts.lr,
+                               batch_size=opts.batch_size, rank=opts.rank, alpha=opts.alpha, lr=opts.learning_rate,
                                target_modules=opts.target_modules, mask_token_id=mask_id, merge=merge, seed=opts.seed,
                                grad_accum=opts.grad_accum, accelerator=accelerator, train_mode=opts.train,
                                progress=step, patience=opts.patience, eval_every=opts.eval_every)
     report.train_ce_before, report.train_ce_after = before, train_ce(model)
+    if other is not None:
+        report.eval_text_ce_before, report.eval_text_ce_after = other_before, train_ce(model, other)
     return model, report, time.perf_counter() - t0
 
 
-def heldout_record(text: str, held: torch.Tensor, original: str | None = None) -> dict:
+def heldout_record(text: str, windows: dict, original: str | None = None) -> dict:
     """What the record says of the held-out windows: the text (``texts.heldout_text``), their size
-    and (heal alone) the original before pruning, or why it was not measured."""
-    return {"text": text, "windows": len(held), "seq_len": held.shape[1],
-            **({"original": original} if original is not None else {})}
+    (``windows``: ``runner.Texts.heldout``, with why fewer than asked) and (heal alone) the original
+    before pruning, or why it was not measured."""
+    return {"text": text, **windows, **({"original": original} if original is not None else {})}
+
+
+def gap_closed(ce: dict, before: str) -> float | None:
+    """(CE_before - CE_healed) / (CE_before - CE_original): the share of the gap pruning opened
+    (``before``: the pruned model's CE) that healing closed; None where not measured or no gap."""
+    if not {"original", before, "healed"} <= ce.keys():
+        return None
+    gap = ce[before] - ce["original"]
+    return (ce[before] - ce["healed"]) / gap if gap > 0 else None
+
+
+def recovery(ce: dict, other: dict | None, before: str) -> dict:
+    """What healing recovered: the share of the gap closed on the held-out end of the text
+    (``ce``) and on --eval-text (``other``); and, where that is what they show, a note that it is
+    domain adaptation rather than recovery: beyond the original (over 100%) on text of the
+    training text's own kind, or closing the gap there while opening it on --eval-text."""
+    share, theirs = gap_closed(ce, before), gap_closed(other or {}, before)
+    out = {**({"heldout": share} if share is not None else {}), **({"eval_text": theirs} if theirs is not None else {})}
+    if share is not None and (share > 1 or (theirs is not None and theirs < 0 < share)):
+        out["domain_adaptation"] = True
+        out["note"] = ((f"healed beats the original on the held-out end of its own text ({share:.1%} of the gap): "
+                        if share > 1 else f"healing closed {share:.1%} of the gap on the held-out end of its own "
+                        f"text but widened it on --eval-text ({theirs:.1%}): ")
+                       + "that is adaptation to the training text, not recovery of what pruning removed"
+                       + (f"; on --eval-text it closed {theirs:.1%}" if theirs is not None and share > 1 else "")
+                       + ("" if theirs is not None else "; --eval-text FILE (text unlike it) measures recovery"))
+    return out
 
 
 def pruned_from(source: Source) -> dict | None:
@@ -238,9 +288,10 @@ def pruned_from(source: Source) -> dict | None:
     return next((s for s in reversed(steps) if isinstance(s.get("prune"), dict)), None)
 
 
-def original_ce(job: Job, held: torch.Tensor, mask_token_id: int | None) -> tuple[float | None, str | None]:
-    """Held-out CE of the model the input was pruned from (its record's prune source) where that
-    opens here, and its name; else (None, why not). (None, None) when the input was not pruned."""
+def original_ce(job: Job, held: list, mask_token_id: int | None) -> tuple[list | None, str | None]:
+    """CE of the model the input was pruned from (its record's prune source) on each of ``held``
+    (window sets; None: not measured) where that opens here, and its name; else (None, why not).
+    (None, None) when the input was not pruned."""
     step = pruned_from(job.source)
     if step is None:
         return None, None
@@ -253,53 +304,125 @@ def original_ce(job: Job, held: torch.Tensor, mask_token_id: int | None) -> tupl
         return None, (f"not available: {name} has {original.config.num_hidden_layers} layers and a vocabulary of "
                       f"{original.config.vocab_size}; the record pruned {before} layers of this vocabulary")
     model = Work(original, original.storage, device=job.device).load_all()
-    return heldout_ce(model, held, mask_token_id=mask_token_id), name
+    return [None if w is None else heldout_ce(model, w, mask_token_id=mask_token_id) for w in held], name
+
+
+def eval_text_record(ce: dict | None, windows: dict | None) -> dict:
+    """The record's entries for --eval-text (none without it): the CEs measured on it and its windows."""
+    return {} if ce is None else {"eval_text_ce": ce, "eval_text": windows}
 
 
 def summary(report: HealReport) -> dict:
     return {k: v for k, v in report.as_dict().items() if k != "losses"}
 
 
-def write_adapter(peft_model, folder: Path, base, source: Source | None = None) -> None:
-    """Write the peft adapter into ``folder``; ``base`` is what adapter_config.json names;
-    ``source``'s tokenizer files are copied."""
-    peft_model.peft_config["default"].base_model_name_or_path = str(base)
-    peft_model.save_pretrained(folder, save_embedding_layers=False)  # LoRA never touches embeddings
-    if source is not None:
-        for f in source.path.glob("*token*"):
-            shutil.copy2(f, Path(folder) / f.name)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter taken out of its peft model (before it is merged or unloaded, which would take
+    the adapters out of it): the tensors as peft names them in its files, and its config."""
+
+    tensors: dict[str, torch.Tensor]
+    config: object  # peft's LoraConfig
+    expected: dict[str, tuple[int, ...]]  # every LoRA parameter of the model, as named in the files, and its shape
+
+
+def take_adapter(peft_model) -> Adapter:
+    """The adapter of ``peft_model``, copied to the CPU (peft's state dict of it, embeddings aside:
+    LoRA never touches them), with every LoRA parameter the model holds, by name, to check a save
+    against (:func:`write_adapter`)."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+
+    name = peft_model.active_adapter
+    state = get_peft_model_state_dict(peft_model, adapter_name=name, save_embedding_layers=False)
+    expected = {n.replace(f".{name}.", "."): tuple(p.shape) for n, p in peft_model.named_parameters()
+                if re.search(r"\.lora_[AB]\.", n)}
+    return Adapter({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()},
+                   copy.deepcopy(peft_model.peft_config[name]), expected)
+
+
+def write_adapter(adapter: Adapter, folder: Path, base: str, *, source: Source, record: dict, name: str) -> dict:
+    """The one way an adapter is saved (``heal --save-adapter``, ``prune --heal --save-adapter``):
+    ``adapter``'s config (naming ``base``, the folder or hub id peft loads it onto) and tensors written
+    into ``folder``, ``source``'s tokenizer files copied, then the file read back: it must hold every
+    LoRA parameter of the model (by name and shape) with the values trained, or nothing is kept (a
+    SurgeryError). The card (``modelcard.write_adapter``) gives ``record``. Returns what the file holds."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from . import modelcard
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = adapter.config
+    config.base_model_name_or_path = str(base)
+    config.save_pretrained(folder)
+    save_file(adapter.tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    with safe_open(folder / ADAPTER_WEIGHTS, "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    missing = [k for k in adapter.expected if k not in saved or tuple(saved[k].shape) != adapter.expected[k]]
+    changed = [k for k in adapter.expected if k not in missing and not torch.equal(saved[k], adapter.tensors[k])]
+    if missing or changed or not adapter.expected:
+        what = (f"{len(missing)} of its {len(adapter.expected)} LoRA tensors missing or misshapen (first "
+                f"{missing[0]})" if missing else f"{len(changed)} LoRA tensors differ from those trained (first "
+                f"{changed[0]})" if changed else "no LoRA tensor at all")
+        raise SurgeryError(f"the adapter written to {folder} holds {what}; nothing was saved")
+    for f in source.path.glob("*token*"):
+        shutil.copy2(f, folder / f.name)
+    info = {"tensors": len(saved), "parameters": sum(t.numel() for t in saved.values()), "rank": config.r,
+            "alpha": config.lora_alpha, "base": str(base)}
+    modelcard.write_adapter(folder, record, info, source, name)
+    return info
+
+
+def adapter_base(source: Source) -> str:
+    """What an adapter's config names as its base: the hub id ``source`` was opened by, else its folder."""
+    from .modelcard import hub_id
+
+    return source.name if hub_id(source.name) else str(source.path.resolve())
 
 
 def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: HealOptions | dict | None = None,
          save_adapter: bool = False, force: bool = False, progress=no_progress,
          allow_pickle: bool = False, device: str = "auto") -> HealResult:
     """LoRA on the remaining linears of ``src`` (LM loss; MLM for BERT) on ``text`` (its end held
-    out unless ``eval_text``), merged and saved to ``out`` as a plain checkpoint (or, with
+    out; ``eval_text``, a second text, measured beside), merged and saved to ``out`` as a plain checkpoint (or, with
     ``save_adapter``, the adapter alone, base ``src``); computed on ``device`` (``devices``).
     ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a file to read."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
     opts = options if isinstance(options, HealOptions) else HealOptions(**(options or {}))
     opts.check(save_adapter)
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
-    train_ids, held = job.training_data(text, eval_text, opts)
+    data = job.training_data(text, eval_text, opts)
+    held = data.held
     acc = job.make_accelerator(opts.precision)
     tok = job.source.tokenizer
-    ce_original, original = original_ce(job, held, getattr(tok, "mask_token_id", None))  # then freed: one model
+    # then freed: one model at a time
+    ce_original, original = original_ce(job, [held, data.other], getattr(tok, "mask_token_id", None))
     model = job.load(trains=True)
     require_lm(model)
-    model, report, seconds = run(model, tok, train_ids, held, opts, merge=not save_adapter,
+    model, report, seconds = run(model, tok, data.train_ids, held, opts, merge=not save_adapter, other=data.other,
                                  accelerator=acc, progress=progress if job.main else no_progress)
-    ce = {**({"original": ce_original} if ce_original is not None else {}), "input": report.ce_before,
+    ce = {**({"original": ce_original[0]} if ce_original else {}), "input": report.ce_before,
           "healed": report.ce_after}
-    on = heldout_text(eval_text, opts.eval_fraction)
-    record = job.record(heal=summary(report), heldout_ce=ce, heldout=heldout_record(on, held, original))
+    other = None if data.other is None else {**({"original": ce_original[1]} if ce_original else {}),
+                                             "input": report.eval_text_ce_before, "healed": report.eval_text_ce_after}
+    on = heldout_text(opts.eval_fraction)
+    record = job.record(heal=summary(report), heldout_ce=ce, heldout=heldout_record(on, data.heldout, original),
+                        **eval_text_record(other, data.other_record), recovered=recovery(ce, other, "input"))
     if save_adapter:
         saved = None
         if job.main:
+            adapter = take_adapter(model)
             with writing(out, force=force, source=job.source.path) as stage:
-                write_adapter(model, stage.path, job.source.path.resolve(), job.source)
-            saved = written(out, stage, {})
+                held_info = write_adapter(adapter, stage.path, adapter_base(job.source), source=job.source,
+                                          record=record, name=Path(out).name)
+            saved = written(out, stage, {"adapter": held_info})
         acc.wait_for_everyone()
     else:
         saved = job.save(model, record, held[:4])
-    return HealResult(report, seconds, saved, record, ce, on, original)
+    return HealResult(report, seconds, saved, record, ce, on, original, other)

@@ -2,10 +2,16 @@
 
 Made from what the folder's config records under "normsurgery" (the record: passes and their
 options, notes and parity; prune and heal summaries; held-out losses) and from the reload check
-(how the folder loads, and what it computes against the reference): a YAML header with
-``base_model``, ``library_name`` and ``tags``, then what was done, the parity measured, the
-losses of trained steps and how to load the folder. An input's own README.md, copied with its
-side files, is kept as README.source.md.
+(how the folder loads, and what it computes against the reference): a YAML header, then what was
+done, the parity measured, the losses of trained steps and how to load the folder. An input's own
+README.md, copied with its side files, is kept as README.source.md.
+
+The header keeps what the input's card says of the model's lineage and use (:data:`KEPT`: license,
+language, datasets, pipeline tag, library and tags; not model-index, whose scores were measured on
+the input) and adds ours: the tag ``normsurgery`` (which ``--force`` recognises), the family and
+the steps. ``base_model`` is a hub id or nothing, never a local path: the source when it is a hub
+id, else the config's ``_name_or_path``, else the input card's own ``base_model``. An unmerged
+LoRA adapter gets a card of its own (:func:`write_adapter`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from .version import __version__
 
 CARD = "README.md"
 SOURCE_CARD = "README.source.md"
+#: how a causal LM's class name ends (TransformerLens, ``normsurgery.lens``, takes no other)
+CAUSAL_CLASSES = ("ForCausalLM", "LMHeadModel")
+#: what a card keeps of its input card's YAML header
+KEPT = ("language", "license", "license_name", "license_link", "library_name", "pipeline_tag", "datasets", "tags",
+        "base_model")
 #: the command line of the CLI run writing the folder (set by the CLI; None: the Python API)
 COMMAND: list[str] | None = None
 
@@ -30,22 +41,96 @@ def write(folder: Path, record: dict, reload: dict | None, config, name: str) ->
     folder = Path(folder)
     if (folder / CARD).exists():
         (folder / CARD).rename(folder / SOURCE_CARD)
-    (folder / CARD).write_text(render(record, reload, config, name, (folder / SOURCE_CARD).exists()))
+    (folder / CARD).write_text(render(record, reload, config, name, (folder / SOURCE_CARD).exists(),
+                                      source_header(folder / SOURCE_CARD)))
 
 
-def render(record: dict, reload: dict | None, config, name: str, source_card: bool = False) -> str:
-    import torch
-    import transformers
+def source_header(card: Path) -> dict:
+    """The YAML header of the card ``card`` (a README.md): {} when there is none, or it does not parse."""
+    import yaml
 
+    try:
+        text = Path(card).read_text(errors="replace")
+    except OSError:
+        return {}
+    m = re.match(r"---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(\r?\n|$)", text, re.S)
+    try:
+        data = yaml.safe_load(m.group(1)) if m else None
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def header(record: dict, config, kept: dict, library: str, tags: list[str], own_library: bool = False) -> list[str]:
+    """The card's YAML header, between its ``---`` lines: what ``kept`` (the input card's header,
+    :func:`source_header`) says under :data:`KEPT`, our ``tags`` before its own, ``library`` where it
+    names none (or always, ``own_library``: an exported file loads with its own runtime), and
+    ``base_model`` (:func:`base_model`)."""
+    import yaml
+
+    meta = {k: kept[k] for k in KEPT if k in kept and k not in ("base_model", "tags")}
+    base = base_model(record, config, kept)
+    if base:
+        meta = {"base_model": base, **meta}
+    if own_library or not isinstance(meta.get("library_name"), str):
+        meta["library_name"] = library
+    theirs = kept.get("tags")
+    theirs = [theirs] if isinstance(theirs, str) else [t for t in theirs or [] if isinstance(t, str)]
+    meta["tags"] = list(dict.fromkeys([*tags, *theirs]))
+    return ["---", *yaml.safe_dump(meta, sort_keys=False, allow_unicode=True, width=10_000).splitlines(), "---"]
+
+
+def render(record: dict, reload: dict | None, config, name: str, source_card: bool = False,
+           kept: dict | None = None) -> str:
     passes = [p["name"] for p in record.get("passes") or []] + [k for k in ("prune", "heal", "squeeze")
                                                                   if k in record]
     tags = ["normsurgery", config.model_type, *dict.fromkeys(passes)]
     arch = (getattr(config, "architectures", None) or ["?"])[0]
-    lines = ["---", *_base_model(record, config), "library_name: normsurgery", "tags:",
-             *(f"- {t}" for t in tags), "---", "", f"# {name}", "",
+    lines = [*header(record, config, kept or {}, "normsurgery", tags), "", f"# {name}", "",
              f"`{arch}` ({config.model_type}) written by normsurgery {record.get('version', __version__)} from "
-             f"`{record.get('source', '?')}`" + (" (its own card: README.source.md)" if source_card else "") + ".", "",
-             "## What was done", "",
+             f"`{record.get('source', '?')}`" + (" (its own card: README.source.md)" if source_card else "") + ".", ""]
+    lines += _what_was_done(record)
+    lines += ["", "## Parity", ""] + _parity(record, reload)
+    lines += _losses(record)
+    auto = next(iter(getattr(config, "auto_map", None) or {}), "AutoModel")
+    lines += ["", "## How to load", ""] + _loading(reload, arch, auto)
+    return "\n".join(lines) + "\n"
+
+
+def write_adapter(folder: Path, record: dict, adapter: dict, source, name: str) -> None:
+    """The card of an unmerged LoRA adapter (``heal.write_adapter``) named ``name``: what it holds
+    (``adapter``: its tensors, parameters, rank, alpha and the base its config names), what was
+    done (``record``), the held-out losses, and how to load it onto its base. The header's
+    ``base_model`` is the source's hub id; from a local folder, the source card's own
+    ``base_model`` (when it names one), the folder itself named in the text."""
+    folder = Path(folder)
+    config = source.config
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    base = adapter["base"]
+    where = f"`{source.name}` on the hub" if hub_id(source.name) else f"the local folder `{Path(source.name).name}`"
+    if "prune" in record:
+        where = f"the pruned model in the folder holding this one (`..`), pruned from {where}"
+    lines = [*header(record, config, source_header(source.path / CARD), "peft",
+                     ["normsurgery", "lora", "peft", config.model_type, *(k for k in ("prune", "heal") if k in record)],
+                     own_library=True), "", f"# {name}", "",
+             f"A LoRA adapter (peft) written by normsurgery {record.get('version', __version__)}, unmerged: rank "
+             f"{adapter['rank']}, alpha {adapter['alpha']:g}, {adapter['tensors']} tensors, {adapter['parameters']:,} "
+             f"parameters, checked after writing (every LoRA tensor trained is in `adapter_model.safetensors`). "
+             f"Its base is {where}; its config names `{base}`.", ""]
+    lines += _what_was_done(record)
+    lines += _losses(record)
+    lines += ["", "## How to load", "", "```python", "import peft, transformers",
+              f"base = transformers.{arch}.from_pretrained(\"BASE\")  # {base}",
+              "model = peft.PeftModel.from_pretrained(base, \"PATH\")",
+              "merged = model.merge_and_unload()  # a plain model, as heal without --save-adapter saves it", "```"]
+    (folder / CARD).write_text("\n".join(lines) + "\n")
+
+
+def _what_was_done(record: dict) -> list[str]:
+    import torch
+    import transformers
+
+    lines = ["## What was done", "",
              "- command line: " + (f"`normsurgery {shlex.join(COMMAND)}`" if COMMAND is not None else
                                    "the Python API (" + (sys.argv[0] or "python") + ")"),
              f"- versions: normsurgery {__version__}, torch {torch.__version__}, "
@@ -58,14 +143,15 @@ def render(record: dict, reload: dict | None, config, name: str, source_card: bo
         for i, h in enumerate(record["history"], 1):
             lines.append(f"{i}. from `{h.get('source', '?')}` (normsurgery {h.get('version', '?')})")
             lines += [f"   {row}" for row in _done(h)]
-    lines += ["", "## Parity", ""] + _parity(record, reload)
+    return lines
+
+
+def _losses(record: dict) -> list[str]:
     trained = _trained(record)
-    if trained:
-        lines += ["", "## Held-out loss (trained steps)", "", "| step | cross-entropy before | after | tokens |",
-                  "|---|---|---|---|", *trained, *_heldout(record)]
-    auto = next(iter(getattr(config, "auto_map", None) or {}), "AutoModel")
-    lines += ["", "## How to load", ""] + _loading(reload, arch, auto)
-    return "\n".join(lines) + "\n"
+    if not trained:
+        return []
+    return ["", "## Held-out loss (trained steps)", "", "| step | cross-entropy before | after | tokens |",
+            "|---|---|---|---|", *trained, *_heldout(record)]
 
 
 def write_export(folder: Path, name: str, source: str, config, parity: dict, with_past: bool,
@@ -80,8 +166,8 @@ def write_export(folder: Path, name: str, source: str, config, parity: dict, wit
         (folder / CARD).rename(folder / SOURCE_CARD)
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     p = parity
-    lines = ["---", *_base_model({"source": source}, config), "library_name: onnx", "tags:", "- normsurgery", "- onnx",
-             f"- {config.model_type}", "---", "", f"# {name}", "",
+    lines = [*header({"source": source}, config, source_header(folder / SOURCE_CARD), "onnx",
+                     ["normsurgery", "onnx", config.model_type], own_library=True), "", f"# {name}", "",
              f"`{arch}` ({config.model_type}) from `{source}`, exported to ONNX by normsurgery {__version__} "
              f"(torch {torch.__version__}, TorchScript exporter), checked in onnxruntime {onnxruntime.__version__}.",
              "", "## Graph", "", "- inputs: `input_ids`, `attention_mask` (int64; dynamic batch and sequence)"
@@ -101,14 +187,15 @@ def write_export(folder: Path, name: str, source: str, config, parity: dict, wit
     (folder / CARD).write_text("\n".join(lines) + "\n")
 
 
-def gguf_card(name: str, source: str, config, result: dict) -> str:
+def gguf_card(name: str, source: str, config, result: dict, kept: dict | None = None) -> str:
     """The card beside a GGUF file (``NAME.md``): what was written, what llama.cpp computed against
-    transformers (``result``: ``gguf.Exported.as_dict``) and how to run it."""
+    transformers (``result``: ``gguf.Exported.as_dict``) and how to run it; ``kept``: the source
+    card's header (:func:`source_header`)."""
     p, g = result["parity"], result["greedy"]
     trick = (" Every norm was removed (remove-ln): written with eps = 1e12 and gains 1e6, which llama.cpp's norm "
              "turns into the identity." if result["eps_trick"] else "")
-    lines = ["---", *_base_model({"source": source}, config), "library_name: gguf", "tags:", "- normsurgery",
-             "- gguf", f"- {config.model_type}", "---", "", f"# {name}", "",
+    lines = [*header({"source": source}, config, kept or {}, "gguf", ["normsurgery", "gguf", config.model_type],
+                     own_library=True), "", f"# {name}", "",
              f"`{source}` ({config.model_type}) as GGUF by normsurgery {__version__}: llama.cpp architecture "
              f"`{result['arch']}`, matrices in {result['dtype'].upper()} (1-D tensors F32), pre-tokenizer "
              f"`{result['pre_tokenizer']}`.{trick}", "", "## Checked in llama.cpp", "",
@@ -127,13 +214,16 @@ def hub_id(name) -> bool:
             and not Path(name).exists())
 
 
-def _base_model(record: dict, config) -> list[str]:
-    """The header's ``base_model``: a hub id only (the source, else the config's ``_name_or_path``);
-    a local folder is no model on the hub, so the line is left out."""
+def base_model(record: dict, config, kept: dict | None = None):
+    """The header's ``base_model``: a hub id only (the source, else the config's ``_name_or_path``,
+    else what the input card names when every entry is one); None: a local folder is no model on
+    the hub, so the line is left out."""
     for name in (record.get("source"), getattr(config, "_name_or_path", None)):
         if hub_id(name):
-            return [f"base_model: {name}"]
-    return []
+            return name
+    theirs = (kept or {}).get("base_model")
+    names = [theirs] if isinstance(theirs, str) else theirs if isinstance(theirs, list) else []
+    return theirs if names and all(hub_id(n) for n in names) else None
 
 
 def _device(device: dict | None) -> list[str]:
@@ -156,8 +246,9 @@ def _done(record: dict) -> list[str]:
                     f"scored on {pr.get('text_tokens', 0)} tokens)")
     if "heal" in record:
         h = record["heal"]
-        what = {"norms": "the norms' gains and biases", "full": "every parameter"}.get(
-            h.get("train"), f"LoRA rank {h.get('rank')}, merged")
+        lora = f"LoRA rank {h.get('rank')}" + {True: ", merged", False: ", kept unmerged as an adapter"}.get(
+            h.get("merged"), "")
+        what = {"norms": "the norms' gains and biases", "full": "every parameter"}.get(h.get("train"), lora)
         precision = {"no": "fp32"}.get(h.get("mixed_precision"), h.get("mixed_precision"))
         rows.append(f"- **heal**: {what}, {h.get('steps')} steps, {h.get('tokens')} tokens, precision {precision}")
     if "squeeze" in record:
@@ -220,12 +311,13 @@ def _trained(record: dict) -> list[str]:
                 rows.append(f"| {p['name']}: the vanilla fine-tune at the same budget (control; the pass is "
                             f"{h['gap_to_control']:+.4f} from it) | {h['ce_before']:.4f} | {h['ce_control']:.4f} | "
                             f"{h['control_tokens']} |")
-    ce = record.get("heldout_ce") or {}
-    if "original" in ce and "pruned" in ce:
-        rows.append(f"| prune | {ce['original']:.4f} | {ce['pruned']:.4f} | 0 |")
     h = record.get("heal")
-    if h and h.get("ce_before") is not None:
-        rows.append(f"| heal | {h['ce_before']:.4f} | {h['ce_after']:.4f} | {h['tokens']} |")
+    for ce, on in ((record.get("heldout_ce") or {}, ""), (record.get("eval_text_ce") or {}, " (--eval-text)")):
+        if "original" in ce and "pruned" in ce:
+            rows.append(f"| prune{on} | {ce['original']:.4f} | {ce['pruned']:.4f} | 0 |")
+        before = ce.get("pruned", ce.get("input"))
+        if h and before is not None and ce.get("healed") is not None:
+            rows.append(f"| heal{on} | {before:.4f} | {ce['healed']:.4f} | {h['tokens']} |")
     sq = record.get("squeeze") or {}
     for c in sq.get("cycles") or []:
         rows.append(f"| squeeze cycle {c['cycle']} | {c['ce_released']:.4f} | {c['ce_after']:.4f} | {c['tokens']} |")
@@ -239,13 +331,26 @@ def _trained(record: dict) -> list[str]:
 def _heldout(record: dict) -> list[str]:
     """What the held-out cross-entropy was measured on (prune, heal) and, healing a pruned model,
     the original's on the same windows."""
-    h, ce = record.get("heldout"), record.get("heldout_ce") or {}
+    h, ce, other = record.get("heldout"), record.get("heldout_ce") or {}, record.get("eval_text")
     if not h:
         return []
-    rows = ["", f"Cross-entropy in nats per token on {h['text']}: {h['windows']} windows of {h['seq_len']} tokens."]
+    rows = ["", f"Cross-entropy in nats per token on {h['text']}: {h['windows']} windows of {h['seq_len']} tokens"
+            + (f" ({h['fewer']})" if h.get("fewer") else "") + "."]
+    if other:
+        rows.append(f"(--eval-text): on a second text, never trained on: {other['windows']} windows of "
+                    f"{other['seq_len']} tokens" + (f" ({other['fewer']})" if other.get("fewer") else "") + ".")
     if "original" in h:
-        rows.append(f"The original before pruning (`{h['original']}`): {ce['original']:.4f} on the same windows."
+        theirs = (record.get("eval_text_ce") or {}).get("original")
+        rows.append(f"The original before pruning (`{h['original']}`): {ce['original']:.4f} on the same windows"
+                    + (f", {theirs:.4f} on --eval-text" if theirs is not None else "") + "."
                     if "original" in ce else f"The original before pruning: {h['original']}.")
+    rec = record.get("recovered") or {}
+    shares = [f"{rec[k]:.1%} on {what}" for k, what in (("heldout", "the held-out end of the text"),
+                                                       ("eval_text", "--eval-text")) if rec.get(k) is not None]
+    if shares:
+        rows.append(f"Share of the gap pruning opened that healing closed: {', '.join(shares)}.")
+    if rec.get("note"):
+        rows.append(f"**Note**: {rec['note']}.")
     return rows
 
 
@@ -260,7 +365,8 @@ def _loading(reload: dict | None, arch: str, auto: str) -> list[str]:
             "- " + ("plain transformers, no remote code" if plain else
                     "rewritten modules: the runtime beside the weights (modeling_normsurgery.py) loads as remote code"),
             "- ONNX Runtime: `normsurgery export PATH onnx/ --to onnx` (checked against this model in ONNX Runtime).",
-            "- TransformerLens (GPT-2 and Llama families): `normsurgery.lens(\"PATH\")`."]
+            *(["- TransformerLens (GPT-2 and Llama families): `normsurgery.lens(\"PATH\")`."]
+              if arch.endswith(CAUSAL_CLASSES) else [])]
 
 
 def _num(x) -> str:

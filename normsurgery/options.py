@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, fields
 from .devices import PRECISION_CHOICES, PRECISIONS
 from .errors import SurgeryError, UsageError
 
-__all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "MAX_SHARD_SIZE", "METHODS", "ON_OVERFLOW",
-           "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES", "PruneOptions", "STRUCTURES",
-           "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values", "defaults", "flag"]
+__all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
+           "METHODS", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
+           "PruneOptions", "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values",
+           "defaults", "flag"]
 
 #: tokens per window when none is given (or the model's positions when fewer: ``calibration.fit_seq_len``)
 SEQ_LEN = 128
@@ -25,6 +26,11 @@ SEQ_LEN = 128
 METHODS = ("angular", "block-influence", "last")
 #: heal / squeeze --train, prune --heal --train: what trains
 TRAIN_MODES = ("lora", "norms", "full")
+#: heal's --lr when none is given, by --train (``HealOptions.learning_rate``): the rates measured best of those
+#: tried on the demo llama-tiny pruned by 2 layers (benchmarks/bench_heal_modes.py, README "heal"); every
+#: parameter (full) takes a tenth of LoRA's rate (at LoRA's, held-out CE rose after a quarter epoch on
+#: SmolLM2-135M), the few gains of the norms five times it
+LEARNING_RATES = {"lora": 2e-3, "norms": 1e-2, "full": 2e-4}
 #: squeeze --structure: what the masks remove (``squeeze``)
 STRUCTURES = ("units", "heads", "channels")
 #: squeeze's retraining steps in all when --steps-per-cycle is not given, split evenly over the cycles
@@ -93,7 +99,7 @@ class HealOptions:
     steps: int = 200
     rank: int = 8
     alpha: float | None = None  # default 2 x rank
-    lr: float = 2e-3
+    lr: float | None = None  # default: LEARNING_RATES[train] (:meth:`learning_rate`)
     target_modules: list[str] | None = None  # linears to adapt, by name (default: every linear in the blocks)
     batch_size: int = 8  # windows per micro-batch and process
     seq_len: int | None = None  # default: SEQ_LEN, or the model's positions when fewer
@@ -105,6 +111,11 @@ class HealOptions:
     train: str = "lora"  # TRAIN_MODES
     patience: int = 0  # stop once held-out CE went this many evaluations without improving (0: every step runs)
     eval_every: int = 25  # steps between those evaluations (with patience)
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or when none was given the default of what trains (:data:`LEARNING_RATES`)."""
+        return self.lr if self.lr is not None else LEARNING_RATES[self.train]
 
     def check(self, save_adapter: bool = False) -> None:
         """The ranges the command line enforces, for values that came from a recipe or the API too."""

@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 from .analysis import blocks_of, forward_base, residual_capture
-from .calibration import bundled_text, fit_seq_len, tokenize, windows
+from .calibration import bundled_text, fit_seq_len, windows
 from .errors import SurgeryError
 from .families import family, layout
-from .heal import HealOptions, HealReport, heldout_record, summary, write_adapter
+from .heal import HealOptions, HealReport, eval_text_record, heldout_record, recovery, summary, take_adapter, \
+    write_adapter
 from .heal import run as heal_run
 from .layout import LM_OBJECTIVES
 from .options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
@@ -250,13 +251,15 @@ class PruneResult:
     record: dict  # what the saved config records under "normsurgery"
     saved: dict | None  # None on a secondary process of a distributed heal
     streaming: str | None
+    eval_text_ce: dict[str, float] | None = None  # the same CEs on --eval-text, when given
 
 
 def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | Path | None = None,
           eval_text: str | Path | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
           streaming: bool = False, force: bool = False, progress: Progress = no_progress,
           allow_pickle: bool = False, device: str = "auto") -> PruneResult:
-    """Score the layers of ``src`` on ``text`` (default: the bundled sample), remove the chosen
+    """Score the layers of ``src`` on ``text`` (default: the bundled sample) before its held-out
+    end (where cross-entropy is measured, and on ``eval_text`` beside), remove the chosen
     ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``streaming``:
     scored and copied one part at a time (no cross-entropy, no healing). Computed on ``device``
     (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a
@@ -278,7 +281,7 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     if (hopts is not None or eval_text is not None) and not lm:
         raise SurgeryError(f"{source.class_name} has no language-modelling head: cross-entropy and healing need "
                            "a causal or masked LM")
-    cal, train_ids, held = _windows(job, opts, hopts, text, eval_text, lm and not streaming)
+    cal, data = _windows(job, opts, hopts, text, eval_text)
     why = "asked for (--streaming)" if streaming else None
     work = Work(source, source.storage, streamed=streaming, alone=True, device=job.device)
     acc = job.make_accelerator(hopts.precision) if hopts is not None else None
@@ -289,53 +292,59 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
                                   progress=progress)
     selection = select_layers(opts.method, n, scores, layers)
     ce, mask_id = {}, getattr(tok, "mask_token_id", None)
-    measure = held is not None
-    if measure:
-        ce["original"] = heldout_ce(work.load_all(), held, mask_token_id=mask_id)
+    measure = lm and not streaming and data is not None
+    other = {} if measure and data.other is not None else None  # CE on --eval-text
+
+    def measured(name: str, model) -> None:
+        if measure:
+            ce[name] = heldout_ce(model, data.held, mask_token_id=mask_id)
+            if other is not None:
+                other[name] = heldout_ce(model, data.other, mask_token_id=mask_id)
+
+    measured("original", work.load_all() if measure else None)
     removed = prune_model(work.model, selection.layers)
     work.replan()
-    if measure:
-        ce["pruned"] = heldout_ce(work.model, held, mask_token_id=mask_id)
-    on = heldout_text(eval_text, (hopts or HealOptions()).eval_fraction) if measure else None
+    measured("pruned", work.model)
+    on = heldout_text((hopts or HealOptions()).eval_fraction) if measure else None
     record = job.record(**({"streaming": True} if streaming else {}),
                         prune={**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0},
                         heldout_ce=ce,  # filled in as it is measured (healed: after healing)
-                        **({"heldout": heldout_record(on, held)} if measure else {}))
+                        **({"heldout": heldout_record(on, data.heldout)} if measure else {}),
+                        **eval_text_record(other, data and data.other_record))
     probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
     report = seconds = model = None
     if hopts is not None:
-        model, report, seconds = heal_run(work.load_all(), tok, train_ids, held, hopts,
-                                          merge=not save_adapter, accelerator=acc,
+        model, report, seconds = heal_run(work.load_all(), tok, data.train_ids, data.held, hopts,
+                                          merge=not save_adapter, accelerator=acc, other=data.other,
                                           progress=progress if acc.is_main_process else no_progress)
         ce["healed"] = report.ce_after
+        if other is not None:
+            other["healed"] = report.eval_text_ce_after
         record["heal"] = summary(report)
+        record["recovered"] = recovery(ce, other, "pruned")
     saved = _save_pruned(job, work, model, record, probe, save_adapter, progress)
     return PruneResult(selection, scores, removed, ce, on, None if lm else source.class_name, report, seconds,
-                       record, saved, why)
+                       record, saved, why, other)
 
 
-def _windows(job: Job, opts: PruneOptions, hopts: HealOptions | None, text: str | None,
-             eval_text: str | None, measure: bool):
-    """(calibration windows of the whole text, or None for ``--method last`` without a tokenizer;
-    healing's training ids; held-out windows: ``eval_text``, else the end of the text, as
-    healing holds it out; None when nothing is ``measure``d)."""
+def _windows(job: Job, opts: PruneOptions, hopts: HealOptions | None, text: str | None, eval_text: str | None):
+    """(calibration windows of the text before its held-out end; the text split as healing splits it,
+    ``runner.Texts``), both None for ``--method last`` without a tokenizer. Layer scores never read
+    the held-out end, on which the original's and the pruned model's CE are measured."""
     source = job.source
     opts.seq_len = fit_seq_len(source.positions, opts.seq_len)
-    tok = source.tokenizer
-    if tok is None and (opts.method != "last" or hopts is not None):
-        raise SurgeryError(f"{source.name} has no tokenizer: --method {opts.method}"
-                           f"{' and --heal' if hopts else ''} need one to read text (--method last alone does not)")
-    if text is None and tok is not None:
-        text = bundled_text()
-    cal = windows(tokenize(tok, text), opts.seq_len, opts.samples) if tok is not None else None
-    if hopts is None:
-        if not measure or tok is None:
-            return cal, None, None
-        return cal, None, job.training_data(text, eval_text, HealOptions(seq_len=opts.seq_len,
-                                                                         eval_samples=opts.eval_samples))[1]
-    hopts.seq_len = hopts.seq_len or opts.seq_len
-    hopts.batch_size = opts.batch_size
-    return (cal, *job.training_data(text, eval_text, hopts))
+    if source.tokenizer is None:
+        if opts.method != "last" or hopts is not None:
+            raise SurgeryError(f"{source.name} has no tokenizer: --method {opts.method}"
+                               f"{' and --heal' if hopts else ''} need one to read text (--method last alone does "
+                               "not)")
+        return None, None
+    if hopts is not None:
+        hopts.seq_len = hopts.seq_len or opts.seq_len
+        hopts.batch_size = opts.batch_size
+    data = job.training_data(bundled_text() if text is None else text, eval_text,
+                             hopts or HealOptions(seq_len=opts.seq_len, eval_samples=opts.eval_samples))
+    return windows(data.train_ids, opts.seq_len, opts.samples, "the calibration text"), data
 
 
 def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor, keep_adapter: bool,
@@ -349,10 +358,14 @@ def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor
                        device=work.device)
         return save_work(work, job.out, storage=work.dtype, record=lambda _: record, check=Check(t, reference),
                          force=job.force, progress=progress).info
-    model = healed
-    extra = None
-    if keep_adapter:
-        peft_model, model = model, model.unload()
-        dest = job.out.expanduser().resolve()
-        extra = lambda folder: write_adapter(peft_model, folder / "adapter", dest)  # noqa: E731
-    return job.save(model, record, probe, extra=extra, progress=progress)
+    if not keep_adapter:
+        return job.save(healed, record, probe, progress=progress)
+    adapter = take_adapter(healed)  # before unload() takes the adapters out of the model
+    held = {}
+
+    def extra(folder: Path) -> None:
+        held.update(write_adapter(adapter, folder / "adapter", job.out.expanduser().resolve(), source=job.source,
+                                  record=record, name=f"{job.out.name}/adapter"))
+
+    saved = job.save(healed.unload(), record, probe, extra=extra, progress=progress)
+    return saved and {**saved, "adapter": held}

@@ -7,7 +7,8 @@ any work: the checkpoint resolved (``checkpoint.Source``), the output checked
 (``output.check_output``: never the input, never a folder of the user's, writable) and the device
 chosen (``devices.choose``). Then:
 
-- :meth:`Job.training_data`: the text split into training ids and held-out windows;
+- :meth:`Job.training_data`: the text split into training ids and held-out windows (and
+  ``--eval-text``'s windows);
 - :meth:`Job.make_accelerator`: the training processes' accelerator on that device, with the
   precision asked for;
 - :meth:`Job.load`: the checkpoint whole, on the device (the one-part plan of ``sweep``; under
@@ -38,17 +39,39 @@ from .writer import save
 from .version import __version__
 
 
-def training_windows(tokenizer, text: str, eval_text: str | None, opts) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training ids, held-out windows) for ``opts`` (``eval_fraction``, ``seq_len``,
-    ``eval_samples``): the end of ``text`` held out unless ``eval_text``."""
-    ids = tokenize(tokenizer, text)
-    if eval_text is None:
-        train_ids, held = split_heldout(ids, opts.eval_fraction, opts.seq_len)
-    else:
-        train_ids, held = ids, tokenize(tokenizer, eval_text)
+@dataclass
+class Texts:
+    """A command's text, tokenized once and split (:func:`training_windows`)."""
+
+    train_ids: torch.Tensor  # the text before its held-out end: all that training and prune's layer scores read
+    held: torch.Tensor  # [n, T] windows of the held-out end of the text
+    heldout: dict  # what the record says of them: windows, seq_len and, when fewer than asked, asked and why
+    other: torch.Tensor | None = None  # [n, T] windows of --eval-text, a second text nothing trained on
+    other_record: dict | None = None
+
+
+def heldout_windows(ids: torch.Tensor, length: int, asked: int, what: str) -> tuple[torch.Tensor, dict]:
+    """As many as ``asked`` non-overlapping ``length``-token windows of ``ids`` (``what``, in words),
+    and the record of them: ``asked`` and ``fewer`` (why, in one line) when the text holds fewer."""
+    n = min(asked, max(1, len(ids) // length))
+    held = windows(ids, length, n, "the held-out text")
+    fewer = {} if n == asked else {
+        "asked": asked, "fewer": f"{n} windows, not the {asked} asked (--eval-samples): {what} is {len(ids)} tokens, "
+                                 f"{n} window{'s' if n != 1 else ''} of {length}"}
+    return held, {"windows": n, "seq_len": length, **fewer}
+
+
+def training_windows(tokenizer, text: str, eval_text: str | None, opts) -> Texts:
+    """``text``'s training ids and held-out windows for ``opts`` (``eval_fraction``, ``seq_len``,
+    ``eval_samples``): its last ``eval_fraction`` held out, and ``eval_text``'s windows beside."""
+    train_ids, end = split_heldout(tokenize(tokenizer, text), opts.eval_fraction, opts.seq_len)
     windows(train_ids, opts.seq_len, 1, "the training text")
-    n_eval = min(opts.eval_samples, max(1, len(held) // opts.seq_len))
-    return train_ids, windows(held, opts.seq_len, n_eval, "the held-out text")
+    held, record = heldout_windows(end, opts.seq_len, opts.eval_samples,
+                                   f"the held-out {opts.eval_fraction:.0%} of the text")
+    if eval_text is None:
+        return Texts(train_ids, held, record)
+    return Texts(train_ids, held, record, *heldout_windows(tokenize(tokenizer, eval_text), opts.seq_len,
+                                                          opts.eval_samples, "--eval-text"))
 
 
 @dataclass
@@ -66,7 +89,7 @@ class Job:
         check_output(Path(out), force, source.path)
         return cls(source, Path(out), force, devices.choose(device))
 
-    def training_data(self, text: str, eval_text: str | None, opts) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_data(self, text: str, eval_text: str | None, opts) -> Texts:
         """:func:`training_windows` of ``text`` with the checkpoint's tokenizer (``opts.seq_len``
         fitted to the model's positions here)."""
         if self.source.tokenizer is None:

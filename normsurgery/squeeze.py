@@ -284,7 +284,8 @@ def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
     opts.steps_per_cycle = opts.steps()  # the default's split, so the record and the card state it
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     heal = opts.heal_options()
-    train_ids, held = job.training_data(text, eval_text, heal)
+    data = job.training_data(text, eval_text, heal)
+    train_ids, held = data.train_ids, data.held if data.other is None else data.other
     opts.seq_len = heal.seq_len
     acc = job.make_accelerator(opts.precision)
     model = job.load()

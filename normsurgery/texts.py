@@ -44,9 +44,8 @@ def text_of(text, what: str = "text") -> str | None:
     return text
 
 
-def heldout_text(eval_text: str | None, fraction: float) -> str:
-    """What held-out cross-entropy is measured on, in words: the held-out text given, or the end
-    of the text (``fraction`` of its tokens) that training never reads (prune's layer scores
-    read the whole text)."""
-    return "the held-out text (--eval-text)" if eval_text is not None else f"the last {fraction:.0%} of the text " \
-        "(never trained on)"
+def heldout_text(fraction: float) -> str:
+    """What held-out cross-entropy is measured on, in words: the end of the text (``fraction`` of
+    its tokens) that neither training nor prune's layer scores read (--eval-text, when given, is
+    measured beside it)."""
+    return f"the last {fraction:.0%} of the text (never trained on)"

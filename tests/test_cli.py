@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from normsurgery.cli import app
 from normsurgery.cli.report import fmt
 
+from conftest import assert_refused
 from models import tiny_model
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
@@ -27,17 +28,6 @@ def run(*args):
 
 def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(folder).iterdir()}
-
-
-def assert_refused(result, out, match, code=1):
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    assert match in result.output
-    assert "Traceback" not in result.output
-    if out is not None:
-        assert not Path(out).exists() or Path(out).name == "existing"
-        assert not [p for p in Path(out).parent.iterdir() if p.name.startswith(f".{Path(out).name}.")]
 
 
 def test_convert_and_verify(tmp_path):
@@ -122,10 +112,10 @@ def test_refuses_existing_output(tmp_path):
     out = tmp_path / "existing"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm"), out, "--force")
+    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm"), out, "--force", kept=True)
     assert (out / "keep.txt").read_text() == "mine"
     # --force replaces only a checkpoint: a folder of the user's files is refused, kept whole
-    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm", "--force"), out, "not a checkpoint")
+    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm", "--force"), out, "not a checkpoint", kept=True)
     assert (out / "keep.txt").read_text() == "mine"
     previous = tmp_path / "previous"
     assert run("convert", GPT2, previous, "--pass", "flashnorm").exit_code == 0

@@ -65,9 +65,83 @@ def test_prune_and_heal_cards_give_the_held_out_loss(tmp_path):
 def test_base_model_is_a_hub_id_only():
     from types import SimpleNamespace
 
-    from normsurgery.modelcard import _base_model
+    from normsurgery.modelcard import base_model
 
-    assert _base_model({"source": "HuggingFaceTB/SmolLM2-135M"}, SimpleNamespace()) == \
-        ["base_model: HuggingFaceTB/SmolLM2-135M"]
-    assert _base_model({"source": "/tmp/x/model"}, SimpleNamespace(_name_or_path="/tmp/x/model")) == []
-    assert _base_model({"source": "/tmp/x"}, SimpleNamespace(_name_or_path="org/base")) == ["base_model: org/base"]
+    assert base_model({"source": "HuggingFaceTB/SmolLM2-135M"}, SimpleNamespace()) == "HuggingFaceTB/SmolLM2-135M"
+    assert base_model({"source": "/tmp/x/model"}, SimpleNamespace(_name_or_path="/tmp/x/model")) is None
+    assert base_model({"source": "/tmp/x"}, SimpleNamespace(_name_or_path="org/base")) == "org/base"
+    assert base_model({"source": "/tmp/x"}, SimpleNamespace(), {"base_model": "org/base"}) == "org/base"
+    assert base_model({"source": "/tmp/x"}, SimpleNamespace(), {"base_model": "/tmp/y"}) is None
+
+
+SENTENCE_CARD = """---
+language: en
+license: apache-2.0
+library_name: sentence-transformers
+tags:
+- sentence-transformers
+- feature-extraction
+datasets:
+- s2orc
+- ms_marco
+pipeline_tag: sentence-similarity
+base_model: nreimers/MiniLM-L6-H384-uncased
+model-index:
+- name: all-MiniLM-L6-v2
+  results: []
+---
+
+# all-MiniLM-L6-v2
+"""
+
+
+def test_a_card_keeps_the_source_cards_metadata(tmp_path):
+    """Issue 47.6: prune of all-MiniLM-L6-v2 replaced its header (library_name sentence-transformers,
+    license, tags, datasets) with ours. Kept: those, the language, the pipeline tag and a hub
+    base_model; ours added (the tag normsurgery, the family, the step); the input's scores
+    (model-index) dropped. A BERT base model's card suggests no TransformerLens."""
+    import transformers as T
+
+    from models import CONFIGS
+
+    src = tmp_path / "minilm"
+    T.BertModel(CONFIGS["bert"]()).save_pretrained(src)
+    (src / "README.md").write_text(SENTENCE_CARD)
+    ns.prune(src, tmp_path / "pruned", {"layers": 1, "method": "last"})
+    header, body = card(tmp_path / "pruned")
+    assert header == {"base_model": "nreimers/MiniLM-L6-H384-uncased", "language": "en", "license": "apache-2.0",
+                      "library_name": "sentence-transformers", "datasets": ["s2orc", "ms_marco"],
+                      "pipeline_tag": "sentence-similarity",
+                      "tags": ["normsurgery", "bert", "prune", "sentence-transformers", "feature-extraction"]}
+    assert "TransformerLens" not in body and (tmp_path / "pruned" / "README.source.md").read_text() == SENTENCE_CARD
+    # a local base_model is no hub id: left out; the convert card keeps the rest the same way
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(GPT2, gpt2)
+    (gpt2 / "README.md").write_text("---\nlicense: mit\nbase_model: /home/me/gpt2\ntags: text-generation\n---\n")
+    ns.convert(gpt2, tmp_path / "folded", [("flashnorm", {})])
+    header, body = card(tmp_path / "folded")
+    assert header == {"license": "mit", "library_name": "normsurgery",
+                      "tags": ["normsurgery", "gpt2", "flashnorm", "text-generation"]}
+    assert "TransformerLens" in body  # a causal LM of a family it takes
+
+
+def test_an_adapter_card_names_its_base_by_hub_id_only(tmp_path):
+    """Issue 47.1: the adapter's card is ours (not peft's template); from a local folder its header
+    keeps the source card's base_model and its text names the folder; its config names a hub id
+    when the source was opened by one, else the folder."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    src = tmp_path / "mine"
+    shutil.copytree("normsurgery/demo/llama-tiny", src)
+    (src / "README.md").write_text("---\nlicense: mit\nbase_model: org/base\n---\n# mine\n")
+    ns.heal(src, tmp_path / "adapter", bundled_text()[:20000], save_adapter=True,
+            options={"steps": 1, "seq_len": 32, "batch_size": 2, "eval_samples": 1})
+    header, body = card(tmp_path / "adapter")
+    assert header == {"base_model": "org/base", "license": "mit", "library_name": "peft",
+                      "tags": ["normsurgery", "lora", "peft", "llama", "heal"]}
+    assert "Its base is the local folder `mine`" in body and "Model Card for Model ID" not in body
+    from normsurgery.heal import adapter_base
+
+    assert adapter_base(SimpleNamespace(name="org/model", path=Path("/nowhere"))) == "org/model"
+    assert adapter_base(SimpleNamespace(name=str(src), path=src)) == str(src.resolve())

@@ -17,9 +17,11 @@ from normsurgery.cli import app
 from normsurgery.analysis import residual_states
 from normsurgery.prune import count_layers, prune_model, score_layers, select_layers
 
+from conftest import assert_refused, causal_ce, marked_text, record_reads, window_starts
 from models import CAUSAL, CONFIGS, tiny_model, token_ids
 
 LLAMA = "normsurgery/demo/llama-tiny"
+SAMPLE = "normsurgery/data/sample.txt"
 runner = CliRunner()
 
 
@@ -244,13 +246,60 @@ def test_prune_alone_measures_cross_entropy_on_the_held_out_end_of_the_text(tmp_
     assert r.exit_code == 0 and "held out: the last 10% of the text (never trained on)" in r.output, r.output
 
 
-def assert_refused(result, out, match):
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    assert match in result.output and "Traceback" not in result.output
-    assert not Path(out).exists()
-    assert not [p for p in Path(out).parent.iterdir() if p.name.startswith(f".{Path(out).name}.")]
+def test_layer_scores_and_healing_never_read_the_held_out_end(tmp_path, monkeypatch):
+    """Issues 47.2 and 47.10: the text's last 10% of tokens, held out for CE, ends in digits found
+    nowhere before; layer scores, training batches and the training text's CE never read them,
+    every held-out window lies in that last 10%, and the CE recorded is the one computed here on them."""
+    tok = T.AutoTokenizer.from_pretrained(LLAMA)
+    text, ids, marks, first = marked_text(Path(SAMPLE).read_text(), tok)
+    reads = record_reads(monkeypatch)
+    r = ns.prune(LLAMA, tmp_path / "out", {"layers": 2, "samples": 8, "seq_len": 64, "eval_samples": 3}, text=text,
+                 heal={"steps": 2, "batch_size": 4, "eval_samples": 3})
+    for reader in ("scores", "batches", "training CE"):
+        assert reads[reader] and not any(t in marks for w in reads[reader] for t in w.flatten().tolist()), reader
+    held = reads["held-out"]
+    assert len(held) == 4 and all(torch.equal(w, held[0]) for w in held)  # original, pruned; before, after healing
+    assert all(s >= first for s in window_starts(ids, held[0])) and any(t in marks for t in held[0][-1].tolist())
+    assert r.ce["original"] == pytest.approx(causal_ce(T.AutoModelForCausalLM.from_pretrained(LLAMA), held[0]),
+                                             abs=1e-4)
+
+
+def test_fewer_held_out_windows_than_asked_are_said(tmp_path):
+    """Issue 47.2: --eval-samples 16 evaluated 5 windows, said only in config.json. The held-out last
+    10% of the sample (computed here) holds floor(its tokens / 128) windows: said in one line."""
+    ids = T.AutoTokenizer.from_pretrained(LLAMA)(Path(SAMPLE).read_text(), add_special_tokens=False).input_ids
+    end = max(128, int(0.1 * len(ids)))
+    fit = end // 128
+    assert fit < 16
+    r = run("prune", LLAMA, tmp_path / "out", "--layers", 1, "--samples", 2, "--eval-samples", 16)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and (f"{fit} windows, not the 16 asked (--eval-samples): the held-out 10% of the text "
+                                 f"is {end} tokens") in said, r.output
+    record = json.loads((tmp_path / "out" / "config.json").read_text())["normsurgery"]["heldout"]
+    assert record["windows"] == fit and record["asked"] == 16
+
+
+def test_prune_measures_eval_text_beside_the_held_out_end(tmp_path):
+    """Issue 47.2: --eval-text is measured beside the held-out end of --text, for the original and
+    the pruned model; one window asked: the first 128 tokens of each, CE computed here."""
+    tok = T.AutoTokenizer.from_pretrained(LLAMA)
+    other = Path("normsurgery/data/heldout.txt")
+    r = run("prune", LLAMA, tmp_path / "out", "--layers", 2, "--samples", 2, "--eval-samples", 1,
+            "--eval-text", other, "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    ids = tok(Path(SAMPLE).read_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    start = len(ids) - max(128, int(0.1 * len(ids)))
+    windows = {"ce": ids[start:start + 128][None],
+               "eval_text_ce": tok(other.read_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :128]}
+    models = {"original": T.AutoModelForCausalLM.from_pretrained(LLAMA),
+              "pruned": T.AutoModelForCausalLM.from_pretrained(tmp_path / "out")}
+    for key, w in windows.items():
+        for name, model in models.items():
+            assert data[key][name] == pytest.approx(causal_ce(model, w), abs=1e-4), (key, name)
+    r = run("prune", LLAMA, tmp_path / "table", "--layers", 2, "--samples", 2, "--eval-samples", 1,
+            "--eval-text", other)
+    assert "--eval-text" in r.output and f"{data['eval_text_ce']['pruned']:.4f}" in r.output, r.output
 
 
 @pytest.mark.parametrize("args, match", [

@@ -21,6 +21,7 @@ from normsurgery.passes import removal_schedule as S
 from normsurgery.registry import PassContext, get
 from normsurgery.training import heldout_ce, train
 
+from conftest import assert_refused
 from models import tiny_model, token_ids
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
@@ -224,13 +225,6 @@ def cli(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
-def one_line_error(r, out: Path, match: str) -> None:
-    assert r.exit_code == 1, r.output
-    lines = [line for line in r.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and match in r.output, r.output
-    assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
-
-
 @pytest.mark.parametrize("text, match", [
     (None, "give it text"), ("missing", "no text file"), ("empty", "is empty"),
     ("short", "fewer than one sequence of 128")])
@@ -240,7 +234,7 @@ def test_bad_text_is_one_line_and_writes_nothing(tmp_path, text, match):
     files["short"].write_text(SAMPLE.read_text()[:400])  # enough for the logit check, not for a window
     out = tmp_path / "out"
     r = cli("convert", GPT2, out, "--pass", "remove-ln:steps=22", *(["--text", files[text]] if text else []))
-    one_line_error(r, out, match)
+    assert_refused(r, out, match)
 
 
 @pytest.mark.parametrize("family, match", [("bert", "Post-LN"), ("qwen3", "QK-norms")])
@@ -248,7 +242,7 @@ def test_refused_families(tmp_path, family, match):
     ns.save(tiny_model(family, torch.float32), tmp_path / "in")
     out = tmp_path / "out"
     r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln", "--text", SAMPLE)
-    one_line_error(r, out, match)
+    assert_refused(r, out, match)
 
 
 def test_cli_options_reach_the_pass(tmp_path):
@@ -320,9 +314,9 @@ def test_a_step_budget_too_small_is_refused_before_the_weights_are_read(tmp_path
     monkeypatch.setattr(Loader, "load", no_reading)
     out = tmp_path / "out"
     r = cli("convert", GPT2, out, "--pass", "remove-ln", "--text", SAMPLE, "--steps", 20)
-    one_line_error(r, out, "the smallest budget that fits is steps=22 (start and gaps chosen from the steps)")
+    assert_refused(r, out, "the smallest budget that fits is steps=22 (start and gaps chosen from the steps)")
     r = cli("convert", GPT2, out, "--pass", "remove-ln:gap=3", "--text", SAMPLE, "--steps", 20)
-    one_line_error(r, out, "steps=64 with gap=3 as given; a smaller gap needs fewer")
+    assert_refused(r, out, "steps=64 with gap=3 as given; a smaller gap needs fewer")
     monkeypatch.undo()
     model = checkpoint.load(GPT2)
     options = {**get("remove-ln").options, "steps": 22}
@@ -389,7 +383,7 @@ def test_keep_final_with_export_stock_and_a_bad_keep_are_refused_in_one_line(tmp
         "error: pass 'remove-ln': option keep='block' must be one of none (the default), final"], r.output
     assert not out.exists()
     r = cli("convert", tmp_path / "in", out, "--pass", "remove-ln:keep=final,export=stock", "--text", SAMPLE)
-    one_line_error(r, out, "keep=final cannot export=stock")
+    assert_refused(r, out, "keep=final cannot export=stock")
     with pytest.raises(SurgeryError, match="keep='block'; choose none"):
         R.keep_final({"keep": "block"})
 
@@ -578,7 +572,7 @@ def test_options_that_cannot_hold_together_are_refused_before_reading(tmp_path, 
     monkeypatch.setattr(Loader, "load", no_reading)
     out = tmp_path / "out"
     r = cli("convert", tmp_path / "in", out, "--pass", f"remove-ln:{options}", "--text", SAMPLE, "--steps", steps)
-    one_line_error(r, out, match)
+    assert_refused(r, out, match)
 
 
 def test_per_position_ce_before_and_after_the_final_stage():

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from normsurgery import output
 from normsurgery.cli import app
 
+from conftest import assert_refused
 from models import tiny_model
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
@@ -41,14 +42,6 @@ def digest(folder):
             for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
-def one_line_error(r, code=1, match=""):
-    assert r.exit_code == code, r.output
-    lines = [line for line in r.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
-    assert match in r.output, r.output
-    assert "Traceback" not in r.output and "internal error" not in r.output
-
-
 def leftovers(out):
     return [p.name for p in Path(out).parent.iterdir() if p.name.startswith(f".{Path(out).name}.")]
 
@@ -60,7 +53,7 @@ def test_force_never_replaces_the_folder_holding_the_input(tmp_path):
     shutil.copytree(GPT2, parent / "in")
     (parent / "notes.txt").write_text("mine")
     before = digest(parent)
-    one_line_error(run("convert", parent / "in", parent, "--pass", "flashnorm", "--force"), match="holds the input")
+    assert_refused(run("convert", parent / "in", parent, "--pass", "flashnorm", "--force"), match="holds the input")
     assert digest(parent) == before
 
 
@@ -71,7 +64,7 @@ def test_force_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
     (out / "model.safetensors").write_bytes(b"")
     (out / "sub" / "data.csv").write_text("1,2")
     before = digest(out)
-    one_line_error(run("convert", GPT2, out, "--pass", "flashnorm", "--force"), match="holds folders")
+    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm", "--force"), match="holds folders")
     assert digest(out) == before
 
 
@@ -85,7 +78,7 @@ def test_force_refuses_a_checkpoint_holding_files_it_did_not_write(tmp_path):
     assert r.exit_code == 0, r.output
     (out / "my_eval_results.txt").write_text("mine")
     before = digest(out)
-    one_line_error(run("convert", src, out, "--pass", "flashnorm", "--no-verify", "--force"),
+    assert_refused(run("convert", src, out, "--pass", "flashnorm", "--no-verify", "--force"),
                    match="did not write, which it would delete (my_eval_results.txt)")
     assert digest(out) == before
     (out / "my_eval_results.txt").unlink()  # what a run writes (card, tokenizer, the input's files) is replaced
@@ -101,7 +94,7 @@ def test_force_keeps_a_readme_normsurgery_did_not_write(tmp_path):
     ours = (out / "README.md").read_text()
     (out / "README.md").write_text("# My notes on this model\n\nEvaluated on our data: see below.\n")
     before = digest(out)
-    one_line_error(run("convert", GPT2, out, "--pass", "flashnorm", "--no-verify", "--force"),
+    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm", "--no-verify", "--force"),
                    match="holds a README.md normsurgery did not write, which it would delete")
     assert digest(out) == before
     (out / "README.md").write_text(ours)
@@ -111,8 +104,8 @@ def test_output_inside_the_input_is_refused(tmp_path):
     src = tmp_path / "in"
     shutil.copytree(GPT2, src)
     before = digest(src)
-    one_line_error(run("convert", src, src / "out", "--pass", "flashnorm"), match="inside the input")
-    one_line_error(run("prune", src, src / "out", "--layers", "1"), match="inside the input")
+    assert_refused(run("convert", src, src / "out", "--pass", "flashnorm"), match="inside the input")
+    assert_refused(run("prune", src, src / "out", "--layers", "1"), match="inside the input")
     assert digest(src) == before
 
 
@@ -120,7 +113,7 @@ def test_output_holding_the_current_folder_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "out"
     shutil.copytree(GPT2, out)  # a checkpoint, so --force alone would allow it
     monkeypatch.chdir(out)
-    one_line_error(run("convert", ROOT / GPT2, ".", "--pass", "flashnorm", "--force"), match="current folder")
+    assert_refused(run("convert", ROOT / GPT2, ".", "--pass", "flashnorm", "--force"), match="current folder")
     assert (out / "model.safetensors").is_file()
 
 
@@ -248,7 +241,7 @@ def test_a_second_writer_fails_clearly_sigkill_keeps_the_previous_output_the_nex
     before = digest(out)
     proc = slow_convert(tmp_path, out, "--force")
     r = run("convert", GPT2, out, "--pass", "flashnorm", "--force")  # while the first one saves
-    one_line_error(r, match=f"another normsurgery run (PID {proc.pid}) is writing")
+    assert_refused(r, match=f"another normsurgery run (PID {proc.pid}) is writing")
     proc.kill()
     proc.wait(timeout=60)
     assert digest(out) == before  # the previous one, whole
@@ -326,8 +319,8 @@ def test_bad_values_are_usage_errors_before_any_work(tmp_path, args, match, monk
 def test_binary_or_empty_text_is_refused(tmp_path, content, match):
     f = tmp_path / "text.txt"
     f.write_bytes(content)
-    one_line_error(run("verify", GPT2, GPT2, "--text", f), match=match)
-    one_line_error(run("convert", GPT2, tmp_path / "out", "--pass", "flashnorm", "--text", f), match=match)
+    assert_refused(run("verify", GPT2, GPT2, "--text", f), match=match)
+    assert_refused(run("convert", GPT2, tmp_path / "out", "--pass", "flashnorm", "--text", f), match=match)
 
 
 # ---- data safety 5: defaults fit the model ----
@@ -341,7 +334,7 @@ def test_default_window_fits_a_model_with_few_positions(tmp_path):
     r = run("prune", src, tmp_path / "out", "--layers", "1", "--json")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "out" / "model.safetensors").is_file()
-    one_line_error(run("prune", src, tmp_path / "out2", "--layers", "1", "--seq-len", "128"),
+    assert_refused(run("prune", src, tmp_path / "out2", "--layers", "1", "--seq-len", "128"),
                    match="--seq-len 128 is longer than the model's 64 positions")
     # every default adapts the same way: remove-ln's and prepbn's windows too
     text = str(ROOT / "normsurgery/data/sample.txt")
@@ -349,7 +342,7 @@ def test_default_window_fits_a_model_with_few_positions(tmp_path):
             "--text", text, "--json")
     assert r.exit_code == 0, r.output
     for name in ("remove-ln", "prepbn"):
-        one_line_error(run("convert", src, tmp_path / "out4", "--pass", f"{name}:steps=12,seq_len=128", "--text", text),
+        assert_refused(run("convert", src, tmp_path / "out4", "--pass", f"{name}:steps=12,seq_len=128", "--text", text),
                        match=f"{name}: seq_len 128 is longer than the model's 64 positions")
 
 
@@ -377,7 +370,7 @@ def test_bad_checkpoints_are_one_line(tmp_path, how, match):
     src = broken(tmp_path, how)
     before = digest(src)
     out = tmp_path / "out"
-    one_line_error(run("convert", src, out, "--pass", "flashnorm"), match=match)
+    assert_refused(run("convert", src, out, "--pass", "flashnorm"), match=match)
     assert digest(src) == before and not out.exists() and not leftovers(out)
 
 
@@ -391,27 +384,27 @@ def test_pickle_loads_when_allowed(tmp_path):
     ours = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     a, b = original(input_ids=ids).logits, ours(input_ids=ids).logits
     assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-5
-    one_line_error(run("inspect", src), match="--allow-pickle")  # for that command only
+    assert_refused(run("inspect", src), match="--allow-pickle")  # for that command only
 
 
 def test_verify_refuses_models_that_cannot_be_compared(tmp_path):
     small = tmp_path / "small"
     tiny_model("gpt2").float().save_pretrained(small)
-    one_line_error(run("verify", GPT2, small), match="vocabulary of 1024 tokens")
-    one_line_error(run("verify", GPT2, LLAMA), match="a gpt2 model and")
+    assert_refused(run("verify", GPT2, small), match="vocabulary of 1024 tokens")
+    assert_refused(run("verify", GPT2, LLAMA), match="a gpt2 model and")
 
 
 def test_unwritable_output_location(tmp_path):
     """Issue 47.11: /proc/x said "No such file or directory" (mkdir's answer there), not that the
     output cannot be created."""
     out = Path("/sys/normsurgery-test/out")  # refused even to root
-    one_line_error(run("convert", GPT2, out, "--pass", "flashnorm"),
+    assert_refused(run("convert", GPT2, out, "--pass", "flashnorm"),
                    match="cannot create /sys/normsurgery-test/out: /sys does not take new folders")
-    one_line_error(run("convert", GPT2, "/proc/x", "--pass", "flashnorm"),
+    assert_refused(run("convert", GPT2, "/proc/x", "--pass", "flashnorm"),
                    match="cannot create /proc/x: /proc does not take new folders (No such file or directory); "
                          "choose an output elsewhere")
 
 
 def test_hub_id_not_in_the_cache_says_how_to_pass_a_path(tmp_path):
-    one_line_error(run("convert", "no-such-org/no-such-model", tmp_path / "out", "--pass", "flashnorm"),
+    assert_refused(run("convert", "no-such-org/no-such-model", tmp_path / "out", "--pass", "flashnorm"),
                    match="never downloads")

@@ -20,6 +20,7 @@ from normsurgery.registry import PassReport
 from normsurgery.parity import compare, outputs
 from normsurgery.synthetic import make_realistic
 
+from conftest import assert_refused
 from models import tiny_model, token_ids
 
 runner = CliRunner()
@@ -342,26 +343,20 @@ def test_a_family_without_an_adapter_is_judged_by_its_stored_precision(tmp_path)
     assert not v.ok and "stored in float16" in v.reason and v.tolerance > 1e-5, (v.relative, v.reason)
 
 
-def one_line_error(r, match):
-    lines = [line for line in r.output.splitlines() if line.strip()]
-    assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error:"), r.output
-    assert match in lines[0] and "Traceback" not in r.output, r.output
-
-
 def test_what_a_family_without_an_adapter_cannot_give_is_refused_in_one_line(tmp_path):
     """Reading one part at a time and per-layer figures follow the family's layout; a mistyped
     path, another architecture and a class whose outputs verify does not compare are one line too."""
     src, same, _ = stock_checkpoints(tmp_path, T.MPNetModel, mpnet_config(), "encoder.layer.0.output.LayerNorm")
-    one_line_error(run("verify", src, same, "--streaming"), "--streaming reads one part at a time, which needs a "
-                                                          "family adapter")
-    one_line_error(run("verify", src, same, "--layers"), "--layers")
-    one_line_error(run("verify", src, tmp_path / "nope"), "no checkpoint at")
-    one_line_error(run("verify", src, GPT2), "is a mpnet model and normsurgery/demo/gpt2-tiny a gpt2 one")
-    one_line_error(run("verify", GPT2, src), "a gpt2 model and")
+    assert_refused(run("verify", src, same, "--streaming"), match="--streaming reads one part at a time, which needs a "
+                                                                  "family adapter")
+    assert_refused(run("verify", src, same, "--layers"), match="--layers")
+    assert_refused(run("verify", src, tmp_path / "nope"), match="no checkpoint at")
+    assert_refused(run("verify", src, GPT2), match="is a mpnet model and normsurgery/demo/gpt2-tiny a gpt2 one")
+    assert_refused(run("verify", GPT2, src), match="a gpt2 model and")
     qa = tmp_path / "qa"
     T.MPNetForQuestionAnswering(mpnet_config()).save_pretrained(qa)
-    one_line_error(run("verify", qa, qa), "MPNetForQuestionAnswering is not a causal or masked LM")
-    one_line_error(run("convert", src, tmp_path / "out", "--pass", "flashnorm"), "no adapter for 'mpnet'")
+    assert_refused(run("verify", qa, qa), match="MPNetForQuestionAnswering is not a causal or masked LM")
+    assert_refused(run("convert", src, tmp_path / "out", "--pass", "flashnorm"), match="no adapter for 'mpnet'")
     with pytest.raises(ns.SurgeryError, match="--layers"):  # models in memory too
         ns.verify(T.MPNetModel(mpnet_config()), T.MPNetModel(mpnet_config()), per_layer=True)
 

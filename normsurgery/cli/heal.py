@@ -7,24 +7,37 @@ from typing import Optional
 
 import typer
 
-from ..options import AT_LEAST, TRAIN_MODES, HealOptions, defaults
+from ..options import AT_LEAST, LEARNING_RATES, TRAIN_MODES, HealOptions, defaults
 from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, emit_json, merge, \
     one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names, stderr
 
 #: heal's options and defaults: ``HealOptions``' own (options.py loads no torch, so --help needs none)
 HEAL_DEFAULTS = defaults(HealOptions)
 H = HealOptions  # its fields' defaults, for the help
+LR_HELP = ", ".join(f"{mode} {lr:g}" for mode, lr in LEARNING_RATES.items())
 
 
 def print_heal_steps(report, seconds: float) -> None:
-    """The steps line, the warning when healing over-fit its text and, when the text was read many
-    times over, the overfitting note."""
-    from .report import heal_line, overfit_note, overfit_warning
+    """The steps line, the warning when healing raised held-out CE (naming the cause measured) and,
+    when the text was read many times over, the overfitting note."""
+    from .report import heal_line, heal_warning, overfit_note
 
     say(heal_line(report, seconds))
-    for line in (overfit_warning(report), overfit_note(report)):
+    for line in (heal_warning(report), overfit_note(report)):
         if line:
             stderr().print(line, markup=False, highlight=False)
+
+
+def say_heldout(on: str, record: dict) -> None:
+    """What the held-out CE was measured on, why on fewer windows than asked, and the note that
+    healing adapted to its text rather than recovered (``heal.recovery``), one line each."""
+    for what, r in (("held out", record.get("heldout")), ("--eval-text", record.get("eval_text"))):
+        if r:
+            say(f"{what}: " + (f"{on}; " if what == "held out" else "") + (r.get("fewer") or
+                                                                           f"{r['windows']} windows of {r['seq_len']}"))
+    note = (record.get("recovered") or {}).get("note")
+    if note:
+        stderr().print(f"note: {note}", markup=False, highlight=False)
 
 
 @command
@@ -32,12 +45,15 @@ def heal(
     src: str = typer.Argument(..., metavar="IN", help="input checkpoint (a pruned one, typically)"),
     out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
     text: Path = typer.Option(..., metavar="FILE", help="training text; its last --eval-fraction is held out"),
-    eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text instead of the end of --text"),
+    eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="a second text the healing never reads: the "
+                                             "original's, the input's and the healed model's CE on it too, beside "
+                                             "the held-out end of --text"),
     steps: Optional[int] = typer.Option(None, min=AT_LEAST["steps"], metavar="N",
                                         help=f"optimizer steps (default {H.steps})"),
     rank: Optional[int] = typer.Option(None, min=AT_LEAST["rank"], metavar="R", help=f"LoRA rank (default {H.rank})"),
     alpha: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="LoRA alpha (default 2 x rank)"),
-    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help=f"learning rate (default {H.lr:g})"),
+    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X",
+                                      help=f"learning rate (default by --train: {LR_HELP})"),
     target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="linears to adapt, by name, e.g. "
                                                        "q_proj,v_proj (default: every linear in the blocks)"),
     batch_size: Optional[int] = typer.Option(None, min=AT_LEAST["batch_size"], metavar="B",
@@ -85,15 +101,16 @@ def heal(
     if json:
         emit_json({**result.record, "saved": result.saved, "losses": result.report.losses, "seconds": result.seconds})
         return
-    from .report import ce_table, loads_with, recovered_fraction
+    from .report import ce_table, loads_with
 
-    report, ce = result.report, result.ce
-    rec = recovered_fraction(ce["original"], ce["input"], ce["healed"]) if "original" in ce else None
-    show(ce_table("held-out cross-entropy", list(ce.items()), rec))
-    say(f"held out: {result.heldout}")
+    report, rec = result.report, result.record["recovered"]
+    show(ce_table("held-out cross-entropy", result.ce, rec, result.eval_text_ce))
+    say_heldout(result.heldout, result.record)
     if result.original is not None:
         say(f"original before pruning: {result.original}")
     print_heal_steps(report, result.seconds)
     say_device(result.record.get("device"))
-    what = f"adapter (peft; base {source.path})" if save_adapter_ else f"merged; {loads_with(result.saved)}"
+    a = result.saved.get("adapter")
+    what = (f"the adapter (peft, unmerged: {a['tensors']} LoRA tensors, read back and checked; base {a['base']})"
+            if a else f"{'LoRA merged; ' if report.merged else ''}{loads_with(result.saved)}")
     say(f"saved {result.saved['path']}: {what}")

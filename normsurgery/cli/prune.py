@@ -11,7 +11,7 @@ from ..errors import SurgeryError
 from ..options import AT_LEAST, METHODS, TRAIN_MODES, HealOptions, PruneOptions, defaults
 from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, did_you_mean, \
     emit_json, merge, one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names
-from .heal import HEAL_DEFAULTS, print_heal_steps
+from .heal import HEAL_DEFAULTS, LR_HELP, print_heal_steps, say_heldout
 
 #: prune's options and defaults: ``PruneOptions``' own (options.py loads no torch, so --help needs none)
 PRUNE_DEFAULTS = defaults(PruneOptions)
@@ -41,8 +41,8 @@ def prune(
     fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
                                              help="or: the fraction of layers to remove (rounded)"),
     method: Optional[str] = typer.Option(None, metavar="METHOD", help=one_of(METHODS, P.method)),
-    text: Optional[Path] = typer.Option(None, metavar="FILE", help="calibration (and healing) text; default: "
-                                                                   "bundled Shakespeare"),
+    text: Optional[Path] = typer.Option(None, metavar="FILE", help="calibration (and healing) text, its last "
+                                             f"{H.eval_fraction:.0%} held out for CE; default: bundled Shakespeare"),
     samples: Optional[int] = typer.Option(None, min=AT_LEAST["samples"], metavar="K",
                                           help=f"calibration windows (default {P.samples})"),
     seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L", help=SEQ_LEN_HELP),
@@ -51,8 +51,8 @@ def prune(
                                                                             f"micro-batch (default {P.batch_size})"),
     plot: Optional[Path] = typer.Option(None, metavar="PNG", help="also draw the scores into this PNG"),
     heal: bool = typer.Option(False, "--heal", help="heal with LoRA after pruning (see `heal --help`)"),
-    eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="held-out text for CE, healed or not "
-                                             f"(default: the last {H.eval_fraction:.0%} of --text)"),
+    eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="a second text for CE (original, pruned, "
+                                             f"healed), beside the held-out last {H.eval_fraction:.0%} of --text"),
     eval_samples: Optional[int] = typer.Option(None, min=AT_LEAST["eval_samples"], metavar="K",
                                                help=f"held-out windows at most (default {P.eval_samples})"),
     steps: Optional[int] = typer.Option(None, min=AT_LEAST["steps"], metavar="N",
@@ -60,7 +60,7 @@ def prune(
     rank: Optional[int] = typer.Option(None, min=AT_LEAST["rank"], metavar="R",
                                        help=f"heal: LoRA rank (default {H.rank})"),
     lr: Optional[float] = typer.Option(None, callback=positive, metavar="X",
-                                      help=f"heal: learning rate (default {H.lr:g})"),
+                                      help=f"heal: learning rate (default by --train: {LR_HELP})"),
     target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="heal: linears to adapt, by name "
                                                        "(default: all in the blocks)"),
     grad_accum: Optional[int] = typer.Option(None, min=AT_LEAST["grad_accum"], metavar="K",
@@ -105,13 +105,12 @@ def prune(
                              streaming=streaming, force=force, progress=progress, device=device)
     if r.saved is None:  # a secondary process of a distributed heal
         return
-    from .report import ce_table, loads_with, plot_scores, recovered_fraction, score_table
+    from .report import ce_table, loads_with, plot_scores, score_table
 
     if plot is not None and r.scores is not None:
         plot_scores(plot, r.selection, r.scores)
-    rec = recovered_fraction(r.ce["original"], r.ce["pruned"], r.ce["healed"]) if "healed" in r.ce else None
     if json:
-        emit_json({**r.record, "ce": r.ce, "recovered": rec, "scores": r.scores.as_dict() if r.scores else None,
+        emit_json({**r.record, "ce": r.ce, "scores": r.scores.as_dict() if r.scores else None,
                    "saved": r.saved, "plot": str(plot) if plot else None})
         return
     if r.scores is not None:
@@ -121,13 +120,14 @@ def prune(
         f"({', '.join(map(str, r.selection.layers))}) by {r.selection.method}{how}; {r.removed['layers_after']} "
         "remain, renumbered")
     if r.ce:
-        show(ce_table("held-out cross-entropy", list(r.ce.items()), rec))
-        say(f"held out: {r.ce_on}")
+        show(ce_table("held-out cross-entropy", r.ce, r.record.get("recovered"), r.eval_text_ce))
+        say_heldout(r.ce_on, r.record)
     elif r.no_lm_head:
         say(f"no cross-entropy: {r.no_lm_head} has no language-modelling head")
     if r.heal:
         print_heal_steps(r.heal, r.heal_seconds)
-    tail = " (adapter unmerged in adapter/)" if r.heal and save_adapter_ else ""
+    a = r.saved.get("adapter")
+    tail = f" (the adapter unmerged in adapter/: {a['tensors']} LoRA tensors, read back and checked)" if a else ""
     say_device(r.record.get("device"))
     say(f"saved {r.saved['path']}{tail}; {loads_with(r.saved)}")
     if plot is not None and r.scores is not None:

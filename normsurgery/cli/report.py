@@ -228,11 +228,26 @@ def score_table(selection, scores) -> Table:
                  rows, right=(1,))
 
 
-def ce_table(title: str, rows: list[tuple[str, float]], recovered: float | None) -> Table:
-    body = [(name, f"{ce:.4f}") for name, ce in rows]
-    if recovered is not None:
-        body.append(("gap recovered by healing", f"{100 * recovered:.1f}%"))
-    return table(title, ("model", "CE (nats/token)"), body, right=(1,))
+def ce_table(title: str, ce: dict[str, float], recovered: dict | None = None, other: dict | None = None) -> Table:
+    """Cross-entropy of each model on the held-out end of the text (``ce``) and, given
+    (``other``), on --eval-text; and the share of the gap healing closed on each
+    (``heal.recovery``), marked where it is adaptation to the text rather than recovery."""
+    rec = recovered or {}
+
+    def share(key: str) -> str:
+        x = rec.get(key)
+        return "-" if x is None else f"{100 * x:.1f}%" + (" (adaptation)" if key == "heldout" and x > 1 else "")
+
+    columns = ("model", "CE (nats/token)") if other is None else ("model", "held-out end of the text", "--eval-text")
+    body = [(name, f"{v:.4f}", *([fmt_ce(other.get(name))] if other is not None else [])) for name, v in ce.items()]
+    if rec.get("heldout") is not None or rec.get("eval_text") is not None:
+        body.append(("gap recovered by healing", share("heldout"),
+                     *([share("eval_text")] if other is not None else [])))
+    return table(title, columns, body, right=tuple(range(1, len(columns))))
+
+
+def fmt_ce(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
 
 
 def heal_line(report, seconds: float | None = None) -> str:
@@ -261,22 +276,24 @@ def how_trained(processes: int) -> str:
     return f"{'sharded (FSDP2)' if sharding() else 'data-parallel'} over {processes} processes"
 
 
-def recovered_fraction(original: float, pruned: float, healed: float) -> float | None:
-    """(CE_pruned - CE_healed) / (CE_pruned - CE_original): the share of the damage repaired."""
-    gap = pruned - original
-    return (pruned - healed) / gap if gap > 0 else None
-
-
 OVERFIT_EPOCHS = 4
 
 
-def overfit_warning(report) -> str | None:
-    """One line when healing over-fit its text (``HealReport.overfit``)."""
-    if not report.overfit:
+def heal_warning(report) -> str | None:
+    """One line when healing raised held-out CE, naming the cause measured (``HealReport.cause``)."""
+    cause = report.cause
+    if cause is None:
         return None
-    return (f"warning: healing over-fit its text: held-out CE rose {report.ce_before:.4f} -> {report.ce_after:.4f} "
-            f"while CE on the training text fell {report.train_ce_before:.4f} -> {report.train_ce_after:.4f}; "
-            "give more (or more varied) text, fewer --steps, or --patience")
+    what, before, after = report.rose
+    trained = (f"CE on the training text {'fell' if report.train_ce_after < report.train_ce_before else 'rose'} "
+               f"{report.train_ce_before:.4f} -> {report.train_ce_after:.4f}")
+    if cause == "overfit":
+        return (f"warning: healing over-fit its text: {what} rose {before:.4f} -> {after:.4f} while {trained} "
+                f"({report.epochs:.1f} readings of it); give more (or more varied) text, fewer --steps, or --patience")
+    why = ("as well" if report.train_ce_after >= report.train_ce_before else
+           f"after {report.epochs:.2f} of one reading of the text, too little to over-fit it")
+    return (f"warning: healing raised {what} {before:.4f} -> {after:.4f} and {trained} {why}: the learning rate "
+            f"{report.lr:g} is too high for --train {report.train}; give a lower --lr")
 
 
 def overfit_note(report) -> str | None:
