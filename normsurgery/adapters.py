@@ -325,8 +325,12 @@ def bert(model, p: str, head: str | None, *,
                   NormSite(f"{b}.output.LayerNorm", (), "post")]
         writers += [f"{b}.{attention[0]}", f"{b}.output.dense"]
     emb = f"{p}embeddings"
+    # after the blocks: the base model's pooler, the head's module around its output layer (a masked
+    # LM's transform, MPNet's classifier dense)
+    after = ((f"{p}pooler",) if getattr(model.base_model, "pooler", None) is not None else ()) + \
+        ((head.rpartition(".")[0],) if head and "." in head else ())
     return Layout(c.model_type, "post", 0, c.hidden_size, h, f"{emb}.word_embeddings",
-                  tuple(f"{emb}.{e}" for e in embeddings), tuple(writers), tuple(norms), head, False)
+                  tuple(f"{emb}.{e}" for e in embeddings), tuple(writers), tuple(norms), head, False, after=after)
 
 
 def mpnet(model, p: str, head: str | None) -> Layout:

@@ -121,6 +121,11 @@ def test_prune_keeps_the_class_and_head(tmp_path, family, cls):
     ids = token_ids(2, 16)
     assert rel(reference, loaded, ids) <= 1e-6
     scores = score_layers(ns.load(src), ids)  # scoring reads hidden states: no head needed
+    # one block at a time: what runs after the blocks (a pooler, a classifier's dense) is read with the last
+    streamed = tmp_path / "streamed"
+    r = run("prune", src, streamed, "--layers", "1", "--method", "last", "--seq-len", "32", "--streaming")
+    assert r.exit_code == 0, r.output
+    assert rel(loaded, plain(streamed), ids) == 0
     assert torch.isfinite(scores.angular).all() and scores.tokens == 32
 
 
@@ -274,9 +279,10 @@ def test_a_sentence_transformers_encoder_loads_as_its_base_model(tmp_path, famil
     r = run("inspect", src)
     assert r.exit_code == 0 and base in r.output, r.output
     noted(r, base)
-    r = run("verify", src, src, "--json")
-    assert r.exit_code == 0 and json.loads(r.stdout)["output"] == "last hidden state", r.output
-    noted(r, base)
+    for plan in ("--in-memory", "--streaming"):  # streamed: the pooler runs after the last block
+        r = run("verify", src, src, "--json", plan)
+        assert r.exit_code == 0 and json.loads(r.stdout)["output"] == "last hidden state", r.output
+        noted(r, base)
     r = run("convert", src, tmp_path / "out", "--pass", "flashnorm")  # no exact pass applies to Post-LN
     assert r.exit_code == 1 and f"{family} is Post-LN" in r.output and "missing" not in r.output, r.output
     out = tmp_path / "pruned"
