@@ -310,20 +310,36 @@ def _falcon_attention(model, path: str) -> AttentionSite:
                          count_attrs=(("num_heads", "heads"), ("num_kv_heads", "kv_heads")))
 
 
-def bert(model, p: str, head: str | None) -> Layout:
+def bert(model, p: str, head: str | None, *,
+         attention: tuple[str, str] = ("attention.output.dense", "attention.output.LayerNorm"),
+         embeddings: tuple[str, ...] = ("word_embeddings", "position_embeddings", "token_type_embeddings")) -> Layout:
+    """BERT: Post-LN blocks, x = LN(x + f(x)), after an embedding LayerNorm; ``attention``: the attention's
+    output linear and norm, ``embeddings``: the tables added to the stream."""
     c = model.config
     h = f"{p}encoder.layer"
     norms = [NormSite(f"{p}embeddings.LayerNorm", (), "embed")]
     writers = []
     for i in range(c.num_hidden_layers):
         b = f"{h}.{i}"
-        norms += [NormSite(f"{b}.attention.output.LayerNorm", (), "post"),
+        norms += [NormSite(f"{b}.{attention[1]}", (), "post"),
                   NormSite(f"{b}.output.LayerNorm", (), "post")]
-        writers += [f"{b}.attention.output.dense", f"{b}.output.dense"]
+        writers += [f"{b}.{attention[0]}", f"{b}.output.dense"]
     emb = f"{p}embeddings"
-    return Layout("bert", "post", 0, c.hidden_size, h, f"{emb}.word_embeddings",
-                  (f"{emb}.word_embeddings", f"{emb}.position_embeddings", f"{emb}.token_type_embeddings"),
-                  tuple(writers), tuple(norms), head, False)
+    # after the blocks: the base model's pooler, the head's module around its output layer (a masked
+    # LM's transform, MPNet's classifier dense)
+    after = ((f"{p}pooler",) if getattr(model.base_model, "pooler", None) is not None else ()) + \
+        ((head.rpartition(".")[0],) if head and "." in head else ())
+    return Layout(c.model_type, "post", 0, c.hidden_size, h, f"{emb}.word_embeddings",
+                  tuple(f"{emb}.{e}" for e in embeddings), tuple(writers), tuple(norms), head, False, after=after)
+
+
+def mpnet(model, p: str, head: str | None) -> Layout:
+    """MPNet: BERT's blocks, the attention's output linear ``attention.attn.o`` and norm
+    ``attention.LayerNorm``, no token types. Its relative position bias
+    (``encoder.relative_attention_bias``, a column per head) is the encoder's, shared by every
+    block: removing blocks keeps it."""
+    return bert(model, p, head, attention=("attention.attn.o", "attention.LayerNorm"),
+                embeddings=("word_embeddings", "position_embeddings"))
 
 
 def _separate_attention(model, path: str, o: str = "o_proj") -> AttentionSite:

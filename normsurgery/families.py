@@ -163,6 +163,10 @@ FAMILIES = {
                    _classes("BertForMaskedLM", "BertModel", lm_head="cls.predictions.decoder",
                             objective="masked-lm", seq=("BertForSequenceClassification", "classifier"),
                             tok=("BertForTokenClassification", "classifier")), eps_keys=LN_EPS, plain_logits=False),
+    "mpnet": Family(adapters.mpnet, "MPNetForMaskedLM",
+                    _classes("MPNetForMaskedLM", "MPNetModel", lm_head="lm_head.decoder", objective="masked-lm",
+                             seq=("MPNetForSequenceClassification", "classifier.out_proj"),
+                             tok=("MPNetForTokenClassification", "classifier")), eps_keys=LN_EPS, plain_logits=False),
 }
 
 

@@ -118,6 +118,9 @@ class Layout:
     shared_head_counts: bool = False
     plain_logits: bool = True  # the logits are the head's linear output as it is (``families.Family``)
     undescribed: str = ""  # why ``attention`` and ``mlps`` are left empty, where the adapter says
+    # modules outside the blocks, besides the final norm and the head, that run after the blocks (a
+    # pooler, the layers of a head before its output layer): streamed with the last block
+    after: tuple[str, ...] = ()
 
     @property
     def final_norm(self) -> NormSite | None:

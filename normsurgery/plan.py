@@ -2,9 +2,9 @@
 to each (:func:`steps_of`), with what is refused before any weight is read
 (:func:`check_before_reading`, :func:`check_applies`).
 
-A part is every block; the embeddings with the first block; the final norm and head with the
-last (all four in one part when a tied head shares the embedding). "In memory" is the plan of one
-part holding the whole model.
+A part is every block; the embeddings with the first block; the final norm, the head and what else
+runs after the blocks (``Layout.after``: a pooler) with the last (all in one part when a tied head
+shares the embedding). "In memory" is the plan of one part holding the whole model.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def plan(model, lay: Layout, streamed: bool, alone: bool = False) -> list[Part]:
         return [Part((), tuple(range(-1, n + 1)))]
     blocks = [f"{lay.layers_path}.{i}" for i in range(n)]
     back = tuple(dict.fromkeys(((lay.final_norm.path, *lay.final_norm.readers) if lay.final_norm else ())
-                               + ((lay.head,) if lay.head else ())))
+                               + ((lay.head,) if lay.head else ()) + lay.after))
     front, ends = [], defaultdict(set)
     for name, p in model.named_parameters(remove_duplicate=False):
         mod = name.rpartition(".")[0]

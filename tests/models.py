@@ -83,9 +83,12 @@ CONFIGS = {
                                intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64),
     "bert": lambda: T.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                  intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64),
+    "mpnet": lambda: T.MPNetConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=66),
 }
 
-CAUSAL = [f for f in CONFIGS if f != "bert"]
+MASKED = ["bert", "mpnet"]  # masked LMs (Post-LN encoders)
+CAUSAL = [f for f in CONFIGS if f not in MASKED]
 MOE = ["mixtral", "qwen2_moe"]  # mixtures of experts: checkpoints store one tensor per expert
 OUTPUT_NORMS = ["gemma2", "gemma3_text", "olmo2"]  # sub-block output norms: passes rewriting the stream refuse
 ROTATABLE = [f for f in CAUSAL if f not in OUTPUT_NORMS + MOE]
@@ -99,7 +102,7 @@ def tiny_model(family: str, dtype=torch.float64, seed: int = 0, realistic: bool 
     cfg = CONFIGS[family]()
     for k, v in config.items():
         setattr(cfg, k, v)
-    auto = T.AutoModelForMaskedLM if family == "bert" else T.AutoModelForCausalLM
+    auto = T.AutoModelForMaskedLM if family in MASKED else T.AutoModelForCausalLM
     model = auto.from_config(cfg, dtype=dtype).eval()  # buffers computed in dtype, as a loader does
     if realistic:
         make_realistic(model, seed)

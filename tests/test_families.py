@@ -260,3 +260,43 @@ def test_falcon_flags_whose_forward_reads_unbuilt_norms_are_refused_by_name(flag
     config = T.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64, **flags)
     with pytest.raises(ns.SurgeryError, match="falcon with"):
         layout(T.FalconForCausalLM(config))
+
+
+def test_mpnet_is_post_ln_its_writers_feed_its_norms_and_pruning_keeps_the_shared_position_bias(tmp_path):
+    """MPNet (all-mpnet-base-v2): BERT's Post-LN blocks under other names, no token types. Checked
+    on a forward, not against the adapter's table: norm k+1's input minus writer k's output is norm
+    k's output (x = LN(x + f(x))). Its relative position bias is the encoder's, one for every block:
+    pruning keeps it, and the pruned model is the original with those blocks skipped."""
+    model = tiny_model("mpnet")
+    lay = layout(model)
+    assert (lay.family, lay.placement, lay.objective, lay.head, lay.tied) == ("mpnet", "post", "masked-lm",
+                                                                             "lm_head.decoder", True)
+    assert lay.embeddings == ("mpnet.embeddings.word_embeddings", "mpnet.embeddings.position_embeddings")
+    assert len(lay.writers) + 1 == len(lay.norms) == 1 + 2 * 3
+    seen = {}
+    hooks = [model.get_submodule(p).register_forward_hook(
+        lambda m, args, out, p=p: seen.update({p: (args[0], out)})) for p in lay.writers + tuple(
+        s.path for s in lay.norms)]
+    with torch.no_grad():
+        model(input_ids=token_ids())
+    for h in hooks:
+        h.remove()
+    for k, writer in enumerate(lay.writers):
+        stream, added, summed = seen[lay.norms[k].path][1], seen[writer][1], seen[lay.norms[k + 1].path][0]
+        assert torch.allclose(summed - added, stream, rtol=0, atol=1e-12), writer
+    for p in registry.all_passes():
+        reason = p.applies(model, lay)
+        assert reason and ("mpnet is Post-LN" in reason or p.name == "bn-fold"), p.name
+    bias = model.mpnet.encoder.relative_attention_bias.weight.detach().clone()
+    ids = token_ids(seed=1)
+    with torch.no_grad():
+        skip = model.mpnet.encoder.layer[1].register_forward_hook(lambda m, args, out: (args[0],))
+        skipped = model(input_ids=ids).logits
+        skip.remove()
+    prune_model(model, [1])
+    assert len(model.mpnet.encoder.layer) == 2 and torch.equal(model.mpnet.encoder.relative_attention_bias.weight, bias)
+    model.save_pretrained(tmp_path / "out")
+    plain = T.MPNetForMaskedLM.from_pretrained(tmp_path / "out", dtype=torch.float64).eval()
+    assert torch.equal(plain.mpnet.encoder.relative_attention_bias.weight, bias)
+    with torch.no_grad():
+        assert (plain(input_ids=ids).logits - skipped).abs().max() <= 1e-12 * skipped.abs().max()

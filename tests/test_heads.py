@@ -101,7 +101,9 @@ def test_convert_keeps_the_class_and_head(tmp_path, family, cls, spec, objective
     assert run("verify", src, out).exit_code == 0
 
 
-@pytest.mark.parametrize("family,cls", [("bert", "BertModel"), ("llama", "LlamaModel"),
+@pytest.mark.parametrize("family,cls", [("bert", "BertModel"), ("mpnet", "MPNetModel"),
+                                        ("mpnet", "MPNetForSequenceClassification"),
+                                        ("mpnet", "MPNetForTokenClassification"), ("llama", "LlamaModel"),
                                         ("llama", "LlamaForSequenceClassification"),
                                         ("gpt_neox", "GPTNeoXForTokenClassification"),
                                         ("gpt2", "GPT2ForSequenceClassification")])
@@ -119,6 +121,11 @@ def test_prune_keeps_the_class_and_head(tmp_path, family, cls):
     ids = token_ids(2, 16)
     assert rel(reference, loaded, ids) <= 1e-6
     scores = score_layers(ns.load(src), ids)  # scoring reads hidden states: no head needed
+    # one block at a time: what runs after the blocks (a pooler, a classifier's dense) is read with the last
+    streamed = tmp_path / "streamed"
+    r = run("prune", src, streamed, "--layers", "1", "--method", "last", "--seq-len", "32", "--streaming")
+    assert r.exit_code == 0, r.output
+    assert rel(loaded, plain(streamed), ids) == 0
     assert torch.isfinite(scores.angular).all() and scores.tokens == 32
 
 
@@ -252,53 +259,46 @@ def noted(r, cls):
     assert len(notes) == 1 and f"loaded as {cls}" in notes[0], r.output
 
 
-@pytest.mark.parametrize("prefix", ["", "bert."])
-def test_a_sentence_transformers_bert_loads_as_its_base_model(tmp_path, prefix):
+ST = {"bert": (T.BertModel, "BertForMaskedLM", "cls."), "mpnet": (T.MPNetModel, "MPNetForMaskedLM", "lm_head.")}
+
+
+@pytest.mark.parametrize("family,prefix", [("bert", ""), ("bert", "bert."), ("mpnet", ""), ("mpnet", "mpnet.")])
+def test_a_sentence_transformers_encoder_loads_as_its_base_model(tmp_path, family, prefix):
     """all-mpnet-base-v2's config names MPNetForMaskedLM while its file holds MPNetModel's weights and
-    pooler: verify, inspect, prune and convert refused it ("weights missing lm_head..."). Now read as
-    sentence-transformers reads it (AutoModel: the base class), with one note; the output is saved
-    as the base class, the pooler kept, and computes what the base model computed."""
-    src, model = headless(tmp_path, T.BertModel, CONFIGS["bert"](), prefix)
+    pooler: verify, inspect, prune and convert refused it ("weights missing lm_head...", then "no
+    adapter for 'mpnet'"). Now read as sentence-transformers reads it (AutoModel: the base class),
+    with one note; the output is saved as the base class, the pooler kept, and computes what the
+    base model computed."""
+    cls, masked, head = ST[family]
+    base = cls.__name__
+    src, model = headless(tmp_path, cls, CONFIGS[family](), prefix)
     ids = token_ids(2, 16)
-    with pytest.warns(SurgeryNote, match="without BertForMaskedLM's head: loaded as BertModel"):
+    with pytest.warns(SurgeryNote, match=f"without {masked}'s head: loaded as {base}"):
         loaded = ns.load(src)
-    assert type(loaded) is T.BertModel and rel(model, loaded, ids) == 0
+    assert type(loaded) is cls and rel(model, loaded, ids) == 0
     r = run("inspect", src)
-    assert r.exit_code == 0 and "BertModel" in r.output, r.output
-    noted(r, "BertModel")
-    r = run("verify", src, src, "--json")
-    assert r.exit_code == 0 and json.loads(r.stdout)["output"] == "last hidden state", r.output
-    noted(r, "BertModel")
+    assert r.exit_code == 0 and base in r.output, r.output
+    noted(r, base)
+    for plan in ("--in-memory", "--streaming"):  # streamed: the pooler runs after the last block
+        r = run("verify", src, src, "--json", plan)
+        assert r.exit_code == 0 and json.loads(r.stdout)["output"] == "last hidden state", r.output
+        noted(r, base)
     r = run("convert", src, tmp_path / "out", "--pass", "flashnorm")  # no exact pass applies to Post-LN
-    assert r.exit_code == 1 and "bert is Post-LN" in r.output and "missing" not in r.output, r.output
+    assert r.exit_code == 1 and f"{family} is Post-LN" in r.output and "missing" not in r.output, r.output
     out = tmp_path / "pruned"
     r = run("prune", src, out, "--layers", "1", "--method", "last", "--seq-len", "16", "--json")
     assert r.exit_code == 0, r.output
-    noted(r, "BertModel")
+    noted(r, base)
     removed = json.loads(r.stdout)["prune"]["removed"]
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertModel"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == [base]
     saved = load_file(out / "model.safetensors")
-    assert "pooler.dense.weight" in saved and not any(k.startswith("cls.") for k in saved)
+    assert "pooler.dense.weight" in saved and not any(k.startswith(head) for k in saved)
     pruned, info = T.AutoModel.from_pretrained(out, output_loading_info=True)  # as sentence-transformers loads it
-    assert type(pruned) is T.BertModel and not info["missing_keys"] and not info["unexpected_keys"]
+    assert type(pruned) is cls and not info["missing_keys"] and not info["unexpected_keys"]
     with pytest.warns(SurgeryNote):
         reference = ns.load(src)
     prune_model(reference, removed)
     assert pruned.config.num_hidden_layers == 2 and rel(reference, pruned.eval(), ids) <= 1e-6
-
-
-def test_a_sentence_transformers_mpnet_is_verified_as_its_base_model(tmp_path):
-    """A family without an adapter (mpnet): verify compares what MPNetModel outputs; the commands
-    that need an adapter refuse with their own reason, not with missing weights."""
-    config = T.MPNetConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=64, max_position_embeddings=66)
-    for prefix in ("", "mpnet."):
-        src, _ = headless(tmp_path / (prefix or "bare"), T.MPNetModel, config, prefix)
-        r = run("verify", src, src, "--json")
-        assert r.exit_code == 0 and json.loads(r.stdout)["output"] == "last hidden state", r.output
-        noted(r, "MPNetModel")
-        r = run("convert", src, tmp_path / "out", "--pass", "flashnorm")
-        assert r.exit_code == 1 and "no adapter for 'mpnet'" in r.output and "missing" not in r.output, r.output
 
 
 def test_a_partly_missing_head_is_still_an_error(tmp_path):

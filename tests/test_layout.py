@@ -17,7 +17,7 @@ from normsurgery.families import layout
 from normsurgery.norms import faithful_norms
 from normsurgery.synthetic import make_realistic
 
-from models import CONFIGS, VOCAB, rel, tiny_model
+from models import CONFIGS, MASKED, VOCAB, rel, tiny_model
 
 VARIANTS = {
     "opt-projected": lambda: T.OPTConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=64,
@@ -118,7 +118,7 @@ def test_layout_facts_match_the_live_model(family):
         other = _norm_formula("rmsnorm" if site.kind == "layernorm" else "layernorm", site.offset, site.eps, mod, x)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # HF RMSNorms compute in float32
         assert (got - other).abs().max() > 1e-3 * want.abs().max()  # and it is not the other kind
-    expected = {"bert": "masked-lm"}.get(family, "causal-lm")
+    expected = "masked-lm" if family in MASKED else "causal-lm"
     assert lay.objective == expected
 
 

@@ -297,14 +297,14 @@ def stock_checkpoints(tmp_path, cls, config, gain, dtype=torch.float32):
     return folders
 
 
-def mpnet_config():
-    return T.MPNetConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+def encoder_config():  # a Post-LN encoder without an adapter (this was mpnet's until mpnet got one)
+    return T.RobertaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          intermediate_size=64, max_position_embeddings=66)
 
 
 NO_ADAPTER = [  # (class, config, a LayerNorm the other copy scales, what the class outputs)
-    (T.MPNetModel, mpnet_config, "encoder.layer.0.output.LayerNorm", "last hidden state"),
-    (T.MPNetForMaskedLM, mpnet_config, "mpnet.encoder.layer.0.output.LayerNorm", "logits"),
+    (T.RobertaModel, encoder_config, "encoder.layer.0.output.LayerNorm", "last hidden state"),
+    (T.RobertaForMaskedLM, encoder_config, "roberta.encoder.layer.0.output.LayerNorm", "logits"),
     (T.BloomForCausalLM, lambda: T.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4),
      "transformer.h.0.input_layernorm", "logits"),
 ]
@@ -333,10 +333,10 @@ def test_a_family_without_an_adapter_is_judged_by_its_stored_precision(tmp_path)
     """Stored in float16, computed in float32: the tolerance is what storing in float16 costs the
     reference (measured on the reference loaded again, its weights re-rounded), which a float32
     copy passes and a changed gain does not."""
-    src, _, other = stock_checkpoints(tmp_path, T.MPNetForMaskedLM, mpnet_config(),
-                                      "mpnet.encoder.layer.0.output.LayerNorm", torch.float16)
+    src, _, other = stock_checkpoints(tmp_path, T.RobertaForMaskedLM, encoder_config(),
+                                      "roberta.encoder.layer.0.output.LayerNorm", torch.float16)
     wide = tmp_path / "wide"
-    T.MPNetForMaskedLM.from_pretrained(src, dtype=torch.float32).save_pretrained(wide)
+    T.RobertaForMaskedLM.from_pretrained(src, dtype=torch.float32).save_pretrained(wide)
     same = ns.verify(src, wide)
     assert same.ok and same.relative == 0 and "stored in float16" not in same.reason
     v = ns.verify(src, other)
@@ -346,19 +346,19 @@ def test_a_family_without_an_adapter_is_judged_by_its_stored_precision(tmp_path)
 def test_what_a_family_without_an_adapter_cannot_give_is_refused_in_one_line(tmp_path):
     """Reading one part at a time and per-layer figures follow the family's layout; a mistyped
     path, another architecture and a class whose outputs verify does not compare are one line too."""
-    src, same, _ = stock_checkpoints(tmp_path, T.MPNetModel, mpnet_config(), "encoder.layer.0.output.LayerNorm")
+    src, same, _ = stock_checkpoints(tmp_path, T.RobertaModel, encoder_config(), "encoder.layer.0.output.LayerNorm")
     assert_refused(run("verify", src, same, "--streaming"), match="--streaming reads one part at a time, which needs a "
                                                                   "family adapter")
     assert_refused(run("verify", src, same, "--layers"), match="--layers")
     assert_refused(run("verify", src, tmp_path / "nope"), match="no checkpoint at")
-    assert_refused(run("verify", src, GPT2), match="is a mpnet model and normsurgery/demo/gpt2-tiny a gpt2 one")
+    assert_refused(run("verify", src, GPT2), match="is a roberta model and normsurgery/demo/gpt2-tiny a gpt2 one")
     assert_refused(run("verify", GPT2, src), match="a gpt2 model and")
     qa = tmp_path / "qa"
-    T.MPNetForQuestionAnswering(mpnet_config()).save_pretrained(qa)
-    assert_refused(run("verify", qa, qa), match="MPNetForQuestionAnswering is not a causal or masked LM")
-    assert_refused(run("convert", src, tmp_path / "out", "--pass", "flashnorm"), match="no adapter for 'mpnet'")
+    T.RobertaForQuestionAnswering(encoder_config()).save_pretrained(qa)
+    assert_refused(run("verify", qa, qa), match="RobertaForQuestionAnswering is not a causal or masked LM")
+    assert_refused(run("convert", src, tmp_path / "out", "--pass", "flashnorm"), match="no adapter for 'roberta'")
     with pytest.raises(ns.SurgeryError, match="--layers"):  # models in memory too
-        ns.verify(T.MPNetModel(mpnet_config()), T.MPNetModel(mpnet_config()), per_layer=True)
+        ns.verify(T.RobertaModel(encoder_config()), T.RobertaModel(encoder_config()), per_layer=True)
 
 
 # ---- half precision (issue 34.1): a null distribution of rounding, relative error and KL ----
