@@ -106,10 +106,14 @@ def _accumulate(states: list[torch.Tensor], weight: torch.Tensor, ang: torch.Ten
 
 @torch.no_grad()
 def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 batch_size: int = 8, progress: Progress = no_progress) -> LayerScores:
+                 batch_size: int = 8, forward_size: int | None = None,
+                 progress: Progress = no_progress) -> LayerScores:
     """Angular distances between all residual states and every layer's block influence.
 
     ``input_ids`` is [windows, tokens]; ``attention_mask`` (1 = real token) masks padding.
+    ``forward_size`` windows per forward pass (default ``batch_size``; streamed: all, so each part
+    is read once), their states compared ``batch_size`` windows at a time (what the float64 unit
+    vectors hold is the same in either plan).
     """
     if input_ids.ndim != 2 or input_ids.numel() == 0:
         raise SurgeryError("calibration needs a non-empty [windows, tokens] batch of token ids")
@@ -122,12 +126,14 @@ def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         raise SurgeryError("the calibration batch has no unmasked tokens")
     t0 = time.perf_counter()
     total = len(input_ids)
+    forward_size = forward_size or batch_size
     with residual_capture(model) as states:
-        for start in range(0, total, batch_size):
-            ids, m = input_ids[start:start + batch_size], mask[start:start + batch_size]
+        for start in range(0, total, forward_size):
+            ids, m = input_ids[start:start + forward_size], mask[start:start + forward_size]
             progress("score", start, total)
             forward_base(model, ids, m)
-            _accumulate(states, m, ang, cos_adj)
+            for i in range(0, len(ids), batch_size):
+                _accumulate([s[i:i + batch_size] for s in states], m[i:i + batch_size], ang, cos_adj)
     progress("score", total, total)
     ang /= tokens
     return LayerScores(ang, 1.0 - cos_adj / tokens, tokens, time.perf_counter() - t0)
@@ -285,8 +291,8 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     scores = None
     if cal is not None:
         with work.running():
-            scores = score_layers(work.model, cal, batch_size=len(cal) if streaming else opts.batch_size,
-                                  progress=progress)
+            scores = score_layers(work.model, cal, batch_size=opts.batch_size,
+                                  forward_size=len(cal) if streaming else None, progress=progress)
     selection = select_layers(opts.method, n, scores, layers)
     ce, mask_id = {}, getattr(tok, "mask_token_id", None)
     measure = held is not None

@@ -848,6 +848,54 @@ def test_convert_states_what_each_plan_needs(tmp_path):
     assert "GiB at a time in 6 parts; in memory about" in res.streaming
 
 
+def test_the_estimate_counts_the_checks_outputs(tmp_path, monkeypatch):
+    """A large vocabulary on a tiny width: the checks' logits outweigh every part. The figures
+    stated before loading count them: the rewrite's outputs before its cast to bfloat16 and a
+    tolerance's read held together (measured: the largest output a check's forward returned,
+    the logits of every position), in either plan."""
+    cfg = CONFIGS["llama"]()
+    cfg.vocab_size = 20000
+    torch.manual_seed(0)
+    src = tmp_path / "in"
+    T.LlamaForCausalLM(cfg).to(torch.bfloat16).eval().save_pretrained(src)
+    seen = []
+    real = convert_mod.Work.outputs
+
+    def outputs(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            seen.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(convert_mod.Work, "outputs", outputs)
+    res = convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=True)
+    m, logits = res.memory, max(seen)
+    assert logits > Source.open(src).index.numel * 4  # the case: one output outweighs the whole model
+    assert m["streamed"] >= 2 * logits and m["in_memory"] >= 2 * logits + Source.open(src).index.numel * 4
+    assert f"the checks' outputs {m['outputs'] / 2**30:.2f} GiB of it" in res.streaming
+
+
+def test_streamed_prune_compares_no_more_states_at_once(tmp_path, monkeypatch):
+    """Streamed scoring runs every calibration window through each part at once (each part read
+    once), but compares the residual states batch by batch, as in memory: the float64 unit
+    vectors held at once (tokens x states x width, counted where they are made) are no more
+    than the in-memory plan's."""
+    prune_mod = importlib.import_module("normsurgery.prune")  # the module, not ns.prune
+
+    src = Path(ns.__file__).parent / "demo" / "llama-tiny"  # with a tokenizer to read the text
+    real, held = prune_mod._accumulate, {}
+
+    for streaming in (False, True):
+        def counted(states, weight, ang, cos_adj, streaming=streaming):
+            held[streaming] = max(held.get(streaming, 0), len(states) * states[0][..., 0].numel() * states[0].shape[-1])
+            return real(states, weight, ang, cos_adj)
+
+        monkeypatch.setattr(prune_mod, "_accumulate", counted)
+        ns.prune(src, tmp_path / f"out{streaming}", {"layers": 1, "samples": 8, "batch_size": 2, "seq_len": 16},
+                 streaming=streaming)
+    assert 0 < held[True] <= held[False], held
+
+
 @pytest.mark.parametrize("streaming", [True, False])
 def test_a_tied_embedding_left_alone_is_copied_once(tmp_path, copies, streaming):
     """flashnorm keep_tied=true leaves a tied embedding (and head) as stored: its bytes are copied
