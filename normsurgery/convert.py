@@ -49,7 +49,7 @@ from .progress import Progress, no_progress
 from .runner import Job
 from .sweep import Meter, Work, step_reports
 from .texts import text_of
-from .registry import PassContext, load_recipe, parse_pass  # noqa: F401  (API)
+from .registry import PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
 from .writer import save_work
 
@@ -213,6 +213,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
     precision.check_policy([], torch.float32, on_overflow)
     steps = steps_of(passes)
+    check_text(passes, text is not None)  # a usage error: before anything is read
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     work, result = _planned(job, steps, work_dtype, streaming, text, state_dir(out), progress, verify)
     source = job.source

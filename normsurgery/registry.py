@@ -129,6 +129,14 @@ class Pass:
     # layout holds; the executor's write sweep leaves the rest unread (their bytes copied as stored,
     # never decoded: ``sweep.Work.enter``). None: it may read any parameter
     reads: Callable[..., set[str]] | None = None
+    # (options) -> why these options read text (a usage fact: without text the command stops before
+    # anything is loaded, :func:`check_text`); None: it reads none
+    text: Callable[[dict], str | None] | None = None
+
+
+def trains_on_text(options: dict) -> str:
+    """A trained pass's text: what it trains on."""
+    return "trains on text"
 
 
 @dataclass(frozen=True)
@@ -188,10 +196,11 @@ class Lazy:
 
 def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
             reference: bool = False, blockwise: bool = False, limits=None, check: bool = False,
-            stages: bool = False, reads: bool = False) -> None:
+            stages: bool = False, reads: bool = False, text: Callable[[dict], str | None] | None = None) -> None:
     """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference``, ``check`` and
     ``reads`` when said; ``stages``: ``stages``, ``whole`` and with a reference ``reference_stages``)
-    are functions of ``module``, imported on first use."""
+    are functions of ``module``, imported on first use. ``text``: why its options read text
+    (``Pass.text``; a trained pass: it trains on it)."""
     if kind not in KINDS:
         raise ValueError(kind)
     PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"),
@@ -201,7 +210,8 @@ def declare(name: str, module: str, description: str, kind: str, families: str, 
                         Lazy(module, "check") if check else None, Lazy(module, "stages") if stages else None,
                         Lazy(module, "reference_stages") if stages and reference else None,
                         Lazy(module, "whole") if stages else None, tracked=True,
-                        reads=Lazy(module, "reads") if reads else None)
+                        reads=Lazy(module, "reads") if reads else None,
+                        text=text or (trains_on_text if kind == "trained" else None))
 
 
 def get(name: str) -> Pass:
@@ -227,6 +237,18 @@ def check_options(p: Pass, options: dict[str, Any]) -> dict[str, Any]:
         if limit is not None and not limit.ok(v):
             raise UsageError(f"pass {p.name!r}: option {k}={v!r} must be {limit.text}")
     return {**p.options, **given}
+
+
+def check_text(passes: list[tuple[str, dict[str, Any]]], given: bool) -> None:
+    """Refuse (:class:`UsageError`, before anything is loaded) a pass whose options read text
+    (``Pass.text``) when none is ``given``."""
+    if given:
+        return
+    for name, options in passes:
+        p = get(name)
+        why = p.text(check_options(p, options)) if p.text is not None else None
+        if why:
+            raise UsageError(f"pass {name} {why}: give it text (--text FILE)")
 
 
 def _coerce(name: str, key: str, value, default):
