@@ -20,6 +20,7 @@ from normsurgery.families import FAMILIES
 from models import CONFIGS, tiny_model
 
 convert_mod = importlib.import_module("normsurgery.convert")  # the module, not ns.convert
+TEXT = Path(ns.__file__).parent / "data" / "sample.txt"  # for the passes that read text
 
 
 def checkpoint_at(tmp_path, family, dtype=torch.float32, layers=None, name="in", cls=None):
@@ -336,9 +337,10 @@ def test_a_whole_model_pass_is_refused_when_the_model_does_not_fit(tmp_path, mon
     src = checkpoint_at(tmp_path, "gpt2")
     monkeypatch.setattr(memory, "available", lambda: 2**20)
     with pytest.raises(ns.SurgeryError, match="GiB are available; it cannot run on this machine$"):
-        convert_mod.convert(src, tmp_path / "out", [("minimize", {"prune_units": 0.5, "by": "activation"})])
+        convert_mod.convert(src, tmp_path / "out", [("minimize", {"prune_units": 0.5, "by": "activation"})],
+                            text=TEXT)  # text given: the plan is what refuses
     with pytest.raises(ns.SurgeryError, match="GiB are available: it cannot run on this machine$"):  # not --in-memory
-        convert_mod.convert(src, tmp_path / "out", [("remove-ln", {})], streaming=True)
+        convert_mod.convert(src, tmp_path / "out", [("remove-ln", {})], streaming=True, text=TEXT)
     res = convert_mod.convert(src, tmp_path / "out", [("pre-rmsnorm", {})])  # blockwise: streamed
     assert res.streaming and res.ok
     # scans first, then part by part: minimize streams where it does not fit (issue 35), and loads
@@ -358,7 +360,7 @@ def test_a_whole_model_pass_is_refused_when_the_model_does_not_fit(tmp_path, mon
 def test_streaming_refuses_and_writes_nothing(tmp_path, family, passes, match):
     src = checkpoint_at(tmp_path, family)
     with pytest.raises(ns.SurgeryError, match=match) as refused:
-        convert_mod.convert(src, tmp_path / "out", passes, streaming=True)
+        convert_mod.convert(src, tmp_path / "out", passes, streaming=True, text=TEXT)  # text given: the plan refuses
     assert "already RMSNorm" in match or str(refused.value).endswith("; --in-memory loads the whole model")  # it fits
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["in"]  # no temporary folder left either
