@@ -244,7 +244,7 @@ def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, st
     check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
     needs = plan_memory(work, outputs)
     if why is not None:
-        checked = f", the checks' outputs {outputs / 2**30:.2f} GiB of it" if outputs else ""
+        checked = f", the checks' outputs {outputs / 2**30:.2f} GiB of it" if outputs >= 2**30 / 200 else ""
         why += (f" (about {needs['streamed'] / 2**30:.2f} GiB at a time in {needs['parts']} parts{checked}; in memory "
                 f"about {needs['in_memory'] / 2**30:.1f} GiB)")
     work.steps, work.context = steps, PassContext(

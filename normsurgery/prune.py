@@ -288,11 +288,15 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     why = "asked for (--streaming)" if streaming else None
     work = Work(source, source.storage, streamed=streaming, alone=True, device=job.device)
     acc = job.make_accelerator(hopts.precision) if hopts is not None else None
-    scores = None
+    scores = forward = None  # in memory: batch_size windows per forward
+    if cal is not None and streaming:  # every window through each part at once (each part read once), unless their
+        # residual states would outweigh the whole model the in-memory plan holds: then as many as do not
+        states = (layers + 1) * cal.shape[1] * source.config.get_text_config().hidden_size * source.storage.itemsize
+        forward = max(opts.batch_size, min(len(cal), source.index.numel * source.storage.itemsize // states))
     if cal is not None:
         with work.running():
-            scores = score_layers(work.model, cal, batch_size=opts.batch_size,
-                                  forward_size=len(cal) if streaming else None, progress=progress)
+            scores = score_layers(work.model, cal, batch_size=opts.batch_size, forward_size=forward,
+                                  progress=progress)
     selection = select_layers(opts.method, n, scores, layers)
     ce, mask_id = {}, getattr(tok, "mask_token_id", None)
     measure = held is not None

@@ -898,6 +898,30 @@ def test_streamed_prune_compares_no_more_states_at_once(tmp_path, monkeypatch):
     assert 0 < held[True] <= held[False], held
 
 
+def test_streamed_prune_holds_no_more_states_than_the_model(tmp_path, monkeypatch):
+    """Where the calibration windows' residual states would outweigh the whole model (which the
+    in-memory plan holds), streamed scoring runs them through the parts in groups that do not
+    (reading the parts once per group): the states held at once (counted where each forward
+    starts) stay under the model's bytes."""
+    prune_mod = importlib.import_module("normsurgery.prune")
+    analysis = importlib.import_module("normsurgery.analysis")
+    src = Path(ns.__file__).parent / "demo" / "llama-tiny"
+    source = Source.open(src)
+    cfg = source.config
+    model_bytes = source.index.numel * source.storage.itemsize
+    per_window = (cfg.num_hidden_layers + 1) * 32 * cfg.hidden_size * source.storage.itemsize
+    samples = 2 * model_bytes // per_window + 1  # all of them: twice the model
+    held, real = [], analysis.forward_base
+
+    def counted(model, ids, mask):
+        held.append(len(ids) * per_window)
+        return real(model, ids, mask)
+
+    monkeypatch.setattr(prune_mod, "forward_base", counted)
+    ns.prune(src, tmp_path / "out", {"layers": 1, "samples": int(samples), "seq_len": 32}, streaming=True)
+    assert len(held) > 1 and max(held) <= model_bytes and sum(held) == samples * per_window, (held, model_bytes)
+
+
 @pytest.mark.parametrize("streaming", [True, False])
 def test_a_tied_embedding_left_alone_is_copied_once(tmp_path, copies, streaming):
     """flashnorm keep_tied=true leaves a tied embedding (and head) as stored: its bytes are copied
