@@ -18,6 +18,13 @@ alternating the settings and the two conditions so drift in the machine's load h
 N: 1 and every CPU. The table gives each setting's median seconds, the busy/quiet ratio, and
 the load average when each condition was measured (other processes add to both).
 
+Measured on a shared 2-CPU AMD EPYC whose other users kept the load average at 3.7-6.4 (so "quiet"
+was not quiet), 2 rounds, medians (seconds, quiet / busy):
+  spin@1 1.73 / 2.73, passive@1 1.38 / 1.72, spin@2 6.85 / 14.54, passive@2 0.87 / 2.19,
+  cli 9.20 / 23.53 (the imports of torch and transformers are most of it).
+With every CPU, threads that spin were 7.9x slower than threads that sleep with no busy-loop of
+ours and 6.6x with one; at one thread the policy changes nothing beyond the noise.
+
 Usage: python benchmarks/bench_contention.py [--rounds N] [--pin] [--json FILE] [--keep]
 """
 
