@@ -49,7 +49,7 @@ from .progress import Progress, no_progress
 from .runner import Job
 from .sweep import Meter, Work, step_reports
 from .texts import text_of
-from .registry import PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
+from .registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
 from .writer import save_work
 
@@ -248,7 +248,7 @@ def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, st
         why += (f" (about {needs['streamed'] / 2**30:.2f} GiB at a time in {needs['parts']} parts{checked}; in memory "
                 f"about {needs['in_memory'] / 2**30:.1f} GiB)")
     work.steps, work.context = steps, PassContext(
-        tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
+        tokenizer=Later(lambda: source.tokenizer), text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
         storage_bytes=source.storage.itemsize,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,

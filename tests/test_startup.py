@@ -38,3 +38,29 @@ def test_an_unknown_norm_class_is_looked_up_among_every_family():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300).stdout
     assert "KIND ('rmsnorm', 1.0)" in out and "OTHER ('other', None)" in out, out
+
+
+def test_a_convert_that_reads_no_text_never_loads_the_tokenizer(tmp_path, monkeypatch):
+    """The tokenizer is made when a pass first reads it (``registry.Later``): a --no-verify
+    flashnorm never parses it (up to 3 s of CPU); a pass that reads text gets it."""
+    import importlib
+
+    import normsurgery as ns
+    from normsurgery import checkpoint
+
+    convert_mod = importlib.import_module("normsurgery.convert")
+    demo = Path(ns.__file__).parent / "demo" / "llama-tiny"
+    made = []
+    real = checkpoint.Source.tokenizer.func
+
+    def tokenizer(self):
+        made.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(checkpoint.Source, "tokenizer", property(tokenizer))
+    res = convert_mod.convert(demo, tmp_path / "out", [("flashnorm", {})], verify=False, streaming=True)
+    assert res.saved and made == []
+    text = (Path(ns.__file__).parent / "data" / "sample.txt").read_text()
+    convert_mod.convert(demo, tmp_path / "masked", [("mask", {"by": "activation", "prune_units": 0.25})],
+                        verify=False, text=text)
+    assert made, "the pass that reads text got no tokenizer"
