@@ -40,7 +40,7 @@ def quiet_imports():
     import normsurgery.convert  # noqa: F401
     from normsurgery.families import norm_kind
 
-    norm_kind(torch.nn.Identity())  # imports the modeling modules of the RMSNorm families
+    norm_kind(torch.nn.Identity())  # imports the modeling modules of the RMSNorm families (an unknown class: all)
     transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM  # noqa: B018
 
     transformers.utils.logging.set_verbosity_error()
@@ -58,14 +58,21 @@ def env(threads: int) -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def spawn(script, op: str, threads: int, python: str | None = None, **kw) -> dict:
-    """Run ``script --worker op --key value ...`` in a fresh process; its last ``RESULT {json}``
-    line is the result, with ``process_s`` (wall time of the whole process) added."""
+def spawn(script, op: str, threads: int, python: str | None = None, environ: dict | None = None, **kw) -> dict:
+    """Run ``script --worker op --key value ...`` in a fresh process (``environ``: variables set
+    beside :func:`env`'s, or removed where None); its last ``RESULT {json}`` line is the result,
+    with ``process_s`` (wall time of the whole process) added."""
     cmd = [python or sys.executable, str(script), "--worker", op, "--threads", str(threads)]
     for k, v in kw.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
+    variables = env(threads)
+    for k, v in (environ or {}).items():
+        if v is None:
+            variables.pop(k, None)
+        else:
+            variables[k] = v
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(threads), cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=variables, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])

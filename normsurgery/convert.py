@@ -39,7 +39,9 @@ from .version import __version__
 from . import devices, memory, passes as _passes, precision  # noqa: F401  (passes: the built-in passes)
 from .checkpoint import Source
 from .errors import SurgeryError
-from .options import MAX_SHARD_SIZE, ON_OVERFLOW
+from .families import family
+from .layout import LM_OBJECTIVES
+from .options import MAX_SHARD_SIZE, ON_OVERFLOW, PROBE_LENGTH, PROBE_SAMPLES
 from .parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, output_kind, probe_ids
 from .check import Check, Reader, Tolerances, source_reader
 from .plan import StepSpec, check_applies, check_before_reading, plan, steps_of
@@ -47,7 +49,7 @@ from .progress import Progress, no_progress
 from .runner import Job
 from .sweep import Meter, Work, step_reports
 from .texts import text_of
-from .registry import PassContext, load_recipe, parse_pass  # noqa: F401  (API)
+from .registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
 from .training import heldout_ce, is_main_process, train
 from .writer import save_work
 
@@ -135,31 +137,58 @@ def in_memory_bytes(source: Source, dtype: torch.dtype) -> float:
     return source.index.numel * torch.finfo(dtype).bits // 8 * 1.5 + 2**30
 
 
-def plan_memory(work: Work) -> dict:
-    """What each plan needs, stated before anything is read: {"in_memory": bytes, "streamed":
-    bytes: the largest part's tensors in the working dtype (the loader gives the last part's back
-    before reading the next: the 2.7 GB bf16 Llama's 467 MB largest part, 470 MB measured above
-    the imports), "parts": how many}."""
+def check_levels(steps: list[StepSpec], cast: bool) -> list[int]:
+    """The levels whose outputs the checks keep (:func:`_step_outputs`): the reference (0) and, with
+    several steps, one that changes the function, or a ``cast`` to a coarser storage dtype to
+    check apart, every step's."""
+    every = len(steps) > 1 or steps[0].kind != "exact" or cast
+    return [0] + (list(range(1, len(steps) + 1)) if every else [])
+
+
+def outputs_bytes(source: Source, steps: list[StepSpec], dtype: torch.dtype) -> int:
+    """What the checks' outputs hold at once, in either plan: the probe's positions x the output's
+    width (an LM's vocabulary: Gemma-3's 262k columns are 268 MB per output in float32) in
+    ``dtype``, at least float32, for each output held whole: every level kept after the
+    reference (:func:`check_levels`), one read of a reference for a tolerance (a null draw, the
+    jittered reference), and, unless a plain LM head lets them be kept as its input
+    (``sweep.compact_head``), the reference's and the written folder's."""
+    text = source.config.get_text_config()
+    objective = source.head.objective
+    width = (text.vocab_size if objective in LM_OBJECTIVES else text.hidden_size if objective == "none"
+             else getattr(source.config, "num_labels", 2))
+    compact = objective == "causal-lm" and family(source.family).plain_logits
+    held = len(check_levels(steps, coarser(source.storage, dtype))) - 1 + 1 + (0 if compact else 2)
+    return PROBE_SAMPLES * _length(source) * width * max(4, dtype.itemsize) * held
+
+
+def plan_memory(work: Work, outputs: int = 0) -> dict:
+    """What each plan needs, stated before anything is read, in bytes: "streamed": the largest
+    part's tensors in the working dtype, a tied embedding and head counted twice (a rewrite that
+    changes one unties them: the output stores both), and ``outputs``, the checks' outputs
+    (:func:`outputs_bytes`; the loader gives the last part's tensors back before reading the next:
+    the 2.7 GB bf16 Llama's 467 MB largest part, 470 MB measured above the imports without a
+    check); "in_memory": :func:`in_memory_bytes` and ``outputs``; "outputs"; "parts": how many."""
     from .families import layout
     from .shards import inside
 
     size = torch.finfo(work.dtype).bits // 8
-    params = {id(p): (n, p) for n, p in work.model.named_parameters()}
-    largest = max(sum(p.numel() for n, p in params.values() if inside(n, part.scope)) * size
-                  for part in plan(work.model, layout(work.model), True))
-    return {"in_memory": int(in_memory_bytes(work.source, work.dtype)), "streamed": int(largest),
-            "parts": len(plan(work.model, layout(work.model), True))}
+    named = list(work.model.named_parameters(remove_duplicate=False))
+    parts = plan(work.model, layout(work.model), True)
+    largest = max(sum(p.numel() for n, p in named if inside(n, part.scope)) * size for part in parts)
+    return {"in_memory": int(in_memory_bytes(work.source, work.dtype)) + outputs, "streamed": int(largest) + outputs,
+            "outputs": outputs, "parts": len(parts)}
 
 
 def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, streaming: bool | None,
-                device: torch.device = torch.device("cpu")) -> str | None:
+                device: torch.device = torch.device("cpu"), outputs: int = 0) -> str | None:
     """Why the model is rewritten one part at a time (None: in memory, one part, on ``device``). A
     pass whose stages scan the whole model first (minimize, mask, compensated-ln) reads every part
-    once more per scan when streamed: it streams when the model does not fit in memory."""
+    once more per scan when streamed: it streams when the model does not fit in memory
+    (``outputs``: what the checks' outputs hold, :func:`outputs_bytes`)."""
     whole = [s for s in steps if s.whole]
     if streaming is False:
         return None
-    need = in_memory_bytes(source, dtype)
+    need = in_memory_bytes(source, dtype) + outputs
     free, where = memory.room(device)
     numbers = (f"in memory this needs about {need / 2**30:.1f} GiB ({source.index.numel / 1e9:.2f}B parameters in "
                f"{dtype_name(dtype)}), {free / 2**30:.1f} GiB are available{where}")
@@ -196,11 +225,12 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
     precision.check_policy([], torch.float32, on_overflow)
     steps = steps_of(passes)
+    check_text(passes, text is not None)  # a usage error: before anything is read
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
-    work, result = _planned(job, steps, work_dtype, streaming, text, state_dir(out), progress)
+    work, result = _planned(job, steps, work_dtype, streaming, text, state_dir(out), progress, verify)
     source = job.source
     cast = coarser(source.storage, work.dtype)  # checked before the cast, then the cast
-    ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, _length(source)) if verify else None
+    ids = probe_ids(source.tokenizer, source.config.vocab_size, text, PROBE_SAMPLES, _length(source)) if verify else None
     outs, parities = {}, {}  # level -> outputs, step -> parity: measured together (_step_outputs)
     t = _tolerances(work, ids, tolerance, outs)
     if work.resident:
@@ -215,20 +245,22 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool =
 
 
 def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, streaming: bool | None, text: str,
-             workdir: Path, progress: Progress) -> tuple[Work, Result]:
+             workdir: Path, progress: Progress, verify: bool = True) -> tuple[Work, Result]:
     """The work over ``job``'s source (its plan chosen, what the Layout already refuses refused
-    before any weight is read) and the result it starts."""
+    before any weight is read) and the result it starts (``verify``: the checks' outputs counted)."""
     source, where = job.source, job.device
     dtype = work_dtype_for(source.storage, work_dtype)
-    why = choose_plan(source, steps, dtype, streaming, where)
+    outputs = outputs_bytes(source, steps, dtype) if verify else 0
+    why = choose_plan(source, steps, dtype, streaming, where, outputs)
     work = Work(source, dtype, streamed=why is not None, device=where)
     check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
-    needs = plan_memory(work)
+    needs = plan_memory(work, outputs)
     if why is not None:
-        why += (f" (about {_size(needs['streamed'])} at a time in {needs['parts']} parts; in memory about "
-                f"{_size(needs['in_memory'], 1)})")
+        checked = f", the checks' outputs {_size(outputs)} of it" if outputs >= 2**30 / 200 else ""
+        why += (f" (about {_size(needs['streamed'])} at a time in {needs['parts']} parts{checked}; in memory "
+                f"about {_size(needs['in_memory'], 1)})")
     work.steps, work.context = steps, PassContext(
-        tokenizer=source.tokenizer, text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
+        tokenizer=Later(lambda: source.tokenizer), text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
         storage_bytes=source.storage.itemsize,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,
@@ -348,8 +380,7 @@ def _step_outputs(work: Work, t: Tolerances, progress: Progress, cast: bool, out
     check apart, every step's outputs, each step applied in turn; into ``parities`` each step's
     (:func:`step_parity`), measured while the model it produced can still be read."""
     steps = work.steps
-    every = len(steps) > 1 or steps[0].kind != "exact" or cast
-    levels = [0] + (list(range(1, len(steps) + 1)) if every else [])
+    levels = check_levels(steps, cast)
     for i, level in enumerate(levels):  # a streamed part goes through the steps once per read
         progress("outputs", i, len(levels))
         read = level_reader(work, t.ids, level)
@@ -463,4 +494,4 @@ def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.
 
 
 def _length(source: Source) -> int:
-    return min(64, source.positions or 64)
+    return min(PROBE_LENGTH, source.positions or PROBE_LENGTH)

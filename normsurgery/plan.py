@@ -85,8 +85,12 @@ def check_applies(model, name: str, lay: Layout | None = None) -> registry.Pass:
 
 
 def check_before_reading(model, steps: list[StepSpec]) -> None:
-    """Each pass's own ``check`` of its options against the model's Layout, before any weight is
-    read (``model``: built on the meta device will do)."""
+    """Before any weight is read (``model``: built on the meta device will do): the first pass
+    applies to the whole model (:func:`check_applies`: its refusal counts what the whole Layout
+    holds, in every plan, not what the first part holds), and each pass's own ``check`` of its
+    options against the model's Layout."""
+    if steps:
+        check_applies(model, steps[0].pass_name)
     lay = None
     for s in steps:
         p = registry.get(s.pass_name)

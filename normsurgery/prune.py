@@ -107,10 +107,14 @@ def _accumulate(states: list[torch.Tensor], weight: torch.Tensor, ang: torch.Ten
 
 @torch.no_grad()
 def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 batch_size: int = 8, progress: Progress = no_progress) -> LayerScores:
+                 batch_size: int = 8, forward_size: int | None = None,
+                 progress: Progress = no_progress) -> LayerScores:
     """Angular distances between all residual states and every layer's block influence.
 
     ``input_ids`` is [windows, tokens]; ``attention_mask`` (1 = real token) masks padding.
+    ``forward_size`` windows per forward pass (default ``batch_size``; streamed: all, so each part
+    is read once), their states compared ``batch_size`` windows at a time (what the float64 unit
+    vectors hold is the same in either plan).
     """
     if input_ids.ndim != 2 or input_ids.numel() == 0:
         raise SurgeryError("calibration needs a non-empty [windows, tokens] batch of token ids")
@@ -123,12 +127,14 @@ def score_layers(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         raise SurgeryError("the calibration batch has no unmasked tokens")
     t0 = time.perf_counter()
     total = len(input_ids)
+    forward_size = forward_size or batch_size
     with residual_capture(model) as states:
-        for start in range(0, total, batch_size):
-            ids, m = input_ids[start:start + batch_size], mask[start:start + batch_size]
+        for start in range(0, total, forward_size):
+            ids, m = input_ids[start:start + forward_size], mask[start:start + forward_size]
             progress("score", start, total)
             forward_base(model, ids, m)
-            _accumulate(states, m, ang, cos_adj)
+            for i in range(0, len(ids), batch_size):
+                _accumulate([s[i:i + batch_size] for s in states], m[i:i + batch_size], ang, cos_adj)
     progress("score", total, total)
     ang /= tokens
     return LayerScores(ang, 1.0 - cos_adj / tokens, tokens, time.perf_counter() - t0)
@@ -285,10 +291,14 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     why = "asked for (--streaming)" if streaming else None
     work = Work(source, source.storage, streamed=streaming, alone=True, device=job.device)
     acc = job.make_accelerator(hopts.precision) if hopts is not None else None
-    scores = None
+    scores = forward = None  # in memory: batch_size windows per forward
+    if cal is not None and streaming:  # every window through each part at once (each part read once), unless their
+        # residual states would outweigh the whole model the in-memory plan holds: then as many as do not
+        states = (layers + 1) * cal.shape[1] * source.config.get_text_config().hidden_size * source.storage.itemsize
+        forward = max(opts.batch_size, min(len(cal), source.index.numel * source.storage.itemsize // states))
     if cal is not None:
         with work.running():
-            scores = score_layers(work.model, cal, batch_size=len(cal) if streaming else opts.batch_size,
+            scores = score_layers(work.model, cal, batch_size=opts.batch_size, forward_size=forward,
                                   progress=progress)
     selection = select_layers(opts.method, n, scores, layers)
     ce, mask_id = {}, getattr(tok, "mask_token_id", None)

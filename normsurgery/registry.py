@@ -42,14 +42,42 @@ from typing import Any, Callable
 from .errors import SurgeryError, UsageError
 
 
+@dataclass(frozen=True)
+class Later:
+    """A value given as the function that makes it (``make()``), made when first read: a
+    :class:`PassContext`'s tokenizer, which costs a command that reads no text up to 3 s of CPU
+    (SmolLM2's: 3.2 s in a fresh process, the tokenizer modules' imports included; 0.44 s after)."""
+
+    make: Callable[[], Any]
+
+
+class Deferred:
+    """A dataclass field that may be given as :class:`Later` (made on first read, then kept)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return None  # the field's default
+        value = obj.__dict__.get(self.slot)
+        if isinstance(value, Later):
+            value = obj.__dict__[self.slot] = value.make()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class PassContext:
-    """What a pass may need beyond the model: options, tokenizer, text, progress; for trained
-    passes the fine-tuning loop (``training.train``, given by the orchestration), a (step, total,
-    loss) progress callback and a folder for resumable training state."""
+    """What a pass may need beyond the model: options, tokenizer (or :class:`Later`: loaded when a
+    pass first reads it), text, progress; for trained passes the fine-tuning loop
+    (``training.train``, given by the orchestration), a (step, total, loss) progress callback and
+    a folder for resumable training state."""
 
     options: dict[str, Any] = field(default_factory=dict)
-    tokenizer: Any = None
+    tokenizer: Any = Deferred()
     text: str | None = None
     progress: Callable[[str], None] = lambda message: None
     train: Callable[..., Any] | None = None
@@ -129,6 +157,14 @@ class Pass:
     # layout holds; the executor's write sweep leaves the rest unread (their bytes copied as stored,
     # never decoded: ``sweep.Work.enter``). None: it may read any parameter
     reads: Callable[..., set[str]] | None = None
+    # (options) -> why these options read text (a usage fact: without text the command stops before
+    # anything is loaded, :func:`check_text`); None: it reads none
+    text: Callable[[dict], str | None] | None = None
+
+
+def trains_on_text(options: dict) -> str:
+    """A trained pass's text: what it trains on."""
+    return "trains on text"
 
 
 @dataclass(frozen=True)
@@ -188,10 +224,11 @@ class Lazy:
 
 def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
             reference: bool = False, blockwise: bool = False, limits=None, check: bool = False,
-            stages: bool = False, reads: bool = False) -> None:
+            stages: bool = False, reads: bool = False, text: Callable[[dict], str | None] | None = None) -> None:
     """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference``, ``check`` and
     ``reads`` when said; ``stages``: ``stages``, ``whole`` and with a reference ``reference_stages``)
-    are functions of ``module``, imported on first use."""
+    are functions of ``module``, imported on first use. ``text``: why its options read text
+    (``Pass.text``; a trained pass: it trains on it)."""
     if kind not in KINDS:
         raise ValueError(kind)
     PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"),
@@ -201,7 +238,8 @@ def declare(name: str, module: str, description: str, kind: str, families: str, 
                         Lazy(module, "check") if check else None, Lazy(module, "stages") if stages else None,
                         Lazy(module, "reference_stages") if stages and reference else None,
                         Lazy(module, "whole") if stages else None, tracked=True,
-                        reads=Lazy(module, "reads") if reads else None)
+                        reads=Lazy(module, "reads") if reads else None,
+                        text=text or (trains_on_text if kind == "trained" else None))
 
 
 def get(name: str) -> Pass:
@@ -227,6 +265,18 @@ def check_options(p: Pass, options: dict[str, Any]) -> dict[str, Any]:
         if limit is not None and not limit.ok(v):
             raise UsageError(f"pass {p.name!r}: option {k}={v!r} must be {limit.text}")
     return {**p.options, **given}
+
+
+def check_text(passes: list[tuple[str, dict[str, Any]]], given: bool) -> None:
+    """Refuse (:class:`UsageError`, before anything is loaded) a pass whose options read text
+    (``Pass.text``) when none is ``given``."""
+    if given:
+        return
+    for name, options in passes:
+        p = get(name)
+        why = p.text(check_options(p, options)) if p.text is not None else None
+        if why:
+            raise UsageError(f"pass {name} {why}: give it text (--text FILE)")
 
 
 def _coerce(name: str, key: str, value, default):

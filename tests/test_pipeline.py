@@ -20,6 +20,7 @@ from normsurgery.families import FAMILIES
 from models import CONFIGS, tiny_model
 
 convert_mod = importlib.import_module("normsurgery.convert")  # the module, not ns.convert
+TEXT = Path(ns.__file__).parent / "data" / "sample.txt"  # for the passes that read text
 
 
 def checkpoint_at(tmp_path, family, dtype=torch.float32, layers=None, name="in", cls=None):
@@ -336,9 +337,10 @@ def test_a_whole_model_pass_is_refused_when_the_model_does_not_fit(tmp_path, mon
     src = checkpoint_at(tmp_path, "gpt2")
     monkeypatch.setattr(memory, "available", lambda: 2**20)
     with pytest.raises(ns.SurgeryError, match="GiB are available; it cannot run on this machine$"):
-        convert_mod.convert(src, tmp_path / "out", [("minimize", {"prune_units": 0.5, "by": "activation"})])
+        convert_mod.convert(src, tmp_path / "out", [("minimize", {"prune_units": 0.5, "by": "activation"})],
+                            text=TEXT)  # text given: the plan is what refuses
     with pytest.raises(ns.SurgeryError, match="GiB are available: it cannot run on this machine$"):  # not --in-memory
-        convert_mod.convert(src, tmp_path / "out", [("remove-ln", {})], streaming=True)
+        convert_mod.convert(src, tmp_path / "out", [("remove-ln", {})], streaming=True, text=TEXT)
     res = convert_mod.convert(src, tmp_path / "out", [("pre-rmsnorm", {})])  # blockwise: streamed
     assert res.streaming and res.ok
     # scans first, then part by part: minimize streams where it does not fit (issue 35), and loads
@@ -358,7 +360,7 @@ def test_a_whole_model_pass_is_refused_when_the_model_does_not_fit(tmp_path, mon
 def test_streaming_refuses_and_writes_nothing(tmp_path, family, passes, match):
     src = checkpoint_at(tmp_path, family)
     with pytest.raises(ns.SurgeryError, match=match) as refused:
-        convert_mod.convert(src, tmp_path / "out", passes, streaming=True)
+        convert_mod.convert(src, tmp_path / "out", passes, streaming=True, text=TEXT)  # text given: the plan refuses
     assert "already RMSNorm" in match or str(refused.value).endswith("; --in-memory loads the whole model")  # it fits
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["in"]  # no temporary folder left either
@@ -846,6 +848,78 @@ def test_convert_states_what_each_plan_needs(tmp_path):
     m = res.as_dict()["memory"]
     assert m["parts"] == 6 and m["in_memory"] > total and total / 6 < m["streamed"] < total
     assert "MB at a time in 6 parts; in memory about 1.0 GiB" in res.streaming  # under 0.1 GiB: MB (issue 47.11)
+
+
+def test_the_estimate_counts_the_checks_outputs(tmp_path, monkeypatch):
+    """A large vocabulary on a tiny width: the checks' logits outweigh every part. The figures
+    stated before loading count them: the rewrite's outputs before its cast to bfloat16 and a
+    tolerance's read held together (measured: the largest output a check's forward returned,
+    the logits of every position), in either plan."""
+    cfg = CONFIGS["llama"]()
+    cfg.vocab_size = 20000
+    torch.manual_seed(0)
+    src = tmp_path / "in"
+    T.LlamaForCausalLM(cfg).to(torch.bfloat16).eval().save_pretrained(src)
+    seen = []
+    real = convert_mod.Work.outputs
+
+    def outputs(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            seen.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(convert_mod.Work, "outputs", outputs)
+    res = convert_mod.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=True)
+    m, logits = res.memory, max(seen)
+    assert logits > Source.open(src).index.numel * 4  # the case: one output outweighs the whole model
+    assert m["streamed"] >= 2 * logits and m["in_memory"] >= 2 * logits + Source.open(src).index.numel * 4
+    assert f"the checks' outputs {m['outputs'] / 2**30:.2f} GiB of it" in res.streaming
+
+
+def test_streamed_prune_compares_no_more_states_at_once(tmp_path, monkeypatch):
+    """Streamed scoring runs every calibration window through each part at once (each part read
+    once), but compares the residual states batch by batch, as in memory: the float64 unit
+    vectors held at once (tokens x states x width, counted where they are made) are no more
+    than the in-memory plan's."""
+    prune_mod = importlib.import_module("normsurgery.prune")  # the module, not ns.prune
+
+    src = Path(ns.__file__).parent / "demo" / "llama-tiny"  # with a tokenizer to read the text
+    real, held = prune_mod._accumulate, {}
+
+    for streaming in (False, True):
+        def counted(states, weight, ang, cos_adj, streaming=streaming):
+            held[streaming] = max(held.get(streaming, 0), len(states) * states[0][..., 0].numel() * states[0].shape[-1])
+            return real(states, weight, ang, cos_adj)
+
+        monkeypatch.setattr(prune_mod, "_accumulate", counted)
+        ns.prune(src, tmp_path / f"out{streaming}", {"layers": 1, "samples": 8, "batch_size": 2, "seq_len": 16},
+                 streaming=streaming)
+    assert 0 < held[True] <= held[False], held
+
+
+def test_streamed_prune_holds_no_more_states_than_the_model(tmp_path, monkeypatch):
+    """Where the calibration windows' residual states would outweigh the whole model (which the
+    in-memory plan holds), streamed scoring runs them through the parts in groups that do not
+    (reading the parts once per group): the states held at once (counted where each forward
+    starts) stay under the model's bytes."""
+    prune_mod = importlib.import_module("normsurgery.prune")
+    analysis = importlib.import_module("normsurgery.analysis")
+    src = Path(ns.__file__).parent / "demo" / "llama-tiny"
+    source = Source.open(src)
+    cfg = source.config
+    model_bytes = source.index.numel * source.storage.itemsize
+    per_window = (cfg.num_hidden_layers + 1) * 32 * cfg.hidden_size * source.storage.itemsize
+    samples = 2 * model_bytes // per_window + 1  # all of them: twice the model
+    held, real = [], analysis.forward_base
+
+    def counted(model, ids, mask):
+        held.append(len(ids) * per_window)
+        return real(model, ids, mask)
+
+    monkeypatch.setattr(prune_mod, "forward_base", counted)
+    ns.prune(src, tmp_path / "out", {"layers": 1, "samples": int(samples), "seq_len": 32}, streaming=True)
+    assert len(held) > 1 and max(held) <= model_bytes and sum(held) == samples * per_window, (held, model_bytes)
 
 
 @pytest.mark.parametrize("streaming", [True, False])

@@ -225,16 +225,16 @@ def cli(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("text, match", [
-    (None, "give it text"), ("missing", "no text file"), ("empty", "is empty"),
-    ("short", "fewer than one sequence of 128")])
-def test_bad_text_is_one_line_and_writes_nothing(tmp_path, text, match):
+@pytest.mark.parametrize("text, match, code", [
+    (None, "give it text", 2), ("missing", "no text file", 1), ("empty", "is empty", 1),
+    ("short", "fewer than one sequence of 128", 1)])
+def test_bad_text_is_one_line_and_writes_nothing(tmp_path, text, match, code):  # no text: a usage error
     files = {"missing": tmp_path / "missing.txt", "empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt"}
     files["empty"].write_text("")
     files["short"].write_text(SAMPLE.read_text()[:400])  # enough for the logit check, not for a window
     out = tmp_path / "out"
     r = cli("convert", GPT2, out, "--pass", "remove-ln:steps=22", *(["--text", files[text]] if text else []))
-    assert_refused(r, out, match)
+    assert_refused(r, out, match, code)
 
 
 @pytest.mark.parametrize("family, match", [("bert", "Post-LN"), ("qwen3", "QK-norms")])

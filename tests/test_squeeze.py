@@ -310,7 +310,7 @@ def test_activation_scores_need_text_and_beat_magnitude_on_the_demo(tmp_path):
         ce[by] = heldout_ce(model, held)
     assert ce["activation"] < ce["magnitude"] - 0.2, ce
     r = run("convert", DEMO, tmp_path / "no-text", "--pass", "minimize:prune_units=0.3,by=activation")
-    assert r.exit_code == 1 and "by=activation scores units and heads on calibration text" in r.output
+    assert r.exit_code == 2 and "by=activation scores units and heads on calibration text" in r.output  # a usage error
     r = run("convert", DEMO, tmp_path / "text", "--pass", "minimize:prune_units=0.3,by=activation", "--text", SAMPLE)
     assert r.exit_code == 0, r.output
 

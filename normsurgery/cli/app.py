@@ -59,8 +59,11 @@ def _on_sigterm(signum, frame):
 
 
 def main() -> None:
-    """The entry point: SIGTERM unwinds like Ctrl-C; an interrupt anywhere is one line, and once
-    the command has ended, none (:func:`_ignore_interrupts`)."""
+    """The entry point: OpenMP's threads sleep while they wait unless the user says otherwise
+    (``threads.passive_wait``: spinning threads collapse when other work holds the cores);
+    SIGTERM unwinds like Ctrl-C; an interrupt anywhere is one line, and once the command has
+    ended, none (:func:`_ignore_interrupts`)."""
+    threads.passive_wait()  # before torch is imported: OpenMP reads it once, as it loads
     from .. import modelcard
 
     signal.signal(signal.SIGTERM, _on_sigterm)

@@ -85,6 +85,7 @@ def convert(
     given = {k: v for k, v in {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
                                 "resume": resume or None, "precision": precision}.items() if v is not None}
     specs = [(n, {**o, **{k: v for k, v in given.items() if k in registry.get(n).options}}) for n, o in specs]
+    registry.check_text(specs, text is not None)  # before anything is loaded
     body = read_text(text)
     try:
         with claimed(src, out, force, allow_pickle) as source:  # OUT locked before torch is loaded

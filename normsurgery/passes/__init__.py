@@ -10,6 +10,15 @@ from ..registry import Limit, all_passes, between, declare, one_of
 #: magnitude, or activation (units and heads scored on calibration text; sparsity and channels by magnitude))
 MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0, "prune_units": 0.0,
                 "prune_heads": 0.0}
+
+
+def scored_on_text(options: dict) -> str | None:
+    """Why mask options read text: units and heads ranked by activation are scored on it."""
+    if options.get("by") == "activation" and (options.get("prune_units") or options.get("prune_heads")):
+        return "with by=activation scores units and heads on calibration text"
+    return None
+
+
 #: both trained norm passes: control (the vanilla fine-tune at the same budget, reported beside),
 #: patience (stop once held-out CE went that many evaluations, every eval_every steps, without improving)
 TRAINED_OPTIONS = {"control": True, "patience": 0, "eval_every": 25}
@@ -55,11 +64,12 @@ for name, module, description, kind, families, extra in [
      "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
      {"blockwise": True}),
     ("mask", "mask", "Zero weights by a mask file or criterion (changes the function; minimize then shrinks)",
-     "reference", PRE_LN, {"options": MASK_OPTIONS, "stages": True}),
+     "reference", PRE_LN, {"options": MASK_OPTIONS, "stages": True, "text": scored_on_text}),
     ("minimize", "minimize", "Remove dead MLP units, attention heads and residual channels (exact; optional mask "
-     "first)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True, "stages": True}),
+     "first)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True, "stages": True, "text": scored_on_text}),
     ("compensated-ln", "compensated_ln", "Remove dead residual channels, norms keeping the full width's statistics "
-     "(exact)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True, "stages": True}),
+     "(exact)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True, "stages": True,
+                                  "text": scored_on_text}),
     ("remove-ln", "remove_ln", "remove every norm by staged fine-tuning, then fold the frozen divisors: no "
      "normalization left", "trained", "Pre-LN and parallel models with LayerNorm or RMSNorm (GPT-2, GPT-NeoX, OPT, "
      "Phi, Llama-like)", {"options": REMOVE_LN_OPTIONS, "check": True}),
