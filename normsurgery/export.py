@@ -122,8 +122,8 @@ def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, t
     writing nothing, when ONNX Runtime's outputs are out of tolerance or its greedy tokens differ
     from ``generate``'s. ``text``: the check's text
     (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file.
-    ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``; the ONNX
-    options do not apply)."""
+    ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``: llama.cpp
+    runs on the CPU, transformers' side on ``device``; the ONNX options do not apply)."""
     text = text_of(text)
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
@@ -131,7 +131,7 @@ def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, t
         if with_past or external_data is not None:
             raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
         return gguf.export(src, dest, dtype=dtype or "f32", text=text, tolerance=tolerance, force=force,
-                           allow_pickle=allow_pickle)
+                           allow_pickle=allow_pickle, device=device)
     if dtype is not None:
         raise SurgeryError("--dtype is a GGUF option; an ONNX export is float32")
     require_onnx()
