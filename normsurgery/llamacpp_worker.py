@@ -18,7 +18,8 @@ task loop, a log thread that lives as long as the process) and a listening socke
 (its pages count in the process's RSS), and may abort on a malformed file. Its process ends when
 the check has its answer (``os._exit``, which also avoids xllamacpp's destructor: it joins the
 task loop, and a server destroyed before that loop started waits forever), so nothing is left.
-Exit status 3: llama.cpp did not load the file (its log, errors only, on stderr says why).
+Exit status 3: llama.cpp did not load the file (its log, errors only, on stderr says why; no
+server was made, so the process exits normally and its log thread prints what it holds).
 """
 
 import json
@@ -41,7 +42,7 @@ def main() -> int:
     p.n_parallel = 1
     p.warmup = False
     p.port = 0  # a free loopback port
-    p.verbosity = 0  # errors only
+    p.verbosity = 1  # errors only (0: none)
     p.cache_type_k = p.cache_type_v = x.ggml_type.GGML_TYPE_F32  # only the weights' storage type differs from torch
     p.flash_attn_type = x.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
     try:
@@ -100,4 +101,6 @@ if __name__ == "__main__":
         code = 5
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == 3:  # no server: a normal exit, which lets llama.cpp's log thread print why it did not load
+        sys.exit(code)
     os._exit(code)
