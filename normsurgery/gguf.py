@@ -56,7 +56,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import algebra, calibration, devices, modelcard
+from . import algebra, calibration, devices, memory, modelcard
 from .check import read_outputs
 from .checkpoint import Source
 from .errors import SurgeryError
@@ -148,11 +148,15 @@ def reference_rows(source: Source, ids: torch.Tensor, start: int, device, on_loa
     float32, on the CPU): the checkpoint read one part at a time (``check.read_outputs``);
     ``on_load``: a change to each part read (:func:`storing`)."""
     out = read_outputs(source, ids, torch.float32, True, on_load=on_load, device=device, compact=True)
-    if not isinstance(out, HeadInput):
-        return out[:, start:].float().cpu()
-    head = HeadInput(out.hidden[:, start:], out.rows, out.bias, out.vocab)
-    step = max(1, (1 << 24) // head.hidden.shape[-1])  # head rows read at a time: 64 MB in float32
-    return torch.cat([head.slab(i, min(i + step, head.vocab)).float().cpu() for i in range(0, head.vocab, step)], -1)
+    if isinstance(out, HeadInput):
+        head = HeadInput(out.hidden[:, start:], out.rows, out.bias, out.vocab)
+        step = max(1, (1 << 24) // head.hidden.shape[-1])  # head rows read at a time: 64 MB in float32
+        out = torch.cat([head.slab(i, min(i + step, head.vocab)).float().cpu() for i in range(0, head.vocab, step)],
+                        -1)
+    else:
+        out = out[:, start:].float().cpu().clone()
+    memory.trim()  # the parts freed go back to the system before the next forward or llama.cpp's run
+    return out
 
 
 def storing(p: Plan, dtype: str) -> Callable:
@@ -177,8 +181,9 @@ def storing(p: Plan, dtype: str) -> Callable:
                 w = model.get_parameter(name)
                 if w.device.type == "meta" or (part.scope and not inside(name, part.scope)):
                     continue
-                r = rounded(w.T if it.flip else w, qtype(dtype, it.shape))
-                w.copy_((r.T if it.flip else r).to(w.device))
+                view = w.T if it.flip else w
+                rounded(view, qtype(dtype, it.shape), out=view)  # in place
+        memory.trim()
         stored = {id(model.get_parameter(name)): qtype(dtype, it.shape) for name, it in items.items()}
         for mod in model.modules():
             q = stored.get(id(getattr(mod, "weight", None)))
@@ -323,6 +328,7 @@ def export(src, dest, *, dtype: str = GGUF_DTYPES[0], text: str | None = None, t
         tmp, card = (dest.parent / f".{dest.name}{s}.tmp-{os.getpid()}" for s in ("", ".md"))
         try:
             size = write(source, model, p, voc, tmp, dtype, change)
+            memory.trim()
             result = check(source, tmp, p, dtype, text, tolerance, where)
             c, k = result.parity, result.distributions
             if not c.ok:

@@ -310,12 +310,20 @@ def qtype(dtype: str, shape: tuple[int, ...]):
     return {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
 
 
-def encode(values: torch.Tensor, q) -> np.ndarray:
-    """float32 values as stored in GGML type ``q``."""
+#: entries encoded or rounded at a time (a matrix a block of rows at a time): numpy's temporaries stay
+#: a few times 4 MB instead of a few times the tensor (a 32000 x 2048 embedding in float32: 262 MB)
+CHUNK = 1 << 20
+
+
+def _chunks(rows: int, width: int):
+    step = max(1, CHUNK // max(width, 1))
+    return ((i, min(i + step, rows)) for i in range(0, rows, step))
+
+
+def _encode_rows(x: np.ndarray, q) -> np.ndarray:
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    x = values.detach().to("cpu", torch.float32).contiguous().numpy()  # host
     if q == Q.F32:
         return x
     if q == Q.F16:
@@ -323,14 +331,39 @@ def encode(values: torch.Tensor, q) -> np.ndarray:
     return quants.quantize(x, q)
 
 
-def rounded(values: torch.Tensor, q) -> torch.Tensor:
-    """``values`` as llama.cpp reads them back after :func:`encode` (float32)."""
+def encode(values: torch.Tensor, q) -> np.ndarray:
+    """float32 values as stored in GGML type ``q`` (a matrix: [rows, bytes or entries of a row]),
+    encoded a block of rows at a time."""
+    x = values.detach().to("cpu", torch.float32).contiguous().numpy()  # host
+    if x.ndim < 2:
+        return _encode_rows(x, q)
+    rows = x.reshape(-1, x.shape[-1])
+    out = None
+    for i, j in _chunks(*rows.shape):
+        part = _encode_rows(rows[i:j], q)
+        if out is None:
+            out = np.empty((rows.shape[0], *part.shape[1:]), part.dtype)
+        out[i:j] = part
+    return out
+
+
+def rounded(values: torch.Tensor, q, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``values`` as llama.cpp reads them back after :func:`encode` (float32), a block of rows at
+    a time, into ``out`` (``values`` itself will do: rounded in place; default: a new tensor)."""
+    from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    data = encode(values, q)
-    if data.dtype in (np.float32, np.float16):
-        return torch.from_numpy(data.astype(np.float32))
-    return torch.from_numpy(quants.dequantize(data, q).astype(np.float32)).reshape(values.shape)
+    out = torch.empty(values.shape, dtype=torch.float32) if out is None else out
+    width = values.shape[-1] if values.dim() else 1
+    src, dst = values.reshape(-1, width), out.view(-1, width) if out.is_contiguous() else out
+    half = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(q)  # torch rounds to nearest even, as ggml
+    for i, j in _chunks(src.shape[0], width):
+        if half is not None or q == Q.F32:
+            dst[i:j].copy_(src[i:j].detach().to(half or torch.float32))
+            continue
+        x = src[i:j].detach().to("cpu", torch.float32).numpy()  # host
+        dst[i:j].copy_(torch.from_numpy(quants.dequantize(_encode_rows(x, q), q).astype(np.float32).reshape(x.shape)))
+    return out
 
 
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LlamaFileType ("mostly", 1-D in F32)
