@@ -122,9 +122,9 @@ def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, t
     writing nothing, when ONNX Runtime's outputs are out of tolerance or its greedy tokens differ
     from ``generate``'s. ``text``: the check's text
     (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file.
-    ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``; the ONNX
-    options do not apply). ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM
-    (``nemotron.export``)."""
+    ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``: llama.cpp
+    runs on the CPU, transformers' side on ``device``; the ONNX options do not apply).
+    ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM (``nemotron.export``)."""
     text = text_of(text)
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
@@ -132,7 +132,7 @@ def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, t
         if with_past or external_data is not None:
             raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
         return gguf.export(src, dest, dtype=dtype or "f32", text=text, tolerance=tolerance, force=force,
-                           allow_pickle=allow_pickle)
+                           allow_pickle=allow_pickle, device=device)
     if to == "nemotron-nas":
         if with_past or external_data is not None or dtype is not None:
             raise SurgeryError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "

@@ -1,35 +1,40 @@
-"""export --to gguf: a checkpoint as one GGUF file for llama.cpp, checked in llama.cpp itself.
+"""export --to gguf: a checkpoint as one GGUF file for llama.cpp (what is written: ``gguf_write``),
+checked in llama.cpp itself before the file appears.
 
-What is written (:func:`plan`, from the Layout of the checkpoint's meta model; nothing is read):
-- stock widths: the family's own llama.cpp architecture (``families.Family.gguf``); fewer layers
-  are the same architecture with the new ``block_count``;
-- per-layer widths (minimize, squeeze: MLP units or heads removed unevenly): ``deci``, which
-  builds layer i from ``feed_forward_length[i]``, ``attention.head_count[i]`` and
-  ``attention.head_count_kv[i]`` (arrays of n_layer entries) with llama's tensors, RMSNorm and
-  SwiGLU;
-- LN-free (remove-ln, its norms ``runtime.NoNorm``): the eps trick. GGUF has one norm epsilon;
-  with eps = 1e12 and gains g = 1e6, RMSNorm(x) = x g / sqrt(mean(x^2) + 1e12) = x (1 + mean(x^2)
-  / 1e12)^(-1/2), which is x to a relative mean(x^2) / 2e12; LayerNorm on a centred stream (the
-  fold centred every writer) the same. The gains are stored in F32 (1e6 overflows F16), as
-  every 1-D tensor is. remove-ln's ``export=stock`` output already holds eps = 1e12 and gains
-  g 1e6 / s: written as it is.
-- the tokenizer (byte-level BPE: vocabulary, merges, token types, special tokens, the
-  pre-tokenizer llama.cpp knows by name, :data:`PRE_TOKENIZERS`) and the chat template.
+The check runs llama.cpp through xllamacpp (llama.cpp's server as a Python module, CPU) in a
+process of its own (``llamacpp_worker``: its server, threads and loopback socket end with that
+process, before the check goes on), then the checkpoint in transformers (float32; our runtime
+for rewritten ones), read one part at a time (``check.read_outputs``, the streamed forward every
+check uses), on ``--device``:
 
-llama.cpp's normal RoPE rotates pairs of consecutive values, transformers' rotates the two halves
-of each head: for those architectures the q and k rows of each head are permuted (what
-convert_hf_to_gguf.py does). What GGUF cannot express is refused, one line, before writing.
-
-Written tensor by tensor (``checkpoint.Loader``: each read from the files when written, then
-freed): memory bounded by a tensor. Then :func:`check` loads the file in llama.cpp
-(llama-cpp-py-sync) and compares its logits on the probe tokens with the checkpoint's in
-transformers (our runtime for rewritten ones): out of tolerance, nothing is left.
+- ``PROMPTS`` windows of ``PROMPT_TOKENS`` tokens of the probe text; llama.cpp continues each by
+  ``NEW_TOKENS`` greedy tokens (F32 key/value cache: only its arithmetic and the weights'
+  storage type differ from torch) and gives, at each of their positions, the log-probability of
+  every token of the vocabulary;
+- transformers reads each prompt followed by llama.cpp's continuation (one forward) and gives
+  its distributions at the same positions. Its greedy continuation equals llama.cpp's exactly
+  when its most likely token is llama.cpp's at every position (each position sees the tokens
+  both chose before it);
+- compared as llama.cpp's KL-divergence tool (``llama-perplexity --kl-divergence``) names it:
+  mean, median, 99.9th percentile and largest KLD (transformers' distribution || llama.cpp's)
+  and "same top p" (positions where both put the same token first), over every generated
+  position; and the relative error of the log-probabilities, max |a - b| / max |a| over the
+  entries above ``LOG_FLOOR`` (llama.cpp's float32 softmax rounds smaller probabilities to
+  subnormals and zero), which is what the file is judged by;
+- the probe text tokenized by llama.cpp (its server's ``/tokenize``) and by transformers, alike.
 
 Tolerance: llama.cpp's float32 kernels sum and exponentiate in other orders than torch:
 ``FLOOR`` = 1e-3 relative. Below F32 the weights are rounded as stored (F16, BF16, Q8_0) and
 llama.cpp rounds the activations to the weights' type before each product: ``ROUNDING_FACTOR``
-x what storing the weights so costs the reference in transformers (its weights rounded exactly
-as written, measured), at least ``FLOOR``.
+x what that rounding costs the reference in transformers (a second streamed forward, each
+part's weights rounded as written when it is read and each product's input as llama.cpp's CPU
+kernels round it: :func:`storing`), at least ``FLOOR``. (Rounding the weights alone is no
+baseline for a checkpoint already stored in that type: a bf16 Llama written as BF16 costs
+nothing to store, while llama.cpp's bf16 products differ from torch's float32 ones by 3e-2.)
+
+Memory: the writer holds a tensor, transformers a part (``plan``: a block; the embeddings with
+the first, the head with the last), llama.cpp's process maps the file (page cache; its own
+high-water mark is reported apart: ``Exported.llama_cpp``).
 """
 
 from __future__ import annotations
@@ -39,23 +44,27 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
+import sys
+import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from . import algebra, calibration, modelcard
-from .checkpoint import Loader, Source, load
+from . import algebra, calibration, devices, memory, modelcard
+from .check import read_outputs
+from .checkpoint import Source
 from .errors import SurgeryError
-from .families import FAMILIES, family, layout
-from .layout import Layout
+from .gguf_write import Plan, plan, qtype, rounded, vocab, write
 from .options import GGUF_DTYPES
 from .output import _alive, output_lock
-from .parity import Comparison, compare, outputs, probe_ids
-from .runtime import NoNorm
+from .parity import Comparison, HeadInput, probe_ids
+from .shards import inside
 from .texts import text_of
 
 INSTALL = "pip install 'normsurgery[gguf]'"
@@ -63,589 +72,214 @@ INSTALL = "pip install 'normsurgery[gguf]'"
 FLOOR = 1e-3
 #: a lower dtype may differ by this many times what storing the weights in it costs
 ROUNDING_FACTOR = 4
-#: the eps trick (module docstring): eps and the gain that make a norm the identity
-TRICK_EPS, TRICK_GAIN = 1e12, 1e6
-#: greedy tokens compared after each prompt
-NEW_TOKENS = 32
-
-
-@dataclass(frozen=True)
-class Arch:
-    """What llama.cpp's architecture computes, as far as writing it needs."""
-
-    rope: str  # "normal" (pairs of consecutive values: q/k rows permuted), "neox" (halves) or "none"
-    norm: str  # "rms" or "layer" (with biases)
-    per_layer: bool = False  # each layer from its own counts (arrays)
-    biases: bool = True  # loads linear biases
-
-
-ARCHES = {"llama": Arch("normal", "rms"), "qwen2": Arch("neox", "rms"), "gpt2": Arch("none", "layer"),
-          "deci": Arch("normal", "rms", per_layer=True, biases=False)}
-
-#: tokenizer.json's pre-tokenizer (with no normalizer) -> llama.cpp's pre-tokenizer of that regex
-_GPT2 = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
-_SPLIT = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}%s| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|" \
-         "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
-PRE_TOKENIZERS = (
-    ("gpt-2", [_GPT2]),
-    ("smollm", [{"type": "Digits", "individual_digits": True}, _GPT2]),
-    ("qwen2", [{"type": "Split", "pattern": {"Regex": _SPLIT % ""}, "behavior": "Isolated", "invert": False},
-               {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]),
-    ("llama-bpe", [{"type": "Split", "pattern": {"Regex": _SPLIT % "{1,3}"}, "behavior": "Isolated",
-                    "invert": False}, {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]),
-)
+#: prompts continued, their length, greedy tokens after each (each position's whole distribution compared)
+PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 2, 32, 32
+#: log-probabilities under this (in transformers) are left out of the relative error: llama.cpp's
+#: softmax is float32, so probabilities under about e^-87 are subnormals or zero there
+LOG_FLOOR = -80.0
+#: llama.cpp gives float32's lowest for a probability that is zero: clamped to the log of its least subnormal
+LEAST = math.log(2.0 ** -149)
+WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
 
 def require_gguf() -> None:
-    """gguf and llama-cpp-py-sync are an optional extra: refused with the install line when missing."""
-    missing = [m for m, mod in (("gguf", "gguf"), ("llama-cpp-py-sync", "llama_cpp_py_sync"))
-               if importlib.util.find_spec(mod) is None]
+    """gguf and xllamacpp are an optional extra: refused with the install line when missing."""
+    missing = [m for m in ("gguf", "xllamacpp") if importlib.util.find_spec(m) is None]
     if missing:
         raise SurgeryError(f"export to GGUF needs {' and '.join(missing)}, not installed: {INSTALL}")
 
 
-# ----------------------------------------------------------------------------- the plan
-
-
-@dataclass
-class Item:
-    """One GGUF tensor: its name, shape ([out, in] for a matrix) and how its float32 values are made."""
-
-    name: str
-    shape: tuple[int, ...]
-    param: str | None = None  # the model parameter it holds
-    make: Callable[[], torch.Tensor] | None = None  # or its values, made here (the eps trick's gains)
-    flip: bool = False  # stored [in, out] (GPT-2's Conv1D): transposed
-    rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # reorders rows (q/k for normal RoPE)
-
-    def as_written(self, stored: torch.Tensor) -> torch.Tensor:
-        """The parameter's stored values as this tensor holds them."""
-        w = stored.T if self.flip else stored
-        return (self.rows(w) if self.rows else w).contiguous()
-
-
-@dataclass
-class Plan:
-    arch: str
-    meta: dict  # metadata: writer method name -> value
-    items: list[Item]
-    eps_trick: bool
-    widths: dict  # per-layer heads, kv heads, MLP units (for the report)
-
-
-def plan(source: Source) -> tuple[Plan, object]:
-    """The plan of ``source`` and its meta model; a SurgeryError (one line) for what GGUF cannot express."""
-    fam = family(source.family)
-    if fam.gguf is None:
-        raise SurgeryError(f"GGUF: normsurgery writes no llama.cpp architecture for {source.family} "
-                           f"(written: {', '.join(sorted(n for n, f in FAMILIES.items() if f.gguf))})")
-    model = source.meta_model(torch.float32)
-    lay = layout(model)
-    _refuse(source, lay)
-    if getattr(model.get_submodule(lay.head), "bias", None) is not None:
-        raise SurgeryError(f"GGUF cannot express {source.name}: its head has a bias (remove-ln folds the final "
-                           "LayerNorm's bias into it), which llama.cpp does not add; remove-ln:export=stock keeps "
-                           "it in the norm")
-    arch = fam.gguf
-    widths = _widths(model, lay)
-    if any(len(set(v)) > 1 for v in widths.values()):
-        arch = _per_layer(source, model, lay, arch, widths)
-    eps, trick = _epsilon(source.name, model, lay, ARCHES[arch])
-    meta = _metadata(source, lay, ARCHES[arch], widths, eps)
-    items = _items(model, lay, ARCHES[arch])
-    return Plan(arch, meta, items, trick, widths), model
-
-
-def _refuse(source: Source, lay: Layout) -> None:
-    """What llama.cpp's architectures do not compute, refused with the reason."""
-    c = source.config
-    why = None
-    if lay.objective != "causal-lm" or lay.head is None:
-        why = f"{source.class_name} is no causal LM (llama.cpp's GGUF holds a language model's head)"
-    elif not lay.plain_logits:
-        why = "its logits are scaled or soft-capped after the head, which llama.cpp's architecture does not do"
-    elif lay.stream_width != lay.hidden_size:
-        why = (f"its stream holds {lay.stream_width} of {lay.hidden_size} channels (removed channels: its norms "
-               "divide by the full width, llama.cpp's by the stored one)")
-    elif lay.qk_norms:
-        why = f"it has {len(lay.qk_norms)} per-head QK-norms, which the architecture written has not"
-    elif getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True):
-        why = f"it attends within a sliding window ({c.sliding_window}), which the architecture written ignores"
-    elif (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default") != "default":
-        why = f"RoPE scaling {c.rope_parameters['rope_type']!r} is not written (only plain RoPE)"
-    elif len(lay.attention) != len(lay.mlps) or not lay.attention:
-        why = "its adapter does not describe its attention and MLP blocks"
-    if why:
-        raise SurgeryError(f"GGUF cannot express {source.name}: {why}")
-
-
-def _widths(model, lay: Layout) -> dict:
-    """Per layer: query heads, key/value heads, MLP units (from the modules' current shapes)."""
-    return {"heads": [a.num_heads for a in lay.attention], "kv_heads": [a.num_kv_heads for a in lay.attention],
-            "units": [algebra.out_width(model.get_submodule(m.up)) for m in lay.mlps],
-            "head_dim": [a.head_dim for a in lay.attention]}
-
-
-def _per_layer(source: Source, model, lay: Layout, arch: str, widths: dict) -> str:
-    """``deci`` for per-layer widths of a RMSNorm / SwiGLU family; refused otherwise."""
-    why = None
-    if len(set(widths["head_dim"])) > 1:
-        why = "its layers' heads differ in width, and GGUF has one key length"
-    elif ARCHES[arch].norm != "rms" or lay.mlps[0].gate is None:
-        why = "its layers differ in width, and llama.cpp builds per-layer widths only in deci (RMSNorm, SwiGLU)"
-    elif not ARCHES["deci"].biases and any(getattr(model.get_submodule(p), "bias", None) is not None
-                                           for a in lay.attention for p in (a.q, a.k, a.v, a.qkv, a.o) if p):
-        why = "its layers differ in width and its attention has biases, which llama.cpp's deci does not load"
-    if why:
-        raise SurgeryError(f"GGUF cannot express {source.name}: {why}")
-    return "deci"
-
-
-#: the norm kind (``layout.NORM_KINDS``) each of ``Arch.norm`` computes
-NORM_KIND = {"rms": "rmsnorm", "layer": "layernorm"}
-
-
-def _epsilon(name: str, model, lay: Layout, a: Arch) -> tuple[float, bool]:
-    """The one norm epsilon GGUF holds, and whether it is the eps trick (every norm removed)."""
-    removed = [isinstance(model.get_submodule(s.path), NoNorm) for s in lay.norms]
-    if all(removed):
-        return TRICK_EPS, True
-    live = [s for s, r in zip(lay.norms, removed) if not r]
-    if any(removed):
-        raise SurgeryError(f"GGUF cannot express {name}: {live[0].path} computes its norm beside {sum(removed)} "
-                           "removed ones, and GGUF has one norm epsilon (the removed ones need 1e12)")
-    for s in lay.norms:
-        mod = model.get_submodule(s.path)
-        if s.kind != NORM_KIND[a.norm] or s.offset != 0.0 or getattr(mod, "divisor", _width(model, s)) != \
-                _width(model, s) or (a.norm == "rms" and getattr(mod, "bias", None) is not None):
-            raise SurgeryError(f"GGUF cannot express {name}: {s.path} is a {s.kind} norm ({type(mod).__name__}), "
-                               f"which llama.cpp's {NORM_KIND[a.norm]} does not compute")
-    eps = {s.eps for s in lay.norms}
-    if len(eps) != 1:
-        raise SurgeryError(f"GGUF cannot express {name}: its norms use {len(eps)} epsilons, and GGUF has one")
-    return eps.pop(), False
-
-
-def _width(model, site) -> int:
-    return model.get_submodule(site.path).weight.shape[0]
-
-
-def _metadata(source: Source, lay: Layout, a: Arch, widths: dict, eps: float) -> dict:
-    """The architecture's hyperparameters, as ``GGUFWriter.add_<key>(value)``; per-layer counts as
-    arrays of n_layer entries where the architecture reads them so (deci)."""
-    c = source.config
-    n = len(lay.attention)
-    per = (lambda v: [int(x) for x in v]) if a.per_layer else (lambda v: int(v[0]))
-    head_dim = widths["head_dim"][0]
-    meta = {"context_length": int(source.positions or 2048), "embedding_length": int(lay.hidden_size),
-            "block_count": n, "feed_forward_length": per(widths["units"]), "head_count": per(widths["heads"]),
-            "head_count_kv": per(widths["kv_heads"]), "vocab_size": int(c.vocab_size)}
-    if a.norm == "rms":
-        meta["layer_norm_rms_eps"] = float(eps)
-    else:
-        meta["layer_norm_eps"] = float(eps)
-    if a.rope != "none":
-        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        meta.update(rope_freq_base=float(theta), rope_dimension_count=int(head_dim))
-    if a.per_layer or head_dim * widths["heads"][0] != lay.hidden_size:
-        meta.update(key_length=int(head_dim), value_length=int(head_dim))
-    return meta
-
-
-def _items(model, lay: Layout, a: Arch) -> list[Item]:
-    """Every tensor to write, in llama.cpp's names, each reading its values when written."""
-    items = [_item(model, "token_embd", lay.token_embedding, "weight")]
-    items += [_item(model, "position_embd", p, "weight") for p in lay.embeddings if p != lay.token_embedding]
-    norms = {s.role: [] for s in lay.norms}
-    for s in lay.norms:
-        norms[s.role].append(s)
-    for i, (att, mlp) in enumerate(zip(lay.attention, lay.mlps)):
-        blk = f"blk.{i}"
-        items += _norm(model, f"{blk}.attn_norm", norms["attn"][i].path, a)
-        if att.qkv:
-            items += _linear(model, f"{blk}.attn_qkv", att.qkv)
-        else:
-            items += _linear(model, f"{blk}.attn_q", att.q, _rope_rows(a, att.num_heads))
-            items += _linear(model, f"{blk}.attn_k", att.k, _rope_rows(a, att.num_kv_heads))
-            items += _linear(model, f"{blk}.attn_v", att.v)
-        items += _linear(model, f"{blk}.attn_output", att.o)
-        items += _norm(model, f"{blk}.ffn_norm", norms["mlp"][i].path, a)
-        if mlp.gate:
-            items += _linear(model, f"{blk}.ffn_gate", mlp.gate)
-        items += _linear(model, f"{blk}.ffn_up", mlp.up)
-        items += _linear(model, f"{blk}.ffn_down", mlp.down)
-    items += _norm(model, "output_norm", norms["final"][0].path, a)
-    if not lay.tied:
-        items += _linear(model, "output", lay.head)
-    return items
-
-
-def _item(model, name: str, path: str, attr: str, rows=None) -> Item:
-    """The parameter ``path.attr`` as ``name.attr``, [out, in] for a linear's weight."""
-    mod = model.get_submodule(path)
-    p = getattr(mod, attr)
-    flip = attr == "weight" and algebra.written_axis(mod) == 1 and algebra.is_linear(mod)
-    shape = tuple(reversed(p.shape)) if flip else tuple(p.shape)
-    return Item(f"{name}.{attr}", shape, param=f"{path}.{attr}", flip=flip, rows=rows)
-
-
-def _linear(model, name: str, path: str, rows=None) -> list[Item]:
-    mod = model.get_submodule(path)
-    out = [_item(model, name, path, "weight", rows)]
-    if getattr(mod, "bias", None) is not None:
-        out.append(_item(model, name, path, "bias", rows))
-    return out
-
-
-def _norm(model, name: str, path: str, a: Arch) -> list[Item]:
-    """A norm's gain (and LayerNorm's bias); a removed norm (NoNorm) gets the eps trick's gain
-    TRICK_GAIN and a zero bias."""
-    mod = model.get_submodule(path)
-    if isinstance(mod, NoNorm):
-        gain = [Item(f"{name}.weight", (mod.dim,), make=lambda d=mod.dim: torch.full((d,), TRICK_GAIN))]
-        return gain + ([Item(f"{name}.bias", (mod.dim,), make=lambda d=mod.dim: torch.zeros(d))]
-                       if a.norm == "layer" else [])
-    out = [_item(model, name, path, "weight")]
-    if getattr(mod, "bias", None) is not None:
-        out.append(_item(model, name, path, "bias"))
-    return out
-
-
-def _rope_rows(a: Arch, heads: int):
-    """Normal RoPE: each head's rows from transformers' (first half, second half) order to pairs."""
-    if a.rope != "normal":
-        return None
-    return lambda w: permute(w, heads)
-
-
-def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of each head reordered (h, 2, d/2) -> (h, d/2, 2): row j of the first half and row j of
-    the second become rows 2j and 2j + 1 (convert_hf_to_gguf.py's ``permute``)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-# ----------------------------------------------------------------------------- storage types
-
-
-def qtype(dtype: str, shape: tuple[int, ...]):
-    """The GGML type a tensor is stored in: 1-D tensors (norms, biases) F32; matrices in ``dtype``
-    (Q8_0 needs rows of whole 32-value blocks: F16 otherwise)."""
-    from gguf import GGMLQuantizationType as Q
-
-    if len(shape) < 2 or dtype == "f32":
-        return Q.F32
-    if dtype == "q8_0" and shape[-1] % 32:
-        return Q.F16
-    return {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
-
-
-def encode(values: torch.Tensor, q) -> np.ndarray:
-    """float32 values as stored in GGML type ``q``."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import quants
-
-    x = values.detach().to("cpu", torch.float32).contiguous().numpy()  # host
-    if q == Q.F32:
-        return x
-    if q == Q.F16:
-        return x.astype(np.float16)
-    return quants.quantize(x, q)
-
-
-def rounded(values: torch.Tensor, q) -> torch.Tensor:
-    """``values`` as llama.cpp reads them back after :func:`encode` (float32)."""
-    from gguf import quants
-
-    data = encode(values, q)
-    if data.dtype in (np.float32, np.float16):
-        return torch.from_numpy(data.astype(np.float32))
-    return torch.from_numpy(quants.dequantize(data, q).astype(np.float32)).reshape(values.shape)
-
-
-FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LlamaFileType ("mostly", 1-D in F32)
-
-
-# ----------------------------------------------------------------------------- the tokenizer
-
-
-@dataclass
-class Vocab:
-    """The tokenizer as llama.cpp reads it (``gpt2``: byte-level BPE)."""
-
-    pre: str  # llama.cpp's pre-tokenizer name
-    tokens: list[str]
-    types: list[int]  # gguf.TokenType per token
-    special: object  # gguf.SpecialVocab: merges, special token ids, add_bos/add_eos, chat template
-
-
-def vocab(source: Source) -> Vocab:
-    """The checkpoint's tokenizer, refused (one line) where llama.cpp would tokenize differently:
-    only a byte-level BPE ``tokenizer.json`` without a normalizer, whose pre-tokenizer is one of
-    :data:`PRE_TOKENIZERS`. Tokens in id order (ids the vocabulary lacks: ``[PADi]``, unused);
-    added tokens are control tokens when special, user-defined otherwise (convert_hf_to_gguf.py's
-    ``get_vocab_base``)."""
-    import gguf
-
-    tok = source.tokenizer
-    path = source.path / "tokenizer.json"
-    if tok is None or not path.is_file():
-        raise SurgeryError(f"GGUF: {source.name} has no tokenizer.json (llama.cpp's GGUF holds the tokenizer)")
-    spec = json.loads(path.read_text())
-    kind = (spec.get("model") or {}).get("type")
-    if kind != "BPE" or spec.get("normalizer") is not None or (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        raise SurgeryError(f"GGUF: the tokenizer is {kind or 'unknown'} with normalizer "
-                           f"{(spec.get('normalizer') or {}).get('type')}; normsurgery writes byte-level BPE "
-                           "tokenizers only (as llama.cpp's gpt2 tokenizer model reads them)")
-    pre = pre_tokenizer(spec.get("pre_tokenizer"))
-    n = int(source.config.vocab_size)
-    reverse = {i: t for t, i in tok.get_vocab().items()}
-    added = {i: a for i, a in tok.added_tokens_decoder.items()}
-    tokens, types = [], []
-    for i in range(n):
-        if i not in reverse:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        elif i in added:
-            tokens.append(reverse[i])
-            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
-        else:
-            tokens.append(reverse[i])
-            types.append(gguf.TokenType.NORMAL)
-    special = gguf.SpecialVocab(source.path, load_merges=True, n_vocab=n)
-    probe = tok("a")["input_ids"]  # what transformers adds around a text, as llama.cpp must
-    special.add_special_token = {"bos": bool(probe) and probe[0] == tok.bos_token_id and tok.bos_token_id is not None
-                                 and probe[:1] != tok("a", add_special_tokens=False)["input_ids"][:1],
-                                 "eos": bool(probe) and probe[-1] == tok.eos_token_id and len(probe) > 1}
-    return Vocab(pre, tokens, [int(t) for t in types], special)
-
-
-def pre_tokenizer(spec: dict | None) -> str:
-    """llama.cpp's name for the pre-tokenizer ``spec`` (tokenizer.json's), compared by the fields
-    that decide the split; refused with the reason when it knows none."""
-    steps = (spec or {}).get("pretokenizers") if (spec or {}).get("type") == "Sequence" else [spec]
-    for name, known in PRE_TOKENIZERS:
-        if steps and len(steps) == len(known) and all(
-                s and all(s.get(k) == v for k, v in want.items()) for s, want in zip(steps, known)):
-            return name
-    raise SurgeryError(f"GGUF: llama.cpp has no pre-tokenizer known to match this tokenizer's "
-                       f"({json.dumps(spec)[:120]}); normsurgery knows {', '.join(n for n, _ in PRE_TOKENIZERS)}")
-
-
-# ----------------------------------------------------------------------------- writing
-
-
-def write(source: Source, model, p: Plan, voc: Vocab, path: Path, dtype: str,
-          change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> int:
-    """``p`` and ``voc`` written to ``path`` in ``dtype``: metadata and tensor infos first, then each
-    tensor read from the checkpoint, transformed, encoded and written before the next is read.
-    ``change(name, values)``: a last change to a tensor's values (the tests' wrong weight).
-    Returns the bytes written."""
-    import gguf
-
-    w = gguf.GGUFWriter(path, p.arch)
-    w.add_name(source.path.name)
-    w.add_file_type(FILE_TYPES[dtype])
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, value in p.meta.items():
-        getattr(w, f"add_{key}")(value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(voc.pre)
-    w.add_token_list(voc.tokens)
-    w.add_token_types(voc.types)
-    voc.special.add_to_gguf(w, quiet=True)
-    types = [qtype(dtype, it.shape) for it in p.items]
-    for it, q in zip(p.items, types):
-        block, size = gguf.GGML_QUANT_SIZES[q]
-        w.add_tensor_info(it.name, gguf.quant_shape_to_byte_shape(it.shape, q), np.dtype(np.uint8),
-                          math.prod(it.shape) // block * size, raw_dtype=q)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    with reading(source, model) as read:
-        for it, q in zip(p.items, types):
-            values = it.make() if it.make else it.as_written(read(it.param))
-            if change is not None:
-                values = change(it.name, values)
-            w.write_tensor_data(encode(values, q))
-            del values
-    w.close()
-    return path.stat().st_size
-
-
-@contextmanager
-def reading(source: Source, model):
-    """``read(param)``: one parameter of the meta ``model`` read from the checkpoint's files in
-    float32 (a fresh tensor each time: memory bounded by one)."""
-    loader = Loader(model, source, torch.float32, "cpu")  # host values, written into the file
-    try:
-        def read(name: str) -> torch.Tensor:
-            p = model.get_parameter(name)
-            out = torch.empty(p.shape, dtype=torch.float32)
-            return loader.stored(p).read_into(loader.reader, out)
-
-        yield read
-    finally:
-        loader.close()
-
-
 # ----------------------------------------------------------------------------- llama.cpp
 
-_LOG: list[str] = []
-_CALLBACK = None
+
+@dataclass
+class Run:
+    """What llama.cpp computed (``llamacpp_worker``)."""
+
+    tokens: torch.Tensor  # [prompts, new tokens]: greedy
+    logprobs: torch.Tensor  # [prompts, new tokens, vocab] float32: log-softmax of its logits at each
+    text_tokens: list[int]
+    info: dict  # the server's loopback address, threads, system info, xllamacpp's version, peak RSS
 
 
-def _capture_log(ffi, lib) -> None:
-    """llama.cpp's log into ``_LOG`` (the last lines name why a file did not load), not stderr."""
-    global _CALLBACK
-    if _CALLBACK is None:
-        @ffi.callback("void(enum ggml_log_level, const char *, void *)")
-        def keep(level, text, data):
-            _LOG.append(ffi.string(text).decode(errors="replace"))
-            del _LOG[:-40]
-
-        _CALLBACK = keep
-        lib.llama_log_set(_CALLBACK, ffi.NULL)
-
-
-def library_problem() -> str | None:
-    """Why llama.cpp's library does not load here (None: it does). The llama-cpp-py-sync 0.11739
-    wheel, tagged manylinux2014, links glibc 2.38's C23 ``__isoc23_strtol`` and friends."""
-    from llama_cpp_py_sync._cffi_bindings import get_lib
-
-    try:
-        get_lib()
-    except RuntimeError as e:
-        m = re.search(r"version `[^']+' not found|undefined symbol: [\w.]+", str(e))
-        return f"llama.cpp's library does not load here ({m.group(0) if m else str(e)[:160]})"
-    return None
-
-
-class LlamaCpp:
-    """A GGUF file loaded in llama.cpp (CPU; float32 key/value cache, so only its arithmetic and
-    the weights' storage type differ from torch)."""
-
-    def __init__(self, path: Path, n_ctx: int):
-        from llama_cpp_py_sync import Llama
-        from llama_cpp_py_sync._cffi_bindings import get_ffi, get_lib
-
-        self.ffi, self.lib = get_ffi(), get_lib()
-        _capture_log(self.ffi, self.lib)
-        _LOG.clear()
+def run_llama(path: Path, prompts: torch.Tensor, new_tokens: int, text: str, vocab_size: int) -> Run:
+    """``path`` loaded in llama.cpp in a process of its own (``llamacpp_worker``), ended before
+    this returns; a SurgeryError (one line) when it cannot load the file or fails."""
+    with tempfile.TemporaryDirectory(prefix="normsurgery-llama-") as tmp:
+        out = Path(tmp) / "run.npz"
+        request = {"model": str(path), "n_ctx": prompts.shape[1] + new_tokens + 8, "threads": torch.get_num_threads(),
+                   "prompts": prompts.tolist(), "new_tokens": new_tokens, "vocab": vocab_size, "text": text,
+                   "out": str(out)}
+        proc = subprocess.Popen([sys.executable, "-I", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
         try:
-            self.llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=torch.get_num_threads(),
-                             type_k="f32", type_v="f32", flash_attn_type=0)
-        except RuntimeError as e:
-            why = [line.strip() for line in _LOG if "error" in line.lower() or "failed" in line.lower()]
-            raise SurgeryError(f"llama.cpp cannot load the GGUF written ({why[0] if why else e}); nothing was "
-                               "written") from None
-        self.vocab = self.llm.n_vocab
-
-    def close(self) -> None:
-        self.llm.close()
-
-    def _decode(self, tokens: list[int], start: int, every: bool) -> None:
-        batch = self.lib.llama_batch_init(len(tokens), 0, 1)
-        try:
-            batch.n_tokens = len(tokens)
-            for i, t in enumerate(tokens):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(t), start + i, 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1 if every or i == len(tokens) - 1 else 0
-            if self.lib.llama_decode(self.llm._ctx, batch) != 0:
-                raise SurgeryError("llama.cpp failed to evaluate the probe tokens")
-        finally:
-            self.lib.llama_batch_free(batch)
-
-    def _rows(self, n: int) -> torch.Tensor:
-        ptr = self.lib.llama_get_logits(self.llm._ctx)
-        data = np.frombuffer(self.ffi.buffer(ptr, n * self.vocab * 4), dtype=np.float32)
-        return torch.from_numpy(data.reshape(n, self.vocab).copy())
-
-    def _last(self) -> torch.Tensor:
-        ptr = self.lib.llama_get_logits_ith(self.llm._ctx, -1)
-        return torch.from_numpy(np.frombuffer(self.ffi.buffer(ptr, self.vocab * 4), dtype=np.float32).copy())
-
-    def logits(self, tokens: list[int]) -> torch.Tensor:
-        """[T, vocab] logits of one sequence, from an empty cache."""
-        self.llm._clear_context_state()
-        self._decode(tokens, 0, every=True)
-        return self._rows(len(tokens))
-
-    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
-        """``new_tokens`` argmax tokens after ``prompt``, one at a time through the cache."""
-        self.llm._clear_context_state()
-        self._decode(prompt, 0, every=False)
-        out, at = [], len(prompt)
-        for _ in range(new_tokens):
-            out.append(int(self._last().argmax()))
-            self._decode(out[-1:], at, every=False)
-            at += 1
-        return out
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.llm.tokenize(text, add_special=True, parse_special=False)
+            _, err = proc.communicate(json.dumps(request))
+        finally:  # interrupted: the worker goes too
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode == 3:
+            raise SurgeryError(f"llama.cpp cannot load the GGUF written ({_why(err)}); nothing was written")
+        if proc.returncode != 0 or not out.is_file():
+            why = _why(err) or (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+                                else f"exit status {proc.returncode}")
+            raise SurgeryError(f"llama.cpp (xllamacpp) failed on the GGUF written ({why}); nothing was written")
+        with np.load(out) as data:
+            run = Run(torch.from_numpy(data["tokens"]), torch.from_numpy(data["logprobs"]),
+                      data["text_tokens"].tolist(), json.loads(Path(f"{out}.json").read_text()))
+    return run
 
 
-# ----------------------------------------------------------------------------- the check
+def _why(stderr: str) -> str:
+    """The line of llama.cpp's log (errors only) or of the worker that says why, without its prefix."""
+    lines = [re.sub(r"^[\d.]+ [EWID] +", "", line).strip() for line in stderr.splitlines() if line.strip()]
+    for mark in ("error loading model: ", "error: "):
+        for line in lines:
+            if mark in line:
+                return line.split(mark, 1)[1][:300]
+    return lines[-1][:300] if lines else ""
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def reference_rows(source: Source, ids: torch.Tensor, start: int, device, on_load: Callable | None = None):
+    """transformers' logits at positions ``start``.. of ``ids`` ([prompts, positions, vocab],
+    float32, on the CPU): the checkpoint read one part at a time (``check.read_outputs``);
+    ``on_load``: a change to each part read (:func:`storing`)."""
+    out = read_outputs(source, ids, torch.float32, True, on_load=on_load, device=device, compact=True)
+    if isinstance(out, HeadInput):
+        head = HeadInput(out.hidden[:, start:], out.rows, out.bias, out.vocab)
+        step = max(1, (1 << 24) // head.hidden.shape[-1])  # head rows read at a time: 64 MB in float32
+        out = torch.cat([head.slab(i, min(i + step, head.vocab)).float().cpu() for i in range(0, head.vocab, step)],
+                        -1)
+    else:
+        out = out[:, start:].float().cpu().clone()
+    memory.trim()  # the parts freed go back to the system before the next forward or llama.cpp's run
+    return out
+
+
+def storing(p: Plan, dtype: str) -> Callable:
+    """An ``on_load``: what llama.cpp's CPU kernels round, done to each part read. Its parameters
+    rounded as ``gguf_write.write`` stores them in ``dtype`` (GPT-2's Conv1D weights in the
+    orientation written), and the input of each product with such a weight rounded to the type
+    the kernel computes that product in (ggml's ``vec_dot_type``: the weight's own, F16, BF16 or
+    Q8_0 blocks), so a checkpoint already stored in that type still meets the rounding llama.cpp
+    adds."""
+    items = {it.param: it for it in p.items if it.param and qtype(dtype, it.shape) != qtype("f32", it.shape)}
+    hooked: set[int] = set()
+
+    def rounding(q):
+        def hook(module, args):
+            x = args[0]
+            return (rounded(x.reshape(-1, x.shape[-1]), q).reshape(x.shape).to(x.device, x.dtype), *args[1:])
+        return hook
+
+    def load(model, part, keys_of) -> None:
+        with torch.no_grad():
+            for name, it in items.items():
+                w = model.get_parameter(name)
+                if w.device.type == "meta" or (part.scope and not inside(name, part.scope)):
+                    continue
+                view = w.T if it.flip else w
+                rounded(view, qtype(dtype, it.shape), out=view)  # in place
+        memory.trim()
+        stored = {id(model.get_parameter(name)): qtype(dtype, it.shape) for name, it in items.items()}
+        for mod in model.modules():
+            q = stored.get(id(getattr(mod, "weight", None)))
+            if q is not None and algebra.is_linear(mod) and id(mod) not in hooked:
+                mod.register_forward_pre_hook(rounding(q))
+                hooked.add(id(mod))
+    return load
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+
+def distributions(reference: torch.Tensor, got: torch.Tensor) -> tuple[Comparison, dict]:
+    """transformers' logits ``reference`` against llama.cpp's log-probabilities ``got`` ([positions,
+    vocab]), a position at a time in float64: the relative error of the log-probabilities (entries
+    above ``LOG_FLOOR``), mean KL and top-1 as a ``parity.Comparison``, and the statistics of
+    llama.cpp's KL-divergence tool (module docstring)."""
+    kls, tops = [], []
+    max_abs = abs_sum = ref_max = 0.0
+    kept = 0
+    finite = bool(torch.isfinite(reference).all()) and not bool(torch.isnan(got).any())
+    for r, g in zip(reference, got):
+        a = torch.log_softmax(r.double(), -1)
+        b = g.double().clamp_min(LEAST)
+        keep = a > LOG_FLOOR
+        d = (a - b).abs()[keep]
+        kept += int(keep.sum())
+        max_abs, abs_sum = max(max_abs, d.max().item()), abs_sum + d.sum().item()
+        ref_max = max(ref_max, a[keep].abs().max().item())
+        kls.append(max(0.0, (a.exp() * (a - b)).sum().item()))
+        tops.append(bool(a.argmax() == b.argmax()))
+    relative = max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else 1.0)
+    if not finite:
+        max_abs = relative = float("nan")
+    kl = torch.tensor(kls, dtype=torch.float64)
+    c = Comparison(max_abs, abs_sum / max(kept, 1), relative, kl.mean().item(), sum(tops) / len(tops),
+                   output="log-probabilities")
+    stats = {"positions": len(kls), "mean_kld": kl.mean().item(), "median_kld": kl.median().item(),
+             "kld_99_9": torch.quantile(kl, 0.999).item(), "max_kld": kl.max().item(),
+             "same_top_p": 100.0 * sum(tops) / len(tops), "entries_compared": kept,
+             "entries_below_floor": reference.numel() - kept}
+    return c, stats
+
+
+def tolerance(source: Source, p: Plan, dtype: str, ids: torch.Tensor, start: int, reference: torch.Tensor,
+              device) -> tuple[float, str]:
+    """(tolerance, why) of ``dtype`` (module docstring). Below F32 the baseline is measured: the
+    reference read again rounded as llama.cpp rounds (:func:`storing`), compared as llama.cpp is."""
+    if dtype == "f32":
+        return FLOOR, f"F32 weights: llama.cpp's float32 arithmetic against torch's, {FLOOR:.0e}"
+    stored = reference_rows(source, ids, start, device, on_load=storing(p, dtype))
+    vocab_size = reference.shape[-1]
+    own = distributions(reference.reshape(-1, vocab_size),
+                        torch.log_softmax(stored.reshape(-1, vocab_size).double(), -1).float())[0].relative
+    return (max(FLOOR, ROUNDING_FACTOR * own),
+            f"{dtype.upper()} weights: {ROUNDING_FACTOR} x what storing them so, and each product's input "
+            f"in {dtype.upper()}, costs the model in torch ({own:.1e}), at least {FLOOR:.0e}")
 
 
 @dataclass
 class Check:
-    parity: Comparison  # llama.cpp's logits against transformers' on the probe tokens
-    greedy: dict  # prompts, new tokens, fraction agreeing, first prompt's tokens both ways
+    parity: Comparison  # llama.cpp's log-probabilities against transformers' at the generated positions
+    distributions: dict  # KLD statistics (llama.cpp's KL-divergence tool's)
+    greedy: dict  # prompts, new tokens, tokens agreeing before the first difference, the first prompt's
     tokenizer: dict  # llama.cpp's tokens of the text equal transformers'
+    llama_cpp: dict = field(default_factory=dict)  # the run: threads, address, system info, peak RSS
 
 
-def check(source: Source, path: Path, p: Plan, dtype: str, text: str | None, tol: float | None = None) -> Check:
-    """Load ``path`` in llama.cpp and compare it with the checkpoint in transformers (float32;
-    ``checkpoint.load``, so rewritten checkpoints run in normsurgery's runtime): logits on the
-    probe windows (``parity.compare``), greedy continuations of their first 8 tokens, and the
-    tokenization of the text. The tolerance: ``tol``, else :func:`tolerance`."""
-    model = load(source, torch.float32)
-    n = max(2, min(64, (source.positions or 64) - NEW_TOKENS - 8))
-    ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, n)
-    reference = outputs(model, ids)
-    prompts = ids[:, :8]
-    with torch.no_grad():
-        expected = model.generate(prompts, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                  pad_token_id=0, eos_token_id=None)[:, 8:]
-    run = LlamaCpp(path, n_ctx=max(ids.shape[1], 8 + NEW_TOKENS))
-    try:
-        if run.vocab != reference.shape[-1]:
-            raise SurgeryError(f"llama.cpp's vocabulary has {run.vocab} entries, the model's {reference.shape[-1]}")
-        got = torch.stack([run.logits(row.tolist()) for row in ids])
-        tokens = torch.tensor([run.greedy(row.tolist(), NEW_TOKENS) for row in prompts])
-        sample = (text if text is not None else calibration.bundled_text())[:2000]
-        ours, theirs = run.tokenize(sample), source.tokenizer(sample)["input_ids"]
-    finally:
-        run.close()
-    c = compare(reference, got)
-    c.judged(*((tol, "given") if tol is not None else tolerance(model, p, dtype, ids, reference)))
-    c.generation = (tokens == expected).double().mean().item()
-    greedy = {"prompts": int(prompts.shape[0]), "new_tokens": NEW_TOKENS, "agree": c.generation,
-              "llama.cpp": tokens[0].tolist(), "transformers": expected[0].tolist()}
+def check(source: Source, path: Path, p: Plan, dtype: str, text: str | None, tol: float | None = None,
+          device="cpu") -> Check:
+    """Run ``path`` in llama.cpp and compare it with the checkpoint in transformers on ``device``
+    (module docstring). The tolerance: ``tol``, else :func:`tolerance`."""
+    positions = source.positions or 2048
+    new = min(NEW_TOKENS, positions // 2)
+    m = max(2, min(PROMPT_TOKENS, positions - new))
+    vocab_size = int(source.config.vocab_size)
+    prompts = probe_ids(source.tokenizer, vocab_size, text, PROMPTS, m)
+    sample = (text if text is not None else calibration.bundled_text())[:2000]
+    run = run_llama(path, prompts, new, sample, vocab_size)
+    ids = torch.cat([prompts, run.tokens[:, :-1]], 1)  # each prompt and llama.cpp's continuation
+    reference = reference_rows(source, ids, m - 1, device)  # [prompts, new, vocab]
+    c, stats = distributions(reference.reshape(-1, vocab_size), run.logprobs.reshape(-1, vocab_size))
+    c.judged(*((tol, "given") if tol is not None else tolerance(source, p, dtype, ids, m - 1, reference, device)))
+    best = reference.argmax(-1)  # transformers' choice after the tokens both chose before
+    before = [int((b == t).long().cumprod(0).sum()) for b, t in zip(best, run.tokens)]
+    c.generation = sum(before) / (len(before) * new)
+    k = before[0]
+    greedy = {"prompts": len(before), "new_tokens": new, "agree": c.generation, "equal": min(before) == new,
+              "prompt": prompts[0].tolist(), "llama.cpp": run.tokens[0].tolist(),
+              "transformers": run.tokens[0, :k].tolist() + ([int(best[0, k])] if k < new else [])}
+    theirs = source.tokenizer(sample)["input_ids"]
+    ours = run.text_tokens
     same = ours == theirs
     first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    return Check(c, greedy, {"equal": same, "tokens": len(theirs), "first_difference": None if same else first})
-
-
-def tolerance(model, p: Plan, dtype: str, ids: torch.Tensor, reference: torch.Tensor) -> tuple[float, str]:
-    """(tolerance, why) of ``dtype`` (module docstring). Below F32 the baseline is measured: every
-    weight of ``model`` rounded in place as :func:`write` stores it (the model is spent)."""
-    if dtype == "f32":
-        return FLOOR, f"F32 weights: llama.cpp's float32 arithmetic against torch's, {FLOOR:.0e}"
-    with torch.no_grad():
-        for it in p.items:
-            q = qtype(dtype, it.shape)
-            if it.param is None or q == qtype("f32", it.shape):
-                continue
-            w = model.get_parameter(it.param)
-            r = rounded(w.T if it.flip else w, q)
-            w.copy_(r.T if it.flip else r)
-        own = compare(reference, outputs(model, ids)).relative
-    return (max(FLOOR, ROUNDING_FACTOR * own),
-            f"{dtype.upper()} weights: {ROUNDING_FACTOR} x what storing them so costs the model in torch "
-            f"({own:.1e}), at least {FLOOR:.0e}")
+    return Check(c, stats, greedy, {"equal": same, "tokens": len(theirs), "first_difference": None if same else first},
+                 run.info)
 
 
 # ----------------------------------------------------------------------------- export
@@ -660,21 +294,24 @@ class Exported:
     widths: dict
     pre_tokenizer: str
     parity: Comparison
+    distributions: dict
     greedy: dict
     tokenizer: dict
+    llama_cpp: dict
 
     def as_dict(self) -> dict:
         return {"saved": self.saved, "format": "gguf", "arch": self.arch, "dtype": self.dtype,
                 "eps_trick": self.eps_trick, "widths": self.widths, "pre_tokenizer": self.pre_tokenizer,
-                "parity": self.parity.as_dict(), "greedy": self.greedy, "tokenizer": self.tokenizer,
-                "ok": self.parity.ok}
+                "parity": self.parity.as_dict(), "distributions": self.distributions, "greedy": self.greedy,
+                "tokenizer": self.tokenizer, "llama_cpp": self.llama_cpp, "ok": self.parity.ok}
 
 
 def export(src, dest, *, dtype: str = GGUF_DTYPES[0], text: str | None = None, tolerance: float | None = None,
-           force: bool = False, allow_pickle: bool = False,
+           force: bool = False, allow_pickle: bool = False, device: str = "auto",
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
-    """``src`` written to the file ``dest`` in GGUF (module docstring) and checked in llama.cpp;
-    raises SurgeryError, leaving nothing, when the check fails. The file appears only once
+    """``src`` written to the file ``dest`` in GGUF and checked in llama.cpp (module docstring),
+    transformers' side computed on ``device`` (llama.cpp's on the CPU); raises SurgeryError,
+    leaving nothing (no file, no folder), when the check fails. The file appears only once
     checked (a temporary file beside it, renamed), with its card ``dest.md`` beside it.
     ``change(name, values)``: a last change to each tensor written (tests: a wrong weight)."""
     require_gguf()
@@ -684,25 +321,26 @@ def export(src, dest, *, dtype: str = GGUF_DTYPES[0], text: str | None = None, t
     source = Source.open(src, allow_pickle)
     dest = Path(dest).expanduser()
     _check_dest(dest, force, source)
+    where = devices.choose(device)
     p, model = plan(source)
     voc = vocab(source)
-    why = library_problem()
-    if why:
-        raise SurgeryError(f"{why}, so a GGUF written could not be checked; nothing was written")
-    with output_lock(dest):
+    with output_lock(dest), folders(dest):
         tmp, card = (dest.parent / f".{dest.name}{s}.tmp-{os.getpid()}" for s in ("", ".md"))
         try:
             size = write(source, model, p, voc, tmp, dtype, change)
-            result = check(source, tmp, p, dtype, text, tolerance)
-            c = result.parity
+            memory.trim()
+            result = check(source, tmp, p, dtype, text, tolerance, where)
+            c, k = result.parity, result.distributions
             if not c.ok:
-                raise SurgeryError(f"llama.cpp's logits differ from transformers': relative error {c.relative:.2e} > "
-                                   f"{c.tolerance:.1e} ({c.reason}); nothing was written")
+                raise SurgeryError(f"llama.cpp's log-probabilities differ from transformers': relative error "
+                                   f"{c.relative:.2e} > {c.tolerance:.1e} ({c.reason}); mean KLD {k['mean_kld']:.2e}, "
+                                   f"same top p {k['same_top_p']:.1f}%; nothing was written")
             if not result.tokenizer["equal"]:
                 raise SurgeryError(f"llama.cpp tokenizes the text differently from transformers (first at token "
                                    f"{result.tokenizer['first_difference']}); nothing was written")
+            c.device = devices.describe(where)
             out = Exported({"path": str(dest), "card": f"{dest}.md", "bytes": size}, p.arch, dtype, p.eps_trick,
-                           p.widths, voc.pre, c, result.greedy, result.tokenizer)
+                           p.widths, voc.pre, c, k, result.greedy, result.tokenizer, result.llama_cpp)
             card.write_text(modelcard.gguf_card(dest.name, source.name, source.config, out.as_dict(),
                                                   modelcard.source_header(source.path / modelcard.CARD)))
             os.replace(tmp, dest)
@@ -715,20 +353,38 @@ def export(src, dest, *, dtype: str = GGUF_DTYPES[0], text: str | None = None, t
 
 def _check_dest(dest: Path, force: bool, source: Source) -> None:
     """An output file: never a folder or the input's, replaced only with ``force``; its stale
-    temporary files (killed runs) removed."""
+    temporary files (killed runs) removed. Nothing is created here (:func:`folders` does, when
+    writing)."""
     if dest.is_dir():
         raise SurgeryError(f"output {dest} is a folder; GGUF is one file (name it OUT.gguf)")
     if source.path.resolve() in dest.resolve().parents:
         raise SurgeryError(f"output {dest} is inside the input checkpoint {source.name}; choose a file outside it")
     if dest.exists() and not force:
         raise SurgeryError(f"output {dest} already exists; pass --force to replace it")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for f in dest.parent.glob(f".{glob_escape(dest.name)}*.tmp-*"):
-        pid = f.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            f.unlink(missing_ok=True)
+    if dest.parent.is_dir():
+        for f in dest.parent.glob(f".{glob_escape(dest.name)}*.tmp-*"):
+            pid = f.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _alive(int(pid)):
+                f.unlink(missing_ok=True)
+
+
+@contextmanager
+def folders(dest: Path):
+    """The folders ``dest`` lacks created for the time of the writing, and removed again (those
+    still empty) when it fails: a refused export leaves no folder."""
+    missing = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
+    for d in reversed(missing):
+        d.mkdir()
+    try:
+        yield
+    except BaseException:
+        for d in missing:  # the deepest first
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
-

@@ -191,7 +191,7 @@ def gguf_card(name: str, source: str, config, result: dict, kept: dict | None = 
     """The card beside a GGUF file (``NAME.md``): what was written, what llama.cpp computed against
     transformers (``result``: ``gguf.Exported.as_dict``) and how to run it; ``kept``: the source
     card's header (:func:`source_header`)."""
-    p, g = result["parity"], result["greedy"]
+    p, g, k = result["parity"], result["greedy"], result["distributions"]
     trick = (" Every norm was removed (remove-ln): written with eps = 1e12 and gains 1e6, which llama.cpp's norm "
              "turns into the identity." if result["eps_trick"] else "")
     lines = [*header({"source": source}, config, kept or {}, "gguf", ["normsurgery", "gguf", config.model_type],
@@ -199,10 +199,13 @@ def gguf_card(name: str, source: str, config, result: dict, kept: dict | None = 
              f"`{source}` ({config.model_type}) as GGUF by normsurgery {__version__}: llama.cpp architecture "
              f"`{result['arch']}`, matrices in {result['dtype'].upper()} (1-D tensors F32), pre-tokenizer "
              f"`{result['pre_tokenizer']}`.{trick}", "", "## Checked in llama.cpp", "",
-             f"llama.cpp (llama-cpp-py-sync, CPU) against the checkpoint in transformers, probe text: logits relative "
-             f"error {p['relative']:.2e}, KL {p['kl']:.2e}, top-1 agreement {p['top1']:.4f}; tolerance "
-             f"{_num(p.get('tolerance'))}: {p.get('reason')}. Greedy: {g['agree']:.0%} of {g['new_tokens']} tokens "
-             f"after each of {g['prompts']} prompts equal transformers'. The text tokenizes alike in both.",
+             f"llama.cpp (xllamacpp, CPU) against the checkpoint in transformers on the probe text, the whole "
+             f"distribution at {k['positions']} generated positions: mean KLD {k['mean_kld']:.2e}, 99.9% KLD "
+             f"{k['kld_99_9']:.2e}, same top p {k['same_top_p']:.1f}%; log-probabilities' relative error "
+             f"{p['relative']:.2e}, tolerance {_num(p.get('tolerance'))}: {p.get('reason')}. Greedy: "
+             f"{g['new_tokens']} tokens after each of {g['prompts']} prompts "
+             + ("equal transformers'." if g["equal"] else f"agree with transformers' to {g['agree']:.0%}.")
+             + " The text tokenizes alike in both.",
              "", "## How to run", "", "```", f"llama-cli -m {name}", "```", "",
              f"Ollama: a `Modelfile` holding `FROM ./{name}`, then `ollama create NAME -f Modelfile`."]
     return "\n".join(lines) + "\n"

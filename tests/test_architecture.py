@@ -7,7 +7,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "normsurgery"
 FLOORS = {"core": 0, "passes": 1, "orchestration": 2, "api": 3, "cli": 4}
 ORCHESTRATION = {"convert", "verify", "prune", "heal", "training", "plan", "scan", "sweep", "writer",
-                 "check", "export", "lens", "squeeze", "runner", "nemotron", "mlx_check"}
+                 "check", "export", "gguf", "lens", "squeeze", "runner", "nemotron", "mlx_check"}
 
 
 def floor(module: str) -> int:

@@ -1,10 +1,13 @@
-"""export --to gguf: the file, run in llama.cpp, computes what the checkpoint computes in transformers
-(stock Llama and GPT-2, per-layer widths as deci, LN-free through the eps trick); what GGUF cannot
-express is refused before writing; a wrong tensor fails the check and leaves nothing."""
+"""export --to gguf: the file, run in llama.cpp (xllamacpp), computes what the checkpoint computes in
+transformers (stock Llama and GPT-2, per-layer widths as deci, LN-free through the eps trick); what
+GGUF cannot express is refused before writing; a wrong tensor, or a file llama.cpp cannot load,
+fails the check and leaves nothing (no file, no folder); llama.cpp's process, threads and port are
+gone once the export returns."""
 
-import importlib.util
 import json
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -13,32 +16,18 @@ import transformers as T
 from typer.testing import CliRunner
 
 import normsurgery as ns
+from normsurgery import gguf as G
 from normsurgery.cli import app
 from normsurgery.errors import SurgeryError
 from normsurgery.families import layout
-from normsurgery.gguf import export as export_gguf
-from normsurgery.parity import compare, probe_ids
+from normsurgery.gguf import export as export_gguf, run_llama
+from normsurgery.parity import probe_ids
 from normsurgery.passes import remove_ln as R
 from normsurgery.runtime import NoNorm
-
-pytest.importorskip("gguf")
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
 LLAMA = "normsurgery/demo/llama-tiny"
 runner = CliRunner()
-
-
-def _llama_cpp() -> str | None:
-    """Why llama.cpp cannot run here (None: it can)."""
-    if importlib.util.find_spec("llama_cpp_py_sync") is None:
-        return "llama-cpp-py-sync is not installed (pip install 'normsurgery[gguf]')"
-    from normsurgery.gguf import library_problem
-
-    return library_problem()
-
-
-WHY = _llama_cpp()
-needs_llama = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 
 def run(*args):
@@ -46,19 +35,20 @@ def run(*args):
 
 
 def llama_against(path: Path, reference) -> dict:
-    """llama.cpp's logits of the GGUF ``path`` against ``reference`` (a transformers model, float32)
-    on random ids: the metrics of ``parity.compare``."""
-    from normsurgery.gguf import LlamaCpp
-
-    ids = probe_ids(None, reference.config.vocab_size, None, 3, 21, seed=5)
-    run_ = LlamaCpp(path, 32)
-    try:
-        got = torch.stack([run_.logits(row.tolist()) for row in ids])
-    finally:
-        run_.close()
+    """llama.cpp's greedy continuation of random ids and its log-probabilities at each generated
+    position against ``reference`` (a transformers model, float32) fed the same tokens: relative
+    error of the log-probabilities, top-1 agreement, greedy continuation equal."""
+    prompts = probe_ids(None, reference.config.vocab_size, None, 2, 12, seed=5)
+    got = run_llama(path, prompts, 6, "a", reference.config.vocab_size)
     with torch.no_grad():
-        want = reference(input_ids=ids).logits
-    return compare(want, got).as_dict()
+        logits = reference(input_ids=torch.cat([prompts, got.tokens[:, :-1]], 1)).logits[:, 11:]
+    want, have = torch.log_softmax(logits.double(), -1), got.logprobs.double()
+    best = want.argmax(-1)
+    kept = want > -80  # float32 softmax: smaller probabilities are subnormal or zero in llama.cpp
+    assert (have[want < -95] < -80).all()  # ... and small there too
+    return {"relative": ((want - have).abs()[kept].max() / want[kept].abs().max()).item(),
+            "top1": (best == got.logprobs.argmax(-1)).double().mean().item(),
+            "greedy_equal": bool((best == got.tokens).all())}
 
 
 def stock(path) -> torch.nn.Module:
@@ -70,7 +60,6 @@ def left_nothing(out: Path) -> None:
     assert not [f for f in out.parent.iterdir() if ".tmp-" in f.name]
 
 
-@needs_llama
 @pytest.mark.parametrize("dtype,bound", [("f32", 1e-3), ("f16", 1e-2), ("bf16", 2e-2), ("q8_0", 5e-2)])
 def test_llama_tiny_runs_in_llama_cpp_as_in_transformers(tmp_path, dtype, bound):
     out = tmp_path / "llama.gguf"
@@ -90,7 +79,6 @@ def test_llama_tiny_runs_in_llama_cpp_as_in_transformers(tmp_path, dtype, bound)
     assert "llama.cpp" in Path(f"{out}.md").read_text()
 
 
-@needs_llama
 def test_gpt2_tiny_tied_head(tmp_path):
     out = tmp_path / "gpt2.gguf"
     r = ns.export(GPT2, out, to="gguf")
@@ -98,7 +86,6 @@ def test_gpt2_tiny_tied_head(tmp_path):
     assert llama_against(out, stock(GPT2))["relative"] <= 1e-3
 
 
-@needs_llama
 def test_fewer_layers_keep_the_family_architecture(tmp_path):
     ns.prune(LLAMA, tmp_path / "pruned", {"layers": 3, "method": "last"})
     r = ns.export(tmp_path / "pruned", tmp_path / "pruned.gguf", to="gguf")
@@ -120,7 +107,6 @@ def uneven(tmp_path) -> Path:
     return tmp_path / "minimized"
 
 
-@needs_llama
 def test_per_layer_widths_are_deci(tmp_path):
     small = uneven(tmp_path)
     reference = stock(tmp_path / "zeroed")  # the function before minimize, in stock transformers
@@ -151,7 +137,6 @@ def removed_ln(path: str, tmp_path: Path, stock_export: bool = False) -> tuple[P
     return out, model
 
 
-@needs_llama
 def test_ln_free_llama_through_the_eps_trick(tmp_path):
     folder, model = removed_ln(LLAMA, tmp_path)
     assert any(isinstance(m, NoNorm) for m in model.modules())
@@ -160,7 +145,6 @@ def test_ln_free_llama_through_the_eps_trick(tmp_path):
     assert llama_against(tmp_path / "noln.gguf", model)["relative"] <= 1e-3
 
 
-@needs_llama
 def test_ln_free_gpt2(tmp_path):
     folder, model = removed_ln(GPT2, tmp_path, stock_export=True)  # eps 1e12 and gains 1e6 / s in the checkpoint
     r = ns.export(folder, tmp_path / "noln.gguf", to="gguf")
@@ -173,14 +157,13 @@ def test_ln_free_gpt2(tmp_path):
     left_nothing(out)
 
 
-@needs_llama
 def test_a_wrong_tensor_fails_the_check_and_leaves_nothing(tmp_path):
     out = tmp_path / "wrong.gguf"
 
     def wrong(name, values):
         return values * 1.05 if name == "blk.3.attn_v.weight" else values
 
-    with pytest.raises(SurgeryError, match="llama.cpp's logits differ from transformers'"):
+    with pytest.raises(SurgeryError, match="llama.cpp's log-probabilities differ from transformers'"):
         export_gguf(LLAMA, out, change=wrong)
     left_nothing(out)
 
@@ -233,25 +216,83 @@ def test_options_of_the_other_format_are_usage_errors(tmp_path):
     assert r.exit_code == 2 and "f32, f16, bf16, q8_0" in r.output
 
 
-@pytest.mark.real
-@needs_llama
-def test_real_smollm2_outputs_run_in_llama_cpp(tmp_path):
-    """SmolLM2-135M (NORMSURGERY_REAL_MODEL, ``make test-real``): the input, its flashnorm output, a
-    prune --layers 4 output and a minimized one (mask:prune_units=0.3) at F32 in llama.cpp: 32 greedy
-    tokens equal transformers', relative error <= 1e-3; the minimized file smaller than the input's."""
-    import os
+def test_a_file_llama_cpp_cannot_load_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    """A GGUF claiming one block more than it holds: llama.cpp refuses it (a missing tensor), the
+    export says so in one line, exit 1, and the folders it would have written into are not made."""
+    def deeper(source):
+        p, model = plan(source)
+        p.meta["block_count"] += 1
+        return p, model
 
-    real = Path(os.environ.get("NORMSURGERY_REAL_MODEL", ""))
-    if not (real / "config.json").is_file():
-        pytest.fail(f"NORMSURGERY_REAL_MODEL={str(real)!r} names no checkpoint folder (make test-real fetches it)")
-    ns.convert(real, tmp_path / "flash", [("flashnorm", {})])
-    ns.prune(real, tmp_path / "pruned", {"layers": 4, "method": "last"})
-    ns.convert(real, tmp_path / "small", [("minimize", {"prune_units": 0.3})])
-    sizes = {}
-    for name, folder in (("input", real), ("flash", tmp_path / "flash"), ("pruned", tmp_path / "pruned"),
-                         ("small", tmp_path / "small")):
-        r = ns.export(folder, tmp_path / f"{name}.gguf", to="gguf")
-        assert r.parity.relative <= 1e-3 and r.greedy["agree"] == 1.0, (name, r.as_dict())
-        assert r.pre_tokenizer == "smollm" and r.tokenizer["equal"]
-        sizes[name] = r.saved["bytes"]
-    assert sizes["small"] < sizes["input"]
+    plan = G.plan
+    monkeypatch.setattr(G, "plan", deeper)
+    out = tmp_path / "new" / "deeper" / "x.gguf"
+    r = run("export", LLAMA, out, "--to", "gguf")
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert lines[0].startswith("error: llama.cpp cannot load the GGUF written") and "blk.8" in r.output, r.output
+    assert "Traceback" not in r.output and "nothing was written" in lines[-1] and len(lines) <= 3
+    assert not (tmp_path / "new").exists()
+
+
+def test_device_is_honoured_or_refused_in_one_line(tmp_path):
+    """transformers' side computes on --device (llama.cpp on the CPU); a GPU named where torch sees
+    none is one line, exit 1, before anything is written."""
+    out = tmp_path / "sub" / "cpu.gguf"
+    r = run("export", LLAMA, out, "--to", "gguf", "--device", "cpu", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["parity"]["device"]["device"] == "cpu"
+    out = tmp_path / "gpu" / "x.gguf"
+    r = run("export", LLAMA, out, "--to", "gguf", "--device", "cuda")
+    if torch.cuda.is_available():
+        assert r.exit_code == 0 and "computed on cuda:0" in r.output, r.output
+    else:
+        assert r.exit_code == 1 and r.output.startswith("error: --device cuda: torch sees no GPU"), r.output
+        assert len(r.output.strip().splitlines()) <= 3 and not (tmp_path / "gpu").exists()
+
+
+def children() -> list[int]:
+    """This process's child processes (Linux /proc)."""
+    me, out = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == me:
+            out.append(int(pid))
+    return out
+
+
+def test_llama_cpp_leaves_nothing_running(tmp_path):
+    """Once export returns: no child process, no thread more in this process than before, and the
+    loopback port llama.cpp's server listened on is closed."""
+    ns.export(LLAMA, tmp_path / "warm.gguf", to="gguf")  # torch's own threads started
+    threads = len(os.listdir("/proc/self/task"))
+    r = ns.export(LLAMA, tmp_path / "x.gguf", to="gguf")
+    assert children() == [] and len(os.listdir("/proc/self/task")) == threads
+    host, port = r.llama_cpp["address"].removeprefix("http://").rsplit(":", 1)
+    assert host == "127.0.0.1" and r.llama_cpp["peak_rss_mb"] > 0
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect((host, int(port)))
+
+
+def test_distributions_are_llama_cpps_kld_statistics():
+    """mean / 99.9% KLD and same top p against a computation by hand: logits a and log-probabilities
+    b = log_softmax(a + noise), position 7's top token made unlikely."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(50, 300, generator=g, dtype=torch.float64) * 3
+    b = torch.log_softmax(a + 0.01 * torch.randn(50, 300, generator=g, dtype=torch.float64), -1)
+    top = a[7].argmax()
+    b[7, top] -= 20  # position 7: another token first
+    c, stats = G.distributions(a.float(), b.float())
+    pa = torch.softmax(a, -1)
+    kl = (pa * (torch.log_softmax(a, -1) - b)).sum(-1)
+    same = (a.argmax(-1) == b.argmax(-1)).double().mean().item()
+    assert same < 1 and stats["positions"] == 50 and stats["same_top_p"] == pytest.approx(100 * same)
+    assert stats["mean_kld"] == pytest.approx(kl.mean().item(), rel=1e-5)
+    assert stats["kld_99_9"] == pytest.approx(torch.quantile(kl, 0.999).item(), rel=1e-5)
+    assert stats["max_kld"] == pytest.approx(kl.max().item(), rel=1e-5)
+    ls = torch.log_softmax(a, -1)
+    assert c.relative == pytest.approx(((ls - b).abs().max() / ls.abs().max()).item(), rel=1e-5)
+    assert c.top1 == pytest.approx(same)

@@ -160,3 +160,47 @@ def test_nemotron_nas_export_runs_in_mlx(real, tmp_path, case):
     cfg = T.AutoConfig.from_pretrained(tmp_path / "deci", trust_remote_code=True)
     assert [b.attention.n_heads_in_group for b in cfg.block_configs] == [3] * 30
     _mlx_greedy_equals_transformers(tmp_path / "out", tmp_path / "deci")
+
+
+@pytest.mark.parametrize("output", ["input", "flashnorm", "prune-4", "minimized"])
+def test_gguf_of_smollm2_runs_in_llama_cpp_as_in_transformers(real, tmp_path, output):
+    """export --to gguf (F32) of SmolLM2, of its flashnorm output, of a prune --layers 4 output and
+    of a minimized one (minimize:prune_units=0.3): llama.cpp's 32 greedy tokens after the check's
+    first prompt are transformers' own (generate, here), the log-probabilities within 1e-3
+    relative; the minimized file smaller than the input's."""
+    import normsurgery as ns
+
+    folder = real if output == "input" else tmp_path / output
+    if output == "flashnorm":
+        ns.convert(real, folder, [("flashnorm", {})])
+    elif output == "prune-4":
+        ns.prune(real, folder, {"layers": 4, "method": "last"})
+    elif output == "minimized":
+        ns.convert(real, folder, [("minimize", {"prune_units": 0.3})])
+    out = tmp_path / "model.gguf"
+    r = run("export", folder, out, "--to", "gguf", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    # the folder fetch_real_model.py rebuilds from a GGUF has GPT-2's byte-level pre-tokenizer (no Digits step)
+    assert data["ok"] and data["pre_tokenizer"] == "gpt-2" and data["tokenizer"]["equal"]
+    assert data["parity"]["relative"] <= 1e-3 and data["greedy"]["equal"], data["parity"]
+    g = data["greedy"]
+    model = ns.load(folder, torch.float32)
+    prompt = torch.tensor([g["prompt"]])
+    with torch.no_grad():
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, min_new_tokens=32,
+                              do_sample=False, pad_token_id=0, eos_token_id=None)[0, prompt.shape[1]:].tolist()
+    assert g["new_tokens"] == 32 and g["llama.cpp"] == want
+    if output == "minimized":  # minimize:prune_units=0.3 removes as many units from every layer: llama, not deci
+        assert data["arch"] == "llama" and data["saved"]["bytes"] < real_gguf_bytes(real)
+
+
+def real_gguf_bytes(real: Path) -> int:
+    """The bytes of the input's F32 GGUF tensors (its file holds these and its metadata)."""
+    import math
+
+    from normsurgery import gguf_write as W
+    from normsurgery.checkpoint import Source
+
+    p, _ = W.plan(Source.open(real))
+    return sum(math.prod(it.shape) * 4 for it in p.items)

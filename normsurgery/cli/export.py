@@ -45,7 +45,8 @@ def export(
     if to not in FORMATS:
         raise UsageError(f"--to {to!r}: choose one of {', '.join(FORMATS)}{did_you_mean(to, FORMATS)}")
     if to == "gguf":
-        return _gguf(src, dest, dtype, text, tol, force, allow_pickle, json, with_past or external_data is not None)
+        return _gguf(src, dest, dtype, text, tol, force, allow_pickle, json, with_past or external_data is not None,
+                     device)
     if to == "nemotron-nas":
         return _nemotron(src, dest, text, tol, device, force, allow_pickle, json,
                          with_past or external_data is not None or dtype is not None)
@@ -81,7 +82,7 @@ def export(
 
 
 def _gguf(src: str, dest: Path, dtype: str | None, text: Path | None, tol: float | None, force: bool,
-          allow_pickle: bool, json: bool, onnx_options: bool) -> None:
+          allow_pickle: bool, json: bool, onnx_options: bool, device: str) -> None:
     """``export --to gguf``: the file written and checked in llama.cpp (``gguf.export``)."""
     dtype = dtype or GGUF_DTYPES[0]
     if dtype not in GGUF_DTYPES:
@@ -98,17 +99,20 @@ def _gguf(src: str, dest: Path, dtype: str | None, text: Path | None, tol: float
 
     # the output is a file, which gguf.export checks and locks itself (``claimed`` takes folders)
     r = export_api(src, dest, to="gguf", dtype=dtype, text=read_text(text), tolerance=tol, force=force,
-                   allow_pickle=allow_pickle)
+                   allow_pickle=allow_pickle, device=device)
     if json:
         emit_json(r.as_dict())
         return
     from .report import fmt
 
-    p, g = r.parity, r.greedy
-    say(f"llama.cpp vs transformers (logits): relative error {fmt(p.relative)}, KL {fmt(p.kl)}, top-1 agreement "
-        f"{p.top1:.4f}; tolerance {fmt(p.tolerance)}: {p.reason}")
-    say(f"greedy: {g['agree']:.0%} of {g['new_tokens']} tokens after each of {g['prompts']} prompts equal "
-        f"transformers'; the text's {r.tokenizer['tokens']} tokens equal transformers'")
+    p, g, k = r.parity, r.greedy, r.distributions
+    say(f"llama.cpp vs transformers, the whole distribution at {k['positions']} generated positions: mean KLD "
+        f"{fmt(k['mean_kld'])}, 99.9% KLD {fmt(k['kld_99_9'])}, same top p {k['same_top_p']:.1f}%; log-probabilities' "
+        f"relative error {fmt(p.relative)}, tolerance {fmt(p.tolerance)}: {p.reason}")
+    say(f"greedy: {g['new_tokens']} tokens after each of {g['prompts']} prompts "
+        + ("equal transformers'" if g["equal"] else f"equal transformers' up to the first difference: {g['agree']:.0%}")
+        + f"; the text's {r.tokenizer['tokens']} tokens equal transformers'")
+    say_device(p.device)
     say(f"saved {r.saved['path']} ({r.saved['bytes']:,} bytes): llama.cpp architecture {r.arch}, {r.dtype.upper()}"
         + (", norms removed (eps trick: eps 1e12, gains 1e6)" if r.eps_trick else "")
         + f"; card {r.saved['card']}")
