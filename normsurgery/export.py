@@ -248,8 +248,9 @@ def run_graph(path: Path, ids: torch.Tensor, past: list[tuple] | None = None, *,
 def greedy_agreement(model, path: Path, prompts: torch.Tensor, past: list[tuple], new_tokens: int = 16) -> float:
     """Fraction of ``new_tokens`` greedy tokens after ``prompts`` on which ONNX Runtime (the
     prompt once, then one token at a time through the cache) and ``generate`` agree."""
-    with torch.no_grad():
-        expected = model.generate(prompts.to(devices.of(model)), max_new_tokens=new_tokens,
+    on = prompts.to(devices.of(model))
+    with torch.no_grad():  # the mask given: else generate masks the prompt's tokens that equal the pad id
+        expected = model.generate(on, attention_mask=torch.ones_like(on), max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                                   eos_token_id=None)[:, prompts.shape[1]:].cpu()
     graph, cache, total, cur, got = session(path), None, 0, prompts, []

@@ -409,8 +409,10 @@ def greedy_agreement(a, b, prompts: torch.Tensor, new_tokens: int = 16) -> float
     """Fraction of greedily generated tokens (after the prompts) on which the models agree."""
     kw = dict(max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
               pad_token_id=0, eos_token_id=None)
-    ga = a.generate(prompts.to(a.device), **kw)[:, prompts.shape[1]:]
-    gb = b.generate(prompts.to(b.device), **kw)[:, prompts.shape[1]:]
+    # the mask given: else generate masks the prompt's tokens that equal the pad id
+    pa, pb = prompts.to(a.device), prompts.to(b.device)
+    ga = a.generate(pa, attention_mask=torch.ones_like(pa), **kw)[:, prompts.shape[1]:]
+    gb = b.generate(pb, attention_mask=torch.ones_like(pb), **kw)[:, prompts.shape[1]:]
     return (ga.cpu() == gb.cpu()).double().mean().item()
 
 
