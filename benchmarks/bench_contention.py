@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A small streamed convert on a quiet machine and with one core held by another process, in the
 same run: what torch's waiting threads cost when other work holds a core, and what the CLI's
-defaults (``normsurgery.threads``: OpenMP's threads sleep while they wait; threads = the CPUs not
+defaults (``normsurgery.core.threads``: OpenMP's threads sleep while they wait; threads = the CPUs not
 busy) keep of it.
 
 Checkpoint (built once into bench-out/contention): a synthetic Llama in bfloat16 (d 1024, 12
@@ -56,7 +56,7 @@ PASSES = [("flashnorm", {})]
 
 def op_build(args) -> dict:
     torch, T = quiet_imports()
-    from normsurgery.synthetic import make_realistic
+    from normsurgery.core.synthetic import make_realistic
 
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
@@ -69,7 +69,7 @@ def op_build(args) -> dict:
 def op_convert(args) -> dict:
     """The streamed convert without checks, timed after the imports (the family's modules too)."""
     torch, T = quiet_imports()
-    conv = importlib.import_module("normsurgery.convert")
+    conv = importlib.import_module("normsurgery.commands.convert")
     src, out = Path(args.src), Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     getattr(T, T.AutoConfig.from_pretrained(src).architectures[0])

@@ -116,7 +116,7 @@ RSS_TARGET_MB = 1024  # streaming convert with its check, and streaming verify, 
 
 def op_build(args) -> dict:
     torch, T = quiet_imports()
-    from normsurgery.synthetic import make_realistic
+    from normsurgery.core.synthetic import make_realistic
 
     spec = MODELS[args.model]
     torch.manual_seed(0)
@@ -137,9 +137,9 @@ def op_build(args) -> dict:
 def op_measure(args) -> dict:
     """One operation of OPS (but peer), timed after the imports."""
     torch, T = quiet_imports()
-    conv = importlib.import_module("normsurgery.convert")  # the module (ns.convert is the function)
-    from normsurgery.errors import SurgeryError
-    from normsurgery.verify import verify
+    conv = importlib.import_module("normsurgery.commands.convert")  # the module (ns.convert is the function)
+    from normsurgery.core.errors import SurgeryError
+    from normsurgery.commands.verify import verify
 
     spec, src, out = MODELS[args.model], Path(args.src), Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
@@ -155,7 +155,7 @@ def op_measure(args) -> dict:
     elif args.op == "roundtrip":
         T.AutoModelForCausalLM.from_pretrained(src, dtype="auto").save_pretrained(out, max_shard_size=spec["shard"])
     elif args.op == "gguf":
-        from normsurgery.gguf import export as export_gguf
+        from normsurgery.exporters.gguf import export as export_gguf
 
         for name in ("tokenizer.json", "tokenizer_config.json"):  # a GGUF holds a tokenizer
             if not (src / name).is_file():
@@ -313,8 +313,8 @@ def probe(args):
 def op_parity(args) -> dict:
     """Logits (float32) of the original, ours and the peer's, one model in memory at a time."""
     torch, T = quiet_imports()
-    from normsurgery import checkpoint
-    from normsurgery.parity import compare
+    from normsurgery.io import checkpoint
+    from normsurgery.core.parity import compare
 
     ids = probe(args)
 
@@ -340,7 +340,7 @@ def op_forward(args) -> dict:
     """Forward time (no_grad, float32) of the original and the converted model, one loaded at a
     time: warm-up, then the median of a few runs."""
     torch, T = quiet_imports()
-    from normsurgery import checkpoint
+    from normsurgery.io import checkpoint
 
     torch.set_num_threads(args.threads)
     batch, seq = (4, 256) if args.model == "gpt2" else (1, 128)

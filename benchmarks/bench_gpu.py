@@ -67,10 +67,10 @@ def texts() -> tuple[str, str]:
 def op_gpt2(args) -> dict:
     """The GPT-2-small-shaped checkpoint, trained ``--steps`` steps on the training text on ``--device``."""
     torch, T = quiet_imports()
-    from normsurgery import devices
-    from normsurgery.calibration import split_heldout, tokenize, windows
-    from normsurgery.synthetic import make_realistic
-    from normsurgery.training import TrainConfig, train
+    from normsurgery.core import devices
+    from normsurgery.core.calibration import split_heldout, tokenize, windows
+    from normsurgery.core.synthetic import make_realistic
+    from normsurgery.engine.training import TrainConfig, train
 
     tok = T.AutoTokenizer.from_pretrained(DEMO)
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import write_json  # noqa: E402
-from normsurgery.options import LEARNING_RATES  # noqa: E402  (no torch: --help stays light)
+from normsurgery.core.options import LEARNING_RATES  # noqa: E402  (no torch: --help stays light)
 
 LLAMA = ROOT / "normsurgery/demo/llama-tiny"
 TEXT, HELD = ROOT / "normsurgery/data/sample.txt", ROOT / "normsurgery/data/heldout.txt"
@@ -41,7 +41,7 @@ def main() -> None:
     import torch
 
     import normsurgery as ns
-    from normsurgery.heal import HealOptions
+    from normsurgery.commands.heal import HealOptions
 
     torch.set_num_threads(1)
     rows = []

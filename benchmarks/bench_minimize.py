@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from timing import forward_ms  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
-from normsurgery.parity import compare, outputs  # noqa: E402
+from normsurgery.core.parity import compare, outputs  # noqa: E402
 
 DEMOS = {"gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny", "llama-tiny": ROOT / "normsurgery/demo/llama-tiny"}
 

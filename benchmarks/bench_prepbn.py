@@ -36,8 +36,9 @@ import torch  # noqa: E402
 from timing import forward_ms  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
-from normsurgery import checkpoint, registry  # noqa: E402
-from normsurgery.registry import PassContext  # noqa: E402
+from normsurgery import registry  # noqa: E402
+from normsurgery.io import checkpoint
+from normsurgery.core.registry import PassContext  # noqa: E402
 
 BOUND = 0.10  # prepbn's held-out CE over its vanilla control (README)
 SAMPLE = ROOT / "normsurgery/data/sample.txt"

@@ -38,7 +38,7 @@ def build(name: str, device: str):
     import torch
     import transformers as T
 
-    from normsurgery import checkpoint
+    from normsurgery.io import checkpoint
 
     if name == WIDE:
         torch.manual_seed(0)
@@ -57,8 +57,8 @@ def worker(args) -> dict:
     import accelerate  # noqa: F401  (imported before the baseline RSS, like everything heal uses)
     import peft  # noqa: F401
 
-    from normsurgery.heal import heal_model, make_accelerator
-    from normsurgery.prune import score_layers
+    from normsurgery.commands.heal import heal_model, make_accelerator
+    from normsurgery.commands.prune import score_layers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build(args.model, device)

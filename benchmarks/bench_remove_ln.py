@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from normsurgery import checkpoint
-    from normsurgery.registry import parse_pass
+    from normsurgery.io import checkpoint
+    from normsurgery.core.registry import parse_pass
 
     results = []
     for name, family, path in quality_models(args.models, args.held if args.quality else None):

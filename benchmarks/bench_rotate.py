@@ -43,8 +43,11 @@ from benchmarks.common import write_json  # noqa: E402
 import torch  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
-from normsurgery import algebra, analysis, calibration, checkpoint  # noqa: E402
-from normsurgery.training import heldout_ce  # noqa: E402
+from normsurgery import checkpoint  # noqa: E402
+from normsurgery.core import algebra
+from normsurgery.core import analysis
+from normsurgery.core import calibration
+from normsurgery.engine.training import heldout_ce  # noqa: E402
 
 DEMOS = {"llama-tiny": ROOT / "normsurgery/demo/llama-tiny", "gpt2-tiny": ROOT / "normsurgery/demo/gpt2-tiny"}
 REAL = Path.home() / ".cache/normsurgery-real/smollm2-135m-instruct"

@@ -37,8 +37,8 @@ def quiet_imports():
     import torch
     import transformers
 
-    import normsurgery.convert  # noqa: F401
-    from normsurgery.families import norm_kind
+    import normsurgery.commands.convert  # noqa: F401
+    from normsurgery.core.families import norm_kind
 
     norm_kind(torch.nn.Identity())  # imports the modeling modules of the RMSNorm families (an unknown class: all)
     transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM  # noqa: B018
@@ -183,9 +183,9 @@ def saved_rows(files: list[str]) -> list[dict]:
 def trained_pass(path: Path, name: str, text: str, options: dict):
     """The trained pass ``name`` with ``options`` on the model at ``path`` (in memory; TEXT its
     training text, the pass holding out its last 10%): (model, the pass's metrics, wall seconds)."""
-    from normsurgery import checkpoint
-    from normsurgery.convert import apply_passes
-    from normsurgery.registry import PassContext
+    from normsurgery.io import checkpoint
+    from normsurgery.commands.convert import apply_passes
+    from normsurgery.core.registry import PassContext
 
     model = checkpoint.load(path)
     ctx = PassContext(tokenizer=checkpoint.Source.open(path).tokenizer, text=text)

@@ -14,7 +14,7 @@ Python API (the CLI is a thin layer over it)::
     [p.name for p in ns.passes()]
 """
 
-from .version import __version__  # noqa: E402, F401
+from .core.version import __version__  # noqa: E402, F401
 
 import importlib  # noqa: E402
 import sys  # noqa: E402
@@ -22,16 +22,16 @@ import types  # noqa: E402
 
 # The API is imported on first use (PEP 562), so ``import normsurgery.cli`` and
 # ``normsurgery --help`` do not pay for torch and transformers.
-_API = {"layout": "families", "Layout": "layout", "NormSite": "layout", "load": "checkpoint",
-        "Source": "checkpoint", "save": "writer", "convert": "convert", "apply_passes": "convert",
-        "load_recipe": "registry", "parse_pass": "registry", "SurgeryError": "errors", "passes": "passes",
-        "register": "registry", "verify": "verify", "outliers": "verify", "prune": "prune", "heal": "heal",
-        "PruneOptions": "options", "HealOptions": "options", "squeeze": "squeeze", "SqueezeOptions": "options",
-        "export": "export", "lens": "lens"}
+_API = {"layout": "core.families", "Layout": "core.layout", "NormSite": "core.layout", "load": "io.checkpoint",
+        "Source": "io.checkpoint", "save": "engine.writer", "convert": "commands.convert", "apply_passes": "commands.convert",
+        "load_recipe": "core.registry", "parse_pass": "core.registry", "SurgeryError": "core.errors", "passes": "passes",
+        "register": "core.registry", "verify": "commands.verify", "outliers": "commands.verify", "prune": "commands.prune", "heal": "commands.heal",
+        "PruneOptions": "core.options", "HealOptions": "core.options", "squeeze": "commands.squeeze", "SqueezeOptions": "core.options",
+        "export": "exporters.export", "lens": "commands.lens"}
 
 
 class _Package(types.ModuleType):
-    """Loads the API on first use; ``import normsurgery.convert`` (a submodule) does not
+    """Loads the API on first use; ``import normsurgery.commands.convert`` (a submodule) does not
     replace the function ``normsurgery.convert`` of the same name."""
 
     def __getattr__(self, name: str):

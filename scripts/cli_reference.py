@@ -65,7 +65,7 @@ def cli() -> str:
 def passes() -> str:
     """Every registered pass: kind, what it does, where it applies, its options and their defaults."""
     from normsurgery import passes as _builtin  # noqa: F401  (declares the built-in passes)
-    from normsurgery import registry
+    from normsurgery.core import registry
 
     out = [HEADER + "# Pass options", "",
            "Every pass and its options with their defaults, from the registry (`normsurgery passes` "

@@ -2,7 +2,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # one torch thread unless told otherwise: the suite's small models gain little from two, and two
-# spinning threads collapse when anything else holds a core (normsurgery/threads.py)
+# spinning threads collapse when anything else holds a core (normsurgery/core/threads.py)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -59,7 +59,7 @@ def marked_text(body: str, tokenizer, fraction: float = 0.1):
 def record_reads(monkeypatch) -> dict:
     """What each reader of the text gets, recorded as [n, T] token windows: prune's layer scores
     ("scores"), the training batches ("batches"), CE on the training text's windows that heal
-    measures ("training CE", :func:`normsurgery.heal.run`), and held-out CE ("held-out": prune's,
+    measures ("training CE", :func:`normsurgery.commands.heal.run`), and held-out CE ("held-out": prune's,
     and the training loop's before and after)."""
     import importlib
 

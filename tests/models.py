@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import transformers as T
 
-from normsurgery.synthetic import make_realistic
-from normsurgery.parity import compare, outputs
+from normsurgery.core.synthetic import make_realistic
+from normsurgery.core.parity import compare, outputs
 
 VOCAB = 96
 

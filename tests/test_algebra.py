@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from normsurgery import algebra, precision
+from normsurgery.core import algebra
+from normsurgery.core import precision
 
 G = torch.Generator().manual_seed(0)
 

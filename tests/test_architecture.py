@@ -1,27 +1,26 @@
-"""Imports run one way: core below passes/, passes/ below orchestration, the CLI on top; no cycles.
-Every import counts: at module level, inside functions, ``from . import name``."""
+"""Floors as folders, imports running one way: ``core/`` (the data types, the family table,
+algebra, parity and every decision made once), ``io/`` (files: shards, checkpoints, outputs, cards),
+``passes/``, ``engine/`` (plans, sweeps, checks, the runner, training), ``exporters/`` (a writer plus
+a check in its runtime), ``commands/``, the API (``normsurgery/__init__.py``) and ``cli/`` on top; a
+floor imports only floors below it or itself, and there are no cycles. Every import counts: at module
+level, inside functions, ``from . import name``."""
 
 import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "normsurgery"
-FLOORS = {"core": 0, "passes": 1, "orchestration": 2, "api": 3, "cli": 4}
-ORCHESTRATION = {"convert", "verify", "prune", "heal", "training", "plan", "scan", "sweep", "writer",
-                 "check", "export", "gguf", "lens", "squeeze", "runner", "nemotron", "mlx_check"}
+#: the floors, lowest first; the package itself is the API, ``__main__`` the CLI's
+FLOORS = ["core", "io", "passes", "engine", "exporters", "commands", "api", "cli"]
 
 
 def floor(module: str) -> int:
-    """normsurgery.X[.Y] -> its floor number."""
+    """normsurgery.FLOOR.X[.Y] -> the floor's number (a module outside every floor: -1)."""
     parts = module.split(".")[1:]
     if not parts:
-        return FLOORS["api"]
-    if parts[0] in ("cli", "__main__"):
-        return FLOORS["cli"]
-    if parts[0] == "passes":
-        return FLOORS["passes"]
-    if parts[0] in ORCHESTRATION:
-        return FLOORS["orchestration"]
-    return FLOORS["core"]
+        return FLOORS.index("api")
+    if parts[0] == "__main__":
+        return FLOORS.index("cli")
+    return FLOORS.index(parts[0]) if parts[0] in FLOORS else -1
 
 
 def modules(pkg: Path = PKG) -> dict[str, Path]:
@@ -91,6 +90,12 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def test_every_module_lives_on_a_floor():
+    """No module beside the floors: ``normsurgery/`` holds only the API and ``__main__``."""
+    loose = [m for m in graph() if floor(m) < 0]
+    assert not loose, loose
+
+
 def test_imports_run_downward():
     wrong = [f"{m} imports {t}" for m, targets in graph().items() for t in targets if floor(t) > floor(m)]
     assert not wrong, wrong
@@ -102,17 +107,20 @@ def test_no_import_cycles():
 
 def test_the_checks_see_lazy_upward_imports_and_cycles(tmp_path):
     """The checks can fail: an import inside a function, ``from . import`` of the package, and a
-    cycle through such imports are all seen."""
+    cycle through such imports are all seen, and so is a module beside the floors."""
     pkg = tmp_path / "normsurgery"
-    (pkg / "passes").mkdir(parents=True)
+    for f in ("core", "passes"):
+        (pkg / f).mkdir(parents=True)
+        (pkg / f / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("__version__ = '0'\n")
-    (pkg / "passes" / "__init__.py").write_text("")
-    (pkg / "masks.py").write_text("def f():\n    from .passes import norms\n")
-    (pkg / "passes" / "norms.py").write_text("from .. import __version__\nfrom ..masks import f\n")
-    (pkg / "algebra.py").write_text("from . import masks\n")
+    (pkg / "core" / "masks.py").write_text("def f():\n    from ..passes import norms\n")
+    (pkg / "passes" / "norms.py").write_text("from .. import __version__\nfrom ..core.masks import f\n")
+    (pkg / "core" / "algebra.py").write_text("from . import masks\n")
+    (pkg / "loose.py").write_text("")
     edges = graph(pkg)
-    assert "normsurgery.passes.norms" in edges["normsurgery.masks"]  # inside a function
+    assert "normsurgery.passes.norms" in edges["normsurgery.core.masks"]  # inside a function
     assert "normsurgery" in edges["normsurgery.passes.norms"]  # from .. import __version__: the package
-    assert edges["normsurgery.algebra"] == {"normsurgery.masks"}  # from . import a module
-    assert ["normsurgery.masks", "normsurgery.passes.norms"] in cycles(edges)
-    assert floor("normsurgery.passes.norms") > floor("normsurgery.masks")
+    assert edges["normsurgery.core.algebra"] == {"normsurgery.core.masks"}  # from . import a module
+    assert ["normsurgery.core.masks", "normsurgery.passes.norms"] in cycles(edges)
+    assert floor("normsurgery.passes.norms") > floor("normsurgery.core.masks")  # the upward edge is seen
+    assert floor("normsurgery.loose") < 0 <= floor("normsurgery.core")  # beside the floors; a floor's own package

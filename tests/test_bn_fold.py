@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import normsurgery as ns
-from normsurgery import checkpoint
-from normsurgery.families import layout
-from normsurgery.errors import SurgeryError
-from normsurgery.runtime import ChannelAffine, NoNorm, RepBN
-from normsurgery.norms import faithful_norms
-from normsurgery.parity import compare, outputs
+from normsurgery.io import checkpoint
+from normsurgery.core.families import layout
+from normsurgery.core.errors import SurgeryError
+from normsurgery.core.runtime import ChannelAffine, NoNorm, RepBN
+from normsurgery.core.norms import faithful_norms
+from normsurgery.core.parity import compare, outputs
 
 from models import tiny_model, token_ids
 

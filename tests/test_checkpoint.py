@@ -13,10 +13,10 @@ import torch
 import transformers as T
 
 import normsurgery as ns
-from normsurgery.runtime import RMSNorm
+from normsurgery.core.runtime import RMSNorm
 
 from models import rel, remote_logits, tiny_model, token_ids
-from normsurgery.parity import compare, outputs
+from normsurgery.core.parity import compare, outputs
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
 LLAMA = "normsurgery/demo/llama-tiny"
@@ -126,7 +126,7 @@ def test_the_cast_is_measured_on_what_was_written(tmp_path, monkeypatch, streami
     right; nothing is saved, or with force it is saved and the result says the check failed."""
     from safetensors.torch import load_file, save_file
 
-    from normsurgery import shards
+    from normsurgery.io import shards
 
     src = tmp_path / "src"
     tiny_model("llama", torch.float32).to(torch.bfloat16).save_pretrained(src)
@@ -177,7 +177,7 @@ def test_a_single_pass_records_its_parity_and_the_overall_one(tmp_path, streamin
 def test_a_model_read_whole_is_freed_before_the_folder_is_read_back(tmp_path, monkeypatch):
     """The one-part plan: the weights are gone once written (the folder read back does not stack
     on them), and the check still compares with the outputs computed before."""
-    from normsurgery import writer
+    from normsurgery.engine import writer
 
     src = tmp_path / "src"
     tiny_model("llama", torch.float32).save_pretrained(src)
@@ -246,7 +246,7 @@ def test_hub_id_from_the_local_cache(tmp_path):
 @pytest.mark.parametrize("family, dtype, shard", [("gpt2", torch.float32, "20KB"), ("llama", torch.bfloat16, "20KB"),
                                                   ("bert", torch.float16, "20KB"), ("mixtral", torch.float32, "5GB")])
 def test_our_writer_writes_what_save_pretrained_writes(tmp_path, family, dtype, shard):
-    """save writes shards tensor by tensor (normsurgery/shards.py) instead of save_pretrained:
+    """save writes shards tensor by tensor (normsurgery/io/shards.py) instead of save_pretrained:
     the same file names, index, config dtype and tensors, tied copies dropped, a mixture's
     experts one tensor each (in one file: the two pack the experts into shards in other orders)."""
     from safetensors.torch import load_file
@@ -281,8 +281,8 @@ def test_tensors_stored_per_expert_merge_as_transformers_merges_them(tmp_path, s
     from safetensors.torch import save_file
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
-    from normsurgery.checkpoint import Stored
-    from normsurgery.shards import Index, Reader
+    from normsurgery.io.checkpoint import Stored
+    from normsurgery.io.shards import Index, Reader
 
     g = torch.Generator().manual_seed(0)
     groups = {p: [torch.randn(3, 5, generator=g) for _ in range(4)] for p in ("w1", "w3")}
@@ -298,8 +298,8 @@ def test_tensors_stored_per_expert_merge_as_transformers_merges_them(tmp_path, s
 
 def test_a_missing_folder_is_not_sent_to_hf_download(tmp_path):
     """Issue 28: only something shaped like a hub id (owner/name) gets the `hf download` advice."""
-    from normsurgery.checkpoint import resolve
-    from normsurgery.errors import SurgeryError
+    from normsurgery.io.checkpoint import resolve
+    from normsurgery.core.errors import SurgeryError
 
     with pytest.raises(SurgeryError, match="no such folder") as e:
         resolve(tmp_path / "missing")
@@ -353,8 +353,8 @@ def test_a_mistyped_local_path_is_no_such_folder(tmp_path, monkeypatch):
     """Issue 34, finding 11: `models/nope` (a typo beside an existing models/ folder) got the
     `hf download models/nope` advice. A path that looks local is "no such folder"; owner/name
     whose owner is no folder here is still taken for a hub id."""
-    from normsurgery.checkpoint import resolve
-    from normsurgery.errors import SurgeryError
+    from normsurgery.io.checkpoint import resolve
+    from normsurgery.core.errors import SurgeryError
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()

@@ -276,8 +276,8 @@ def doc_pages() -> list[Path]:
 def test_readme_matches_the_cli():
     """What README and the docs promise exists: the bug-report section errors.REPORT_BUGS points at,
     the flag spellings the CLI takes; their examples need nothing beside the clone (no ../shared)."""
-    from normsurgery.heal import PRECISIONS
-    from normsurgery.errors import REPORT_BUGS
+    from normsurgery.commands.heal import PRECISIONS
+    from normsurgery.core.errors import REPORT_BUGS
 
     docs = "\n".join(p.read_text() for p in doc_pages())
     assert "docs/errors.md: Reporting bugs" in REPORT_BUGS
@@ -398,8 +398,8 @@ def test_an_interrupt_names_the_training_state_it_keeps(tmp_path, monkeypatch):
     """Ctrl-C during a trained pass: no output, and the resumable state beside it is named."""
     import importlib
 
-    conv = importlib.import_module("normsurgery.convert")
-    from normsurgery.training import STATE_FILE
+    conv = importlib.import_module("normsurgery.commands.convert")
+    from normsurgery.engine.training import STATE_FILE
 
     out = tmp_path / "out"
 
@@ -543,7 +543,7 @@ def test_help_and_legends_say_what_they_do():
     from types import SimpleNamespace
 
     from normsurgery.cli.report import squeeze_table
-    from normsurgery.convert import _size
+    from normsurgery.commands.convert import _size
 
     def helped(command, option):
         text = " ".join(run(command, "--help").output.split())

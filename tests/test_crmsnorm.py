@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import normsurgery as ns
-from normsurgery.families import layout
-from normsurgery.norms import faithful_norms
-from normsurgery.runtime import CRMSNorm, RMSNorm
-from normsurgery.parity import outputs
+from normsurgery.core.families import layout
+from normsurgery.core.norms import faithful_norms
+from normsurgery.core.runtime import CRMSNorm, RMSNorm
+from normsurgery.core.parity import outputs
 
 from models import LAYERNORM, rel, remote_logits, tiny_model, token_ids
 

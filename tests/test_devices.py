@@ -7,10 +7,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from normsurgery import devices
+from normsurgery.core import devices
 from normsurgery.cli import app
-from normsurgery.errors import SurgeryError, UsageError
-from normsurgery.training import TrainConfig, mixed_precision, train
+from normsurgery.core.errors import SurgeryError, UsageError
+from normsurgery.engine.training import TrainConfig, mixed_precision, train
 
 from models import tiny_model, token_ids
 
@@ -114,7 +114,7 @@ def test_train_gives_the_model_back_where_it_found_it(monkeypatch):
 
 
 def test_training_that_cannot_fit_the_gpu_is_refused_before_anything_moves(monkeypatch):
-    from normsurgery.training import check_fits, training_bytes
+    from normsurgery.engine.training import check_fits, training_bytes
 
     model = tiny_model("llama", torch.float32)
     params = list(model.parameters())

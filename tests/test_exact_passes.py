@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import normsurgery as ns
-from normsurgery.families import layout
-from normsurgery.norms import faithful_norms
-from normsurgery.runtime import RMSNorm
+from normsurgery.core.families import layout
+from normsurgery.core.norms import faithful_norms
+from normsurgery.core.runtime import RMSNorm
 
 from models import CAUSAL, LAYERNORM, rel, tiny_model, token_ids
 

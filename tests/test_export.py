@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 import normsurgery as ns
 from normsurgery.cli import app
-from normsurgery.export import GRAPH, run_graph
-from normsurgery.parity import compare, outputs, output_kind, probe_ids
+from normsurgery.exporters.export import GRAPH, run_graph
+from normsurgery.core.parity import compare, outputs, output_kind, probe_ids
 from test_checkpoint import sentence_transformers_folder
 from test_heads import make
 from test_remove_ln import frozen_model
@@ -89,7 +89,7 @@ def test_a_broken_graph_is_refused_and_nothing_is_left(tmp_path, monkeypatch):
     import onnx
     from onnx import numpy_helper
 
-    E = importlib.import_module("normsurgery.export")  # the module (ns.export is the function)
+    E = importlib.import_module("normsurgery.exporters.export")  # the module (ns.export is the function)
     write = E.write_graph
 
     def broken(model, folder, *args):  # a weight changed after export

@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 
 import normsurgery as ns
 import normsurgery.passes  # noqa: F401  (declares the passes)
-from normsurgery import registry
-from normsurgery.families import layout
-from normsurgery.norms import faithful_norms
-from normsurgery.prune import prune_model
-from normsurgery.synthetic import make_realistic
+from normsurgery.core import registry
+from normsurgery.core.families import layout
+from normsurgery.core.norms import faithful_norms
+from normsurgery.commands.prune import prune_model
+from normsurgery.core.synthetic import make_realistic
 
 from normsurgery.cli import app
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from normsurgery.errors import SurgeryError
+from normsurgery.core.errors import SurgeryError
 
 from models import torchrun, torchrun_cli
 
@@ -72,8 +72,9 @@ def test_remove_ln_sharded_over_two_processes_matches_one(tmp_path):
 
 WORKER = """import json, sys
 import torch
-from normsurgery import checkpoint, training
-from normsurgery.calibration import tokenize, windows
+from normsurgery.io import checkpoint
+from normsurgery.engine import training
+from normsurgery.core.calibration import tokenize, windows
 
 out, state, batch, stop, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 source = checkpoint.Source.open("normsurgery/demo/llama-tiny")
@@ -126,7 +127,7 @@ def test_resume_under_two_sharded_processes_reaches_the_one_process_result(tmp_p
     (2, None, "is sharded over 2 processes (FSDP) and this run is not: resume it with 2 processes under FSDP"),
     (None, 2, "is not sharded and this run is, over 2 processes: resume it without FSDP")])
 def test_a_state_resumed_on_another_number_of_shards_is_refused_in_one_line(tmp_path, kept, now, says):
-    from normsurgery.training import STATE_FILE, TrainConfig, _load_state
+    from normsurgery.engine.training import STATE_FILE, TrainConfig, _load_state
 
     torch.save({"fingerprint": "f", "step": 2, **({"shards": kept} if kept else {})}, tmp_path / STATE_FILE)
     with pytest.raises(SurgeryError, match=re.escape(says)) as e:
@@ -135,7 +136,7 @@ def test_a_state_resumed_on_another_number_of_shards_is_refused_in_one_line(tmp_
 
 
 def test_fsdp_version_1_is_refused(monkeypatch):
-    from normsurgery import devices
+    from normsurgery.core import devices
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")

@@ -16,14 +16,14 @@ import transformers as T
 from typer.testing import CliRunner
 
 import normsurgery as ns
-from normsurgery import gguf as G
+from normsurgery.exporters import gguf as G
 from normsurgery.cli import app
-from normsurgery.errors import SurgeryError
-from normsurgery.families import layout
-from normsurgery.gguf import export as export_gguf, run_llama
-from normsurgery.parity import probe_ids
+from normsurgery.core.errors import SurgeryError
+from normsurgery.core.families import layout
+from normsurgery.exporters.gguf import export as export_gguf, run_llama
+from normsurgery.core.parity import probe_ids
 from normsurgery.passes import remove_ln as R
-from normsurgery.runtime import NoNorm
+from normsurgery.core.runtime import NoNorm
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
 LLAMA = "normsurgery/demo/llama-tiny"

@@ -13,11 +13,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from normsurgery.checkpoint import Source
+from normsurgery.io.checkpoint import Source
 from normsurgery.cli import app
-from normsurgery.sweep import Work
-from normsurgery.shards import ShardWriter
-from normsurgery.training import TrainConfig, train
+from normsurgery.engine.sweep import Work
+from normsurgery.io.shards import ShardWriter
+from normsurgery.engine.training import TrainConfig, train
 
 from models import tiny_model, token_ids
 
@@ -140,7 +140,7 @@ def test_parts_are_read_onto_the_device_and_written_from_the_host(tmp_path):
 
 def test_train_on_cuda_gives_a_cpu_model_back_on_the_cpu():
     model = tiny_model("llama", torch.float32)
-    from normsurgery.training import make_accelerator
+    from normsurgery.engine.training import make_accelerator
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     with on_the_gpu(weights):  # the model went there to train

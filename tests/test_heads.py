@@ -16,13 +16,13 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import normsurgery as ns
-from normsurgery import checkpoint
-from normsurgery.errors import SurgeryNote
+from normsurgery.io import checkpoint
+from normsurgery.core.errors import SurgeryNote
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
 from normsurgery.cli import app
-from normsurgery.families import FAMILIES, layout
-from normsurgery.prune import prune_model, score_layers
-from normsurgery.parity import compare, outputs, output_kind
+from normsurgery.core.families import FAMILIES, layout
+from normsurgery.commands.prune import prune_model, score_layers
+from normsurgery.core.parity import compare, outputs, output_kind
 
 from models import CONFIGS, make_realistic, token_ids
 

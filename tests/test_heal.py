@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import normsurgery as ns
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
 from normsurgery.cli import app
-from normsurgery.heal import heal_model, heldout_ce, linear_targets, target_pattern
+from normsurgery.commands.heal import heal_model, heldout_ce, linear_targets, target_pattern
 
 from conftest import assert_refused, causal_ce, marked_text, record_reads, window_starts
 from models import VOCAB, tiny_model, token_ids
@@ -318,7 +318,7 @@ def test_a_recovery_beyond_the_original_on_its_own_text_is_domain_adaptation():
     on the held-out end of the healing text) is adaptation to that text, said so; on --eval-text the
     same heal was -75.8% (4.0159 -> 4.3213 from an original measured here at 3.8)."""
     from normsurgery.cli.report import ce_table
-    from normsurgery.heal import recovery
+    from normsurgery.commands.heal import recovery
 
     ce = {"original": 4.4213, "input": 4.7891, "healed": 4.1257}
     alone = recovery(ce, None, "input")
@@ -343,7 +343,7 @@ def test_a_recovery_beyond_the_original_on_its_own_text_is_domain_adaptation():
 def test_full_fine_tune_takes_its_own_learning_rate_and_says_nothing_merged(tmp_path):
     """Issue 47.3: --train full used LoRA's lr 2e-3. Each mode's default is its own, declared once;
     a full fine-tune's output does not say "merged"."""
-    from normsurgery.options import LEARNING_RATES, HealOptions
+    from normsurgery.core.options import LEARNING_RATES, HealOptions
 
     assert LEARNING_RATES == {"lora": 2e-3, "norms": 1e-2, "full": 2e-4}
     assert HealOptions(train="full").learning_rate == 2e-4 and HealOptions(train="full", lr=1e-3).learning_rate == 1e-3
@@ -370,7 +370,7 @@ def test_the_advice_names_the_cause_measured(train_after, epochs, cause, says):
     """Issue 47.3: held-out CE 4.1809 -> 4.2730 after 0.26 epochs of a full fine-tune at 2e-3 was
     blamed on over-fitting. The cause follows the training text's CE and how often it was read."""
     from normsurgery.cli.report import heal_warning
-    from normsurgery.heal import HealReport
+    from normsurgery.commands.heal import HealReport
 
     report = HealReport(4.1809, 4.2730, 4, 4096, epochs, 1.0, 8, 16.0, 2e-3, 1000, 0, "no", 1, train="full",
                         train_ce_before=3.2, train_ce_after=train_after)

@@ -12,10 +12,10 @@ import transformers as T
 from torch import nn
 
 import normsurgery as ns
-from normsurgery import registry
-from normsurgery.families import layout
-from normsurgery.norms import faithful_norms
-from normsurgery.synthetic import make_realistic
+from normsurgery.core import registry
+from normsurgery.core.families import layout
+from normsurgery.core.norms import faithful_norms
+from normsurgery.core.synthetic import make_realistic
 
 from models import CONFIGS, MASKED, VOCAB, rel, tiny_model
 

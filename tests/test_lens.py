@@ -1,4 +1,4 @@
-"""normsurgery.lens: a TransformerLens 4 model of an output, the surgery visible (no norm on an
+"""normsurgery.commands.lens: a TransformerLens 4 model of an output, the surgery visible (no norm on an
 LN-free GPT-2, folded norms on a flashnorm Llama), logits equal to the checkpoint's, hooks and
 the activation cache read by name; what TransformerLens cannot express is refused."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import normsurgery as ns
-from normsurgery.errors import SurgeryError
-from normsurgery.families import layout
-from normsurgery.parity import compare
+from normsurgery.core.errors import SurgeryError
+from normsurgery.core.families import layout
+from normsurgery.core.parity import compare
 from normsurgery.passes import remove_ln as R
 
 from models import token_ids

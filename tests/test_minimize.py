@@ -9,12 +9,13 @@ from torch import nn
 from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
 
 import normsurgery as ns
-from normsurgery import algebra, masks
-from normsurgery.families import layout
-from normsurgery.analysis import dead_units
-from normsurgery.runtime import CompensatedLayerNorm, RMSNorm
-from normsurgery.norms import faithful_norms
-from normsurgery.parity import outputs
+from normsurgery.core import algebra
+from normsurgery.core import masks
+from normsurgery.core.families import layout
+from normsurgery.core.analysis import dead_units
+from normsurgery.core.runtime import CompensatedLayerNorm, RMSNorm
+from normsurgery.core.norms import faithful_norms
+from normsurgery.core.parity import outputs
 
 from models import MINIMIZABLE, rel, remote_logits, tiny_model, token_ids
 
@@ -496,7 +497,7 @@ def test_bytes_are_counted_in_the_storage_dtype(tmp_path):
     from importlib import import_module
 
     tiny_model("llama", torch.float32).to(torch.bfloat16).save_pretrained(tmp_path / "in")
-    result = import_module("normsurgery.convert").convert(tmp_path / "in", tmp_path / "out",
+    result = import_module("normsurgery.commands.convert").convert(tmp_path / "in", tmp_path / "out",
                                                           [("minimize", {"prune_units": 0.25})], verify=False)
     step = result.steps[-1]
     written = sum(t.numel() * t.element_size() for f in (tmp_path / "out").glob("*.safetensors")
@@ -546,7 +547,7 @@ def test_head_counts_the_config_class_refuses_are_recorded_by_the_modules(tmp_pa
     LlamaConfig (hidden_size a multiple of the head count, checked on saving and loading) failed the
     save with an internal error. The config keeps its counts, the attention modules record theirs,
     and the output loads (through the runtime) computing the masked model."""
-    from normsurgery.checkpoint import config_refusal
+    from normsurgery.io.checkpoint import config_refusal
 
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -577,8 +578,8 @@ def test_a_destructive_prune_is_saved_with_a_warning_and_a_mild_one_without(tmp_
     from typer.testing import CliRunner
 
     from normsurgery.cli import app
-    from normsurgery.convert import DAMAGING_TOP1
-    from normsurgery.parity import probe_ids
+    from normsurgery.commands.convert import DAMAGING_TOP1
+    from normsurgery.core.parity import probe_ids
 
     try:  # click < 8.2 mixes stderr into stdout unless told not to
         runner = CliRunner(mix_stderr=False)

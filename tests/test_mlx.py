@@ -11,7 +11,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 import normsurgery as ns
-from normsurgery import mlx_check
+from normsurgery.exporters import mlx_check
 
 LLAMA = "normsurgery/demo/llama-tiny"
 #: RoPE of the inputs: a base other than MLX-LM's default 10000, and llama3's scaling

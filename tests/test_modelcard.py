@@ -7,7 +7,7 @@ import shutil
 import yaml
 
 import normsurgery as ns
-from normsurgery.calibration import bundled_text
+from normsurgery.core.calibration import bundled_text
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
 
@@ -65,7 +65,7 @@ def test_prune_and_heal_cards_give_the_held_out_loss(tmp_path):
 def test_base_model_is_a_hub_id_only():
     from types import SimpleNamespace
 
-    from normsurgery.modelcard import base_model
+    from normsurgery.io.modelcard import base_model
 
     assert base_model({"source": "HuggingFaceTB/SmolLM2-135M"}, SimpleNamespace()) == "HuggingFaceTB/SmolLM2-135M"
     assert base_model({"source": "/tmp/x/model"}, SimpleNamespace(_name_or_path="/tmp/x/model")) is None
@@ -141,7 +141,7 @@ def test_an_adapter_card_names_its_base_by_hub_id_only(tmp_path):
     assert header == {"base_model": "org/base", "license": "mit", "library_name": "peft",
                       "tags": ["normsurgery", "lora", "peft", "llama", "heal"]}
     assert "Its base is the local folder `mine`" in body and "Model Card for Model ID" not in body
-    from normsurgery.heal import adapter_base
+    from normsurgery.commands.heal import adapter_base
 
     assert adapter_base(SimpleNamespace(name="org/model", path=Path("/nowhere"))) == "org/model"
     assert adapter_base(SimpleNamespace(name=str(src), path=src)) == str(src.resolve())

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 import normsurgery as ns
 from models import tiny_model
-from normsurgery import mlx_check
+from normsurgery.exporters import mlx_check
 from normsurgery.cli import app
-from normsurgery.runtime import RMSNorm
+from normsurgery.core.runtime import RMSNorm
 
 LLAMA = "normsurgery/demo/llama-tiny"
 runner = CliRunner()
@@ -116,7 +116,7 @@ def test_a_perturbed_weight_fails_the_mlx_check(tmp_path):
         return t
 
     with pytest.raises(ns.SurgeryError, match="MLX-LM's logits differ"):
-        from normsurgery import nemotron
+        from normsurgery.exporters import nemotron
 
         nemotron.export(src, tmp_path / "deci", change=change)
     assert not (tmp_path / "deci").exists()

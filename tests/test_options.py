@@ -1,5 +1,5 @@
 """Options from one source (ARCHITECTURE.md): each command's defaults and choices live once, in
-``normsurgery/options.py`` (no torch), and the CLI's flags are the API's: the same defaults when no
+``normsurgery/core/options.py`` (no torch), and the CLI's flags are the API's: the same defaults when no
 flag is given, the same choices accepted, the same ones listed."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from normsurgery import devices, options
+from normsurgery.core import devices
+from normsurgery.core import options
 from normsurgery.cli import app
-from normsurgery.errors import SurgeryError
-from normsurgery.options import HealOptions, PruneOptions, SqueezeOptions
+from normsurgery.core.errors import SurgeryError
+from normsurgery.core.options import HealOptions, PruneOptions, SqueezeOptions
 
 LLAMA = "normsurgery/demo/llama-tiny"
 SAMPLE = "normsurgery/data/sample.txt"
@@ -49,7 +50,7 @@ def field_defaults(classes) -> dict:
 
 
 def test_options_and_the_cli_modules_load_no_torch():
-    code = ("import sys\nimport normsurgery.options, normsurgery.cli.heal, normsurgery.cli.prune, "
+    code = ("import sys\nimport normsurgery.core.options, normsurgery.cli.heal, normsurgery.cli.prune, "
             "normsurgery.cli.squeeze, normsurgery.cli.convert, normsurgery.cli.export\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
@@ -204,7 +205,7 @@ def test_convert_verify_inspect_and_export_take_their_defaults_from_options(comm
 def test_the_probe_length_is_options_and_stated_in_the_helps():
     import importlib
 
-    verify = importlib.import_module("normsurgery.verify")  # the module (normsurgery.verify is also its function)
+    verify = importlib.import_module("normsurgery.commands.verify")  # the module (normsurgery.verify is also its function)
     assert verify.LENGTH == options.PROBE_LENGTH == verify.probe_length(None, None)
     for command in ("verify", "inspect"):
         assert f"(default: {options.PROBE_LENGTH}," in params(command)["seq_len"].help, command

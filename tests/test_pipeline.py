@@ -12,14 +12,15 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 import normsurgery as ns
-from normsurgery import checkpoint, memory
-from normsurgery.checkpoint import Source
-from normsurgery.families import layout as layout_of
-from normsurgery.families import FAMILIES
+from normsurgery.io import checkpoint
+from normsurgery.core import memory
+from normsurgery.io.checkpoint import Source
+from normsurgery.core.families import layout as layout_of
+from normsurgery.core.families import FAMILIES
 
 from models import CONFIGS, tiny_model
 
-convert_mod = importlib.import_module("normsurgery.convert")  # the module, not ns.convert
+convert_mod = importlib.import_module("normsurgery.commands.convert")  # the module, not ns.convert
 TEXT = Path(ns.__file__).parent / "data" / "sample.txt"  # for the passes that read text
 
 
@@ -32,7 +33,7 @@ def checkpoint_at(tmp_path, family, dtype=torch.float32, layers=None, name="in",
     else:
         torch.manual_seed(0)
         model = getattr(T, cls)(cfg).to(dtype)
-        from normsurgery.synthetic import make_realistic
+        from normsurgery.core.synthetic import make_realistic
         make_realistic(model, 0)
     path = tmp_path / name
     model.eval().save_pretrained(path, max_shard_size="20KB")  # many shards: blocks cross files
@@ -105,7 +106,7 @@ def test_an_exact_step_after_a_pruning_step_is_judged_by_the_rounding_of_the_mod
     removal's 1.95e-5 was refused on an AMD EPYC against 4 x the input's (1.89e-5). Each step, and
     the written folder, are judged around the model they produced, in both plans and in
     ``apply_passes``: that model's own rounding is measured here on the folder read back."""
-    from normsurgery.parity import ROUNDING_FACTOR, TOLERANCE, compare, jittered, outputs
+    from normsurgery.core.parity import ROUNDING_FACTOR, TOLERANCE, compare, jittered, outputs
 
     src = checkpoint_at(tmp_path, "llama")
     passes = [("minimize", {"prune_units": 0.25, "prune_heads": 0.5, "prune_channels": 4})]
@@ -132,7 +133,7 @@ def test_an_exact_step_after_a_pruning_step_is_judged_by_the_rounding_of_the_mod
 
 def decoded_keys(monkeypatch) -> list[str]:
     """The checkpoint keys read into tensors from now on (``shards.Reader.read_into``)."""
-    from normsurgery import shards
+    from normsurgery.io import shards
 
     seen, read_into = [], shards.Reader.read_into
     monkeypatch.setattr(shards.Reader, "read_into", lambda self, key, out: seen.append(key) or read_into(self, key, out))
@@ -165,7 +166,7 @@ def test_a_pass_that_reads_what_it_does_not_declare_is_refused(tmp_path, monkeyp
     multiplied in place by a meta one unchanged)."""
     import dataclasses
 
-    from normsurgery import registry
+    from normsurgery.core import registry
     from normsurgery.passes import flashnorm
 
     def reads(lay, options):
@@ -184,7 +185,7 @@ def test_reading_an_undeclared_tensor_into_one_read_is_refused(tmp_path, monkeyp
     """A pass that reads a tensor it does not declare, only to scale one it declares in place: the
     tensor left unread is meta, and torch would leave the scaled one unchanged without a word. The
     operation is refused (nothing it made is meta, so only the operation shows it)."""
-    from normsurgery import registry
+    from normsurgery.core import registry
 
     def apply(model, lay, ctx):
         for i, block in enumerate(model.model.layers):
@@ -235,7 +236,7 @@ def test_every_head_converts_and_verifies_in_both_plans(tmp_path, family, cls):
 
 def test_a_sequence_classifier_reads_each_rows_last_token(tmp_path):
     """The probe is unpadded: every row's last token, as one row at a time gives."""
-    from normsurgery.parity import outputs
+    from normsurgery.core.parity import outputs
 
     model = ns.load(checkpoint_at(tmp_path, "llama", cls="LlamaForSequenceClassification"))
     ids = torch.randint(0, 96, (3, 16), generator=torch.Generator().manual_seed(0))
@@ -299,7 +300,7 @@ def test_a_scan_run_ahead_refuses_a_pass_where_its_stage_starts(tmp_path, monkey
     """crmsnorm then minimize, streamed: minimize's scans run before any part is read for writing,
     each part brought through crmsnorm first; the first is refused with the pass's reason, as
     entering it would be, before anything is collected."""
-    from normsurgery import masks
+    from normsurgery.core import masks
 
     src = checkpoint_at(tmp_path, "gpt2")
     collected = []
@@ -382,7 +383,7 @@ def test_a_missing_tensor_is_an_error(tmp_path, streaming):
 def test_streaming_prune_copies_the_in_memory_result(tmp_path, demo):
     import shutil
 
-    from normsurgery.prune import prune_model, score_layers
+    from normsurgery.commands.prune import prune_model, score_layers
 
     src = tmp_path / "in"  # the demo model (it has a tokenizer) in many shards
     ns.load(f"normsurgery/demo/{demo}").save_pretrained(src, max_shard_size="200KB")
@@ -423,7 +424,7 @@ def test_every_progress_bar_reaches_its_total(tmp_path, streaming):
 
 def raw(path):
     """{name: (dtype, shape, bytes)} of every tensor in a folder's shards."""
-    from normsurgery.shards import read_header
+    from normsurgery.io.shards import read_header
 
     out = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -438,7 +439,7 @@ def raw(path):
 @pytest.fixture
 def copies(monkeypatch):
     """The names ShardWriter.copy wrote (as stored bytes) and those ShardWriter.add wrote (from memory)."""
-    from normsurgery.shards import ShardWriter
+    from normsurgery.io.shards import ShardWriter
 
     seen = {"copied": [], "added": []}
     copy, add = ShardWriter.copy, ShardWriter.add
@@ -484,8 +485,8 @@ def test_flashnorm_copies_the_tensors_it_leaves_as_stored_bytes(tmp_path, copies
 def test_a_pass_that_changes_nothing_writes_the_input_bytes(tmp_path, copies):
     """A blockwise pass that rewrites nothing: every tensor copied as stored, in both plans; flashnorm
     run again on a folded model (it writes gains of 1 and scales by them) gives the same bytes."""
-    from normsurgery import registry
-    from normsurgery.registry import PassReport
+    from normsurgery.core import registry
+    from normsurgery.core.registry import PassReport
 
     def nothing(model, lay, ctx):
         for p in model.parameters():  # reads every value of the part, writes none
@@ -516,8 +517,8 @@ def test_a_write_through_data_is_not_copied(tmp_path, copies):
     """A pass registered in one's own code may write a parameter through ``.data`` (which torch's
     version counter does not see): every tensor of the parts it ran on is written from memory,
     with its new values, none copied as stored."""
-    from normsurgery import registry
-    from normsurgery.registry import PassReport
+    from normsurgery.core import registry
+    from normsurgery.core.registry import PassReport
 
     def halve(model, lay, ctx):
         for site in lay.norms:
@@ -551,8 +552,9 @@ def test_every_value_a_built_in_pass_changes_is_noted(tmp_path, monkeypatch, fam
     identity alone (no patch of ``Parameter.data``). Every parameter whose values a step changed is
     noted (``sweep.changed``); a pass writing through ``.data`` and claiming to be tracked is caught
     (the oracle can fail)."""
-    from normsurgery import registry, sweep
-    from normsurgery.registry import PassReport
+    from normsurgery.core import registry
+    from normsurgery.engine import sweep
+    from normsurgery.core.registry import PassReport
 
     snaps, missed = {}, []
     versions, changed = sweep.versions, sweep.changed
@@ -597,7 +599,7 @@ def test_no_parameter_carries_an_attribute_of_ours(tmp_path, monkeypatch, stream
     """What a step changed is the executor's to know (``Work.changed``): as each part is written
     (every step run on it), its parameters carry no attribute (a parameter read or made carries
     none)."""
-    from normsurgery import writer
+    from normsurgery.engine import writer
 
     seen, write = {}, writer._write_part
 
@@ -621,7 +623,8 @@ def test_a_model_rewritten_in_memory_carries_no_attribute_of_ours():
 def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
     """prune --streaming (no step runs on a kept block) copies each kept tensor's bytes under its
     renumbered name, reading nothing while it writes; the folder loads as the in-memory prune's."""
-    from normsurgery import shards, writer
+    from normsurgery.io import shards
+    from normsurgery.engine import writer
 
     src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
     reads, writing = [], []
@@ -660,7 +663,7 @@ def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
 def test_a_copied_tensor_is_still_checked_for_nan(tmp_path, monkeypatch):
     """An unread part's tensors are checked for NaN or Inf as they are copied (not only when the
     check reads the input again: without it, nothing else would), as reading refuses them."""
-    from normsurgery import writer
+    from normsurgery.engine import writer
 
     write, raised = writer.write_parts, []
 
@@ -693,7 +696,9 @@ def test_a_copied_tensor_is_still_checked_for_nan(tmp_path, monkeypatch):
 def forwards(monkeypatch):
     """Every model forward the executor runs, counted at parity.outputs as the executor's modules
     call it (the sweep's forwards, a model reader's, a model saved from memory)."""
-    from normsurgery import check, sweep, writer
+    from normsurgery.engine import check
+    from normsurgery.engine import sweep
+    from normsurgery.engine import writer
 
     calls, real = [], sweep.outputs
 
@@ -728,8 +733,8 @@ def test_a_checked_convert_runs_two_forwards_and_a_baseline_only_when_needed(tmp
 def test_identical_outputs_need_no_baseline(tmp_path, forwards):
     """bf16 weights the pass leaves as they were: the folder's outputs equal the input's, no baseline
     (the reference, the rewrite before the cast, the folder)."""
-    from normsurgery import registry
-    from normsurgery.registry import PassReport
+    from normsurgery.core import registry
+    from normsurgery.core.registry import PassReport
 
     registry.register("test-nothing2", "changes nothing", "exact", "tests", lambda m, lay: None,
                       blockwise=True)(lambda model, lay, ctx: PassReport("test-nothing2"))
@@ -749,8 +754,8 @@ def test_identical_outputs_need_no_baseline(tmp_path, forwards):
 def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
     """Logits kept as the head's input (rows read from the files when compared) give the full
     comparison's figures to float rounding, either side compact, in both plans."""
-    from normsurgery import check
-    from normsurgery.parity import HeadInput, compare, probe_ids
+    from normsurgery.engine import check
+    from normsurgery.core.parity import HeadInput, compare, probe_ids
 
     src = checkpoint_at(tmp_path, family, dtype)
     out = tmp_path / "out"
@@ -774,13 +779,13 @@ def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
         assert compare(got["a", True], got["a", False]).relative < 1e-6  # the same logits
 
 
-@pytest.mark.parametrize("family", sorted(f for f, fam in __import__("normsurgery.families").families.FAMILIES.items()
+@pytest.mark.parametrize("family", sorted(f for f, fam in __import__("normsurgery.core.families").families.FAMILIES.items()
                                           if fam.plain_logits))
 def test_every_compact_family_gives_its_logits(tmp_path, family):
     """Each family kept compact: its logits are exactly its head applied to the head's input
     (no scale or soft cap after it), as the full forward gives them."""
-    from normsurgery import check
-    from normsurgery.parity import HeadInput, compare, probe_ids
+    from normsurgery.engine import check
+    from normsurgery.core.parity import HeadInput, compare, probe_ids
 
     src = checkpoint_at(tmp_path, family)
     ids = probe_ids(None, CONFIGS[family]().vocab_size, None, 2, 8)
@@ -793,7 +798,7 @@ def test_every_compact_family_gives_its_logits(tmp_path, family):
 PEAK = """
 import importlib, json, sys
 import torch
-conv = importlib.import_module("normsurgery.convert")
+conv = importlib.import_module("normsurgery.commands.convert")
 import normsurgery.passes  # noqa: F401
 
 def mb(field):
@@ -882,7 +887,7 @@ def test_streamed_prune_compares_no_more_states_at_once(tmp_path, monkeypatch):
     once), but compares the residual states batch by batch, as in memory: the float64 unit
     vectors held at once (tokens x states x width, counted where they are made) are no more
     than the in-memory plan's."""
-    prune_mod = importlib.import_module("normsurgery.prune")  # the module, not ns.prune
+    prune_mod = importlib.import_module("normsurgery.commands.prune")  # the module, not ns.prune
 
     src = Path(ns.__file__).parent / "demo" / "llama-tiny"  # with a tokenizer to read the text
     real, held = prune_mod._accumulate, {}
@@ -903,8 +908,8 @@ def test_streamed_prune_holds_no_more_states_than_the_model(tmp_path, monkeypatc
     in-memory plan holds), streamed scoring runs them through the parts in groups that do not
     (reading the parts once per group): the states held at once (counted where each forward
     starts) stay under the model's bytes."""
-    prune_mod = importlib.import_module("normsurgery.prune")
-    analysis = importlib.import_module("normsurgery.analysis")
+    prune_mod = importlib.import_module("normsurgery.commands.prune")
+    analysis = importlib.import_module("normsurgery.core.analysis")
     src = Path(ns.__file__).parent / "demo" / "llama-tiny"
     source = Source.open(src)
     cfg = source.config

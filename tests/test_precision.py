@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from normsurgery import precision
+from normsurgery.core import precision
 from normsurgery.cli import app
 from normsurgery.cli.convert import ON_OVERFLOW
 

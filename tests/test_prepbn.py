@@ -10,13 +10,13 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 import normsurgery as ns
-from normsurgery import checkpoint
-from normsurgery.families import layout
-from normsurgery.errors import SurgeryError
+from normsurgery.io import checkpoint
+from normsurgery.core.families import layout
+from normsurgery.core.errors import SurgeryError
 from normsurgery.passes import prepbn
-from normsurgery.registry import PassContext, get
-from normsurgery.training import heldout_ce, train
-from normsurgery.runtime import NoNorm, RepBN
+from normsurgery.core.registry import PassContext, get
+from normsurgery.engine.training import heldout_ce, train
+from normsurgery.core.runtime import NoNorm, RepBN
 
 from models import tiny_model, token_ids
 
@@ -209,7 +209,7 @@ def test_quality_and_no_statistics_after_a_short_run(tmp_path):
 
 def test_a_schedule_the_budget_cannot_hold_is_refused_before_the_weights_are_read(monkeypatch):
     """warm-up + decay over the step budget: refused from the options alone, nothing loaded."""
-    from normsurgery import sweep
+    from normsurgery.engine import sweep
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the schedule was checked")

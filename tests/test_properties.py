@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 import normsurgery as ns
 from normsurgery import passes as _passes, registry  # noqa: F401  (passes: the built-in passes, for EXACT)
-from normsurgery.families import layout
-from normsurgery.norms import faithful_norms
-from normsurgery.synthetic import make_realistic
+from normsurgery.core.families import layout
+from normsurgery.core.norms import faithful_norms
+from normsurgery.core.synthetic import make_realistic
 
 from models import rel
 

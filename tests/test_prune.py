@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 import normsurgery as ns
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
-from normsurgery.families import layout
+from normsurgery.core.families import layout
 from normsurgery.cli import app
-from normsurgery.analysis import residual_states
-from normsurgery.prune import count_layers, prune_model, score_layers, select_layers
+from normsurgery.core.analysis import residual_states
+from normsurgery.commands.prune import count_layers, prune_model, score_layers, select_layers
 
 from conftest import assert_refused, causal_ce, marked_text, record_reads, window_starts
 from models import CAUSAL, CONFIGS, MASKED, tiny_model, token_ids
@@ -223,8 +223,8 @@ def test_prune_cli_saves_a_plain_checkpoint_and_shows_why(tmp_path):
 def test_prune_alone_measures_cross_entropy_on_the_held_out_end_of_the_text(tmp_path):
     """Issue 34.7: without --heal the CE is the held-out one (the end of --text, never the calibration
     windows), recorded and carded as such; --eval-samples counts."""
-    from normsurgery.calibration import split_heldout, tokenize, windows
-    from normsurgery.training import heldout_ce
+    from normsurgery.core.calibration import split_heldout, tokenize, windows
+    from normsurgery.engine.training import heldout_ce
 
     text = Path("normsurgery/data/sample.txt").read_text()
     text += " ".join(f"zq{i * 7919 % 1000}x" for i in range(1500))  # the end: unlike anything calibrated on

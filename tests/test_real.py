@@ -105,7 +105,7 @@ def _mlx_greedy_equals_transformers(source: Path, folder: Path, n: int = 32) -> 
     """``n`` greedy tokens after the prompt by MLX-LM (``folder``: its own load and generate_step)
     and by transformers (``source``, through normsurgery's runtime where it needs it): equal."""
     import normsurgery as ns
-    from normsurgery import mlx_check
+    from normsurgery.exporters import mlx_check
 
     tok = T.AutoTokenizer.from_pretrained(source)
     ids = tok(PROMPT, return_tensors="pt").input_ids
@@ -120,7 +120,7 @@ def _mlx_greedy_equals_transformers(source: Path, folder: Path, n: int = 32) -> 
 
 def test_stock_convert_output_runs_in_mlx(real, tmp_path):
     """SmolLM2's RoPE base is 1e5: without the top-level rope_theta MLX-LM ran base 10000."""
-    from normsurgery import mlx_check
+    from normsurgery.exporters import mlx_check
 
     r = run("convert", real, tmp_path / "flash", "--pass", "flashnorm")
     assert r.exit_code == 0, r.output
@@ -199,8 +199,8 @@ def real_gguf_bytes(real: Path) -> int:
     """The bytes of the input's F32 GGUF tensors (its file holds these and its metadata)."""
     import math
 
-    from normsurgery import gguf_write as W
-    from normsurgery.checkpoint import Source
+    from normsurgery.exporters import gguf_write as W
+    from normsurgery.io.checkpoint import Source
 
     p, _ = W.plan(Source.open(real))
     return sum(math.prod(it.shape) * 4 for it in p.items)

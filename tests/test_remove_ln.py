@@ -11,15 +11,15 @@ from typer.testing import CliRunner
 
 import normsurgery
 import normsurgery as ns
-from normsurgery import checkpoint
-from normsurgery.families import layout
-from normsurgery.families import norm_kind as kind_of
+from normsurgery.io import checkpoint
+from normsurgery.core.families import layout
+from normsurgery.core.families import norm_kind as kind_of
 from normsurgery.cli import app
-from normsurgery.errors import SurgeryError
+from normsurgery.core.errors import SurgeryError
 from normsurgery.passes import remove_ln as R
 from normsurgery.passes import removal_schedule as S
-from normsurgery.registry import PassContext, get
-from normsurgery.training import heldout_ce, train
+from normsurgery.core.registry import PassContext, get
+from normsurgery.engine.training import heldout_ce, train
 
 from conftest import assert_refused
 from models import tiny_model, token_ids
@@ -306,7 +306,7 @@ def test_saved_line_names_the_trained_model_and_the_difference_to_the_input(tmp_
 def test_a_step_budget_too_small_is_refused_before_the_weights_are_read(tmp_path, monkeypatch):
     """Issue 28: the schedule's needs follow from the Layout (no weights): refused before loading,
     naming the smallest budget that fits."""
-    from normsurgery.checkpoint import Loader
+    from normsurgery.io.checkpoint import Loader
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the step budget was checked")
@@ -367,7 +367,7 @@ def test_keep_final_leaves_exactly_the_final_norm_and_says_so(tmp_path, family, 
     assert len([m for m in loaded.modules() if kind_of(m)[0] != "other"]) == 1  # exactly one norm left
     # no downstream claims "no norm" for it: the lens bridge and GGUF (one epsilon) refuse the mix
     import importlib
-    gguf, lens = importlib.import_module("normsurgery.gguf"), importlib.import_module("normsurgery.lens")
+    gguf, lens = importlib.import_module("normsurgery.exporters.gguf"), importlib.import_module("normsurgery.commands.lens")
     with pytest.raises(SurgeryError, match="several kinds"):
         lens.norm_kind(loaded)
     if family == "llama":
@@ -563,7 +563,7 @@ def test_waiting_resumes_an_interrupted_run_to_the_same_model(tmp_path):
     ("keep=final,final_divisor=remeasure", 900, "keep=final keeps it"),
 ])
 def test_options_that_cannot_hold_together_are_refused_before_reading(tmp_path, monkeypatch, options, steps, match):
-    from normsurgery.checkpoint import Loader
+    from normsurgery.io.checkpoint import Loader
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the options were checked")

@@ -10,10 +10,11 @@ import transformers as T
 from typer.testing import CliRunner
 
 import normsurgery as ns
-from normsurgery import analysis, rotation
+from normsurgery.core import analysis
+from normsurgery.core import rotation
 from normsurgery.cli import app
-from normsurgery.families import layout
-from normsurgery.norms import faithful_norms
+from normsurgery.core.families import layout
+from normsurgery.core.norms import faithful_norms
 
 from models import LAYERNORM, ROTATABLE, rel, tiny_model, token_ids
 

@@ -21,7 +21,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from normsurgery import output
+from normsurgery.io import output
 from normsurgery.cli import app
 
 from conftest import assert_refused
@@ -139,7 +139,7 @@ main()
 """
 
 
-def slow_convert(tmp_path, out, *extra, wait_after="normsurgery.shards:ShardWriter.close"):
+def slow_convert(tmp_path, out, *extra, wait_after="normsurgery.io.shards:ShardWriter.close"):
     """A convert whose save waits after ``wait_after`` (module:function; default: once the weights
     are written) until ``tmp_path/go`` exists. Ctrl-C acts as from a terminal (see
     :func:`test_ctrl_c_during_start_up_is_one_line`)."""
@@ -174,7 +174,7 @@ def test_ctrl_c_once_the_output_is_in_place_says_it_was_written(tmp_path):
     out = tmp_path / "out"
     shutil.copytree(GPT2, out)  # the previous output
     before = digest(out)
-    proc = slow_convert(tmp_path, out, "--force", wait_after="normsurgery.output:_replace")
+    proc = slow_convert(tmp_path, out, "--force", wait_after="normsurgery.io.output:_replace")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -302,7 +302,7 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
     (("heal", GPT2, "OUT", "--text", "x.txt", "--eval-fraction", "0"), "--eval-fraction"),
 ])
 def test_bad_values_are_usage_errors_before_any_work(tmp_path, args, match, monkeypatch):
-    from normsurgery.checkpoint import Source
+    from normsurgery.io.checkpoint import Source
 
     def never(*a, **k):
         raise AssertionError("a checkpoint was read before the usage error")

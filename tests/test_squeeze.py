@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import normsurgery as ns
-from normsurgery import masks
+from normsurgery.core import masks
 from normsurgery.cli import app
-from normsurgery.families import layout
-from normsurgery.norms import faithful_norms
-from normsurgery.squeeze import SqueezeOptions, release, squeeze_model
+from normsurgery.core.families import layout
+from normsurgery.core.norms import faithful_norms
+from normsurgery.commands.squeeze import SqueezeOptions, release, squeeze_model
 
 from models import rel, tiny_model, token_ids, torchrun_cli
 
@@ -215,7 +215,7 @@ def test_the_control_is_one_shot_at_the_same_target_and_steps(tmp_path, monkeypa
     set aside."""
     import gc
 
-    S = importlib.import_module("normsurgery.squeeze")  # the module (ns.squeeze is the function)
+    S = importlib.import_module("normsurgery.commands.squeeze")  # the module (ns.squeeze is the function)
 
     text, held = open(SAMPLE).read()[:20000], open(HELD).read()[:4000]
     opts = {"target": 0.6, "cycles": 2, "steps_per_cycle": 3, **SMALL}
@@ -272,7 +272,7 @@ def test_the_default_is_one_cycle_with_the_whole_budget_and_no_control(tmp_path,
     assert record["control"] is None and len(record["cycles"]) == 1
     card = (out / "README.md").read_text()
     assert "**squeeze**: 1 cycle of mask" in card and "2 steps;" in card and "control" not in card
-    monkeypatch.setattr("normsurgery.options.SQUEEZE_STEPS", 2)  # the budget, small: no steps given, all of it
+    monkeypatch.setattr("normsurgery.core.options.SQUEEZE_STEPS", 2)  # the budget, small: no steps given, all of it
     text, held = open(SAMPLE).read()[:20000], open(HELD).read()[:4000]
     result = ns.squeeze(DEMO, tmp_path / "api", text, eval_text=held, options={"target": 0.7, **SMALL})
     assert len(result.cycles) == 1 and result.control is None
@@ -295,9 +295,9 @@ def test_usage_errors_exit_2_before_loading(tmp_path, args, message):
 def test_activation_scores_need_text_and_beat_magnitude_on_the_demo(tmp_path):
     """by=activation masks the units that write least on the text; on the trained demo model that
     costs less held-out CE than masking by weight magnitude at the same fraction."""
-    from normsurgery.calibration import tokenize, windows
-    from normsurgery.registry import PassContext
-    from normsurgery.training import heldout_ce
+    from normsurgery.core.calibration import tokenize, windows
+    from normsurgery.core.registry import PassContext
+    from normsurgery.engine.training import heldout_ce
 
     source = ns.Source.open(DEMO)
     ids = tokenize(source.tokenizer, open(SAMPLE).read())

@@ -19,7 +19,7 @@ import normsurgery as ns
 import normsurgery.cli.inspect  # noqa: F401  (registers inspect)
 import normsurgery.cli.prune  # noqa: F401  (registers prune)
 from normsurgery.cli import app
-from normsurgery.errors import SurgeryWarning
+from normsurgery.core.errors import SurgeryWarning
 
 from models import CONFIGS, make_realistic, token_ids
 

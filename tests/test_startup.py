@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 CODE = """import sys, torch, transformers as T
-from normsurgery.families import layout
+from normsurgery.core.families import layout
 cfg = T.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=64, vocab_size=96)
 lay = layout(T.LlamaForCausalLM(cfg))
@@ -29,7 +29,7 @@ def test_an_unknown_norm_class_is_looked_up_among_every_family():
     """A norm class whose module is not imported by the model's own (a Gemma RMSNorm inside a
     Llama, say) is still known: the families' modules are imported when a lookup misses."""
     code = ("import torch, transformers as T, importlib\n"
-            "from normsurgery.families import norm_kind\n"
+            "from normsurgery.core.families import norm_kind\n"
             "import sys\n"
             "m = importlib.import_module('transformers.models.gemma.modeling_gemma')\n"
             "from normsurgery import families\n"
@@ -46,9 +46,9 @@ def test_a_convert_that_reads_no_text_never_loads_the_tokenizer(tmp_path, monkey
     import importlib
 
     import normsurgery as ns
-    from normsurgery import checkpoint
+    from normsurgery.io import checkpoint
 
-    convert_mod = importlib.import_module("normsurgery.convert")
+    convert_mod = importlib.import_module("normsurgery.commands.convert")
     demo = Path(ns.__file__).parent / "demo" / "llama-tiny"
     made = []
     real = checkpoint.Source.tokenizer.func

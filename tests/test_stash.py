@@ -4,7 +4,7 @@ objects they left, ties and buffers included, and hold no memory meanwhile."""
 import pytest
 import torch
 
-from normsurgery.stash import Stash
+from normsurgery.io.stash import Stash
 
 from models import tiny_model
 

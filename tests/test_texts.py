@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import normsurgery as ns
-from normsurgery.calibration import windows
-from normsurgery.errors import SurgeryError, SurgeryWarning
-from normsurgery.texts import text_of
+from normsurgery.core.calibration import windows
+from normsurgery.core.errors import SurgeryError, SurgeryWarning
+from normsurgery.io.texts import text_of
 
 LLAMA = "normsurgery/demo/llama-tiny"
 SAMPLE, HELD = "normsurgery/data/sample.txt", "normsurgery/data/heldout.txt"

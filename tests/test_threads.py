@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from normsurgery import threads
+from normsurgery.core import threads
 
 
 def test_omp_num_threads_is_honoured(monkeypatch):
@@ -88,6 +88,6 @@ def test_the_cli_entry_has_threads_sleep_unless_told(tmp_path, policy, expected)
 
 def test_the_library_leaves_the_callers_process_alone():
     """Importing the library and its API changes no variable of the caller's environment."""
-    code = ("import os; before = dict(os.environ); import normsurgery, normsurgery.convert, normsurgery.cli; "
+    code = ("import os; before = dict(os.environ); import normsurgery, normsurgery.commands.convert, normsurgery.cli; "
             "normsurgery.load; print('SAME', dict(os.environ) == before, os.environ.get('OMP_WAIT_POLICY'))")
     assert "SAME True None" in run_python(code)

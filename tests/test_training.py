@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from normsurgery.errors import SurgeryError
-from normsurgery.training import TrainConfig, heldout_ce, train
+from normsurgery.core.errors import SurgeryError
+from normsurgery.engine.training import TrainConfig, heldout_ce, train
 
 from models import tiny_model, token_ids, torchrun_cli
 
@@ -77,7 +77,7 @@ def test_two_cpu_processes_form_one_group_and_write_once(tmp_path):
 
 
 def test_a_resumed_run_says_where_it_resumed():
-    from normsurgery.training import TrainResult
+    from normsurgery.engine.training import TrainResult
 
     r = TrainResult(steps=120, tokens=1000, seconds=3.0, processes=1, precision="no", ce_before=4.0,
                     ce_after=3.0, trainable_parameters=10, resumed_from=50)
@@ -87,7 +87,7 @@ def test_a_resumed_run_says_where_it_resumed():
 
 
 def test_plateau_rule():
-    from normsurgery.training import plateaued
+    from normsurgery.engine.training import plateaued
 
     def curve(*ces, start=0):
         return [{"step": start + 10 * i, "heldout_ce": c} for i, c in enumerate(ces)]

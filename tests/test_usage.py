@@ -8,13 +8,13 @@ import torch
 from typer.testing import CliRunner
 
 import normsurgery as ns
-from normsurgery import checkpoint
+from normsurgery.io import checkpoint
 from normsurgery.cli import app
-from normsurgery.errors import SurgeryError, UsageError
+from normsurgery.core.errors import SurgeryError, UsageError
 
 from models import CONFIGS, tiny_model
 
-convert_mod = importlib.import_module("normsurgery.convert")  # the module, not ns.convert
+convert_mod = importlib.import_module("normsurgery.commands.convert")  # the module, not ns.convert
 
 
 @pytest.fixture

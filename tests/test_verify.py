@@ -12,13 +12,13 @@ import transformers as T
 from typer.testing import CliRunner
 
 import normsurgery as ns
-from normsurgery import registry
+from normsurgery.core import registry
 from normsurgery.cli import app
-from normsurgery.families import FAMILIES, layout
-from normsurgery.norms import faithful_norms
-from normsurgery.registry import PassReport
-from normsurgery.parity import compare, outputs
-from normsurgery.synthetic import make_realistic
+from normsurgery.core.families import FAMILIES, layout
+from normsurgery.core.norms import faithful_norms
+from normsurgery.core.registry import PassReport
+from normsurgery.core.parity import compare, outputs
+from normsurgery.core.synthetic import make_realistic
 
 from conftest import assert_refused
 from models import tiny_model, token_ids
@@ -201,7 +201,7 @@ def deep_model(family: str, layers: int):
 
 @pytest.mark.parametrize("family, layers", [("llama", 24), ("qwen2", 24), ("gpt_neox", 12)])
 def test_jitter_tracks_the_float32_rounding_measured_against_float64(family, layers):
-    from normsurgery.parity import jittered
+    from normsurgery.core.parity import jittered
 
     model, ids = deep_model(family, layers), token_ids(2, 32)
     f32 = outputs(model, ids)
@@ -215,7 +215,7 @@ def test_jitter_tracks_the_float32_rounding_measured_against_float64(family, lay
 def test_the_jitter_draws_a_factor_per_output_entry_a_chunk_at_a_time(monkeypatch):
     """The jitter's factors are drawn a chunk at a time (no temporary of the logits' size) and are
     the draws of one whole-tensor ``randint`` per linear output, in order: written here by hand."""
-    from normsurgery import parity
+    from normsurgery.core import parity
 
     model, ids = tiny_model("llama", torch.float32), token_ids(2, 16)
     g = torch.Generator().manual_seed(0)
@@ -267,7 +267,7 @@ def test_a_baseline_that_cannot_be_measured_is_not_shown_as_a_number():
     skips NaN. The comparison is NaN (never ok) and the tolerance says it was not measured."""
     import math
 
-    from normsurgery.parity import compare, tolerance
+    from normsurgery.core.parity import compare, tolerance
 
     ref = torch.randn(2, 4, 50)
     bad = ref.clone()
@@ -440,7 +440,7 @@ def test_the_null_perturbs_the_tensors_the_other_model_does_not_hold_as_they_are
     values differs; the same values stored in another dtype do not."""
     from safetensors.torch import save_file
 
-    from normsurgery.shards import Index, differing
+    from normsurgery.io.shards import Index, differing
 
     w = torch.randn(300, 7, dtype=torch.float64).to(torch.bfloat16)
     a = {k: w.clone() for k in ("same", "cast", "value", "shape", "gone")} | {"scalar": torch.tensor(2.0)}

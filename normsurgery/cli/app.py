@@ -19,10 +19,12 @@ from typing import NoReturn, Optional
 
 import typer
 
-from .. import __version__, devices, launch, output, threads
-from ..options import AT_LEAST, SEQ_LEN
-from ..errors import (BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryNote, SurgeryWarning,
-                      UsageError)
+from .. import __version__
+from ..core import devices, threads
+from ..engine import launch
+from ..io import output
+from ..core.options import AT_LEAST, SEQ_LEN
+from ..core.errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryNote, SurgeryWarning, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
@@ -64,7 +66,7 @@ def main() -> None:
     SIGTERM unwinds like Ctrl-C; an interrupt anywhere is one line, and once the command has
     ended, none (:func:`_ignore_interrupts`)."""
     threads.passive_wait()  # before torch is imported: OpenMP reads it once, as it loads
-    from .. import modelcard
+    from ..io import modelcard
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     modelcard.COMMAND = sys.argv[1:]  # for the cards of the folders written
@@ -260,7 +262,7 @@ def read_text(path) -> str | None:
     """The text of a --text style option (None: not given): missing, empty or binary files refused."""
     if path is None:
         return None
-    from ..texts import read_text as read
+    from ..io.texts import read_text as read
 
     return read(path)
 
@@ -269,11 +271,11 @@ def read_text(path) -> str | None:
 def claimed(src: str, out, force: bool, allow_pickle: bool = False):
     """For the whole command: ``out`` locked and checked before any work (what killed runs
     left beside it cleared and reported); yields ``src`` read (``checkpoint.Source``)."""
-    from ..output import check_output, output_lock
+    from ..io.output import check_output, output_lock
 
     with output_lock(out):  # before loading torch or reading anything: a second run stops at once
         load_transformers()
-        from ..checkpoint import Source
+        from ..io.checkpoint import Source
 
         source = Source.open(src, allow_pickle)
         for line in check_output(out, force, source.path):

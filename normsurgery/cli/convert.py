@@ -7,11 +7,9 @@ from typing import Optional
 
 import typer
 
-from ..errors import UsageError
-from ..options import AT_LEAST, MAX_SHARD_SIZE, ON_OVERFLOW
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, STREAMING, claimed, command, did_you_mean, \
-    dtype_option, emit_json, positive, progress_bar, read_text, say, say_device, say_warning, show, \
-    size_option, torch_dtype
+from ..core.errors import UsageError
+from ..core.options import AT_LEAST, MAX_SHARD_SIZE, ON_OVERFLOW
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, STREAMING, claimed, command, did_you_mean, dtype_option, emit_json, positive, progress_bar, read_text, say, say_device, say_warning, show, size_option, torch_dtype
 
 
 def overflow_option(value: str) -> str:
@@ -22,7 +20,8 @@ def overflow_option(value: str) -> str:
 
 def check_passes(specs) -> None:
     """Every pass named exists and every option it is given is one it has (with suggestions)."""
-    from .. import passes as _passes, registry  # noqa: F401  (the built-in passes)
+    from .. import passes as _passes
+    from ..core import registry  # noqa: F401  (the built-in passes)
 
     names = [p.name for p in registry.all_passes()]
     for name, options in specs:
@@ -74,7 +73,8 @@ def convert(
     json: bool = JSON,
 ):
     """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
-    from .. import passes as _passes, registry  # noqa: F401  (the built-in passes)
+    from .. import passes as _passes
+    from ..core import registry  # noqa: F401  (the built-in passes)
 
     specs = (registry.load_recipe(recipe) if recipe is not None else []) + [registry.parse_pass(s) for s in passes]
     if not specs:
@@ -89,8 +89,8 @@ def convert(
     body = read_text(text)
     try:
         with claimed(src, out, force, allow_pickle) as source:  # OUT locked before torch is loaded
-            from ..convert import convert as convert_checkpoint
-            from ..training import is_main_process
+            from ..commands.convert import convert as convert_checkpoint
+            from ..engine.training import is_main_process
 
             with progress_bar(not json and is_main_process()) as progress:
                 result = convert_checkpoint(source, out, specs, force=force, verify=not no_verify,
@@ -98,8 +98,8 @@ def convert(
                                              max_shard_size=max_shard_size, progress=progress,
                                              streaming=streaming, on_overflow=on_overflow, device=device)
     except KeyboardInterrupt as e:
-        from ..convert import state_dir
-        from ..training import STATE_FILE
+        from ..commands.convert import state_dir
+        from ..engine.training import STATE_FILE
 
         kept = state_dir(out)
         if (kept / STATE_FILE).is_file():

@@ -8,10 +8,9 @@ from typing import Optional
 
 import typer
 
-from ..errors import UsageError
-from ..options import FORMATS, GGUF_DTYPES
-from .app import ALLOW_PICKLE, DEVICE, JSON, claimed, command, did_you_mean, emit_json, one_of, positive, \
-    read_text, say, say_device
+from ..core.errors import UsageError
+from ..core.options import FORMATS, GGUF_DTYPES
+from .app import ALLOW_PICKLE, DEVICE, JSON, claimed, command, did_you_mean, emit_json, one_of, positive, read_text, say, say_device
 
 
 @command(preload=False)
@@ -52,13 +51,13 @@ def export(
                          with_past or external_data is not None or dtype is not None)
     if dtype is not None:
         raise UsageError("--dtype is a GGUF option (--to gguf); an ONNX graph is float32")
-    from ..export import require_onnx
+    from ..exporters.export import require_onnx
 
     require_onnx()
     from .app import load_transformers
 
     load_transformers()
-    from ..export import export as export_api
+    from ..exporters.export import export as export_api
 
     body = read_text(text)
     with claimed(src, dest, force, allow_pickle) as source:
@@ -89,13 +88,13 @@ def _gguf(src: str, dest: Path, dtype: str | None, text: Path | None, tol: float
         raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}{did_you_mean(dtype, GGUF_DTYPES)}")
     if onnx_options:
         raise UsageError("--with-past and --external-data are ONNX options; a GGUF file has neither")
-    from ..gguf import require_gguf
+    from ..exporters.gguf import require_gguf
 
     require_gguf()
     from .app import load_transformers
 
     load_transformers()
-    from ..export import export as export_api
+    from ..exporters.export import export as export_api
 
     # the output is a file, which gguf.export checks and locks itself (``claimed`` takes folders)
     r = export_api(src, dest, to="gguf", dtype=dtype, text=read_text(text), tolerance=tol, force=force,
@@ -124,13 +123,13 @@ def _nemotron(src: str, dest: Path, text: Path | None, tol: float | None, device
     if other_options:
         raise UsageError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas folder "
                          "is stored in the checkpoint's dtype")
-    from ..mlx_check import require_mlx
+    from ..exporters.mlx_check import require_mlx
 
     require_mlx()
     from .app import load_transformers
 
     load_transformers()
-    from ..export import export as export_api
+    from ..exporters.export import export as export_api
 
     body = read_text(text)
     with claimed(src, dest, force, allow_pickle) as source:
@@ -144,7 +143,7 @@ def _nemotron(src: str, dest: Path, text: Path | None, tol: float | None, device
     say(f"MLX-LM vs transformers (logits): relative error {fmt(p.relative)}, KL {fmt(p.kl)}, top-1 agreement "
         f"{p.top1:.4f}; tolerance {fmt(p.tolerance)}: {p.reason}")
     say(f"greedy: {g['agree']:.0%} of {g['new_tokens']} tokens after each of {g['prompts']} prompts equal transformers'")
-    from ..nemotron import runs
+    from ..exporters.nemotron import runs
 
     say(f"saved {r.saved['path']}: nemotron-nas ({r.dtype}), MLP widths {runs(plan.widths)} (units {runs(plan.units)}; "
         f"the zero units padding them take {plan.padding_bytes:,} bytes), key/value heads {runs(plan.kv_heads)}")

@@ -7,9 +7,8 @@ from typing import Optional
 
 import typer
 
-from ..options import AT_LEAST, LEARNING_RATES, TRAIN_MODES, HealOptions, defaults
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, emit_json, merge, \
-    one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names, stderr
+from ..core.options import AT_LEAST, LEARNING_RATES, TRAIN_MODES, HealOptions, defaults
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, emit_json, merge, one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names, stderr
 
 #: heal's options and defaults: ``HealOptions``' own (options.py loads no torch, so --help needs none)
 HEAL_DEFAULTS = defaults(HealOptions)
@@ -84,7 +83,7 @@ def heal(
     json: bool = JSON,
 ):
     """LoRA on the remaining linears (LM loss; MLM for BERT), merge, save a plain checkpoint."""
-    from ..heal import heal as heal_checkpoint
+    from ..commands.heal import heal as heal_checkpoint
 
     opts = HealOptions(**merge(HEAL_DEFAULTS, None, {
         "steps": steps, "rank": rank, "alpha": alpha, "lr": lr, "target_modules": split_names(target_modules),

@@ -8,15 +8,16 @@ from typing import Optional
 
 import typer
 
-from ..errors import UsageError
-from ..options import AT_LEAST, OUTLIER_SAMPLES, PROBE_LENGTH
+from ..core.errors import UsageError
+from ..core.options import AT_LEAST, OUTLIER_SAMPLES, PROBE_LENGTH
 from .app import ALLOW_PICKLE, DEVICE, JSON, command, emit_json, read_text, say_device, show
 
 
 @command(preload=False)
 def passes(json: bool = JSON):
     """List the registered passes."""
-    from .. import passes as _passes, registry  # noqa: F401  (the built-in passes)
+    from .. import passes as _passes
+    from ..core import registry  # noqa: F401  (the built-in passes)
 
     ps = registry.all_passes()
     if json:
@@ -47,7 +48,7 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
     if other is not None and not outliers:
         raise UsageError("a second checkpoint is compared only with --outliers")
     if outliers:
-        from ..verify import outliers as outlier_stats
+        from ..commands.verify import outliers as outlier_stats
 
         r = outlier_stats(src, other, text=read_text(text), n=samples, length=seq_len, allow_pickle=allow_pickle,
                           device=device)
@@ -60,9 +61,11 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
             show(t)
         say_device(r["device"])
         return
-    from .. import checkpoint, passes as _passes, registry  # noqa: F401  (the built-in passes)
-    from ..analysis import dead_units
-    from ..families import layout
+    from ..io import checkpoint
+    from .. import passes as _passes
+    from ..core import registry  # noqa: F401  (the built-in passes)
+    from ..core.analysis import dead_units
+    from ..core.families import layout
 
     model = checkpoint.load(src, allow_pickle=allow_pickle)
     lay = layout(model)

@@ -7,10 +7,9 @@ from typing import Optional
 
 import typer
 
-from ..errors import SurgeryError
-from ..options import AT_LEAST, METHODS, TRAIN_MODES, HealOptions, PruneOptions, defaults
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, did_you_mean, \
-    emit_json, merge, one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names
+from ..core.errors import SurgeryError
+from ..core.options import AT_LEAST, METHODS, TRAIN_MODES, HealOptions, PruneOptions, defaults
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, did_you_mean, emit_json, merge, one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names
 from .heal import HEAL_DEFAULTS, LR_HELP, print_heal_steps, say_heldout
 
 #: prune's options and defaults: ``PruneOptions``' own (options.py loads no torch, so --help needs none)
@@ -20,7 +19,7 @@ P, H = PruneOptions, HealOptions  # their fields' defaults, for the help
 
 def load_prune_recipe(path: Path) -> tuple[dict, dict | None]:
     """A recipe: a ``[prune]`` table and, to heal as well, a ``[heal]`` table of the options."""
-    from ..registry import read_recipe
+    from ..core.registry import read_recipe
 
     data = read_recipe(path)
     if not isinstance(data.get("prune"), dict):
@@ -79,7 +78,7 @@ def prune(
     json: bool = JSON,
 ):
     """Remove the layers that change the residual stream least; optionally heal; save."""
-    from ..prune import prune as prune_checkpoint
+    from ..commands.prune import prune as prune_checkpoint
 
     prune_recipe, heal_recipe = load_prune_recipe(recipe) if recipe else ({}, None)
     p = merge(PRUNE_DEFAULTS, prune_recipe, {"layers": layers, "fraction": fraction, "method": method,

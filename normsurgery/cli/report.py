@@ -269,7 +269,7 @@ def heal_line(report, seconds: float | None = None) -> str:
 def how_trained(processes: int) -> str:
     """How the training ran: "1 process", "data-parallel over N processes" (each holding the whole
     training state) or "sharded (FSDP2) over N processes" (``devices.sharding``: as it was asked)."""
-    from ..devices import sharding
+    from ..core.devices import sharding
 
     if processes <= 1:
         return "1 process"

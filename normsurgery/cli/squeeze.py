@@ -7,10 +7,9 @@ from typing import Optional
 
 import typer
 
-from ..errors import UsageError
-from ..options import AT_LEAST, CRITERIA, SQUEEZE_STEPS, STRUCTURES, TRAIN_MODES, SqueezeOptions
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, emit_json, one_of, \
-    open_unit, positive, progress_bar, read_text, say, say_device, show
+from ..core.errors import UsageError
+from ..core.options import AT_LEAST, CRITERIA, SQUEEZE_STEPS, STRUCTURES, TRAIN_MODES, SqueezeOptions
+from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, emit_json, one_of, open_unit, positive, progress_bar, read_text, say, say_device, show
 
 S = SqueezeOptions  # its fields' defaults, for the help (options.py loads no torch, so --help needs none)
 
@@ -100,12 +99,12 @@ def squeeze(
     body, held_text = read_text(text), read_text(eval_text)
     try:
         with claimed(src, out, force, allow_pickle) as source, progress_bar(not json) as progress:
-            from ..squeeze import squeeze as squeeze_checkpoint
+            from ..commands.squeeze import squeeze as squeeze_checkpoint
 
             result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=options,
                                         resume=resume, force=force, progress=progress, device=device)
     except KeyboardInterrupt as e:
-        from ..squeeze import state_dir
+        from ..commands.squeeze import state_dir
 
         if state_dir(out).is_dir():
             e.kept = f"the squeeze state is kept in {state_dir(out)}: the same command with --resume continues from it"

@@ -7,10 +7,9 @@ from typing import Optional
 
 import typer
 
-from ..errors import FAILED
-from ..options import AT_LEAST, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
-from .app import ALLOW_PICKLE, DEVICE, JSON, command, dtype_option, emit_json, positive, \
-    read_text, say, say_device, say_error, show, torch_dtype
+from ..core.errors import FAILED
+from ..core.options import AT_LEAST, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
+from .app import ALLOW_PICKLE, DEVICE, JSON, command, dtype_option, emit_json, positive, read_text, say, say_device, say_error, show, torch_dtype
 
 
 @command
@@ -39,7 +38,7 @@ def verify(
 ):
     """Compare two checkpoints' outputs (logits, or a base model's last hidden state); exit 1 when
     they differ beyond the tolerance (by default the one the stored precision allows)."""
-    from ..verify import verify as verify_api
+    from ..commands.verify import verify as verify_api
 
     body = read_text(text)
     r = verify_api(a, b, text=body, dtype=torch_dtype(dtype), tolerance=tol, n=samples, length=seq_len,
@@ -62,7 +61,7 @@ def verify(
         say_device(r.device)
         say("same function" if r.ok else f"DIFFERENT: {r.failed}")
     if not r.ok:  # the table (or JSON) above on stdout, and the one error line every failure gives on stderr
-        from ..parity import beyond
+        from ..core.parity import beyond
 
         say_error(f"{b} does not compute the same function as {a}: {beyond(r)}")
         raise typer.Exit(FAILED)

@@ -2,8 +2,8 @@
 importing torch; its ``applies``, ``apply`` (and ``reference``) live in the module named and are
 imported on first use (``registry.declare``)."""
 
-from ..devices import PRECISIONS
-from ..registry import Limit, all_passes, between, declare, one_of
+from ..core.devices import PRECISIONS
+from ..core.registry import Limit, all_passes, between, declare, one_of
 
 #: options of mask and of the passes that can mask first (minimize, compensated-ln)
 #: (prune_units / prune_heads: the fraction of each MLP's units / each attention's KV heads to zero; by:

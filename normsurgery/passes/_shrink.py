@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import algebra, analysis
-from ..checkpoint import config_refusal
-from ..layout import AttentionSite, Layout, MlpSite, NormSite
-from ..runtime import SIZE_ATTRS, CompensatedLayerNorm, RMSNorm
+from ..core import algebra, analysis
+from ..io.checkpoint import config_refusal
+from ..core.layout import AttentionSite, Layout, MlpSite, NormSite
+from ..core.runtime import SIZE_ATTRS, CompensatedLayerNorm, RMSNorm
 
 
 def set_matrix(mod: nn.Module, w: torch.Tensor, c: torch.Tensor | None = None) -> None:

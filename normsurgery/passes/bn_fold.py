@@ -21,11 +21,11 @@ import copy
 import torch
 from torch import nn
 
-from .. import algebra
-from ..families import stock_class_of
-from ..layout import Layout, NormSite
-from ..registry import PassContext, PassReport
-from ..runtime import ChannelAffine, NoNorm, RepBN
+from ..core import algebra
+from ..core.families import stock_class_of
+from ..core.layout import Layout, NormSite
+from ..core.registry import PassContext, PassReport
+from ..core.runtime import ChannelAffine, NoNorm, RepBN
 from .norms import untie_if_touched
 
 def affine_of(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

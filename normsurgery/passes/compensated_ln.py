@@ -4,8 +4,8 @@ var = sum(x'^2) / D - mean^2; RMSNorm divides by D). The channel stage of ``mini
 
 from __future__ import annotations
 
-from ..layout import Layout
-from ..registry import Stage
+from ..core.layout import Layout
+from ..core.registry import Stage
 from .minimize import STREAM, applies, reference_stages, whole  # noqa: F401  (applies and masks first as minimize does)
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import algebra, families
-from ..layout import Layout
-from ..norms import is_stock_rmsnorm
-from ..registry import PassContext, PassReport
-from ..runtime import CRMSNorm
-from ..shards import inside
+from ..core import algebra, families
+from ..core.layout import Layout
+from ..core.norms import is_stock_rmsnorm
+from ..core.registry import PassContext, PassReport
+from ..core.runtime import CRMSNorm
+from ..io.shards import inside
 from . import _shrink, pre_rmsnorm
 from .norms import refuse_norms, refuse_output_norms, refuse_post_ln, untie_if_touched
 

@@ -10,8 +10,8 @@ an untied head it changes nothing, and the report says so).
 
 from __future__ import annotations
 
-from ..layout import Layout, NormSite
-from ..registry import PassContext, PassReport
+from ..core.layout import Layout, NormSite
+from ..core.registry import PassContext, PassReport
 from .norms import fold_into_readers, foldable, output_note, refuse_norms, refuse_post_ln, untie_if_touched
 
 

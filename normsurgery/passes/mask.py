@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import calibration, masks
-from ..errors import SurgeryError
-from ..families import positions
-from ..layout import Layout
-from ..registry import PassContext, PassReport, Scan, Stage
+from ..core import calibration, masks
+from ..core.errors import SurgeryError
+from ..core.families import positions
+from ..core.layout import Layout
+from ..core.registry import PassContext, PassReport, Scan, Stage
 from . import MASK_OPTIONS as OPTIONS
 from .norms import refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln
 

@@ -20,9 +20,9 @@ function on purpose, and the masked model becomes the reference this pass must e
 
 from __future__ import annotations
 
-from .. import algebra, analysis
-from ..layout import Layout
-from ..registry import PassContext, PassReport, Scan, Stage
+from ..core import algebra, analysis
+from ..core.layout import Layout
+from ..core.registry import PassContext, PassReport, Scan, Stage
 from . import _shrink, mask
 from .mask import whole  # noqa: F401  (the mask first: by=activation needs the whole model)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import algebra, devices
-from ..errors import SurgeryError
-from ..stash import Stash
-from ..layout import Layout, NormSite
+from ..core import algebra, devices
+from ..core.errors import SurgeryError
+from ..io.stash import Stash
+from ..core.layout import Layout, NormSite
 
 
 def refuse_norms(layout: Layout, kinds: tuple[str, ...]) -> str | None:

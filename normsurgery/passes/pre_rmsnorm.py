@@ -6,12 +6,11 @@ mean is 0 and its variance is mean(x^2), so LN(x) == RMS(x) with the same g, b a
 
 from __future__ import annotations
 
-from .. import algebra
-from ..layout import Layout
-from ..norms import rmsnorm_like
-from ..registry import PassContext, PassReport
-from .norms import (fold_into_readers, foldable, output_note, refuse_norms, refuse_output_norms, refuse_post_ln,
-                    untie_if_touched)
+from ..core import algebra
+from ..core.layout import Layout
+from ..core.norms import rmsnorm_like
+from ..core.registry import PassContext, PassReport
+from .norms import fold_into_readers, foldable, output_note, refuse_norms, refuse_output_norms, refuse_post_ln, untie_if_touched
 
 
 def applies(model, layout: Layout) -> str | None:

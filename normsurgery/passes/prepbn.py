@@ -1,7 +1,7 @@
 """prepbn: progressive LayerNorm/RMSNorm to re-parameterised BatchNorm (SLAB, Guo et al. 2024).
 
 Each stream norm becomes lam * Norm(x) + (1 - lam) * RepBN(x), RepBN(x) = BN(x) + eta * x, and the
-model fine-tunes on its language-modelling loss (:func:`normsurgery.training.train`):
+model fine-tunes on its language-modelling loss (:func:`normsurgery.engine.training.train`):
 - lam = 1 for ``warmup`` steps, then decays linearly to 0 over ``decay`` steps (default 4/5 of
   the budget: short decays gave NaNs in the reference code), then 0 to the end;
 - when the decay starts each RepBN is set equal to its norm with a frozen divisor s (the mean
@@ -25,15 +25,14 @@ import time
 import torch
 from torch import nn
 
-from .. import calibration, devices
-from ..families import layout as layout_of, positions
-from ..layout import Layout
-from ..errors import SurgeryError
-from ..registry import PassContext, PassReport
-from ..runtime import RepBN
+from ..core import calibration, devices
+from ..core.families import layout as layout_of, positions
+from ..core.layout import Layout
+from ..core.errors import SurgeryError
+from ..core.registry import PassContext, PassReport
+from ..core.runtime import RepBN
 from . import PREPBN_OPTIONS as OPTIONS, bn_fold
-from .norms import (Control, adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms,
-                    refuse_post_ln, token_divisors)
+from .norms import Control, adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln, token_divisors
 
 
 class ProgressiveNorm(nn.Module):

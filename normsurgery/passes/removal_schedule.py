@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..errors import SurgeryError
+from ..core.errors import SurgeryError
 
 STAGES = ("mlp", "qk", "v")  # the block stages, in order; then "final", then "position 0"
 

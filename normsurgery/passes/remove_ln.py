@@ -65,19 +65,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import algebra, devices
-from ..analysis import evaluating
-from ..calibration import fit_seq_len, split_heldout, tokenize, windows
-from ..errors import SurgeryError
-from ..families import positions
-from ..parity import TOLERANCE, compare, jittered, outputs, rounding_tolerance
-from ..layout import Layout
-from ..registry import PassContext, PassReport
-from ..runtime import NoNorm
+from ..core import algebra, devices
+from ..core.analysis import evaluating
+from ..core.calibration import fit_seq_len, split_heldout, tokenize, windows
+from ..core.errors import SurgeryError
+from ..core.families import positions
+from ..core.parity import TOLERANCE, compare, jittered, outputs, rounding_tolerance
+from ..core.layout import Layout
+from ..core.registry import PassContext, PassReport
+from ..core.runtime import NoNorm
 from . import REMOVE_LN_OPTIONS
 from . import removal_schedule as schedule
-from .norms import (Control, adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms,
-                    refuse_post_ln, token_divisors, untie_if_touched)
+from .norms import Control, adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln, token_divisors, untie_if_touched
 
 MOMENTUM = 0.9
 STOCK_EPS = 1e12  # export=stock: sqrt(eps) = 1e6 dominates any variance

@@ -17,10 +17,10 @@ import functools
 
 import torch
 
-from .. import algebra, rotation
-from ..errors import SurgeryError
-from ..layout import Layout
-from ..registry import PassContext, PassReport
+from ..core import algebra, rotation
+from ..core.errors import SurgeryError
+from ..core.layout import Layout
+from ..core.registry import PassContext, PassReport
 from .norms import refuse_experts, refuse_output_norms, refuse_post_ln
 
 

@@ -9,7 +9,7 @@ import os
 import warnings
 from pathlib import Path
 
-from .errors import SurgeryError, SurgeryWarning
+from ..core.errors import SurgeryError, SurgeryWarning
 
 
 def read_text(path) -> str:

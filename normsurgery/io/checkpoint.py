@@ -20,7 +20,7 @@ NaN or Inf weights, and a tensor of a module the class has not (a head, another 
 config names the wrong class). A buffer older transformers saved (BERT's
 ``embeddings.position_ids``, a rotary ``inv_freq`` per layer) is skipped as ``from_pretrained``
 skips it; any other unexpected tensor is left unread, as ``from_pretrained`` leaves it, with a
-:class:`~normsurgery.errors.SurgeryWarning` naming it (the CLI: one ``warning:`` line).
+:class:`~normsurgery.core.errors.SurgeryWarning` naming it (the CLI: one ``warning:`` line).
 
 A rewritten model whose modules differ from its stock architecture is saved with a list of
 module records in ``config.normsurgery["modules"]``, the runtime copied beside the weights as
@@ -50,10 +50,9 @@ import transformers
 from torch import nn
 from transformers.initialization import no_init_weights
 
-from . import devices, memory, runtime
-from .errors import SurgeryError, SurgeryNote, SurgeryWarning
-from .families import (AUTO_CLASS, Head, class_name, family, head_of, positions, stock_class_name, stock_class_of,
-                       stock_objective)
+from ..core import devices, memory, runtime
+from ..core.errors import SurgeryError, SurgeryNote, SurgeryWarning
+from ..core.families import AUTO_CLASS, Head, class_name, family, head_of, positions, stock_class_name, stock_class_of, stock_objective
 from .output import WEIGHT_SUFFIXES, copied_folders
 from .shards import Index, Reader, inside
 
@@ -320,7 +319,7 @@ def _base_when_headless(source: Source) -> None:
     sentence-transformers model, ``modules.json``), the files hold none of its head's own weights
     and every weight of the base class, ``source`` is read as that base class (its config's
     ``architectures`` say so, and a rewrite saves it as that class: the head is not there), with a
-    :class:`~normsurgery.errors.SurgeryNote` saying so. A head partly stored, or a base model with
+    :class:`~normsurgery.core.errors.SurgeryNote` saying so. A head partly stored, or a base model with
     weights missing, is left to the :class:`Loader`'s errors."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 

@@ -45,17 +45,18 @@ from typing import Callable
 
 import torch
 
-from . import algebra, configuration_decilm, devices
-from .checkpoint import Source, finish, load
-from .errors import SurgeryError
-from .families import layout
-from .layout import Layout
-from .options import MAX_SHARD_SIZE
-from .output import writing, written
-from .parity import Comparison, probe_ids
-from .runner import Job
-from .shards import ShardWriter, header_room
-from .texts import text_of
+from ..core import algebra, devices
+from . import configuration_decilm
+from ..io.checkpoint import Source, finish, load
+from ..core.errors import SurgeryError
+from ..core.families import layout
+from ..core.layout import Layout
+from ..core.options import MAX_SHARD_SIZE
+from ..io.output import writing, written
+from ..core.parity import Comparison, probe_ids
+from ..engine.runner import Job
+from ..io.shards import ShardWriter, header_room
+from ..io.texts import text_of
 
 #: the families whose blocks DeciLM computes (Llama's: pre-norm RMSNorm, rotary attention, SwiGLU)
 FAMILIES = ("llama", "mistral", "qwen2")

@@ -34,16 +34,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import devices, memory, registry
-from .checkpoint import Loader, Source
-from .errors import SurgeryError
-from .families import layout
-from .norms import faithful_norms
-from .parity import HeadInput, jittered, outputs
+from ..core import devices, memory, registry
+from ..io.checkpoint import Loader, Source
+from ..core.errors import SurgeryError
+from ..core.families import layout
+from ..core.norms import faithful_norms
+from ..core.parity import HeadInput, jittered, outputs
 from .plan import Part, StepSpec, check_applies, plan
-from .registry import PassContext, PassReport
+from ..core.registry import PassContext, PassReport
 from .scan import run_step, scan_ahead
-from .shards import Reader as ShardReader, inside
+from ..io.shards import Reader as ShardReader, inside
 
 
 class Parts:

@@ -56,16 +56,17 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import algebra, calibration, devices, memory, modelcard
-from .check import read_outputs
-from .checkpoint import Source
-from .errors import SurgeryError
+from ..core import algebra, calibration, devices, memory
+from ..io import modelcard
+from ..engine.check import read_outputs
+from ..io.checkpoint import Source
+from ..core.errors import SurgeryError
 from .gguf_write import Plan, plan, qtype, rounded, vocab, write
-from .options import GGUF_DTYPES
-from .output import _alive, output_lock
-from .parity import Comparison, HeadInput, probe_ids
-from .shards import inside
-from .texts import text_of
+from ..core.options import GGUF_DTYPES
+from ..io.output import _alive, output_lock
+from ..core.parity import Comparison, HeadInput, probe_ids
+from ..io.shards import inside
+from ..io.texts import text_of
 
 INSTALL = "pip install 'normsurgery[gguf]'"
 #: relative error llama.cpp's float32 arithmetic may differ by from torch's

@@ -35,23 +35,24 @@ from typing import Any
 
 import torch
 
-from .version import __version__
-from . import devices, memory, passes as _passes, precision  # noqa: F401  (passes: the built-in passes)
-from .checkpoint import Source
-from .errors import SurgeryError
-from .families import family
-from .layout import LM_OBJECTIVES
-from .options import MAX_SHARD_SIZE, ON_OVERFLOW, PROBE_LENGTH, PROBE_SAMPLES
-from .parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, output_kind, probe_ids
-from .check import Check, Reader, Tolerances, source_reader
-from .plan import StepSpec, check_applies, check_before_reading, plan, steps_of
-from .progress import Progress, no_progress
-from .runner import Job
-from .sweep import Meter, Work, step_reports
-from .texts import text_of
-from .registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
-from .training import heldout_ce, is_main_process, train
-from .writer import save_work
+from ..core.version import __version__
+from ..core import devices, memory, precision
+from .. import passes as _passes  # noqa: F401  (passes: the built-in passes)
+from ..io.checkpoint import Source
+from ..core.errors import SurgeryError
+from ..core.families import family
+from ..core.layout import LM_OBJECTIVES
+from ..core.options import MAX_SHARD_SIZE, ON_OVERFLOW, PROBE_LENGTH, PROBE_SAMPLES
+from ..core.parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, output_kind, probe_ids
+from ..engine.check import Check, Reader, Tolerances, source_reader
+from ..engine.plan import StepSpec, check_applies, check_before_reading, plan, steps_of
+from ..core.progress import Progress, no_progress
+from ..engine.runner import Job
+from ..engine.sweep import Meter, Work, step_reports
+from ..io.texts import text_of
+from ..core.registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
+from ..engine.training import heldout_ce, is_main_process, train
+from ..engine.writer import save_work
 
 
 @dataclass
@@ -168,8 +169,8 @@ def plan_memory(work: Work, outputs: int = 0) -> dict:
     (:func:`outputs_bytes`; the loader gives the last part's tensors back before reading the next:
     the 2.7 GB bf16 Llama's 467 MB largest part, 470 MB measured above the imports without a
     check); "in_memory": :func:`in_memory_bytes` and ``outputs``; "outputs"; "parts": how many."""
-    from .families import layout
-    from .shards import inside
+    from ..core.families import layout
+    from ..io.shards import inside
 
     size = torch.finfo(work.dtype).bits // 8
     named = list(work.model.named_parameters(remove_duplicate=False))

@@ -41,22 +41,22 @@ from pathlib import Path
 
 import torch
 
-from . import devices, masks
-from .calibration import windows
+from ..core import devices, masks
+from ..core.calibration import windows
 from .convert import apply_passes
-from .errors import SurgeryError
-from .families import layout
+from ..core.errors import SurgeryError
+from ..core.families import layout
 from .heal import heal_model, require_lm
-from .options import STRUCTURES, SqueezeOptions  # noqa: F401  (re-exported: the API's names)
-from .parity import probe_ids
-from .plan import check_applies
-from .passes.mask import CALIBRATION
-from .progress import Progress, no_progress
-from .registry import PassContext
-from .runner import Job
-from .stash import Stash
-from .texts import text_of
-from .training import STATE_FILE, heldout_ce, is_main_process
+from ..core.options import STRUCTURES, SqueezeOptions  # noqa: F401  (re-exported: the API's names)
+from ..core.parity import probe_ids
+from ..engine.plan import check_applies
+from ..passes.mask import CALIBRATION
+from ..core.progress import Progress, no_progress
+from ..core.registry import PassContext
+from ..engine.runner import Job
+from ..io.stash import Stash
+from ..io.texts import text_of
+from ..engine.training import STATE_FILE, heldout_ce, is_main_process
 
 STATE = "squeeze.pt"
 TRAIN_STATE = "train"  # the folder of a cycle's training state, inside the squeeze state

@@ -21,8 +21,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from .registry import AUTO
-from .version import __version__
+from ..core.registry import AUTO
+from ..core.version import __version__
 
 CARD = "README.md"
 SOURCE_CARD = "README.source.md"

@@ -40,12 +40,12 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from . import devices
-from .analysis import evaluating
-from .devices import make_accelerator, mixed_precision  # noqa: F401  (the API's names)
-from .errors import SurgeryError
-from .families import layout, stock_class_of
-from .layout import LM_OBJECTIVES
+from ..core import devices
+from ..core.analysis import evaluating
+from ..core.devices import make_accelerator, mixed_precision  # noqa: F401  (the API's names)
+from ..core.errors import SurgeryError
+from ..core.families import layout, stock_class_of
+from ..core.layout import LM_OBJECTIVES
 
 MLM_FRACTION = 0.15
 STATE_FILE = "train-state.pt"

@@ -37,12 +37,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import algebra
-from .checkpoint import Loader, Source
-from .errors import SurgeryError
-from .families import FAMILIES, family, layout
-from .layout import Layout
-from .runtime import NoNorm
+from ..core import algebra
+from ..io.checkpoint import Loader, Source
+from ..core.errors import SurgeryError
+from ..core.families import FAMILIES, family, layout
+from ..core.layout import Layout
+from ..core.runtime import NoNorm
 
 #: the eps trick (module docstring): eps and the gain that make a norm the identity
 TRICK_EPS, TRICK_GAIN = 1e12, 1e6

@@ -13,12 +13,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import registry
-from .errors import SurgeryError
-from .families import layout
-from .layout import Layout
-from .registry import PassReport
-from .shards import inside
+from ..core import registry
+from ..core.errors import SurgeryError
+from ..core.families import layout
+from ..core.layout import Layout
+from ..core.registry import PassReport
+from ..io.shards import inside
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SurgeryError
+from ..core.errors import SurgeryError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".onnx", ".onnx_data")
 #: folders a checkpoint may hold that ``--force`` may replace with it (ours: an unmerged adapter)

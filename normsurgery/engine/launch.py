@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from .errors import SurgeryError
+from ..core.errors import SurgeryError
 
 
 def _requested_cpu_processes() -> int | None:

@@ -22,13 +22,13 @@ import warnings
 
 import torch
 
-from . import devices
-from .checkpoint import Source, load
-from .errors import SurgeryError
-from .families import layout
-from .parity import compare, outputs, probe_ids
-from .check import Tolerances, model_reader
-from .runtime import NoNorm
+from ..core import devices
+from ..io.checkpoint import Source, load
+from ..core.errors import SurgeryError
+from ..core.families import layout
+from ..core.parity import compare, outputs, probe_ids
+from ..engine.check import Tolerances, model_reader
+from ..core.runtime import NoNorm
 
 INSTALL = "pip install 'normsurgery[lens]'"
 #: norm kinds TransformerLens has no component for, and why
@@ -40,7 +40,7 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False, device: st
     """A ``TransformerBridge`` of ``src`` (see the module docstring) on ``device`` (``devices``),
     with ``parity`` (its logits against the checkpoint's, float32) set on it as ``normsurgery_parity``."""
     if importlib.util.find_spec("transformer_lens") is None:
-        raise SurgeryError(f"normsurgery.lens needs transformer-lens, not installed: {INSTALL}")
+        raise SurgeryError(f"normsurgery.commands.lens needs transformer-lens, not installed: {INSTALL}")
     from transformer_lens.factories.architecture_adapter_factory import ArchitectureAdapterFactory
     from transformer_lens.model_bridge import TransformerBridge
     from transformer_lens.model_bridge.generalized_components import NormalizationBridge
@@ -51,10 +51,10 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False, device: st
     where = devices.choose(device)
     model = load(source, torch.float32, device=where)
     if layout(model).objective != "causal-lm":
-        raise SurgeryError(f"normsurgery.lens: {source.name} is a {source.class_name}; TransformerLens models "
+        raise SurgeryError(f"normsurgery.commands.lens: {source.name} is a {source.class_name}; TransformerLens models "
                            "are language models (a causal LM head)")
     if source.tokenizer is None:
-        raise SurgeryError(f"normsurgery.lens: {source.name} has no tokenizer, which TransformerLens needs")
+        raise SurgeryError(f"normsurgery.commands.lens: {source.name} has no tokenizer, which TransformerLens needs")
     kind = norm_kind(model)
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 2, min(32, source.positions or 32))
     reference = outputs(model, ids)  # the checkpoint as transformers runs it
@@ -64,7 +64,7 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False, device: st
         cfg = build_bridge_config_from_hf(copy.deepcopy(model.config), arch, str(source.path), torch.float32)
         adapter = ArchitectureAdapterFactory.select_architecture_adapter(cfg)
     except (ValueError, KeyError, NotImplementedError) as e:
-        raise SurgeryError(f"normsurgery.lens: TransformerLens does not support {source.class_name}: {e}") from None
+        raise SurgeryError(f"normsurgery.commands.lens: TransformerLens does not support {source.class_name}: {e}") from None
     adapter.cfg.device = str(where)
     adapter.cfg.normalization_type = kind
     if kind is None:
@@ -79,7 +79,7 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False, device: st
 
     Tolerances(unbridged, ids, torch.float32, reference).judge(c)
     if not c.ok:
-        raise SurgeryError(f"normsurgery.lens: the TransformerLens model's logits differ from {source.name}'s: "
+        raise SurgeryError(f"normsurgery.commands.lens: the TransformerLens model's logits differ from {source.name}'s: "
                            f"relative error {c.relative:.2e} > {c.tolerance:.1e} ({c.reason})")
     bridge.normsurgery_parity = c
     return bridge
@@ -97,20 +97,20 @@ def norm_kind(model) -> str | None:
             kinds.add(None)
             continue
         if site.kind in INEXPRESSIBLE:
-            raise SurgeryError(f"normsurgery.lens: {site.path} is a {site.kind}, which TransformerLens cannot "
+            raise SurgeryError(f"normsurgery.commands.lens: {site.path} is a {site.kind}, which TransformerLens cannot "
                                f"express ({INEXPRESSIBLE[site.kind]}); lens the model before this pass")
         if site.kind not in ("layernorm", "rmsnorm") or site.offset is None:
-            raise SurgeryError(f"normsurgery.lens: {site.path} ({type(mod).__name__}) is no norm TransformerLens has")
+            raise SurgeryError(f"normsurgery.commands.lens: {site.path} ({type(mod).__name__}) is no norm TransformerLens has")
         name = "LN" if site.kind == "layernorm" else "RMS"
         bias = getattr(mod, "bias", None)
         if name == "RMS" and bias is not None and bool(bias.any()):
-            raise SurgeryError(f"normsurgery.lens: {site.path} is an RMSNorm with a bias, which TransformerLens' "
+            raise SurgeryError(f"normsurgery.commands.lens: {site.path} is an RMSNorm with a bias, which TransformerLens' "
                                "RMSNorm does not apply; lens the model before this pass")
         folded = bool(((mod.weight + site.offset) == 1).all()) and (bias is None or not bool(bias.any()))
         kinds.add(name + "Pre" if folded else name)
     families = {k if k is None else k.removesuffix("Pre") for k in kinds}
     if len(families) > 1:
-        raise SurgeryError(f"normsurgery.lens: the norms are of several kinds ({', '.join(map(str, kinds))}); "
+        raise SurgeryError(f"normsurgery.commands.lens: the norms are of several kinds ({', '.join(map(str, kinds))}); "
                            "TransformerLens has one normalization_type per model")
     # some folded, some with gains: each bridge norm applies its own gain, 1 for the folded ones
     return min(kinds, key=lambda k: k is not None and k.endswith("Pre")) if kinds else None

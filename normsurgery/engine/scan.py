@@ -10,10 +10,10 @@ shares them). Streamed, every scan a part's steps need runs before the part is r
 
 from __future__ import annotations
 
-from .families import layout
-from .layout import Layout
+from ..core.families import layout
+from ..core.layout import Layout
 from .plan import check_applies
-from .registry import PassReport, Stage
+from ..core.registry import PassReport, Stage
 
 
 def run_step(work, i: int, scope: tuple[str, ...], stages: int | None = None) -> PassReport | None:

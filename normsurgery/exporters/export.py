@@ -1,5 +1,5 @@
 """export: a checkpoint as an ONNX graph, run in ONNX Runtime and compared with the torch model
-(``to="gguf"``: one GGUF file for llama.cpp, checked in llama.cpp: ``normsurgery.gguf``).
+(``to="gguf"``: one GGUF file for llama.cpp, checked in llama.cpp: ``normsurgery.exporters.gguf``).
 
 The model (stock or rewritten: ``checkpoint.load``, float32) is traced by the exporter torch
 ships (``torch.onnx.export``, the TorchScript exporter, opset 17) with inputs ``input_ids`` and
@@ -29,15 +29,17 @@ from pathlib import Path
 
 import torch
 
-from . import devices, gguf, modelcard
-from .checkpoint import finish, legacy_keys, load
-from .errors import SurgeryError
-from .options import FORMATS  # re-exported
-from .output import writing, written
-from .parity import Comparison, compare, outputs, probe_ids, unpadded
-from .check import Tolerances, model_reader
-from .runner import Job
-from .texts import text_of
+from ..core import devices
+from . import gguf
+from ..io import modelcard
+from ..io.checkpoint import finish, legacy_keys, load
+from ..core.errors import SurgeryError
+from ..core.options import FORMATS  # re-exported
+from ..io.output import writing, written
+from ..core.parity import Comparison, compare, outputs, probe_ids, unpadded
+from ..engine.check import Tolerances, model_reader
+from ..engine.runner import Job
+from ..io.texts import text_of
 
 OPSET = 17
 GRAPH = "model.onnx"
@@ -107,7 +109,7 @@ def past_names(n: int) -> tuple[list[str], list[str]]:
 
 
 def output_name(model) -> str:
-    from .families import layout
+    from ..core.families import layout
 
     return "logits" if layout(model).head is not None else "last_hidden_state"
 

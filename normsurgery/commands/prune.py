@@ -28,23 +28,22 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .analysis import blocks_of, forward_base, residual_capture
-from .calibration import bundled_text, fit_seq_len, windows
-from .errors import SurgeryError
-from .families import family, layout
-from .heal import HealOptions, HealReport, eval_text_record, heldout_record, recovery, summary, take_adapter, \
-    write_adapter
+from ..core.analysis import blocks_of, forward_base, residual_capture
+from ..core.calibration import bundled_text, fit_seq_len, windows
+from ..core.errors import SurgeryError
+from ..core.families import family, layout
+from .heal import HealOptions, HealReport, eval_text_record, heldout_record, recovery, summary, take_adapter, write_adapter
 from .heal import run as heal_run
-from .layout import LM_OBJECTIVES
-from .options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
-from .parity import output_kind, probe_ids
-from .check import Check, Tolerances, anchor
-from .sweep import Work
-from .writer import save_work
-from .progress import Progress, no_progress
-from .runner import Job
-from .texts import heldout_text, text_of
-from .training import heldout_ce
+from ..core.layout import LM_OBJECTIVES
+from ..core.options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
+from ..core.parity import output_kind, probe_ids
+from ..engine.check import Check, Tolerances, anchor
+from ..engine.sweep import Work
+from ..engine.writer import save_work
+from ..core.progress import Progress, no_progress
+from ..engine.runner import Job
+from ..io.texts import heldout_text, text_of
+from ..engine.training import heldout_ce
 
 
 

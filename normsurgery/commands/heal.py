@@ -20,7 +20,7 @@ loss on as many fixed windows of the training text tells why held-out CE rose
 opens here.
 Merging writes W + (alpha / r) B A back into W: a plain checkpoint of the same architecture.
 
-Training is :func:`normsurgery.training.train` (accelerate, several processes, gradient
+Training is :func:`normsurgery.engine.training.train` (accelerate, several processes, gradient
 accumulation, bf16 autocast where the device has it); only the adapters train.
 
 :func:`heal` is the whole command (``normsurgery heal``; ``prune --heal`` runs it on the pruned
@@ -40,21 +40,21 @@ from pathlib import Path
 
 import torch
 
-from . import algebra
-from .calibration import windows
-from .errors import SurgeryError
-from .checkpoint import Source
-from .families import layout
-from .output import writing, written
-from .progress import no_progress
-from .sweep import Work
-from .writer import earlier_records
-from .runner import Job
-from .texts import heldout_text, text_of
-from .devices import PRECISIONS  # noqa: F401  (re-exported)
+from ..core import algebra
+from ..core.calibration import windows
+from ..core.errors import SurgeryError
+from ..io.checkpoint import Source
+from ..core.families import layout
+from ..io.output import writing, written
+from ..core.progress import no_progress
+from ..engine.sweep import Work
+from ..engine.writer import earlier_records
+from ..engine.runner import Job
+from ..io.texts import heldout_text, text_of
+from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
-from .options import TRAIN_MODES, HealOptions, check_values  # noqa: F401
-from .training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
+from ..core.options import TRAIN_MODES, HealOptions, check_values  # noqa: F401
+from ..engine.training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
 
 __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
            "make_accelerator", "require_lm", "target_pattern"]
@@ -354,7 +354,7 @@ def write_adapter(adapter: Adapter, folder: Path, base: str, *, source: Source, 
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from . import modelcard
+    from ..io import modelcard
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -381,7 +381,7 @@ def write_adapter(adapter: Adapter, folder: Path, base: str, *, source: Source, 
 
 def adapter_base(source: Source) -> str:
     """What an adapter's config names as its base: the hub id ``source`` was opened by, else its folder."""
-    from .modelcard import hub_id
+    from ..io.modelcard import hub_id
 
     return source.name if hub_id(source.name) else str(source.path.resolve())
 

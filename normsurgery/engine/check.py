@@ -17,13 +17,12 @@ from typing import Any, Callable
 
 import torch
 
-from . import precision
-from .checkpoint import Source, mark_not_stock
-from .errors import SurgeryError
-from .parity import (DRAWS, TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, jittered,
-                     needs_rounding_tolerance, null_summary, outputs, rounding_tolerance, tolerance)
+from ..core import precision
+from ..io.checkpoint import Source, mark_not_stock
+from ..core.errors import SurgeryError
+from ..core.parity import DRAWS, TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, jittered, needs_rounding_tolerance, null_summary, outputs, rounding_tolerance, tolerance
 from .plan import Part
-from .shards import inside
+from ..io.shards import inside
 from .sweep import Meter, Work
 
 

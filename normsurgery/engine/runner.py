@@ -29,14 +29,14 @@ from typing import Callable
 
 import torch
 
-from . import devices
-from .calibration import fit_seq_len, split_heldout, tokenize, windows
-from .checkpoint import Source
-from .errors import SurgeryError
-from .output import check_output
+from ..core import devices
+from ..core.calibration import fit_seq_len, split_heldout, tokenize, windows
+from ..io.checkpoint import Source
+from ..core.errors import SurgeryError
+from ..io.output import check_output
 from .sweep import Work
 from .writer import save
-from .version import __version__
+from ..core.version import __version__
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The config of a DeciLM ("nemotron-nas") checkpoint: Llama's, with one block config per layer.
 
-Copied verbatim beside the weights by ``export --to nemotron-nas`` (``normsurgery.nemotron``) as
+Copied verbatim beside the weights by ``export --to nemotron-nas`` (``normsurgery.exporters.nemotron``) as
 ``configuration_decilm.py`` and named by config.json's ``auto_map``, so
 ``AutoConfig.from_pretrained(folder, trust_remote_code=True)`` (how vLLM and TensorRT-LLM read
 the folder) works with only transformers installed: it imports nothing else.

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import devices
-from .check import Tolerances, model_reader
-from .checkpoint import TOKENIZER_FILES, Source, load
-from .errors import SurgeryError
-from .parity import Comparison, compare, outputs, probe_ids
+from ..core import devices
+from ..engine.check import Tolerances, model_reader
+from ..io.checkpoint import TOKENIZER_FILES, Source, load
+from ..core.errors import SurgeryError
+from ..core.parity import Comparison, compare, outputs, probe_ids
 
 INSTALL = "pip install 'normsurgery[mlx]'"
 #: greedy tokens generated after each prompt

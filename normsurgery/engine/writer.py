@@ -13,18 +13,19 @@ from typing import Callable
 
 import torch
 
-from . import devices, modelcard, precision
+from ..core import devices, precision
+from ..io import modelcard
 from .check import Check, Tolerances, check_written, model_reader
-from .checkpoint import Source, check_finite, claims, finish, load_dtype, save_config, stamp, write_config
-from .errors import SurgeryError
-from .families import positions
-from .norms import faithful_norms
-from .options import MAX_SHARD_SIZE
-from .output import writing, written
-from .parity import Comparison, output_kind, outputs, probe_ids
+from ..io.checkpoint import Source, check_finite, claims, finish, load_dtype, save_config, stamp, write_config
+from ..core.errors import SurgeryError
+from ..core.families import positions
+from ..core.norms import faithful_norms
+from ..core.options import MAX_SHARD_SIZE
+from ..io.output import writing, written
+from ..core.parity import Comparison, output_kind, outputs, probe_ids
 from .plan import Part
-from .progress import Progress, no_progress
-from .shards import ShardWriter, header_room, saved_tensors
+from ..core.progress import Progress, no_progress
+from ..io.shards import ShardWriter, header_room, saved_tensors
 from .sweep import Work
 
 

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from . import analysis, devices, memory
-from .checkpoint import Source, load
-from .errors import SurgeryError
-from .options import OUTLIER_SAMPLES, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
-from .families import FAMILIES, architecture, objective, positions, stock_class_of
-from .parity import (Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs,
-                     probe_ids)
-from .check import Tolerances, model_reader, source_reader
-from .sweep import Work
-from .shards import differing
+from ..core import analysis, devices, memory
+from ..io.checkpoint import Source, load
+from ..core.errors import SurgeryError
+from ..core.options import OUTLIER_SAMPLES, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
+from ..core.families import FAMILIES, architecture, objective, positions, stock_class_of
+from ..core.parity import Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs, probe_ids
+from ..engine.check import Tolerances, model_reader, source_reader
+from ..engine.sweep import Work
+from ..io.shards import differing
 
 #: tokens per probe window when none is asked for (fewer when the model has fewer positions)
 LENGTH = PROBE_LENGTH

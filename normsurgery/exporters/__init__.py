@@ -1,0 +1,4 @@
+"""Formats other runtimes read, above the engine: each a writer plus a check of the written file in
+its own runtime (ONNX Runtime, llama.cpp through xllamacpp, MLX-LM for nemotron-nas folders).
+
+A floor imports only the floors below it (tests/test_architecture.py)."""
