@@ -779,7 +779,7 @@ def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
         assert compare(got["a", True], got["a", False]).relative < 1e-6  # the same logits
 
 
-@pytest.mark.parametrize("family", sorted(f for f, fam in __import__("normsurgery.core.families").families.FAMILIES.items()
+@pytest.mark.parametrize("family", sorted(f for f, fam in __import__("normsurgery.core.families").core.families.FAMILIES.items()
                                           if fam.plain_logits))
 def test_every_compact_family_gives_its_logits(tmp_path, family):
     """Each family kept compact: its logits are exactly its head applied to the head's input

@@ -17,7 +17,8 @@ pytest.importorskip("hypothesis", reason="hypothesis is not installed (pip insta
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 import normsurgery as ns
-from normsurgery import passes as _passes, registry  # noqa: F401  (passes: the built-in passes, for EXACT)
+from normsurgery import passes as _passes  # noqa: F401  (the built-in passes, for EXACT)
+from normsurgery.core import registry
 from normsurgery.core.families import layout
 from normsurgery.core.norms import faithful_norms
 from normsurgery.core.synthetic import make_realistic
