@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from timing import forward_ms  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
-from normsurgery import registry  # noqa: E402
+from normsurgery.core import registry  # noqa: E402
 from normsurgery.io import checkpoint
 from normsurgery.core.registry import PassContext  # noqa: E402
 

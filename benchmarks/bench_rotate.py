@@ -43,7 +43,7 @@ from benchmarks.common import write_json  # noqa: E402
 import torch  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
-from normsurgery import checkpoint  # noqa: E402
+from normsurgery.io import checkpoint  # noqa: E402
 from normsurgery.core import algebra
 from normsurgery.core import analysis
 from normsurgery.core import calibration

@@ -56,7 +56,7 @@ from transformers import (  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from normsurgery import calibration  # noqa: E402
+from normsurgery.core import calibration  # noqa: E402
 SPECIAL = "<|endoftext|>"
 VOCAB = 1024
 SEQ = 128

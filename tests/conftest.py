@@ -63,7 +63,8 @@ def record_reads(monkeypatch) -> dict:
     and the training loop's before and after)."""
     import importlib
 
-    heal, prune, training = (importlib.import_module(f"normsurgery.{m}") for m in ("heal", "prune", "training"))
+    heal, prune, training = (importlib.import_module(f"normsurgery.{m}")
+                             for m in ("commands.heal", "commands.prune", "engine.training"))
 
     reads = {"scores": [], "batches": [], "training CE": [], "held-out": []}
 

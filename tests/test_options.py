@@ -98,8 +98,9 @@ def stubbed(monkeypatch):
     import importlib
 
     got = {}
-    for module, name in (("heal", "heal"), ("prune", "prune"), ("squeeze", "squeeze"), ("convert", "convert"),
-                         ("export", "export"), ("verify", "verify"), ("verify", "outliers")):
+    for module, name in (("commands.heal", "heal"), ("commands.prune", "prune"), ("commands.squeeze", "squeeze"),
+                         ("commands.convert", "convert"), ("exporters.export", "export"), ("commands.verify", "verify"),
+                         ("commands.verify", "outliers")):
         mod = importlib.import_module(f"normsurgery.{module}")
 
         def stub(src, out, *args, _name=name, **kwargs):
@@ -171,12 +172,12 @@ def test_the_cli_takes_the_apis_choices_and_lists_them(tmp_path, stubbed, comman
 #: function that takes it as module:function, its parameter there); None: the flag has no default of its own
 #: (None reaches the API, whose default applies) and its help states options.py's
 API_DEFAULTS = {
-    "convert": {"max_shard_size": (options.MAX_SHARD_SIZE, "convert:convert", "max_shard_size"),
-                "on_overflow": (options.ON_OVERFLOW[0], "convert:convert", "on_overflow")},
-    "verify": {"samples": (options.PROBE_SAMPLES, "verify:verify", "n"),
-               "generate": (options.PROBE_GENERATE, "verify:verify", "generate")},
-    "inspect": {"samples": (options.OUTLIER_SAMPLES, "verify:outliers", "n")},
-    "export": {"dtype": (options.GGUF_DTYPES[0], "gguf:export", "dtype")},
+    "convert": {"max_shard_size": (options.MAX_SHARD_SIZE, "commands.convert:convert", "max_shard_size"),
+                "on_overflow": (options.ON_OVERFLOW[0], "commands.convert:convert", "on_overflow")},
+    "verify": {"samples": (options.PROBE_SAMPLES, "commands.verify:verify", "n"),
+               "generate": (options.PROBE_GENERATE, "commands.verify:verify", "generate")},
+    "inspect": {"samples": (options.OUTLIER_SAMPLES, "commands.verify:outliers", "n")},
+    "export": {"dtype": (options.GGUF_DTYPES[0], "exporters.gguf:export", "dtype")},
 }
 
 

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 import normsurgery as ns
+from normsurgery.core import registry
 from normsurgery.io import checkpoint
 from normsurgery.core.families import layout
 from normsurgery.core.errors import SurgeryError
@@ -150,7 +151,7 @@ def test_padding_does_not_enter_the_statistics(family):
 
 def test_refuses_post_ln_and_needs_text():
     bert = tiny_model("bert")
-    reason = ns.registry.get("prepbn").applies(bert, layout(bert))
+    reason = registry.get("prepbn").applies(bert, layout(bert))
     assert "Post-LN" in reason and "per-channel affine" in reason
     with pytest.raises(SurgeryError, match="text"):
         ns.apply_passes(tiny_model("gpt2", torch.float32), [("prepbn", {"steps": 2})])

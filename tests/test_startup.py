@@ -32,7 +32,7 @@ def test_an_unknown_norm_class_is_looked_up_among_every_family():
             "from normsurgery.core.families import norm_kind\n"
             "import sys\n"
             "m = importlib.import_module('transformers.models.gemma.modeling_gemma')\n"
-            "from normsurgery import families\n"
+            "from normsurgery.core import families\n"
             "print('KIND', norm_kind(m.GemmaRMSNorm(8)))\n"
             "print('OTHER', norm_kind(torch.nn.Identity()))\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

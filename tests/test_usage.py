@@ -8,6 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 import normsurgery as ns
+from normsurgery.core import registry
 from normsurgery.io import checkpoint
 from normsurgery.cli import app
 from normsurgery.core.errors import SurgeryError, UsageError
@@ -38,7 +39,7 @@ def test_a_pass_that_reads_text_without_text_is_a_usage_error(tmp_path, nothing_
     assert len(lines) == 1 and lines[0].startswith("error:") and "--text FILE" in lines[0], result.output
     assert spec.partition(":")[0] in lines[0] and not out.exists()
     with pytest.raises(UsageError, match="--text FILE"):
-        convert_mod.convert(tmp_path / "no-such-model", out, [ns.registry.parse_pass(spec)])
+        convert_mod.convert(tmp_path / "no-such-model", out, [registry.parse_pass(spec)])
 
 
 def test_a_pass_that_reads_no_text_goes_on_to_the_model(tmp_path):
