@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's normsurgery a
 
 import normsurgery as ns  # noqa: E402
 import normsurgery.passes  # noqa: E402, F401  (declares the passes)
-from normsurgery import registry  # noqa: E402
+from normsurgery.core import registry  # noqa: E402
 from normsurgery.core.families import layout  # noqa: E402
 from normsurgery.core.norms import faithful_norms  # noqa: E402
 
