@@ -11,6 +11,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from pathlib import Path  # noqa: E402
 
 
+def apart_runner():
+    """A CliRunner whose ``stdout`` holds the command's stdout alone (tables, JSON), its warnings
+    and errors in ``stderr``: click < 8.2 mixes stderr into stdout unless told not to; 8.2 keeps
+    them apart and has no such option. ``output`` then holds stdout only under click < 8.2."""
+    from typer.testing import CliRunner
+
+    try:
+        return CliRunner(mix_stderr=False)
+    except TypeError:
+        return CliRunner()
+
+
 def assert_refused(result, out=None, match: str = "", code: int = 1, kept: bool = False) -> None:
     """A CLI refusal (``result``: typer's CliRunner result): exit ``code``, one line of output, an
     ``error:`` line holding ``match``, no traceback; and, given ``out``, nothing left there: no

@@ -17,6 +17,7 @@ from normsurgery.core.runtime import CompensatedLayerNorm, RMSNorm
 from normsurgery.core.norms import faithful_norms
 from normsurgery.core.parity import outputs
 
+from conftest import apart_runner
 from models import MINIMIZABLE, rel, remote_logits, tiny_model, token_ids
 
 GQA = ["llama", "qwen2", "gemma", "granite", "smollm3", "starcoder2", "stablelm", "cohere"]
@@ -575,16 +576,11 @@ def test_a_destructive_prune_is_saved_with_a_warning_and_a_mild_one_without(tmp_
     line (stderr), in --json's warnings and in the saved record; the exit code stays 0."""
     import json
 
-    from typer.testing import CliRunner
-
     from normsurgery.cli import app
     from normsurgery.commands.convert import DAMAGING_TOP1
     from normsurgery.core.parity import probe_ids
 
-    try:  # click < 8.2 mixes stderr into stdout unless told not to
-        runner = CliRunner(mix_stderr=False)
-    except TypeError:
-        runner = CliRunner()
+    runner = apart_runner()
     demo = "normsurgery/demo/llama-tiny"
     source = ns.Source.open(demo)
     probe = probe_ids(source.tokenizer, source.config.vocab_size, None, 4, 64)  # convert's probe

@@ -20,7 +20,7 @@ from normsurgery.core.registry import PassReport
 from normsurgery.core.parity import compare, outputs
 from normsurgery.core.synthetic import make_realistic
 
-from conftest import assert_refused
+from conftest import apart_runner, assert_refused
 from models import tiny_model, token_ids
 
 runner = CliRunner()
@@ -129,7 +129,8 @@ def test_layers_compare_like_with_like_and_write_valid_json(tmp_path):
         assert {row["basis"] for row in rows} == {"as stored" if src == llama else "centred"}
     out = tmp_path / "narrow"
     assert run("convert", gpt2, out, "--pass", "compensated-ln:prune_channels=4").exit_code == 0
-    rows = strict_json(run("verify", gpt2, out, "--layers", *fast).stdout)["layers"]
+    apart = apart_runner()  # the JSON on stdout alone (DIFFERENT's error: line goes to stderr)
+    rows = strict_json(apart.invoke(app, ["verify", str(gpt2), str(out), "--layers", *fast]).stdout)["layers"]
     assert all(row["relative"] is None and "channels were removed" in row["note"] for row in rows)
     r = run("verify", gpt2, tmp_path / "crmsnorm", "--layers", *fast[:-1])
     assert r.exit_code == 0 and "nan" not in r.output.lower()
@@ -155,7 +156,8 @@ def test_minimize_with_every_mlp_unit_of_a_layer_dead():
 def test_minimize_mask_options_convert_and_save(tmp_path, option):
     """Before: always refused on parity, measured against the unmasked input."""
     out = tmp_path / "out"
-    r = run("convert", stored(tmp_path, "gpt2", torch.float32), out, "--pass", f"minimize:{option}", "--json")
+    r = apart_runner().invoke(app, ["convert", str(stored(tmp_path, "gpt2", torch.float32)), str(out), "--pass",
+                                    f"minimize:{option}", "--json"])  # JSON on stdout alone
     assert r.exit_code == 0, r.output
     data = strict_json(r.stdout)
     assert [s["kind"] for s in data["steps"]] == ["reference", "exact"]
