@@ -274,7 +274,7 @@ def test_fewer_held_out_windows_than_asked_are_said(tmp_path):
     assert fit < 16
     r = run("prune", LLAMA, tmp_path / "out", "--layers", 1, "--samples", 2, "--eval-samples", 16)
     said = " ".join(r.output.split())
-    assert r.exit_code == 0 and (f"{fit} windows, not the 16 asked (--eval-samples): the held-out 10% of the text "
+    assert r.exit_code == 0 and (f"{fit} window{'s' if fit != 1 else ''}, not the 16 asked (--eval-samples): the held-out 10% of the text "
                                  f"is {end} tokens") in said, r.output
     record = json.loads((tmp_path / "out" / "config.json").read_text())["normsurgery"]["heldout"]
     assert record["windows"] == fit and record["asked"] == 16

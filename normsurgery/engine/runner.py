@@ -56,8 +56,8 @@ def heldout_windows(ids: torch.Tensor, length: int, asked: int, what: str) -> tu
     n = min(asked, max(1, len(ids) // length))
     held = windows(ids, length, n, "the held-out text")
     fewer = {} if n == asked else {
-        "asked": asked, "fewer": f"{n} windows, not the {asked} asked (--eval-samples): {what} is {len(ids)} tokens, "
-                                 f"{n} window{'s' if n != 1 else ''} of {length}"}
+        "asked": asked, "fewer": f"{n} window{'s' if n != 1 else ''}, not the {asked} asked (--eval-samples): {what} is "
+                                 f"{len(ids)} tokens, {n} window{'s' if n != 1 else ''} of {length}"}
     return held, {"windows": n, "seq_len": length, **fewer}
 
 
