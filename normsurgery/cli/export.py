@@ -3,6 +3,7 @@ a GGUF file, checked in llama.cpp against the checkpoint in transformers."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -43,12 +44,16 @@ def export(
     MLX-LM. Needs pip install 'normsurgery[onnx]' (or [gguf], [mlx])."""
     if to not in FORMATS:
         raise UsageError(f"--to {to!r}: choose one of {', '.join(FORMATS)}{did_you_mean(to, FORMATS)}")
+    asked = Asked(src, dest, text, tol, device, force, allow_pickle, json)
     if to == "gguf":
-        return _gguf(src, dest, dtype, text, tol, force, allow_pickle, json, with_past or external_data is not None,
-                     device)
+        if with_past or external_data is not None:
+            raise UsageError("--with-past and --external-data are ONNX options; a GGUF file has neither")
+        return _gguf(asked, dtype)
     if to == "nemotron-nas":
-        return _nemotron(src, dest, text, tol, device, force, allow_pickle, json,
-                         with_past or external_data is not None or dtype is not None)
+        if with_past or external_data is not None or dtype is not None:
+            raise UsageError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "
+                             "folder is stored in the checkpoint's dtype")
+        return _nemotron(asked)
     if dtype is not None:
         raise UsageError("--dtype is a GGUF option (--to gguf); an ONNX graph is float32")
     from ..exporters.export import require_onnx
@@ -80,14 +85,24 @@ def export(
         + (", weights in model.onnx_data" if r.external_data else ""))
 
 
-def _gguf(src: str, dest: Path, dtype: str | None, text: Path | None, tol: float | None, force: bool,
-          allow_pickle: bool, json: bool, onnx_options: bool, device: str) -> None:
+@dataclass(frozen=True)
+class Asked:
+    """What every export format takes from the command line."""
+    src: str
+    dest: Path
+    text: Path | None
+    tol: float | None
+    device: str
+    force: bool
+    allow_pickle: bool
+    json: bool
+
+
+def _gguf(a: Asked, dtype: str | None) -> None:
     """``export --to gguf``: the file written and checked in llama.cpp (``gguf.export``)."""
     dtype = dtype or GGUF_DTYPES[0]
     if dtype not in GGUF_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}{did_you_mean(dtype, GGUF_DTYPES)}")
-    if onnx_options:
-        raise UsageError("--with-past and --external-data are ONNX options; a GGUF file has neither")
     from ..exporters.gguf import require_gguf
 
     require_gguf()
@@ -97,9 +112,9 @@ def _gguf(src: str, dest: Path, dtype: str | None, text: Path | None, tol: float
     from ..exporters.export import export as export_api
 
     # the output is a file, which gguf.export checks and locks itself (``claimed`` takes folders)
-    r = export_api(src, dest, to="gguf", dtype=dtype, text=read_text(text), tolerance=tol, force=force,
-                   allow_pickle=allow_pickle, device=device)
-    if json:
+    r = export_api(a.src, a.dest, to="gguf", dtype=dtype, text=read_text(a.text), tolerance=a.tol, force=a.force,
+                   allow_pickle=a.allow_pickle, device=a.device)
+    if a.json:
         emit_json(r.as_dict())
         return
     from .report import fmt
@@ -117,12 +132,8 @@ def _gguf(src: str, dest: Path, dtype: str | None, text: Path | None, tol: float
         + f"; card {r.saved['card']}")
 
 
-def _nemotron(src: str, dest: Path, text: Path | None, tol: float | None, device: str, force: bool,
-              allow_pickle: bool, json: bool, other_options: bool) -> None:
+def _nemotron(a: Asked) -> None:
     """``export --to nemotron-nas``: the DeciLM folder written and checked in MLX-LM (``nemotron.export``)."""
-    if other_options:
-        raise UsageError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas folder "
-                         "is stored in the checkpoint's dtype")
     from ..exporters.mlx_check import require_mlx
 
     require_mlx()
@@ -131,10 +142,10 @@ def _nemotron(src: str, dest: Path, text: Path | None, tol: float | None, device
     load_transformers()
     from ..exporters.export import export as export_api
 
-    body = read_text(text)
-    with claimed(src, dest, force, allow_pickle) as source:
-        r = export_api(source, dest, to="nemotron-nas", text=body, tolerance=tol, force=force, device=device)
-    if json:
+    body = read_text(a.text)
+    with claimed(a.src, a.dest, a.force, a.allow_pickle) as source:
+        r = export_api(source, a.dest, to="nemotron-nas", text=body, tolerance=a.tol, force=a.force, device=a.device)
+    if a.json:
         emit_json(r.as_dict())
         return
     from .report import fmt
