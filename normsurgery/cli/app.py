@@ -7,7 +7,6 @@ before any of it loads; each command imports what it needs when it runs.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import os
@@ -20,10 +19,12 @@ from typing import NoReturn, Optional
 import typer
 
 from .. import __version__
-from ..core import devices, threads
+from ..core import threads
 from ..engine import launch
 from ..io import output
-from ..core.options import AT_LEAST, SEQ_LEN
+from ..core.options import AT_LEAST, SEQ_LEN_HELP, one_of  # noqa: F401  (for the commands)
+from .flags import (DEVICE, PRECISION, did_you_mean, dtype_option, expand, open_unit, overflow_option,  # noqa: F401
+                    positive, size_option, split_names)
 from ..core.errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryNote, SurgeryWarning, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -159,6 +160,7 @@ def command(fn=None, *, preload: bool = True):
     (``passes`` never does), so those answer at once."""
     if fn is None:
         return functools.partial(command, preload=preload)
+    fn = expand(fn)  # its options dataclasses' flags (``flags``)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -189,55 +191,6 @@ def command(fn=None, *, preload: bool = True):
             fail(f"internal error, {type(e).__name__}: {e}; {REPORT_BUGS}", BUG)
 
     return app.command()(run)
-
-
-# ---- option parsing: every value is checked before any work starts (usage errors, exit 2) ----
-
-DTYPES = ("float64", "float32", "float16", "bfloat16")
-
-
-def did_you_mean(name: str, choices) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices`` (case, - and _ ignored), or ''."""
-    choices = list(choices)
-    key = name.lower().replace("_", "-")
-    close = [c for c in choices if c.lower().replace("_", "-") == key]
-    close = close or difflib.get_close_matches(key, choices, 1, 0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def dtype_option(value: str | None) -> str | None:
-    if value is not None and value not in DTYPES:
-        raise typer.BadParameter(f"{value!r} is not a dtype; choose one of {', '.join(DTYPES)}"
-                                 f"{did_you_mean(value, DTYPES)}")
-    return value
-
-
-def size_option(value: str) -> str:
-    """A shard size as transformers reads it: bytes, or a number with KB/MB/GB (KiB/MiB/GiB)."""
-    import re
-
-    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*([KMGT]i?B?)?\s*", value, re.IGNORECASE) or not \
-            re.search(r"[1-9]", value):
-        raise typer.BadParameter(f"{value!r} is not a size; give bytes or e.g. 500MB, 2GB")
-    return value.strip()
-
-
-def device_option(value: str) -> str:
-    if not devices.SPEC.fullmatch(value):
-        raise typer.BadParameter(f"{value!r}: choose auto, cpu, cuda or cuda:N")
-    return value
-
-
-def precision_option(value: str | None) -> str | None:
-    if value is not None and value not in devices.PRECISIONS:
-        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(devices.PRECISION_CHOICES)}"
-                                 f"{did_you_mean(value, devices.PRECISION_CHOICES)}")
-    return value
-
-
-DEVICE = typer.Option("auto", "--device", metavar="auto|cpu|cuda|cuda:N", callback=device_option, help=devices.HELP)
-PRECISION = typer.Option(None, "--precision", metavar="auto|fp32|bf16|fp16", callback=precision_option,
-                         help=devices.PRECISION_HELP)
 
 
 def say_device(device: dict | None) -> None:
@@ -286,32 +239,6 @@ def claimed(src: str, out, force: bool, allow_pickle: bool = False):
 def merge(defaults: dict, recipe: dict | None, given: dict) -> dict:
     """Options given on the command line win over the recipe, which wins over the defaults."""
     return {k: given[k] if given.get(k) is not None else (recipe or {}).get(k, v) for k, v in defaults.items()}
-
-
-def split_names(names: list[str] | None) -> list[str] | None:
-    """``--target-modules q_proj,v_proj --target-modules o_proj`` -> [q_proj, v_proj, o_proj]."""
-    out = [n.strip() for item in names or [] for n in item.split(",") if n.strip()]
-    return out or None
-
-
-SEQ_LEN_HELP = f"tokens per window (default: {SEQ_LEN}, or the model's positions when fewer)"
-
-
-def one_of(choices, default=None) -> str:
-    """``a | b | c (default a)``: a flag's choices and default as --help shows them (from options.py)."""
-    return " | ".join(choices) + ("" if default is None else f" (default {default})")
-
-
-def positive(value: float | None) -> float | None:
-    if value is not None and not value > 0:
-        raise typer.BadParameter(f"{value:g} is not positive")
-    return value
-
-
-def open_unit(value: float | None) -> float | None:
-    if value is not None and not 0 < value < 1:
-        raise typer.BadParameter(f"{value:g} is not between 0 and 1 (exclusive)")
-    return value
 
 
 def torch_dtype(name: str | None):

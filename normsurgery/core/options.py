@@ -10,9 +10,10 @@ A value out of range is named by its flag (:func:`flag`, the one place an option
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
 
-from .devices import PRECISION_CHOICES, PRECISIONS
+from .devices import HELP as DEVICE_HELP, PRECISION_CHOICES, PRECISION_HELP, PRECISIONS
 from .errors import SurgeryError, UsageError
 
 __all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
@@ -58,6 +59,80 @@ FORMATS = ("onnx", "gguf", "nemotron-nas")
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
+@dataclass(frozen=True)
+class Flag:
+    """How an option of a command's options dataclass is spelled on the command line (the CLI
+    builds its Typer flags from these: ``cli.flags``). ``help`` may name ``{default}`` (the
+    field's default as --help shows it: :func:`shown`), ``{choices}`` (:func:`one_of`) and the
+    constants of :data:`HELP_VALUES`, so no number is written into a help text.
+
+    ``names``: spellings other than ``--field-name`` (``("--layers", "-n")``, ``("--streaming/--in-memory",)``);
+    ``given``: the flag defaults to None (not given: the dataclass's default applies, or a
+    recipe's), else to the field's default, shown by --help; ``check``: the CLI's value check, by name
+    (``cli.flags.CHECKS``); ``parse``: how the CLI's value becomes the field's (``cli.flags.PARSERS``);
+    the least whole number allowed is :data:`AT_LEAST`'s."""
+
+    help: str
+    metavar: str | None = None
+    names: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()
+    check: str | None = None
+    parse: str | None = None
+    given: bool = True
+    envvar: str | None = None
+
+    def text(self, default: Any) -> str:
+        """The help, its ``{default}``, ``{choices}`` and constants filled in."""
+        return self.help.format(default=shown(default), choices=one_of(self.choices, default), **HELP_VALUES)
+
+
+def option(default: Any = None, help: str = "", **flag) -> Any:
+    """A field of an options dataclass with its flag (:class:`Flag`); a list default is copied per instance."""
+    meta = {"flag": Flag(help, **flag)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def flagged(cls) -> list:
+    """The fields of options dataclass ``cls`` that are flags, in order."""
+    return [f for f in fields(cls) if "flag" in f.metadata]
+
+
+def default_of(f) -> Any:
+    """A dataclass field's default (a fresh copy of a factory's)."""
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def shown(default: Any) -> str:
+    """A default as --help states it: on/off, a comma list, a float in its shortest form."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, (tuple, list)):
+        return ",".join(map(str, default))
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
+
+
+def one_of(choices, default=None) -> str:
+    """``a | b | c (default a)``: a flag's choices and default as --help shows them."""
+    return " | ".join(choices) + ("" if default is None else f" (default {default})")
+
+#: the share of the text held out when no held-out text is given (heal, prune --heal, squeeze)
+EVAL_FRACTION = 0.1
+#: tokens per window, as --help says it
+SEQ_LEN_HELP = f"tokens per window (default: {SEQ_LEN}, or the model's positions when fewer)"
+#: --precision, as every training command spells it
+PRECISION_FLAG = {"help": PRECISION_HELP, "metavar": "auto|fp32|bf16|fp16", "check": "precision"}
+
+#: the constants a help text may name (:meth:`Flag.text`): numbers stated where they are defined
+HELP_VALUES = {"SEQ_LEN": SEQ_LEN, "SQUEEZE_STEPS": SQUEEZE_STEPS, "SQUEEZE_THIRD": SQUEEZE_STEPS // 3,
+               "LR_BY_TRAIN": ", ".join(f"{mode} {lr:g}" for mode, lr in LEARNING_RATES.items()),
+               "PROBE_LENGTH": PROBE_LENGTH, "PROBE_SAMPLES": PROBE_SAMPLES, "PROBE_GENERATE": PROBE_GENERATE,
+               "OUTLIER_SAMPLES": OUTLIER_SAMPLES, "MAX_SHARD_SIZE": MAX_SHARD_SIZE}
+
+
 def flag(name: str) -> str:
     """The command-line spelling of option ``name``: ``seq_len`` -> ``--seq-len``."""
     return f"--{name.replace('_', '-')}"
@@ -96,21 +171,27 @@ def check_values(opts: dict) -> None:
 
 @dataclass
 class HealOptions:
-    steps: int = 200
-    rank: int = 8
-    alpha: float | None = None  # default 2 x rank
-    lr: float | None = None  # default: LEARNING_RATES[train] (:meth:`learning_rate`)
-    target_modules: list[str] | None = None  # linears to adapt, by name (default: every linear in the blocks)
-    batch_size: int = 8  # windows per micro-batch and process
-    seq_len: int | None = None  # default: SEQ_LEN, or the model's positions when fewer
-    grad_accum: int = 1
-    precision: str = "auto"  # devices.PRECISIONS
-    eval_fraction: float = 0.1  # share of the text held out (when no held-out text is given)
-    eval_samples: int = 64  # held-out windows at most
-    seed: int = 0
-    train: str = "lora"  # TRAIN_MODES
-    patience: int = 0  # stop once held-out CE went this many evaluations without improving (0: every step runs)
-    eval_every: int = 25  # steps between those evaluations (with patience)
+    steps: int = option(200, "optimizer steps (default {default})", metavar="N")
+    rank: int = option(8, "LoRA rank (default {default})", metavar="R")
+    alpha: float | None = option(None, "LoRA alpha (default 2 x rank)", metavar="X", check="positive")
+    lr: float | None = option(None, "learning rate (default by --train: {LR_BY_TRAIN})", metavar="X",
+                              check="positive")  # None: LEARNING_RATES[train] (:meth:`learning_rate`)
+    target_modules: list[str] | None = option(None, "linears to adapt, by name, e.g. q_proj,v_proj (default: every "
+                                              "linear in the blocks)", metavar="NAMES", parse="names")
+    batch_size: int = option(8, "windows per micro-batch and process (default {default})", metavar="B")
+    seq_len: int | None = option(None, SEQ_LEN_HELP, metavar="L")  # None: SEQ_LEN, or the model's positions when fewer
+    grad_accum: int = option(1, "gradient-accumulation steps (default {default})", metavar="K")
+    precision: str = option("auto", **PRECISION_FLAG)  # devices.PRECISIONS
+    eval_fraction: float = option(EVAL_FRACTION, "share of --text held out (default {default})", metavar="F",
+                                  check="open_unit")
+    eval_samples: int = option(64, "held-out windows at most, evaluated before and after (default {default}; fewer "
+                               "is faster)", metavar="K")
+    seed: int = option(0, "random seed (default {default})", metavar="N")
+    train: str = option("lora", "what trains (lora: adapters, merged; norms: only the norms' gains and biases; full: "
+                        "every parameter): {choices}", metavar="WHAT", choices=TRAIN_MODES)
+    patience: int = option(0, "stop once held-out CE went N evaluations without improving, --steps the cap (default "
+                           "{default}: every step)", metavar="N")
+    eval_every: int = option(25, "with --patience: steps between evaluations (default {default})", metavar="S")
 
     @property
     def learning_rate(self) -> float:
@@ -199,6 +280,23 @@ class SqueezeOptions:
                            precision=self.precision, eval_fraction=self.eval_fraction,
                            eval_samples=self.eval_samples, seed=self.seed, train=self.train, patience=self.patience,
                            eval_every=self.eval_every)
+
+
+@dataclass
+class Reading:
+    """What every command that reads a checkpoint takes: pickle allowed, where to compute."""
+
+    allow_pickle: bool = option(False, "read pickle (.bin) weights, with torch.load(weights_only=True); refused "
+                                "otherwise", given=False, envvar="NORMSURGERY_ALLOW_PICKLE")
+    device: str = option("auto", DEVICE_HELP, metavar="auto|cpu|cuda|cuda:N", check="device", given=False)
+
+
+@dataclass
+class Writing(Reading):
+    """What every command that writes a checkpoint takes besides: whether OUT may be replaced."""
+
+    force: bool = option(False, "replace OUT if it is a checkpoint (never a folder of other files); a checkpoint "
+                         "written (not an ONNX export) is kept even if its reload check fails", given=False)
 
 
 #: each command's options dataclass (prune's --heal flags are HealOptions' too)

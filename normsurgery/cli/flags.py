@@ -1,0 +1,231 @@
+"""A command's flags built from its options dataclasses (``core.options``: each field's default,
+choices, range and help, once), mergekit's pattern: a parameter of a command function annotated
+with an options dataclass becomes one Typer flag per field (:func:`expand`), and the command
+receives what was given on the command line (:class:`Given`), from which it builds the dataclass
+(with a recipe's values between the flags and the defaults, where the command reads one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import typing
+from typing import Any, Callable, Optional
+
+import typer
+
+from ..core import devices
+from ..core.options import AT_LEAST, ON_OVERFLOW, Flag, default_of, flagged
+
+
+@dataclasses.dataclass(frozen=True)
+class Given:
+    """The flags of options dataclass ``cls`` given on the command line (those left out: absent)."""
+
+    cls: type
+    values: dict[str, Any]
+
+    def build(self, recipe: dict | None = None, **extra):
+        """``cls`` from the flags given, then ``recipe``'s values, then the defaults (``extra``: values
+        that are not flags, or shared with another group)."""
+        merged = {f.name: default_of(f) for f in dataclasses.fields(self.cls) if f.init}
+        merged.update({k: v for k, v in (recipe or {}).items() if k in merged})
+        merged.update(self.values)
+        merged.update(extra)
+        return self.cls(**merged)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """How a command takes options dataclass ``cls``: ``only`` these fields (default all flagged),
+    each help prefixed with ``prefix`` (``prune --heal``'s "heal: ")."""
+
+    cls: type
+    only: tuple[str, ...] | None = None
+    prefix: str = ""
+
+    def fields(self) -> list:
+        chosen = [f for f in flagged(self.cls) if self.only is None or f.name in self.only]
+        return sorted(chosen, key=lambda f: self.only.index(f.name)) if self.only else chosen
+
+
+def _split_parts(value: str | None) -> tuple[str, ...] | None:
+    """``a,b`` -> (a, b)."""
+    return None if value is None else tuple(s.strip() for s in value.split(",") if s.strip())
+
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def did_you_mean(name: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` (case, - and _ ignored), or ''."""
+    choices = list(choices)
+    key = name.lower().replace("_", "-")
+    close = [c for c in choices if c.lower().replace("_", "-") == key]
+    close = close or difflib.get_close_matches(key, choices, 1, 0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def dtype_option(value: str | None) -> str | None:
+    if value is not None and value not in DTYPES:
+        raise typer.BadParameter(f"{value!r} is not a dtype; choose one of {', '.join(DTYPES)}"
+                                 f"{did_you_mean(value, DTYPES)}")
+    return value
+
+
+def size_option(value: str) -> str:
+    """A shard size as transformers reads it: bytes, or a number with KB/MB/GB (KiB/MiB/GiB)."""
+    import re
+
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*([KMGT]i?B?)?\s*", value, re.IGNORECASE) or not \
+            re.search(r"[1-9]", value):
+        raise typer.BadParameter(f"{value!r} is not a size; give bytes or e.g. 500MB, 2GB")
+    return value.strip()
+
+
+def device_option(value: str) -> str:
+    if not devices.SPEC.fullmatch(value):
+        raise typer.BadParameter(f"{value!r}: choose auto, cpu, cuda or cuda:N")
+    return value
+
+
+def precision_option(value: str | None) -> str | None:
+    if value is not None and value not in devices.PRECISIONS:
+        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(devices.PRECISION_CHOICES)}"
+                                 f"{did_you_mean(value, devices.PRECISION_CHOICES)}")
+    return value
+
+
+DEVICE = typer.Option("auto", "--device", metavar="auto|cpu|cuda|cuda:N", callback=device_option, help=devices.HELP)
+PRECISION = typer.Option(None, "--precision", metavar="auto|fp32|bf16|fp16", callback=precision_option,
+                         help=devices.PRECISION_HELP)
+
+
+
+
+def split_names(names: list[str] | None) -> list[str] | None:
+    """``--target-modules q_proj,v_proj --target-modules o_proj`` -> [q_proj, v_proj, o_proj]."""
+    out = [n.strip() for item in names or [] for n in item.split(",") if n.strip()]
+    return out or None
+
+
+def positive(value: float | None) -> float | None:
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"{value:g} is not positive")
+    return value
+
+
+def open_unit(value: float | None) -> float | None:
+    if value is not None and not 0 < value < 1:
+        raise typer.BadParameter(f"{value:g} is not between 0 and 1 (exclusive)")
+    return value
+
+
+def unit_interval(value: float | None) -> float | None:
+    """A value in [0, 1)."""
+    if value is not None and not 0 <= value < 1:
+        raise typer.BadParameter(f"{value:g} is not in [0, 1)")
+    return value
+
+
+def overflow_option(value: str) -> str:
+    if value not in ON_OVERFLOW:
+        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(ON_OVERFLOW)}{did_you_mean(value, ON_OVERFLOW)}")
+    return value
+
+
+#: how a flag's value becomes the field's (:attr:`Flag.parse`): the type the flag takes, and the conversion
+PARSERS: dict[str, tuple[Any, Callable]] = {"names": (Optional[list[str]], split_names),
+                                            "parts": (Optional[str], _split_parts)}
+
+
+#: the CLI's value checks by name (:attr:`Flag.check`), each a Typer callback
+CHECKS: dict[str, Callable] = {"positive": positive, "open_unit": open_unit, "unit_interval": unit_interval,
+                               "dtype": dtype_option, "size": size_option, "device": device_option,
+                               "precision": precision_option, "overflow": overflow_option}
+
+
+def _annotation(cls: type, f, flag: Flag):
+    """The type Typer parses the flag as: the field's (Optional where the flag defaults to None)."""
+    if flag.parse:
+        return PARSERS[flag.parse][0]
+    hint = typing.get_type_hints(cls)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args and type(None) in typing.get_args(hint) else hint
+    return Optional[base] if flag.given or default_of(f) is None else base
+
+
+def parameter(flags: Flags, f) -> inspect.Parameter:
+    """The Typer flag of field ``f``."""
+    flag: Flag = f.metadata["flag"]
+    default = None if flag.given else default_of(f)
+    names = flag.names or (f"--{f.name.replace('_', '-')}",)
+    kw = {"metavar": flag.metavar, "help": flags.prefix + flag.text(default_of(f))}
+    if f.name in AT_LEAST:
+        kw["min"] = AT_LEAST[f.name]
+    if flag.check:
+        kw["callback"] = CHECKS[flag.check]
+    if flag.envvar:
+        kw["envvar"] = flag.envvar
+    if isinstance(default_of(f), bool) and not flag.names:
+        kw.pop("metavar")
+    option = typer.Option(default, *names, **kw)
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                             annotation=_annotation(flags.cls, f, flag))
+
+
+def _group(annotation) -> Flags | None:
+    """The flags a command parameter stands for: an options dataclass, or :class:`Flags` of one."""
+    if isinstance(annotation, Flags):
+        return annotation
+    if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
+        return Flags(annotation)
+    return None
+
+
+def _given(flags: Flags, kwargs: dict, plain: bool) -> Any:
+    """The fields of ``flags`` taken out of ``kwargs``: a :class:`Given` (``plain``: the dataclass built)."""
+    values = {}
+    for f in flags.fields():
+        v = kwargs.pop(f.name)
+        parse = f.metadata["flag"].parse
+        v = PARSERS[parse][1](v) if parse else v
+        if v is not None:
+            values[f.name] = v
+    given = Given(flags.cls, values)
+    return given.build() if plain else given
+
+
+def expand(fn: Callable) -> Callable:
+    """``fn`` with each parameter annotated by an options dataclass (or :class:`Flags` of one)
+    replaced by that dataclass's flags; called with the dataclass built from them (annotated
+    ``Given[...]``-style by :class:`Flags`: the :class:`Given` itself, for a recipe to merge)."""
+    sig = inspect.signature(fn, eval_str=True)
+    params, groups = [], {}
+    for p in sig.parameters.values():
+        flags = _group(p.annotation)
+        if flags is None:
+            params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.default is not p.empty else p)
+            continue
+        groups[p.name] = (flags, not isinstance(p.annotation, Flags))
+        params += [parameter(flags, f) for f in flags.fields()]
+    names = [p.name for p in params]
+    if len(names) != len(set(names)):
+        raise TypeError(f"{fn.__name__}: a flag is declared twice: {sorted({n for n in names if names.count(n) > 1})}")
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        for name, (flags, plain) in groups.items():
+            kwargs[name] = _given(flags, kwargs, plain)
+        return fn(*args, **kwargs)
+
+    call.__signature__ = sig.replace(parameters=params)
+    call.__annotations__ = {p.name: p.annotation for p in params}
+    return call
+
+
+#: the arguments of the commands that read a checkpoint and write one
+IN = typer.Argument(..., metavar="IN", help="input checkpoint: a folder or a cached hub id")
+OUT = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)")
