@@ -222,6 +222,7 @@ def expand(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     call.__signature__ = sig.replace(parameters=params)
+    call.flags = {f.name: (flags, f) for flags, _ in groups.values() for f in flags.fields()}  # for tests and docs
     call.__annotations__ = {p.name: p.annotation for p in params}
     return call
 
