@@ -27,6 +27,8 @@ _API = {"layout": "core.families", "Layout": "core.layout", "NormSite": "core.la
         "load_recipe": "core.registry", "parse_pass": "core.registry", "SurgeryError": "core.errors", "passes": "passes",
         "register": "core.registry", "verify": "commands.verify", "outliers": "commands.verify", "prune": "commands.prune", "heal": "commands.heal",
         "PruneOptions": "core.options", "HealOptions": "core.options", "squeeze": "commands.squeeze", "SqueezeOptions": "core.options",
+        "ConvertOptions": "core.options", "VerifyOptions": "core.options", "InspectOptions": "core.options",
+        "ExportOptions": "core.options",
         "export": "exporters.export", "lens": "commands.lens"}
 
 
@@ -48,6 +50,6 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-__all__ = ["HealOptions", "Layout", "NormSite", "PruneOptions", "Source", "SurgeryError", "apply_passes", "convert",
+__all__ = ["ConvertOptions", "ExportOptions", "HealOptions", "InspectOptions", "VerifyOptions", "Layout", "NormSite", "PruneOptions", "Source", "SurgeryError", "apply_passes", "convert",
            "export", "heal", "layout", "lens", "load", "load_recipe", "outliers", "parse_pass", "passes", "prune",
            "register", "save", "squeeze", "SqueezeOptions", "verify"]

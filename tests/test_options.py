@@ -18,8 +18,10 @@ from typer.testing import CliRunner
 from normsurgery.core import devices
 from normsurgery.core import options
 from normsurgery.cli import app
+from normsurgery.cli.flags import Flags, expand
 from normsurgery.core.errors import SurgeryError
-from normsurgery.core.options import HealOptions, PruneOptions, SqueezeOptions
+from normsurgery.core.options import (ConvertOptions, ExportOptions, HealOptions, InspectOptions, PruneOptions,
+                                     SqueezeOptions, VerifyOptions)
 
 LLAMA = "normsurgery/demo/llama-tiny"
 SAMPLE = "normsurgery/data/sample.txt"
@@ -125,16 +127,16 @@ def test_no_flag_gives_the_apis_defaults(tmp_path, stubbed):
     assert args[0] == PruneOptions(layers=1) and kw["heal"] == HealOptions()
     _, kw = called(stubbed, "squeeze", run("squeeze", LLAMA, out, "--text", SAMPLE))
     assert kw["options"] == SqueezeOptions()
-    _, kw = called(stubbed, "convert", run("convert", LLAMA, out, "--pass", "flashnorm"))
-    assert kw["on_overflow"] == inspect.signature(ORIGINAL["convert"]).parameters["on_overflow"].default
+    args, _ = called(stubbed, "convert", run("convert", LLAMA, out, "--pass", "flashnorm"))
+    assert args[1] == ConvertOptions() and args[1].on_overflow == options.ON_OVERFLOW[0]
 
 
 def value(got, name, key):
     args, kw = got.pop(name)
     if name == "prune":
         return getattr(args[0], key) if key == "method" else getattr(kw["heal"], key)
-    if name in ("convert", "export"):
-        return kw[key]
+    if name in ("convert", "export"):  # convert(src, out, passes, options), export(src, dest, options)
+        return getattr(args[1 if name == "convert" else 0], key)
     return getattr(kw["options"], key)
 
 
@@ -168,24 +170,28 @@ def test_the_cli_takes_the_apis_choices_and_lists_them(tmp_path, stubbed, comman
     assert listed and set(listed.group(1).split(", ")) == set(choices), said
 
 
-#: convert's, verify's, inspect's and export's defaults: the flag's option name -> (options.py's value, the API
-#: function that takes it as module:function, its parameter there); None: the flag has no default of its own
-#: (None reaches the API, whose default applies) and its help states options.py's
+#: convert's, verify's, inspect's and export's defaults: the flag's option name -> (options.py's value, the options
+#: dataclass the API takes, its field); the flag's default, or where it has none (None reaches the API, whose
+#: default applies) the default its help states, is options.py's
 API_DEFAULTS = {
-    "convert": {"max_shard_size": (options.MAX_SHARD_SIZE, "commands.convert:convert", "max_shard_size"),
-                "on_overflow": (options.ON_OVERFLOW[0], "commands.convert:convert", "on_overflow")},
-    "verify": {"samples": (options.PROBE_SAMPLES, "commands.verify:verify", "n"),
-               "generate": (options.PROBE_GENERATE, "commands.verify:verify", "generate")},
-    "inspect": {"samples": (options.OUTLIER_SAMPLES, "commands.verify:outliers", "n")},
-    "export": {"dtype": (options.GGUF_DTYPES[0], "exporters.gguf:export", "dtype")},
+    "convert": {"max_shard_size": (options.MAX_SHARD_SIZE, ConvertOptions, "max_shard_size"),
+                "on_overflow": (options.ON_OVERFLOW[0], ConvertOptions, "on_overflow")},
+    "verify": {"samples": (options.PROBE_SAMPLES, VerifyOptions, "samples"),
+               "generate": (options.PROBE_GENERATE, VerifyOptions, "generate")},
+    "inspect": {"samples": (options.OUTLIER_SAMPLES, InspectOptions, "samples")},
+    "export": {"dtype": (options.GGUF_DTYPES[0], ExportOptions, "dtype")},
 }
+#: the API functions that take each command's options dataclass (module:function)
+API = {"convert": ("commands.convert:convert",), "verify": ("commands.verify:verify",),
+       "inspect": ("commands.verify:outliers",),
+       "export": ("exporters.export:export", "exporters.gguf:export", "exporters.nemotron:export")}
 
 
-def api_default(where: str, parameter: str):
+def api_function(where: str):
     import importlib
 
     module, name = where.split(":")  # not stubbed here (the stubs are this module's fixture's)
-    return inspect.signature(getattr(importlib.import_module(f"normsurgery.{module}"), name)).parameters[parameter].default
+    return getattr(importlib.import_module(f"normsurgery.{module}"), name)
 
 
 @pytest.mark.parametrize("command", list(API_DEFAULTS))
@@ -193,14 +199,19 @@ def test_convert_verify_inspect_and_export_take_their_defaults_from_options(comm
     """The flag's default (or, where it has none, the default its help states) and the API's are
     options.py's: changing the value there changes both."""
     flags = params(command)
-    for name, (value, where, parameter) in API_DEFAULTS[command].items():
+    for name, (value, cls, field) in API_DEFAULTS[command].items():
         p = flags[name]
         if p.default is None:
             stated = re.search(r"\(default:? ([^;:)]*)", p.help or "")
             assert stated and stated.group(1).strip() == str(value), (command, name, p.help)
         else:
             assert p.default == value and p.show_default is not False, (command, name, p.default, value)
-        assert api_default(where, parameter) == value, (command, name, where)
+        default = getattr(cls(), field)
+        assert default == value or default is None and name == "dtype", (command, name, default)  # None: f32
+    for where in API[command]:  # the API takes the options dataclass, and no option beside it
+        taken = inspect.signature(api_function(where)).parameters
+        assert "options" in taken and cls.__name__ in str(taken["options"].annotation), where
+        assert not {f.name for f in dataclasses.fields(cls)} & set(taken), where
 
 
 def test_the_probe_length_is_options_and_stated_in_the_helps():
@@ -228,14 +239,15 @@ def test_each_whole_number_flags_least_value_is_options(command):
 
 
 def test_no_flag_gives_the_apis_defaults_for_verify_inspect_and_export(tmp_path, stubbed):
-    _, kw = called(stubbed, "verify", run("verify", LLAMA, LLAMA))
-    assert (kw["n"], kw["generate"], kw["length"]) == (options.PROBE_SAMPLES, options.PROBE_GENERATE, None)
-    _, kw = called(stubbed, "outliers", run("inspect", LLAMA, "--outliers"))
-    assert (kw["n"], kw["length"]) == (options.OUTLIER_SAMPLES, None)
-    _, kw = called(stubbed, "convert", run("convert", LLAMA, tmp_path / "o", "--pass", "flashnorm"))
-    assert kw["max_shard_size"] == options.MAX_SHARD_SIZE
-    _, kw = called(stubbed, "export", run("export", LLAMA, tmp_path / "o.gguf", "--to", "gguf"))
-    assert kw["dtype"] == options.GGUF_DTYPES[0]
+    (o,), _ = called(stubbed, "verify", run("verify", LLAMA, LLAMA))
+    assert o == VerifyOptions()
+    assert (o.samples, o.generate, o.seq_len) == (options.PROBE_SAMPLES, options.PROBE_GENERATE, None)
+    (o,), _ = called(stubbed, "outliers", run("inspect", LLAMA, "--outliers"))
+    assert o == InspectOptions() and (o.samples, o.seq_len) == (options.OUTLIER_SAMPLES, None)
+    (_, o), _ = called(stubbed, "convert", run("convert", LLAMA, tmp_path / "o", "--pass", "flashnorm"))
+    assert o.max_shard_size == options.MAX_SHARD_SIZE
+    (o,), _ = called(stubbed, "export", run("export", LLAMA, tmp_path / "o.gguf", "--to", "gguf"))
+    assert o.dtype == options.GGUF_DTYPES[0] and o.to == "gguf"
 
 
 @pytest.mark.parametrize("args", [["verify", LLAMA, LLAMA, "--samples", "0"],
@@ -246,3 +258,84 @@ def test_no_flag_gives_the_apis_defaults_for_verify_inspect_and_export(tmp_path,
 def test_out_of_range_values_are_usage_errors_before_the_api(tmp_path, stubbed, args):
     r = run(*[str(tmp_path / a) if a == "OUT" else a for a in args])
     assert r.exit_code == 2 and STOP not in r.output and not stubbed, r.output
+
+
+def model_mismatches(name: str, command) -> list[str]:
+    """What in ``command``'s flags (a click command of the app) differs from its options models: a flag
+    named as a model's field yet typed by hand (not built from the model: ``cli.flags.expand``), or
+    whose default is neither None (not given) nor the field's, whose help is not the field's
+    (``Flag.text``, with its group's prefix), or whose listed choices are not the field's."""
+    built = getattr(command.callback, "flags", {})  # {flag name: (Flags, field)}
+    models = {flags.cls for flags, _ in built.values()} | ({options.COMMANDS[name]} if name in options.COMMANDS
+                                                             else set())
+    by_name = {f.metadata["flag"].name(f.name): f for cls in models for f in options.flagged(cls)}
+    wrong = []
+    for p in command.params:
+        if p.name not in by_name:
+            continue
+        if p.name not in built:
+            wrong.append(f"{name} --{p.name}: typed by hand, not built from its options model")
+        group, f = built.get(p.name, (Flags(type(None)), by_name[p.name]))
+        flag, default = f.metadata["flag"], options.default_of(f)
+        expected = [None, (not default) if flag.negate else default]
+        if flag.required:
+            expected = [None] if p.required else []
+        if p.default not in expected:
+            wrong.append(f"{name} --{p.name}: default {p.default!r}, the model's {default!r}")
+        if p.help != group.prefix + flag.text(default):
+            wrong.append(f"{name} --{p.name}: help {p.help!r}, the model's {group.prefix + flag.text(default)!r}")
+        if flag.choices:
+            shown = f"{p.help} {p.metavar or ''}"
+            listed = [set(re.split(r"\s*\|\s*", m)) for m in re.findall(r"[\w-]+(?:\s*\|\s*[\w-]+)+", shown)]
+            if not listed or any(c != set(flag.choices) for c in listed):
+                wrong.append(f"{name} --{p.name}: lists {listed}, the model's choices {flag.choices}")
+    return wrong
+
+
+def test_every_commands_flags_are_its_options_models():
+    """For every command of the app, each flag named as a field of its options models is built from
+    that field: its default None (not given) or the field's, its help the field's, its choices the
+    field's; the commands with an options model have all its flags."""
+    commands = typer.main.get_command(app).commands
+    checked = 0
+    for name, command in commands.items():
+        assert not model_mismatches(name, command), model_mismatches(name, command)
+        built = getattr(command.callback, "flags", {})
+        checked += len(built)
+        if name in options.COMMANDS:
+            names = {p.name for p in command.params}
+            fields = [f.metadata["flag"].name(f.name) for f in options.flagged(options.COMMANDS[name])]
+            assert set(fields) <= names, (name, set(fields) - names)
+    assert {"convert", "verify", "inspect", "export", "heal"} <= {n for n, c in commands.items()
+                                                                  if getattr(c.callback, "flags", None)}
+    assert checked >= 40, checked
+
+
+def test_a_flag_typed_by_hand_unlike_its_model_is_found():
+    """The check above, on a command whose flags were typed by hand: a default, a help and the choices
+    that are not the model's are each named, and so is a flag that repeats the model's by hand."""
+    def broken(options: Flags(VerifyOptions, only=("dtype", "tolerance")) = None,
+               samples: int = typer.Option(options.PROBE_SAMPLES + 1, help="number of token windows"),
+               generate: int = typer.Option(options.PROBE_GENERATE, help="greedy tokens to compare (0: skip)")):
+        pass
+
+    def unlike(to: str = typer.Option(..., "--to", help="onnx | gguf"),
+               options: Flags(ExportOptions, only=("tolerance",)) = None):
+        pass
+
+    fake = typer.Typer()
+    fake.command("verify")(expand(broken))
+    fake.command("export")(expand(unlike))
+    got = typer.main.get_command(fake).commands
+    assert not [w for w in model_mismatches("verify", got["verify"]) if "--dtype" in w or "--tol" in w]
+    said = model_mismatches("verify", got["verify"]) + model_mismatches("export", got["export"])
+    assert {w.split(":")[0] for w in said} == {"verify --samples", "verify --generate", "export --to"}, said
+    expanded = typer.main.get_command(app).commands["verify"]
+    samples = next(p for p in expanded.params if p.name == "samples")
+    samples_default, samples_help = samples.default, samples.help
+    try:  # the built command itself, its default and its help changed by hand
+        samples.default, samples.help = options.PROBE_SAMPLES + 1, "windows"
+        said = model_mismatches("verify", expanded)
+    finally:
+        samples.default, samples.help = samples_default, samples_help
+    assert [w.split(":")[1].split()[0] for w in said] == ["default", "help"], said

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from normsurgery.core import precision
 from normsurgery.cli import app
-from normsurgery.cli.convert import ON_OVERFLOW
+from normsurgery.core.options import ON_OVERFLOW
 
 from models import tiny_model, token_ids
 

@@ -76,13 +76,13 @@ def test_stale_buffers_load_without_a_word(tmp_path, case):
             a, b = plain(input_ids=ids), ours(input_ids=ids)
         key = "logits" if "logits" in a else "last_hidden_state"
         assert torch.equal(a[key], b[key])
-        v = ns.verify(src, src, n=2, length=16, generate=0)
+        v = ns.verify(src, src, samples=2, seq_len=16, generate=0)
         assert v.relative == 0.0
         r = ns.prune(src, tmp_path / "pruned", {"layers": 1, "method": "last", "samples": 2, "seq_len": 16})
         assert ns.load(tmp_path / "pruned").config.num_hidden_layers == 2, r
         if family != "bert":  # no exact pass applies to a Post-LN model
             ns.convert(src, tmp_path / "converted", [("flashnorm", {})])
-            assert ns.verify(src, tmp_path / "converted", n=2, length=16, generate=0).relative < 1e-5
+            assert ns.verify(src, tmp_path / "converted", samples=2, seq_len=16, generate=0).relative < 1e-5
 
 
 def test_cli_accepts_a_bert_checkpoint_with_stale_buffers(tmp_path):

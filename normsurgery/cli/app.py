@@ -202,10 +202,6 @@ def say_device(device: dict | None) -> None:
 FORCE = typer.Option(False, "--force", help="replace OUT if it is a checkpoint (never a folder of other files); "
                                             "a checkpoint written (not an ONNX export) is kept even if its "
                                             "reload check fails")
-STREAMING = typer.Option(None, "--streaming/--in-memory", help="read and rewrite one block at a time (default: "
-                         "convert streams when every pass is blockwise, else (a scan or training first) loads the model "
-                         "whole when it fits; "
-                         "verify streams only when the models do not fit); --in-memory loads it whole")
 JSON = typer.Option(False, "--json", help="print the result as JSON (for scripts)")
 ALLOW_PICKLE = typer.Option(False, "--allow-pickle", envvar="NORMSURGERY_ALLOW_PICKLE",
                             help="read pickle (.bin) weights, with torch.load(weights_only=True); refused otherwise")

@@ -8,14 +8,9 @@ from typing import Optional
 import typer
 
 from ..core.errors import UsageError
-from ..core.options import AT_LEAST, MAX_SHARD_SIZE, ON_OVERFLOW
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, STREAMING, claimed, command, did_you_mean, dtype_option, emit_json, positive, progress_bar, read_text, say, say_device, say_warning, show, size_option, torch_dtype
-
-
-def overflow_option(value: str) -> str:
-    if value not in ON_OVERFLOW:
-        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(ON_OVERFLOW)}{did_you_mean(value, ON_OVERFLOW)}")
-    return value
+from ..core.options import ConvertOptions, PassFlags
+from .app import JSON, claimed, command, did_you_mean, emit_json, progress_bar, read_text, say, say_device, say_warning, show
+from .flags import IN, OUT
 
 
 def check_passes(specs) -> None:
@@ -36,43 +31,9 @@ def check_passes(specs) -> None:
         registry.check_options(p, options)
 
 
-@command(preload=False)
-def convert(
-    src: str = typer.Argument(..., metavar="IN", help="input checkpoint: a folder or a cached hub id"),
-    out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
-    passes: list[str] = typer.Option([], "--pass", "-p", metavar="NAME[:KEY=VALUE,...]",
-                                     help="a pass and its options (repeatable, applied in order)"),
-    recipe: Optional[Path] = typer.Option(None, metavar="FILE", help="a TOML recipe of [[pass]] tables"),
-    fold: bool = typer.Option(False, "--fold", help="set fold=true on every pass that has the option"),
-    force: bool = FORCE,
-    no_verify: bool = typer.Option(False, "--no-verify", help="skip the logit checks"),
-    work_dtype: Optional[str] = typer.Option(None, metavar="DTYPE", callback=dtype_option,
-                                             help="float32 (default) or float64 for the rewrite (not half)"),
-    text: Optional[Path] = typer.Option(None, metavar="FILE",
-                                        help="text for the checks (default: bundled Shakespeare)"),
-    tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
-                                        help="relative logit tolerance for exact passes (default by dtype)"),
-    max_shard_size: str = typer.Option(MAX_SHARD_SIZE, metavar="SIZE", callback=size_option,
-                                       help="largest safetensors shard, e.g. 500MB"),
-    steps: Optional[int] = typer.Option(None, min=AT_LEAST["steps"], metavar="N",
-                                        help="trained passes: optimizer steps"),
-    batch_size: Optional[int] = typer.Option(None, min=AT_LEAST["batch_size"], metavar="B",
-                                             help="trained passes: windows per micro-batch and process"),
-    seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L",
-                                          help="trained passes: tokens per window"),
-    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X", help="trained passes: peak learning rate"),
-    resume: bool = typer.Option(False, "--resume", help="trained passes: continue an interrupted run"),
-    precision: Optional[str] = PRECISION,
-    device: str = DEVICE,
-    streaming: Optional[bool] = STREAMING,
-    on_overflow: str = typer.Option(ON_OVERFLOW[0], metavar="|".join(ON_OVERFLOW), callback=overflow_option,
-                                    help="a rewritten tensor that does not fit a float16/bfloat16 checkpoint "
-                                         "(overflow, or small values lost): refuse and write nothing, or keep "
-                                         "that tensor in float32 with a warning"),
-    allow_pickle: bool = ALLOW_PICKLE,
-    json: bool = JSON,
-):
-    """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
+def pass_specs(passes: list[str], recipe: Path | None, given: PassFlags, text: bool) -> list:
+    """The recipe's passes, then ``--pass``'s, checked, each given the options of ``given`` it has
+    (``text``: a text was given, which some passes need)."""
     from .. import passes as _passes
     from ..core import registry  # noqa: F401  (the built-in passes)
 
@@ -80,23 +41,35 @@ def convert(
     if not specs:
         raise UsageError("no passes given: use --pass NAME or --recipe FILE (`normsurgery passes` lists them)")
     check_passes(specs)
-    if fold:
-        specs = [(n, {**o, "fold": True}) if "fold" in registry.get(n).options else (n, o) for n, o in specs]
-    given = {k: v for k, v in {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
-                                "resume": resume or None, "precision": precision}.items() if v is not None}
-    specs = [(n, {**o, **{k: v for k, v in given.items() if k in registry.get(n).options}}) for n, o in specs]
-    registry.check_text(specs, text is not None)  # before anything is loaded
+    values = given.given()
+    specs = [(n, {**o, **{k: v for k, v in values.items() if k in registry.get(n).options}}) for n, o in specs]
+    registry.check_text(specs, text)  # before anything is loaded
+    return specs
+
+
+@command(preload=False)
+def convert(
+    src: str = IN,
+    out: Path = OUT,
+    passes: list[str] = typer.Option([], "--pass", "-p", metavar="NAME[:KEY=VALUE,...]",
+                                     help="a pass and its options (repeatable, applied in order)"),
+    recipe: Optional[Path] = typer.Option(None, metavar="FILE", help="a TOML recipe of [[pass]] tables"),
+    given: PassFlags = None,
+    options: ConvertOptions = None,
+    text: Optional[Path] = typer.Option(None, metavar="FILE",
+                                        help="text for the checks (default: bundled Shakespeare)"),
+    json: bool = JSON,
+):
+    """Apply passes (or a recipe) to a checkpoint, check parity, save safetensors."""
+    specs = pass_specs(passes, recipe, given, text is not None)
     body = read_text(text)
     try:
-        with claimed(src, out, force, allow_pickle) as source:  # OUT locked before torch is loaded
+        with claimed(src, out, options.force, options.allow_pickle) as source:  # OUT locked before torch is loaded
             from ..commands.convert import convert as convert_checkpoint
             from ..engine.training import is_main_process
 
             with progress_bar(not json and is_main_process()) as progress:
-                result = convert_checkpoint(source, out, specs, force=force, verify=not no_verify,
-                                             work_dtype=torch_dtype(work_dtype), text=body, tolerance=tol,
-                                             max_shard_size=max_shard_size, progress=progress,
-                                             streaming=streaming, on_overflow=on_overflow, device=device)
+                result = convert_checkpoint(source, out, specs, options, text=body, progress=progress)
     except KeyboardInterrupt as e:
         from ..commands.convert import state_dir
         from ..engine.training import STATE_FILE
@@ -112,6 +85,11 @@ def convert(
     if json:
         emit_json(result.as_dict())
         return
+    print_convert(result, src, out)
+
+
+def print_convert(result, src: str, out: Path) -> None:
+    """convert's tables and lines for people."""
     from .report import convert_tables, fmt, loads_with
 
     for t in convert_tables(result, src, out):

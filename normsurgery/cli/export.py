@@ -3,37 +3,23 @@ a GGUF file, checked in llama.cpp against the checkpoint in transformers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..core.errors import UsageError
-from ..core.options import FORMATS, GGUF_DTYPES
-from .app import ALLOW_PICKLE, DEVICE, JSON, claimed, command, did_you_mean, emit_json, one_of, positive, read_text, say, say_device
+from ..core.options import CACHE_TOKENS, FORMATS, GGUF_DTYPES, ExportOptions
+from .app import JSON, claimed, command, did_you_mean, emit_json, read_text, say, say_device
 
 
 @command(preload=False)
 def export(
     src: str = typer.Argument(..., metavar="IN", help="checkpoint: a folder or a cached hub id (stock or rewritten)"),
     dest: Path = typer.Argument(..., metavar="DEST", help="output folder (ONNX) or file (GGUF), written atomically"),
-    to: str = typer.Option(..., "--to", "--format", metavar="FORMAT", help=one_of(FORMATS)),
-    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="TYPE",
-                                        help=f"GGUF: the matrices' type, {one_of(GGUF_DTYPES, GGUF_DTYPES[0])}"),
-    external_data: Optional[bool] = typer.Option(None, "--external-data/--no-external-data",
-                                                 help="weights beside the graph in model.onnx_data (default: "
-                                                      "when they exceed 1 GiB)"),
-    with_past: bool = typer.Option(False, "--with-past", help="decoders: key/value cache inputs and outputs, "
-                                                              "checked by 16 greedy tokens against generate"),
+    options: ExportOptions = None,
     text: Optional[Path] = typer.Option(None, metavar="FILE", help="text for the check (default: bundled Shakespeare)"),
-    tol: Optional[float] = typer.Option(None, callback=positive, metavar="X",
-                                        help="relative tolerance (default: float32 rounding)"),
-    device: str = DEVICE,
-    force: bool = typer.Option(False, "--force", help="replace DEST if it exists: a GGUF file, or a folder holding "
-                                                       "only what an export or a convert writes (never a folder of "
-                                                       "other files)"),
-    allow_pickle: bool = ALLOW_PICKLE,
     json: bool = JSON,
 ):
     """Export a checkpoint to ONNX (inputs input_ids and attention_mask, dynamic batch and sequence),
@@ -42,20 +28,26 @@ def export(
     nothing, when they differ beyond the tolerance. Or to a nemotron-nas (DeciLM) folder (--to
     nemotron-nas: per-layer widths as vLLM, SGLang, TensorRT-LLM and MLX-LM read them), checked in
     MLX-LM. Needs pip install 'normsurgery[onnx]' (or [gguf], [mlx])."""
-    if to not in FORMATS:
-        raise UsageError(f"--to {to!r}: choose one of {', '.join(FORMATS)}{did_you_mean(to, FORMATS)}")
-    asked = Asked(src, dest, text, tol, device, force, allow_pickle, json)
-    if to == "gguf":
-        if with_past or external_data is not None:
+    o = options
+    if o.to not in FORMATS:
+        raise UsageError(f"--to {o.to!r}: choose one of {', '.join(FORMATS)}{did_you_mean(o.to, FORMATS)}")
+    asked = Asked(src, dest, text, o, json)
+    if o.to == "gguf":
+        if o.with_past or o.external_data is not None:
             raise UsageError("--with-past and --external-data are ONNX options; a GGUF file has neither")
-        return _gguf(asked, dtype)
-    if to == "nemotron-nas":
-        if with_past or external_data is not None or dtype is not None:
+        return _gguf(asked)
+    if o.to == "nemotron-nas":
+        if o.with_past or o.external_data is not None or o.dtype is not None:
             raise UsageError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "
                              "folder is stored in the checkpoint's dtype")
         return _nemotron(asked)
-    if dtype is not None:
+    if o.dtype is not None:
         raise UsageError("--dtype is a GGUF option (--to gguf); an ONNX graph is float32")
+    _onnx(asked)
+
+
+def _onnx(a: Asked) -> None:
+    """``export --to onnx``: the graph written and checked in ONNX Runtime (``export.export``)."""
     from ..exporters.export import require_onnx
 
     require_onnx()
@@ -64,11 +56,10 @@ def export(
     load_transformers()
     from ..exporters.export import export as export_api
 
-    body = read_text(text)
-    with claimed(src, dest, force, allow_pickle) as source:
-        r = export_api(source, dest, to=to, text=body, tolerance=tol, force=force, external_data=external_data,
-                       with_past=with_past, device=device)
-    if json:
+    body = read_text(a.text)
+    with claimed(a.src, a.dest, a.options.force, a.options.allow_pickle) as source:
+        r = export_api(source, a.dest, a.options, text=body)
+    if a.json:
         emit_json(r.as_dict())
         return
     from .report import fmt
@@ -78,7 +69,8 @@ def export(
         + (f", top-1 agreement {p.top1:.4f}" if p.top1 is not None else "")
         + f"; tolerance {fmt(p.tolerance)}: {p.reason}")
     if r.with_past:
-        say(f"with the key/value cache: 16 greedy tokens in ONNX Runtime equal generate's ({p.generation:.0%} agree)")
+        say(f"with the key/value cache: {CACHE_TOKENS} greedy tokens in ONNX Runtime equal generate's "
+            f"({p.generation:.0%} agree)")
     say_device(p.device)
     say(f"saved {r.saved['path']}: opset {r.opset}, inputs input_ids and attention_mask, output {r.output}"
         + (", past_key_values.L.key/value in, present.L.key/value out" if r.with_past else "")
@@ -91,16 +83,13 @@ class Asked:
     src: str
     dest: Path
     text: Path | None
-    tol: float | None
-    device: str
-    force: bool
-    allow_pickle: bool
+    options: ExportOptions
     json: bool
 
 
-def _gguf(a: Asked, dtype: str | None) -> None:
+def _gguf(a: Asked) -> None:
     """``export --to gguf``: the file written and checked in llama.cpp (``gguf.export``)."""
-    dtype = dtype or GGUF_DTYPES[0]
+    dtype = a.options.dtype or GGUF_DTYPES[0]
     if dtype not in GGUF_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}{did_you_mean(dtype, GGUF_DTYPES)}")
     from ..exporters.gguf import require_gguf
@@ -112,8 +101,7 @@ def _gguf(a: Asked, dtype: str | None) -> None:
     from ..exporters.export import export as export_api
 
     # the output is a file, which gguf.export checks and locks itself (``claimed`` takes folders)
-    r = export_api(a.src, a.dest, to="gguf", dtype=dtype, text=read_text(a.text), tolerance=a.tol, force=a.force,
-                   allow_pickle=a.allow_pickle, device=a.device)
+    r = export_api(a.src, a.dest, replace(a.options, dtype=dtype), text=read_text(a.text))
     if a.json:
         emit_json(r.as_dict())
         return
@@ -143,8 +131,8 @@ def _nemotron(a: Asked) -> None:
     from ..exporters.export import export as export_api
 
     body = read_text(a.text)
-    with claimed(a.src, a.dest, a.force, a.allow_pickle) as source:
-        r = export_api(source, a.dest, to="nemotron-nas", text=body, tolerance=a.tol, force=a.force, device=a.device)
+    with claimed(a.src, a.dest, a.options.force, a.options.allow_pickle) as source:
+        r = export_api(source, a.dest, a.options, text=body)
     if a.json:
         emit_json(r.as_dict())
         return

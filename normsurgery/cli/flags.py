@@ -17,7 +17,10 @@ from typing import Any, Callable, Optional
 import typer
 
 from ..core import devices
-from ..core.options import AT_LEAST, ON_OVERFLOW, Flag, default_of, flagged
+from ..core.options import AT_LEAST, ON_OVERFLOW, Flag, Writing, default_of, flagged
+
+#: the options every command that reads (or writes) a checkpoint shares: listed after a command's own
+SHARED = frozenset(f.name for f in dataclasses.fields(Writing))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +50,12 @@ class Flags:
     prefix: str = ""
 
     def fields(self) -> list:
+        """The fields taken, in ``only``'s order, else the command's own first, then those every
+        reading or writing command shares (``Writing``'s)."""
         chosen = [f for f in flagged(self.cls) if self.only is None or f.name in self.only]
-        return sorted(chosen, key=lambda f: self.only.index(f.name)) if self.only else chosen
+        if self.only:
+            return sorted(chosen, key=lambda f: self.only.index(f.name))
+        return sorted(chosen, key=lambda f: f.name in SHARED)
 
 
 def _split_parts(value: str | None) -> tuple[str, ...] | None:
@@ -154,25 +161,36 @@ def _annotation(cls: type, f, flag: Flag):
     hint = typing.get_type_hints(cls)[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if args and type(None) in typing.get_args(hint) else hint
-    return Optional[base] if flag.given or default_of(f) is None else base
+    return Optional[base] if flag.given and not flag.required or default_of(f) is None else base
+
+
+def flag_default(f) -> Any:
+    """What field ``f``'s flag defaults to: ``...`` (required), None (not given: the dataclass's default
+    applies, or a recipe's), or the field's default (negated for a ``--no-`` flag)."""
+    flag: Flag = f.metadata["flag"]
+    if flag.required:
+        return ...
+    if flag.given:
+        return None
+    return not default_of(f) if flag.negate else default_of(f)
 
 
 def parameter(flags: Flags, f) -> inspect.Parameter:
     """The Typer flag of field ``f``."""
     flag: Flag = f.metadata["flag"]
-    default = None if flag.given else default_of(f)
-    names = flag.names or (f"--{f.name.replace('_', '-')}",)
+    name = flag.name(f.name)
+    names = flag.names or (f"--{name.replace('_', '-')}",)
     kw = {"metavar": flag.metavar, "help": flags.prefix + flag.text(default_of(f))}
-    if f.name in AT_LEAST:
-        kw["min"] = AT_LEAST[f.name]
+    if name in AT_LEAST and not isinstance(default_of(f), bool):
+        kw["min"] = AT_LEAST[name]
     if flag.check:
         kw["callback"] = CHECKS[flag.check]
     if flag.envvar:
         kw["envvar"] = flag.envvar
     if isinstance(default_of(f), bool) and not flag.names:
         kw.pop("metavar")
-    option = typer.Option(default, *names, **kw)
-    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+    option = typer.Option(flag_default(f), *names, **kw)
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
                              annotation=_annotation(flags.cls, f, flag))
 
 
@@ -189,9 +207,9 @@ def _given(flags: Flags, kwargs: dict, plain: bool) -> Any:
     """The fields of ``flags`` taken out of ``kwargs``: a :class:`Given` (``plain``: the dataclass built)."""
     values = {}
     for f in flags.fields():
-        v = kwargs.pop(f.name)
-        parse = f.metadata["flag"].parse
-        v = PARSERS[parse][1](v) if parse else v
+        flag: Flag = f.metadata["flag"]
+        v = kwargs.pop(flag.name(f.name))
+        v = PARSERS[flag.parse][1](v) if flag.parse else not v if flag.negate else v
         if v is not None:
             values[f.name] = v
     given = Given(flags.cls, values)
@@ -222,7 +240,8 @@ def expand(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     call.__signature__ = sig.replace(parameters=params)
-    call.flags = {f.name: (flags, f) for flags, _ in groups.values() for f in flags.fields()}  # for tests and docs
+    call.flags = {f.metadata["flag"].name(f.name): (flags, f)  # for tests and docs
+                  for flags, _ in groups.values() for f in flags.fields()}
     call.__annotations__ = {p.name: p.annotation for p in params}
     return call
 

@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 
 from ..core.errors import UsageError
-from ..core.options import AT_LEAST, OUTLIER_SAMPLES, PROBE_LENGTH
-from .app import ALLOW_PICKLE, DEVICE, JSON, command, emit_json, read_text, say_device, show
+from ..core.options import InspectOptions
+from .app import JSON, command, emit_json, read_text, say_device, show
 
 
 @command(preload=False)
@@ -37,30 +37,40 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
                                           "|entry| / RMS and kurtosis, on calibration text"),
             text: Optional[Path] = typer.Option(None, metavar="FILE", help="--outliers: calibration text (default: "
                                                 "bundled Shakespeare)"),
-            samples: int = typer.Option(OUTLIER_SAMPLES, min=AT_LEAST["samples"], metavar="K",
-                                        help="--outliers: token windows"),
-            seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L",
-                                                  help=f"--outliers: tokens per window (default: {PROBE_LENGTH}, or "
-                                                       "the model's positions when fewer)"),
-            device: str = DEVICE, allow_pickle: bool = ALLOW_PICKLE, json: bool = JSON):
+            options: InspectOptions = None, json: bool = JSON):
     """Architecture, norm layout, dead units, and which passes apply (and why not); --outliers: the
     stream's and weights' outlier figures (two checkpoints: side by side)."""
     if other is not None and not outliers:
         raise UsageError("a second checkpoint is compared only with --outliers")
     if outliers:
-        from ..commands.verify import outliers as outlier_stats
-
-        r = outlier_stats(src, other, text=read_text(text), n=samples, length=seq_len, allow_pickle=allow_pickle,
-                          device=device)
-        if json:
-            emit_json(r)
-            return
-        from .report import outlier_tables
-
-        for t in outlier_tables(r, src, other):
-            show(t)
-        say_device(r["device"])
+        return print_outliers(src, other, read_text(text), options, json)
+    info = describe(src, options.allow_pickle)
+    if json:
+        emit_json(info)
         return
+    from .report import inspect_tables
+
+    for t in inspect_tables(info, src):
+        show(t)
+
+
+def print_outliers(src: str, other: str | None, text: str | None, options: InspectOptions, json: bool) -> None:
+    """``inspect --outliers``: the figures of ``src`` (and ``other``), as JSON or tables."""
+    from ..commands.verify import outliers as outlier_stats
+
+    r = outlier_stats(src, other, options, text=text)
+    if json:
+        emit_json(r)
+        return
+    from .report import outlier_tables
+
+    for t in outlier_tables(r, src, other):
+        show(t)
+    say_device(r["device"])
+
+
+def describe(src: str, allow_pickle: bool) -> dict:
+    """What ``inspect`` says of checkpoint ``src``: architecture, layout, dead units, passes."""
     from ..io import checkpoint
     from .. import passes as _passes
     from ..core import registry  # noqa: F401  (the built-in passes)
@@ -69,7 +79,7 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
 
     model = checkpoint.load(src, allow_pickle=allow_pickle)
     lay = layout(model)
-    info = {
+    return {
         "architecture": type(model).__name__, "family": lay.family, "placement": lay.placement,
         "norm": ", ".join(sorted({s.kind + (f" (gain = {s.offset:g} + w)" if s.offset else "") for s in lay.norms})),
         "hidden_size": lay.hidden_size, "stream_width": lay.stream_width, "objective": lay.objective,
@@ -83,13 +93,6 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
         "passes": {p.name: (p.applies(model, lay) or "applies") for p in registry.all_passes()},
         "dead": asdict(dead_units(model, lay)) if lay.attention else None,
     }
-    if json:
-        emit_json(info)
-        return
-    from .report import inspect_tables
-
-    for t in inspect_tables(info, src):
-        show(t)
 
 
 def _norm_sites(lay) -> list[dict]:

@@ -42,7 +42,7 @@ from ..io.checkpoint import Source
 from ..core.errors import SurgeryError
 from ..core.families import family
 from ..core.layout import LM_OBJECTIVES
-from ..core.options import MAX_SHARD_SIZE, ON_OVERFLOW, PROBE_LENGTH, PROBE_SAMPLES
+from ..core.options import PROBE_LENGTH, PROBE_SAMPLES, ConvertOptions, options_of
 from ..core.parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, output_kind, probe_ids
 from ..engine.check import Check, Reader, Tolerances, source_reader
 from ..engine.plan import StepSpec, check_applies, check_before_reading, plan, steps_of
@@ -53,6 +53,7 @@ from ..io.texts import text_of
 from ..core.registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
 from ..engine.training import heldout_ce, is_main_process, train
 from ..engine.writer import save_work
+from .verify import as_dtype
 
 
 @dataclass
@@ -207,20 +208,21 @@ def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, strea
     return why
 
 
-def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
-            verify: bool = True, work_dtype: torch.dtype | None = None, text: str | Path | None = None,
-            tolerance: float | None = None, max_shard_size: str = MAX_SHARD_SIZE,
-            progress: Progress = no_progress, streaming: bool | None = None,
-            on_overflow: str = ON_OVERFLOW[0], allow_pickle: bool = False, device: str = "auto") -> Result:
-    """Read ``src``, apply ``passes``, save to ``out`` atomically, checked (see the module docstring).
-    Rewrites, forwards and training run on ``device`` (``devices``: each part moved there as it is
-    read, written from host memory).
+def convert(src, out, passes: list[tuple[str, dict[str, Any]]], options: ConvertOptions | None = None, *,
+            text: str | Path | None = None, progress: Progress = no_progress, **keywords) -> Result:
+    """Read ``src``, apply ``passes``, save to ``out`` atomically, checked (see the module docstring),
+    with ``options`` (``ConvertOptions``, or its fields as ``keywords``: ``force=True``). Rewrites,
+    forwards and training run on ``device`` (each part moved there as it is read, written from host memory).
 
     ``streaming``: True rewrites one part at a time (blockwise passes only), False loads the whole
     model, None chooses (the result's ``streaming`` says why). ``on_overflow``: what to do with a
     rewritten tensor that does not fit a half-precision storage dtype (``precision``): refuse, or
     keep it in float32. ``text``: the checks' text (default: the bundled sample), a ``str`` being
     the text itself and a ``pathlib.Path`` a file to read."""
+    o = options_of(ConvertOptions, options, keywords)
+    force, verify, tolerance, streaming, on_overflow = o.force, o.verify, o.tolerance, o.streaming, o.on_overflow
+    work_dtype, max_shard_size, allow_pickle, device = as_dtype(o.work_dtype), o.max_shard_size, o.allow_pickle, \
+        o.device
     text = text_of(text)
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")

@@ -17,7 +17,7 @@ import torch
 from ..core import analysis, devices, memory
 from ..io.checkpoint import Source, load
 from ..core.errors import SurgeryError
-from ..core.options import OUTLIER_SAMPLES, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
+from ..core.options import PROBE_LENGTH, InspectOptions, VerifyOptions, options_of
 from ..core.families import FAMILIES, architecture, objective, positions, stock_class_of
 from ..core.parity import Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs, probe_ids
 from ..engine.check import Tolerances, model_reader, source_reader
@@ -50,70 +50,72 @@ def probe_length(positions: int | None, length: int | None) -> int:
     return length
 
 
-def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32, tolerance: float | None = None,
-           n: int = PROBE_SAMPLES, length: int | None = None, generate: int = PROBE_GENERATE,
-           per_layer: bool = False, streaming: bool | None = None, allow_pickle: bool = False,
-           device: str = "auto") -> Comparison:
-    """Run ``b`` against the reference ``a`` in ``dtype`` and compare: checkpoints (paths, hub ids
+def as_dtype(dtype) -> torch.dtype | None:
+    """A dtype option (``VerifyOptions.dtype``, ``ConvertOptions.work_dtype``): a name or a torch.dtype."""
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def verify(a, b, options: VerifyOptions | None = None, *, text: str | None = None, **keywords) -> Comparison:
+    """Run ``b`` against the reference ``a`` in ``options.dtype`` and compare (``options``:
+    ``VerifyOptions``; ``keywords``: its fields, e.g. ``generate=0``): checkpoints (paths, hub ids
     or Sources), read onto ``device`` (``devices``), or models in memory (compared where they are).
 
     ``streaming`` (checkpoints only): True reads one part at a time (no generation, no per-layer
     figures), None does so when the two would not fit in memory together; the comparison's
     ``streaming`` says why."""
+    o = options_of(VerifyOptions, options, keywords)
     if isinstance(a, torch.nn.Module) and isinstance(b, torch.nn.Module):
-        return compare_models(a, b, text=text, dtype=dtype, tolerance=tolerance, n=n, length=length,
-                              generate=generate, per_layer=per_layer)
-    sa, sb = Source.open(a, allow_pickle, any_family=True), Source.open(b, allow_pickle, any_family=True)
+        return compare_models(a, b, o, text=text)
+    sa, sb = Source.open(a, o.allow_pickle, any_family=True), Source.open(b, o.allow_pickle, any_family=True)
     check_comparable(sa, sb)
-    where = devices.choose(device)
-    why = _streaming(sa, sb, dtype, streaming, where)
+    where, dtype = devices.choose(o.device), as_dtype(o.dtype)
+    why = _streaming(sa, sb, dtype, o.streaming, where)
     if sa.family not in FAMILIES:
-        return _verify_stock(sa, sb, why, text=text, dtype=dtype, tolerance=tolerance, n=n, length=length,
-                             generate=generate, per_layer=per_layer, streaming=streaming, device=where)
-    ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, n, probe_length(sa.positions, length))
+        return _verify_stock(sa, sb, why, o, text, where)
+    ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, o.samples, probe_length(sa.positions, o.seq_len))
     read = source_reader(sa, ids, dtype, why is not None, where)
     if why is not None:
         reference = read()
         result = compare(reference, source_reader(sb, ids, dtype, True, where)(), sa.head_output)
     else:
         wa, wb = Work(sa, dtype, device=where), Work(sb, dtype, device=where)
-        result, reference = _compare_loaded(wa.load_all(), wb.load_all(), ids, generate, per_layer)
+        result, reference = _compare_loaded(wa.load_all(), wb.load_all(), ids, o.generate, o.per_layer)
         wa.close()
         wb.close()
-    Tolerances(read, ids, dtype, reference, tolerance, sa.head_output, why is not None, where,
+    Tolerances(read, ids, dtype, reference, o.tolerance, sa.head_output, why is not None, where,
                differ=lambda: differing(sa.index, sb.index)).judge(result, coarsest(sa.storage, sb.storage))
     result.streaming, result.device = why, devices.describe(where)
     return result
 
 
-def _verify_stock(sa: Source, sb: Source, why: str | None, *, text, dtype, tolerance, n, length, generate,
-                  per_layer, streaming, device: torch.device) -> Comparison:
+def _verify_stock(sa: Source, sb: Source, why: str | None, o: VerifyOptions, text: str | None,
+                  device: torch.device) -> Comparison:
     """``verify`` of two checkpoints of a family without an adapter: each loaded whole with its
     stock class, both run on the same probe and compared on what the class outputs (logits, or the
     last hidden state), greedy generation too for a causal LM, judged by ``parity``'s rules. What a
     tolerance needs measured is measured on the reference loaded again whole. Reading one part at a
     time (``why``: asked for, or the two would not fit in memory) and per-layer figures need the
     family's layout: refused, saying so."""
-    family = sa.family
-    if streaming:
+    family, dtype = sa.family, as_dtype(o.dtype)
+    if o.streaming:
         raise SurgeryError(f"--streaming reads one part at a time, which needs a family adapter (the parts follow "
                            f"its layout), and normsurgery has none for {family!r}: verify it in memory, without "
                            "--streaming")
     if why is not None:
         raise SurgeryError(f"normsurgery has no adapter for {family!r}, so verify compares such models whole in "
                            f"memory (reading one part at a time needs the family's layout), but {why}")
-    if per_layer:
+    if o.per_layer:
         raise _no_layers(family)
-    ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, n, probe_length(sa.positions, length))
+    ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, o.samples, probe_length(sa.positions, o.seq_len))
     ma, mb = load(sa, dtype, device=device), load(sb, dtype, device=device)
-    result, reference = _compare_loaded(ma, mb, ids, generate, False)
+    result, reference = _compare_loaded(ma, mb, ids, o.generate, False)
     output = output_kind(ma)
     del ma, mb  # a measurement below loads the reference again
 
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load=None) -> torch.Tensor:
         return model_reader(load(sa, dtype, device=device), ids)(jitter=jitter, on_load=on_load)
 
-    Tolerances(read, ids, dtype, reference, tolerance, output, False, device).judge(
+    Tolerances(read, ids, dtype, reference, o.tolerance, output, False, device).judge(
         result, coarsest(sa.storage, sb.storage))
     result.device = devices.describe(device)
     result.no_adapter = (f"no adapter for {family!r}: what the stock {sa.class_name} outputs was compared, both "
@@ -149,21 +151,20 @@ def _compare_loaded(a, b, ids: torch.Tensor, generate: int, per_layer: bool) -> 
     return result, reference
 
 
-def compare_models(a, b, *, text: str | None = None, dtype: torch.dtype | None = None,
-                   tolerance: float | None = None, n: int = PROBE_SAMPLES, length: int | None = None,
-                   generate: int = PROBE_GENERATE, per_layer: bool = False, tokenizer=None) -> Comparison:
-    """``verify`` of two models in memory (``dtype``: that of ``a`` unless given)."""
+def compare_models(a, b, options: VerifyOptions, *, text: str | None = None, tokenizer=None) -> Comparison:
+    """``verify`` of two models in memory, cast to ``options.dtype`` (None: that of ``a``)."""
+    o = options
     if stock_class_of(a) is not stock_class_of(b):
         raise SurgeryError(f"the models are of different classes ({stock_class_of(a).__name__} and "
                            f"{stock_class_of(b).__name__}): they do not output the same thing")
-    if per_layer and a.config.model_type not in FAMILIES:
+    if o.per_layer and a.config.model_type not in FAMILIES:
         raise _no_layers(a.config.model_type)
-    if dtype is not None:
-        a, b = a.to(dtype), b.to(dtype)
+    if o.dtype is not None:
+        a, b = a.to(as_dtype(o.dtype)), b.to(as_dtype(o.dtype))
     dtype = next(a.parameters()).dtype
-    ids = probe_ids(tokenizer, a.config.vocab_size, text, n, probe_length(positions(a.config), length))
-    result, reference = _compare_loaded(a, b, ids, generate, per_layer)
-    return Tolerances(model_reader(a, ids), ids, dtype, reference, tolerance, output_kind(a),
+    ids = probe_ids(tokenizer, a.config.vocab_size, text, o.samples, probe_length(positions(a.config), o.seq_len))
+    result, reference = _compare_loaded(a, b, ids, o.generate, o.per_layer)
+    return Tolerances(model_reader(a, ids), ids, dtype, reference, o.tolerance, output_kind(a),
                       differ=lambda: differing_parameters(a, b)).judge(result)
 
 
@@ -174,11 +175,12 @@ def differing_parameters(a, b) -> frozenset[str]:
                      or not torch.equal(p.detach().cpu(), pb[k].detach().to("cpu", p.dtype)))
 
 
-def outliers(a, b=None, *, text: str | None = None, n: int = OUTLIER_SAMPLES, length: int | None = None,
-             allow_pickle: bool = False, device: str = "auto") -> dict:
+def outliers(a, b=None, options: InspectOptions | None = None, *, text: str | None = None, **keywords) -> dict:
     """``analysis.outliers`` of checkpoint ``a`` and, when given, ``b`` (its rewrite: same blocks and
-    vocabulary), on the same ``n`` windows of ``text`` (default: the bundled sample), in float32:
-    {"a": ..., "b": ... or None}."""
+    vocabulary), on the same ``options.samples`` windows of ``text`` (default: the bundled sample), in
+    float32 (``options``: ``InspectOptions``; ``keywords``: its fields): {"a": ..., "b": ... or None}."""
+    o = options_of(InspectOptions, options, keywords)
+    n, length, allow_pickle, device = o.samples, o.seq_len, o.allow_pickle, o.device
     sa = Source.open(a, allow_pickle)
     sb = None if b is None else Source.open(b, allow_pickle)
     if sb is not None and sa.config.vocab_size != sb.config.vocab_size:

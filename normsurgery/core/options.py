@@ -10,7 +10,7 @@ A value out of range is named by its flag (:func:`flag`, the one place an option
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from .devices import HELP as DEVICE_HELP, PRECISION_CHOICES, PRECISION_HELP, PRECISIONS
@@ -57,6 +57,10 @@ OUTLIER_SAMPLES = 8
 FORMATS = ("onnx", "gguf", "nemotron-nas")
 #: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32)
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+#: export (ONNX): weights above this many bytes go to external data, model.onnx_data (protobuf caps a file at 2 GB)
+EXTERNAL_BYTES = 1 << 30
+#: export --with-past: greedy tokens generated through the key/value cache, compared with ``generate``'s
+CACHE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,10 @@ class Flag:
     ``given``: the flag defaults to None (not given: the dataclass's default applies, or a
     recipe's), else to the field's default, shown by --help; ``check``: the CLI's value check, by name
     (``cli.flags.CHECKS``); ``parse``: how the CLI's value becomes the field's (``cli.flags.PARSERS``);
-    the least whole number allowed is :data:`AT_LEAST`'s."""
+    the least whole number allowed is :data:`AT_LEAST`'s. ``param``: the command-line parameter's name
+    where it is not the field's (``tolerance`` is ``--tol``); ``negate``: the flag is ``--no-FIELD``,
+    its value the field's negation (``verify`` is ``--no-verify``); ``required``: the command line
+    must give it (the API has the field's default)."""
 
     help: str
     metavar: str | None = None
@@ -80,10 +87,18 @@ class Flag:
     parse: str | None = None
     given: bool = True
     envvar: str | None = None
+    param: str | None = None
+    negate: bool = False
+    required: bool = False
 
     def text(self, default: Any) -> str:
         """The help, its ``{default}``, ``{choices}`` and constants filled in."""
-        return self.help.format(default=shown(default), choices=one_of(self.choices, default), **HELP_VALUES)
+        listed = one_of(self.choices, None if self.required else default)
+        return self.help.format(default=shown(default), choices=listed, **HELP_VALUES)
+
+    def name(self, field_name: str) -> str:
+        """The command-line parameter's name for field ``field_name``."""
+        return self.param or (f"no_{field_name}" if self.negate else field_name)
 
 
 def option(default: Any = None, help: str = "", **flag) -> Any:
@@ -130,7 +145,8 @@ PRECISION_FLAG = {"help": PRECISION_HELP, "metavar": "auto|fp32|bf16|fp16", "che
 HELP_VALUES = {"SEQ_LEN": SEQ_LEN, "SQUEEZE_STEPS": SQUEEZE_STEPS, "SQUEEZE_THIRD": SQUEEZE_STEPS // 3,
                "LR_BY_TRAIN": ", ".join(f"{mode} {lr:g}" for mode, lr in LEARNING_RATES.items()),
                "PROBE_LENGTH": PROBE_LENGTH, "PROBE_SAMPLES": PROBE_SAMPLES, "PROBE_GENERATE": PROBE_GENERATE,
-               "OUTLIER_SAMPLES": OUTLIER_SAMPLES, "MAX_SHARD_SIZE": MAX_SHARD_SIZE}
+               "OUTLIER_SAMPLES": OUTLIER_SAMPLES, "MAX_SHARD_SIZE": MAX_SHARD_SIZE, "GGUF_DTYPE": GGUF_DTYPES[0],
+               "EXTERNAL_SIZE": f"{EXTERNAL_BYTES / 2**30:g} GiB", "CACHE_TOKENS": CACHE_TOKENS}
 
 
 def flag(name: str) -> str:
@@ -299,8 +315,110 @@ class Writing(Reading):
                          "written (not an ONNX export) is kept even if its reload check fails", given=False)
 
 
+#: convert --streaming/--in-memory (``convert.choose_plan``)
+STREAMING_HELP = ("read and rewrite one block at a time (default: convert streams when every pass is blockwise, else "
+                  "(a scan or training first) loads the model whole when it fits; verify streams only when the models "
+                  "do not fit); --in-memory loads it whole")
+
+
+@dataclass
+class ConvertOptions(Writing):
+    """convert's options (``commands.convert.convert``); the passes, the checks' text and the
+    progress are its arguments."""
+
+    verify: bool = option(True, "skip the logit checks", negate=True, given=False)
+    work_dtype: str | None = option(None, "float32 (default) or float64 for the rewrite (not half)", metavar="DTYPE",
+                             check="dtype")  # or a torch.dtype; None: float32 (float64 for float64 weights)
+    tolerance: float | None = option(None, "relative logit tolerance for exact passes (default by dtype)",
+                                     metavar="X", check="positive", param="tol")
+    max_shard_size: str = option(MAX_SHARD_SIZE, "largest safetensors shard, e.g. 500MB", metavar="SIZE",
+                                 check="size", given=False)
+    streaming: bool | None = option(None, STREAMING_HELP, names=("--streaming/--in-memory",))
+    on_overflow: str = option(ON_OVERFLOW[0], "a rewritten tensor that does not fit a float16/bfloat16 checkpoint "
+                              "(overflow, or small values lost): refuse and write nothing, or keep that tensor in "
+                              "float32 with a warning", metavar="|".join(ON_OVERFLOW), choices=ON_OVERFLOW,
+                              check="overflow", given=False)
+
+
+@dataclass
+class PassFlags:
+    """What convert gives every pass of its recipe that has the option (``registry``: each pass's
+    own options and limits); those not given are left to the recipe and the pass."""
+
+    fold: bool = option(False, "set fold=true on every pass that has the option", given=False)
+    steps: int | None = option(None, "trained passes: optimizer steps", metavar="N")
+    batch_size: int | None = option(None, "trained passes: windows per micro-batch and process", metavar="B")
+    seq_len: int | None = option(None, "trained passes: tokens per window", metavar="L")
+    lr: float | None = option(None, "trained passes: peak learning rate", metavar="X", check="positive")
+    resume: bool = option(False, "trained passes: continue an interrupted run", given=False)
+    precision: str | None = option(None, **PRECISION_FLAG)
+
+    def given(self) -> dict:
+        """``{option: value}`` of those given (a switch: only when on)."""
+        return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+
+
+@dataclass
+class VerifyOptions(Reading):
+    """verify's options (``commands.verify.verify``); the probe text is its argument."""
+
+    dtype: str = option("float32", "compute dtype: float64 checks the algebra; float32, float16, bfloat16",
+                        metavar="DTYPE", check="dtype", given=False)  # or a torch.dtype
+    tolerance: float | None = option(None, "relative tolerance (default: from the compute and storage dtypes)",
+                                     metavar="X", check="positive", param="tol")
+    samples: int = option(PROBE_SAMPLES, "number of token windows", metavar="K", given=False)
+    seq_len: int | None = option(None, "tokens per window (default: {PROBE_LENGTH}, or the model's positions when "
+                                 "fewer)", metavar="L")
+    generate: int = option(PROBE_GENERATE, "greedy tokens to compare (0: skip)", metavar="N", given=False)
+    per_layer: bool = option(False, "also compare every hidden state", names=("--layers",), param="layers",
+                             given=False)
+    streaming: bool | None = option(None, "read the checkpoints one block at a time, comparing only their outputs "
+                                    "(default: only when the two do not fit in memory together); --in-memory loads "
+                                    "each whole", names=("--streaming/--in-memory",))
+
+
+@dataclass
+class InspectOptions(Reading):
+    """inspect --outliers' options (``commands.verify.outliers``)."""
+
+    samples: int = option(OUTLIER_SAMPLES, "--outliers: token windows", metavar="K", given=False)
+    seq_len: int | None = option(None, "--outliers: tokens per window (default: {PROBE_LENGTH}, or the model's "
+                                 "positions when fewer)", metavar="L")
+
+
+@dataclass
+class ExportOptions(Reading):
+    """export's options (``exporters.export.export``, and ``gguf``'s and ``nemotron``'s); the check's text is
+    its argument."""
+
+    force: bool = option(False, "replace DEST if it exists: a GGUF file, or a folder holding only what an export or "
+                         "a convert writes (never a folder of other files)", given=False)
+    to: str = option(FORMATS[0], "{choices}", names=("--to", "--format"), metavar="FORMAT", choices=FORMATS,
+                     required=True)
+    dtype: str | None = option(None, "GGUF: the matrices' type, {choices} (default {GGUF_DTYPE})", metavar="TYPE",
+                               choices=GGUF_DTYPES)  # None: GGUF_DTYPES[0] (a GGUF option only)
+    external_data: bool | None = option(None, "weights beside the graph in model.onnx_data (default: when they "
+                                        "exceed {EXTERNAL_SIZE})", names=("--external-data/--no-external-data",))
+    with_past: bool = option(False, "decoders: key/value cache inputs and outputs, checked by {CACHE_TOKENS} greedy "
+                             "tokens against generate", given=False)
+    tolerance: float | None = option(None, "relative tolerance (default: float32 rounding)", metavar="X",
+                                     check="positive", param="tol")
+
+
+def options_of(cls, options=None, keywords: dict | None = None):
+    """The API's options: ``options`` (default ``cls()``) with ``keywords`` set, so that
+    ``convert(src, out, passes, force=True)`` and ``convert(src, out, passes, ConvertOptions(force=True))``
+    are one call."""
+    base = cls() if options is None else options
+    return replace(base, **keywords) if keywords else base
+
+
+__all__ += ["CACHE_TOKENS", "ConvertOptions", "EXTERNAL_BYTES", "ExportOptions", "InspectOptions", "PassFlags",
+            "VerifyOptions", "options_of"]
+
 #: each command's options dataclass (prune's --heal flags are HealOptions' too)
-COMMANDS = {"heal": HealOptions, "prune": PruneOptions, "squeeze": SqueezeOptions}
+COMMANDS = {"heal": HealOptions, "prune": PruneOptions, "squeeze": SqueezeOptions, "convert": ConvertOptions,
+            "verify": VerifyOptions, "inspect": InspectOptions, "export": ExportOptions}
 
 
 def field_names(cls) -> tuple[str, ...]:

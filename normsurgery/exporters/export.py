@@ -15,7 +15,7 @@ config and side files (tokenizer).
 ``with_past`` (decoders): the graph also takes the key/value cache (``past_key_values.L.key`` /
 ``.value``: batch, heads, past tokens, head dim; empty for a prompt) with an attention mask over
 past and new tokens, and returns the cache extended (``present.L.key`` / ``.value``). Besides the
-logits on the probe (empty cache), 16 tokens are generated greedily in ONNX Runtime (the prompt,
+logits on the probe (empty cache), ``CACHE_TOKENS`` tokens are generated greedily in ONNX Runtime (the prompt,
 then one token at a time through the cache) and must equal ``generate``'s in torch.
 """
 
@@ -34,7 +34,7 @@ from . import gguf
 from ..io import modelcard
 from ..io.checkpoint import finish, legacy_keys, load
 from ..core.errors import SurgeryError
-from ..core.options import FORMATS  # re-exported
+from ..core.options import CACHE_TOKENS, EXTERNAL_BYTES, FORMATS, ExportOptions, options_of  # noqa: F401  (API)
 from ..io.output import writing, written
 from ..core.parity import Comparison, compare, outputs, probe_ids, unpadded
 from ..engine.check import Tolerances, model_reader
@@ -44,8 +44,6 @@ from ..io.texts import text_of
 OPSET = 17
 GRAPH = "model.onnx"
 EXTERNAL = "model.onnx_data"
-#: weights above this many bytes go to external data (protobuf caps a file at 2 GB)
-EXTERNAL_BYTES = 1 << 30
 INSTALL = "pip install 'normsurgery[onnx]'"
 
 
@@ -114,35 +112,35 @@ def output_name(model) -> str:
     return "logits" if layout(model).head is not None else "last_hidden_state"
 
 
-def export(src, dest, *, to: str = FORMATS[0], text: str | Path | None = None, tolerance: float | None = None,
-           force: bool = False, external_data: bool | None = None, with_past: bool = False,
-           allow_pickle: bool = False, device: str = "auto", dtype: str | None = None):
-    """Export ``src`` to ``dest`` (see the module docstring); ``external_data``: None decides by
-    size; ``with_past``: the graph takes and returns the key/value cache (decoders), checked by
-    greedy generation as well. The torch side (reference outputs, ``generate``) computes on
-    ``device``; the graph is traced on the CPU, where ONNX Runtime runs it. Raises SurgeryError,
-    writing nothing, when ONNX Runtime's outputs are out of tolerance or its greedy tokens differ
-    from ``generate``'s. ``text``: the check's text
-    (default: the bundled sample), a ``str`` being the text itself and a ``pathlib.Path`` a file.
+def export(src, dest, options: ExportOptions | None = None, *, text: str | Path | None = None, **keywords):
+    """Export ``src`` to ``dest`` (see the module docstring) with ``options`` (``ExportOptions``;
+    ``keywords``: its fields, e.g. ``to="gguf"``); ``external_data``: None decides by size;
+    ``with_past``: the graph takes and returns the key/value cache (decoders), checked by greedy
+    generation as well. The torch side (reference outputs, ``generate``) computes on ``device``; the
+    graph is traced on the CPU, where ONNX Runtime runs it. Raises SurgeryError, writing nothing,
+    when ONNX Runtime's outputs are out of tolerance or its greedy tokens differ from ``generate``'s.
+    ``text``: the check's text (default: the bundled sample), a ``str`` the text, a ``Path`` a file.
     ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``: llama.cpp
     runs on the CPU, transformers' side on ``device``; the ONNX options do not apply).
     ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM (``nemotron.export``)."""
+    options = options_of(ExportOptions, options, keywords)
+    to, dtype, tolerance, force = options.to, options.dtype, options.tolerance, options.force
+    external_data, with_past, allow_pickle, device = (options.external_data, options.with_past, options.allow_pickle,
+                                                      options.device)
     text = text_of(text)
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
     if to == "gguf":
         if with_past or external_data is not None:
             raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
-        return gguf.export(src, dest, dtype=dtype or "f32", text=text, tolerance=tolerance, force=force,
-                           allow_pickle=allow_pickle, device=device)
+        return gguf.export(src, dest, options, text=text)
     if to == "nemotron-nas":
         if with_past or external_data is not None or dtype is not None:
             raise SurgeryError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "
                                "folder is stored in the checkpoint's dtype")
         from . import nemotron
 
-        return nemotron.export(src, dest, text=text, tolerance=tolerance, force=force, allow_pickle=allow_pickle,
-                               device=device)
+        return nemotron.export(src, dest, options, text=text)
     if dtype is not None:
         raise SurgeryError("--dtype is a GGUF option; an ONNX export is float32")
     require_onnx()
@@ -247,7 +245,7 @@ def run_graph(path: Path, ids: torch.Tensor, past: list[tuple] | None = None, *,
     return [torch.from_numpy(x).float() for x in graph.run(None, feed)]
 
 
-def greedy_agreement(model, path: Path, prompts: torch.Tensor, past: list[tuple], new_tokens: int = 16) -> float:
+def greedy_agreement(model, path: Path, prompts: torch.Tensor, past: list[tuple], new_tokens: int = CACHE_TOKENS) -> float:
     """Fraction of ``new_tokens`` greedy tokens after ``prompts`` on which ONNX Runtime (the
     prompt once, then one token at a time through the cache) and ``generate`` agree."""
     on = prompts.to(devices.of(model))

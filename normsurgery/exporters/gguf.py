@@ -62,7 +62,7 @@ from ..engine.check import read_outputs
 from ..io.checkpoint import Source
 from ..core.errors import SurgeryError
 from .gguf_write import Plan, plan, qtype, rounded, vocab, write
-from ..core.options import GGUF_DTYPES
+from ..core.options import GGUF_DTYPES, ExportOptions
 from ..io.output import _alive, output_lock
 from ..core.parity import Comparison, HeadInput, probe_ids
 from ..io.shards import inside
@@ -307,14 +307,17 @@ class Exported:
                 "tokenizer": self.tokenizer, "llama_cpp": self.llama_cpp, "ok": self.parity.ok}
 
 
-def export(src, dest, *, dtype: str = GGUF_DTYPES[0], text: str | None = None, tolerance: float | None = None,
-           force: bool = False, allow_pickle: bool = False, device: str = "auto",
+def export(src, dest, options: ExportOptions | None = None, *, text: str | None = None,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
     """``src`` written to the file ``dest`` in GGUF and checked in llama.cpp (module docstring),
-    transformers' side computed on ``device`` (llama.cpp's on the CPU); raises SurgeryError,
+    with ``options`` (``ExportOptions``: ``dtype``, None: ``GGUF_DTYPES[0]``), transformers' side
+    computed on its ``device`` (llama.cpp's on the CPU); raises SurgeryError,
     leaving nothing (no file, no folder), when the check fails. The file appears only once
     checked (a temporary file beside it, renamed), with its card ``dest.md`` beside it.
     ``change(name, values)``: a last change to each tensor written (tests: a wrong weight)."""
+    options = options or ExportOptions(to="gguf")
+    dtype, tolerance, force = options.dtype or GGUF_DTYPES[0], options.tolerance, options.force
+    allow_pickle, device = options.allow_pickle, options.device
     require_gguf()
     text = text_of(text)
     if dtype not in GGUF_DTYPES:

@@ -51,7 +51,7 @@ from ..io.checkpoint import Source, finish, load
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.layout import Layout
-from ..core.options import MAX_SHARD_SIZE
+from ..core.options import MAX_SHARD_SIZE, ExportOptions
 from ..io.output import writing, written
 from ..core.parity import Comparison, probe_ids
 from ..engine.runner import Job
@@ -267,13 +267,16 @@ class Exported:
                 "parity": self.parity.as_dict(), "greedy": self.greedy, "ok": self.parity.ok}
 
 
-def export(src, dest, *, text: str | None = None, tolerance: float | None = None, force: bool = False,
-           allow_pickle: bool = False, device: str = "auto", max_shard_size: str | int = MAX_SHARD_SIZE,
+def export(src, dest, options: ExportOptions | None = None, *, text: str | None = None,
+           max_shard_size: str | int = MAX_SHARD_SIZE,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
-    """``src`` written to the folder ``dest`` as a nemotron-nas checkpoint (module docstring) and
+    """``src`` written to the folder ``dest`` as a nemotron-nas checkpoint (module docstring) with
+    ``options`` (``ExportOptions``: ``tolerance``, ``force``, ``allow_pickle``, ``device``) and
     checked in MLX-LM; raises SurgeryError, leaving nothing, where the format cannot say the
     model or the check fails. ``change(name, tensor)``: a last change to each tensor written
     (tests: a wrong weight)."""
+    options = options or ExportOptions(to="nemotron-nas")
+    tolerance, force, allow_pickle, device = options.tolerance, options.force, options.allow_pickle, options.device
     from transformers.utils.hub import convert_file_size_to_int
 
     from . import mlx_check
