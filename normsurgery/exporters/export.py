@@ -124,25 +124,16 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | Path 
     runs on the CPU, transformers' side on ``device``; the ONNX options do not apply).
     ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM (``nemotron.export``)."""
     options = options_of(ExportOptions, options, keywords)
-    to, dtype, tolerance, force = options.to, options.dtype, options.tolerance, options.force
-    external_data, with_past, allow_pickle, device = (options.external_data, options.with_past, options.allow_pickle,
-                                                      options.device)
+    tolerance, force, external_data, with_past, allow_pickle, device = (
+        options.tolerance, options.force, options.external_data, options.with_past, options.allow_pickle, options.device)
     text = text_of(text)
-    if to not in FORMATS:
-        raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
-    if to == "gguf":
-        if with_past or external_data is not None:
-            raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
+    check_format(options)
+    if options.to == "gguf":
         return gguf.export(src, dest, options, text=text)
-    if to == "nemotron-nas":
-        if with_past or external_data is not None or dtype is not None:
-            raise SurgeryError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "
-                               "folder is stored in the checkpoint's dtype")
+    if options.to == "nemotron-nas":
         from . import nemotron
 
         return nemotron.export(src, dest, options, text=text)
-    if dtype is not None:
-        raise SurgeryError("--dtype is a GGUF option; an ONNX export is float32")
     require_onnx()
     job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device)
     source, where = job.source, job.device
@@ -177,6 +168,20 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | Path 
                                    external)
     c.device = devices.describe(where)
     return Exported(written(dest, stage, {}), name, OPSET, external, c, bool(past))
+
+
+def check_format(options: ExportOptions) -> None:
+    """Refuse a format not known, or options its format does not have."""
+    to = options.to
+    if to not in FORMATS:
+        raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
+    if to == "gguf" and (options.with_past or options.external_data is not None):
+        raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
+    if to == "nemotron-nas" and (options.with_past or options.external_data is not None or options.dtype is not None):
+        raise SurgeryError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "
+                           "folder is stored in the checkpoint's dtype")
+    if to == "onnx" and options.dtype is not None:
+        raise SurgeryError("--dtype is a GGUF option; an ONNX export is float32")
 
 
 def write_graph(model, folder: Path, external: bool, past: list[tuple] | None = None) -> None:

@@ -21,6 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..core.options import CACHE_TOKENS
 from ..core.registry import AUTO
 from ..core.version import __version__
 
@@ -179,7 +180,8 @@ def write_export(folder: Path, name: str, source: str, config, parity: dict, wit
              f"ONNX Runtime (CPU) against the torch model, float32, probe text: relative error {p['relative']:.2e}"
              + (f", top-1 agreement {p['top1']:.4f}" if p.get("top1") is not None else "")
              + f"; tolerance {_num(p.get('tolerance'))}: {p.get('reason') or 'none'}."
-             + (f" With the cache: {p['generation']:.0%} of 16 greedy tokens equal `generate`'s." if with_past else ""),
+             + (f" With the cache: {p['generation']:.0%} of {CACHE_TOKENS} greedy tokens equal `generate`'s."
+                if with_past else ""),
              "", "## How to run", "", "```python", "import onnxruntime, numpy as np",
              "session = onnxruntime.InferenceSession(\"PATH/model.onnx\")",
              "out = session.run(None, {\"input_ids\": ids, \"attention_mask\": np.ones_like(ids)"
