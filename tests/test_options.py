@@ -311,16 +311,21 @@ def test_every_commands_flags_are_its_options_models():
     assert checked >= 40, checked
 
 
+#: the flags of options models a command takes only some of (the others typed by hand, below)
+SOME_OF_VERIFY = Flags(VerifyOptions, only=("dtype", "tolerance"))
+SOME_OF_EXPORT = Flags(ExportOptions, only=("tolerance",))
+
+
 def test_a_flag_typed_by_hand_unlike_its_model_is_found():
     """The check above, on a command whose flags were typed by hand: a default, a help and the choices
     that are not the model's are each named, and so is a flag that repeats the model's by hand."""
-    def broken(options: Flags(VerifyOptions, only=("dtype", "tolerance")) = None,
+    def broken(options: SOME_OF_VERIFY = None,
                samples: int = typer.Option(options.PROBE_SAMPLES + 1, help="number of token windows"),
                generate: int = typer.Option(options.PROBE_GENERATE, help="greedy tokens to compare (0: skip)")):
         pass
 
     def unlike(to: str = typer.Option(..., "--to", help="onnx | gguf"),
-               options: Flags(ExportOptions, only=("tolerance",)) = None):
+               options: SOME_OF_EXPORT = None):
         pass
 
     fake = typer.Typer()
@@ -330,6 +335,9 @@ def test_a_flag_typed_by_hand_unlike_its_model_is_found():
     assert not [w for w in model_mismatches("verify", got["verify"]) if "--dtype" in w or "--tol" in w]
     said = model_mismatches("verify", got["verify"]) + model_mismatches("export", got["export"])
     assert {w.split(":")[0] for w in said} == {"verify --samples", "verify --generate", "export --to"}, said
+    kinds = {(w.split(":")[0], w.split(":")[1].split()[0]) for w in said}
+    assert {("verify --samples", "default"), ("export --to", "help"), ("export --to", "lists")} <= kinds, said
+    assert ("verify --generate", "default") not in kinds and ("verify --generate", "help") not in kinds, said
     expanded = typer.main.get_command(app).commands["verify"]
     samples = next(p for p in expanded.params if p.name == "samples")
     samples_default, samples_help = samples.default, samples.help
