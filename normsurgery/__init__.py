@@ -27,6 +27,7 @@ _API = {"layout": "core.families", "Layout": "core.layout", "NormSite": "core.la
         "load_recipe": "core.registry", "parse_pass": "core.registry", "SurgeryError": "core.errors", "passes": "passes",
         "register": "core.registry", "verify": "commands.verify", "outliers": "commands.verify", "prune": "commands.prune", "heal": "commands.heal",
         "PruneOptions": "core.options", "HealOptions": "core.options", "squeeze": "commands.squeeze", "SqueezeOptions": "core.options",
+        "Writing": "core.options",
         "export": "exporters.export", "lens": "commands.lens"}
 
 
@@ -50,4 +51,4 @@ sys.modules[__name__].__class__ = _Package
 
 __all__ = ["HealOptions", "Layout", "NormSite", "PruneOptions", "Source", "SurgeryError", "apply_passes", "convert",
            "export", "heal", "layout", "lens", "load", "load_recipe", "outliers", "parse_pass", "passes", "prune",
-           "register", "save", "squeeze", "SqueezeOptions", "verify"]
+           "register", "save", "squeeze", "SqueezeOptions", "verify", "Writing"]
