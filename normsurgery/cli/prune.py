@@ -15,6 +15,7 @@ from .heal import print_heal_steps, say_heldout
 #: own flags, which feed heal's options too (:data:`SHARED`)
 HEAL_FLAGS = ("steps", "rank", "lr", "target_modules", "grad_accum", "precision", "train")
 SHARED = ("seq_len", "batch_size", "eval_samples")
+HEALING = Flags(HealOptions, only=HEAL_FLAGS, prefix="heal: ")
 
 
 @dataclass
@@ -69,7 +70,7 @@ def prune(
     out: Path = OUT,
     options: Flags(PruneOptions) = None,
     asked: PruneAsked = None,
-    healing: Flags(HealOptions, only=HEAL_FLAGS, prefix="heal: ") = None,
+    healing: HEALING = None,
     run: Writing = None,
     json: bool = JSON,
 ):

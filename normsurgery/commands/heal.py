@@ -222,10 +222,11 @@ class HealResult:
 
 def run(model, tokenizer, train_ids, held, opts: HealOptions, *, accelerator=None, progress=no_progress,
         other: torch.Tensor | None = None):
-    """:func:`heal_model` with ``opts`` (merged unless ``opts.save_adapter``), reporting its steps to ``progress`` (stage "heal", the
-    running loss and when it evaluates as the note), and CE on as many fixed windows of the training
-    text as are held out, before and after (what :attr:`HealReport.cause` compares), and on
-    ``other`` (--eval-text's windows) when given; returns (model, report, wall seconds)."""
+    """:func:`heal_model` with ``opts`` (merged unless ``opts.save_adapter``), reporting its steps to
+    ``progress`` (stage "heal", the running loss and when it evaluates as the note), and CE on as
+    many fixed windows of the training text as are held out, before and after (what
+    :attr:`HealReport.cause` compares), and on ``other`` (--eval-text's windows) when given;
+    returns (model, report, wall seconds)."""
     progress("heal", 0, opts.steps, "evaluating held-out CE")
     mask_id = getattr(tokenizer, "mask_token_id", None)
     fit = windows(train_ids, opts.seq_len, len(held), "the training text")

@@ -35,7 +35,7 @@ from ..core.families import family, layout
 from .heal import HealOptions, HealReport, eval_text_record, heldout_record, recovery, summary, take_adapter, write_adapter
 from .heal import run as heal_run
 from ..core.layout import LM_OBJECTIVES
-from ..core.options import METHODS, PruneOptions, Writing, as_options  # noqa: F401  (METHODS, PruneOptions: the API's names)
+from ..core.options import METHODS, PruneOptions, Writing, as_options  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import output_kind, probe_ids
 from ..engine.check import Check, Tolerances, anchor
 from ..engine.sweep import Work

@@ -47,7 +47,7 @@ from .convert import apply_passes
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from .heal import Kept, heal_model, require_lm
-from ..core.options import STRUCTURES, SqueezeOptions, Writing, as_options  # noqa: F401  (STRUCTURES, SqueezeOptions: the API's names)
+from ..core.options import STRUCTURES, SqueezeOptions, Writing, as_options  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import probe_ids
 from ..engine.plan import check_applies
 from ..passes.mask import CALIBRATION
