@@ -57,7 +57,7 @@ def worker(args) -> dict:
     import accelerate  # noqa: F401  (imported before the baseline RSS, like everything heal uses)
     import peft  # noqa: F401
 
-    from normsurgery.commands.heal import heal_model, make_accelerator
+    from normsurgery.commands.heal import HealOptions, heal_model, make_accelerator
     from normsurgery.commands.prune import score_layers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,8 +87,8 @@ def worker(args) -> dict:
         train = torch.randint(0, vocab, (50_000,), generator=g)
         held = torch.randint(0, vocab, (2, args.seq), generator=g)
         acc = make_accelerator("auto", device)  # where the model is
-        _, report = heal_model(model, train, held, steps=args.steps, seq_len=args.seq, batch_size=args.batch,
-                               accelerator=acc)
+        opts = HealOptions(steps=args.steps, seq_len=args.seq, batch_size=args.batch)
+        _, report = heal_model(model, train, held, opts, accelerator=acc)
         out.update(tokens=report.tokens, seconds=report.seconds, tokens_per_second=report.tokens_per_second,
                    steps=report.steps, precision=report.mixed_precision,
                    trainable_parameters=report.trainable_parameters)

@@ -28,7 +28,7 @@ _API = {"layout": "core.families", "Layout": "core.layout", "NormSite": "core.la
         "register": "core.registry", "verify": "commands.verify", "outliers": "commands.verify", "prune": "commands.prune", "heal": "commands.heal",
         "PruneOptions": "core.options", "HealOptions": "core.options", "squeeze": "commands.squeeze", "SqueezeOptions": "core.options",
         "ConvertOptions": "core.options", "VerifyOptions": "core.options", "InspectOptions": "core.options",
-        "ExportOptions": "core.options",
+        "ExportOptions": "core.options", "Writing": "core.options",
         "export": "exporters.export", "lens": "commands.lens"}
 
 
@@ -52,4 +52,4 @@ sys.modules[__name__].__class__ = _Package
 
 __all__ = ["ConvertOptions", "ExportOptions", "HealOptions", "InspectOptions", "VerifyOptions", "Layout", "NormSite", "PruneOptions", "Source", "SurgeryError", "apply_passes", "convert",
            "export", "heal", "layout", "lens", "load", "load_recipe", "outliers", "parse_pass", "passes", "prune",
-           "register", "save", "squeeze", "SqueezeOptions", "verify"]
+           "register", "save", "squeeze", "SqueezeOptions", "verify", "Writing"]

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import normsurgery as ns
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
 from normsurgery.cli import app
-from normsurgery.commands.heal import heal_model, heldout_ce, linear_targets, target_pattern
+from normsurgery.commands.heal import HealOptions, heal_model, heldout_ce, linear_targets, target_pattern
 
 from conftest import assert_refused, causal_ce, marked_text, record_reads, window_starts
 from models import VOCAB, tiny_model, token_ids
@@ -34,8 +34,8 @@ def test_merged_adapters_are_a_plain_checkpoint_with_ties_kept(family, tmp_path)
     linears = len(linear_targets(model))
     stream, held = token_ids(1, 2000, seed=1)[0], token_ids(4, 32, seed=2)
     mask_id = VOCAB - 1 if family == "bert" else None
-    peft_model, report = heal_model(model, stream, held, steps=3, seq_len=32, batch_size=4, rank=4, lr=1e-2,
-                                    mask_token_id=mask_id, merge=False)
+    opts = HealOptions(steps=3, seq_len=32, batch_size=4, rank=4, lr=1e-2, save_adapter=True)
+    peft_model, report = heal_model(model, stream, held, opts, mask_token_id=mask_id)
     assert report.steps == 3 and report.tokens == 3 * 4 * 32 and report.target_modules == linears
     with torch.no_grad():
         expected = peft_model(input_ids=held).logits
@@ -188,7 +188,8 @@ def test_train_norms_changes_only_norm_parameters(family):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     is_norm = {n: n.rpartition(".")[0] in norm_modules for n in before}
     stream, held = token_ids(1, 2000, seed=1)[0], token_ids(4, 32, seed=2)
-    model, report = heal_model(model, stream, held, steps=3, seq_len=32, batch_size=4, lr=1e-2, train_mode="norms")
+    model, report = heal_model(model, stream, held, HealOptions(steps=3, seq_len=32, batch_size=4, lr=1e-2,
+                                                                        train="norms"))
     assert report.train == "norms" and report.trainable_parameters == sum(p.numel() for n, p in before.items()
                                                                             if is_norm[n])
     after = dict(model.named_parameters())
@@ -200,7 +201,8 @@ def test_train_full_changes_linears_and_counts_every_parameter():
     model = tiny_model("llama", torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     stream, held = token_ids(1, 2000, seed=1)[0], token_ids(4, 32, seed=2)
-    model, report = heal_model(model, stream, held, steps=2, seq_len=32, batch_size=4, lr=1e-2, train_mode="full")
+    model, report = heal_model(model, stream, held, HealOptions(steps=2, seq_len=32, batch_size=4, lr=1e-2,
+                                                                        train="full"))
     assert report.train == "full" and report.trainable_parameters == sum(p.numel() for p in model.parameters())
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert any(n.endswith("q_proj.weight") for n in changed) and any(n.endswith("down_proj.weight") for n in changed)

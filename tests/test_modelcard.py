@@ -135,8 +135,8 @@ def test_an_adapter_card_names_its_base_by_hub_id_only(tmp_path):
     src = tmp_path / "mine"
     shutil.copytree("normsurgery/demo/llama-tiny", src)
     (src / "README.md").write_text("---\nlicense: mit\nbase_model: org/base\n---\n# mine\n")
-    ns.heal(src, tmp_path / "adapter", bundled_text()[:20000], save_adapter=True,
-            options={"steps": 1, "seq_len": 32, "batch_size": 2, "eval_samples": 1})
+    ns.heal(src, tmp_path / "adapter", bundled_text()[:20000],
+            options={"steps": 1, "seq_len": 32, "batch_size": 2, "eval_samples": 1, "save_adapter": True})
     header, body = card(tmp_path / "adapter")
     assert header == {"base_model": "org/base", "license": "mit", "library_name": "peft",
                       "tags": ["normsurgery", "lora", "peft", "llama", "heal"]}

@@ -21,7 +21,7 @@ from normsurgery.cli import app
 from normsurgery.cli.flags import Flags, expand
 from normsurgery.core.errors import SurgeryError
 from normsurgery.core.options import (ConvertOptions, ExportOptions, HealOptions, InspectOptions, PruneOptions,
-                                     SqueezeOptions, VerifyOptions)
+                                     SqueezeOptions, VerifyOptions, Writing)
 
 LLAMA = "normsurgery/demo/llama-tiny"
 SAMPLE = "normsurgery/data/sample.txt"
@@ -129,6 +129,36 @@ def test_no_flag_gives_the_apis_defaults(tmp_path, stubbed):
     assert kw["options"] == SqueezeOptions()
     args, _ = called(stubbed, "convert", run("convert", LLAMA, out, "--pass", "flashnorm"))
     assert args[1] == ConvertOptions() and args[1].on_overflow == options.ON_OVERFLOW[0]
+
+
+WRITING = ["--force", "--allow-pickle", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("command, before", [("heal", ["--text", SAMPLE]), ("prune", ["--layers", 1]),
+                                             ("squeeze", ["--text", SAMPLE])])
+def test_the_api_takes_the_clis_writing_flags_as_one_object(tmp_path, stubbed, command, before):
+    """--force, --allow-pickle and --device reach the API as the one ``Writing`` its ``io`` takes."""
+    _, kw = called(stubbed, command, run(command, LLAMA, tmp_path / "out", *before, *WRITING))
+    assert kw["io"] == Writing(force=True, allow_pickle=True, device="cpu")
+    _, kw = called(stubbed, command, run(command, LLAMA, tmp_path / "out", *before))
+    assert kw["io"] == Writing()
+
+
+def test_a_flag_prune_shares_with_heal_feeds_both(tmp_path, stubbed):
+    """--seq-len, --batch-size and --eval-samples are prune's flags; given, heal's options take them too."""
+    args, kw = called(stubbed, "prune", run("prune", LLAMA, tmp_path / "out", "--layers", 1, "--heal", "--seq-len", 16,
+                                            "--batch-size", 2, "--eval-samples", 3, "--save-adapter"))
+    shared = {"seq_len": 16, "batch_size": 2, "eval_samples": 3}
+    assert args[0] == PruneOptions(layers=1, **shared) and kw["heal"] == HealOptions(save_adapter=True, **shared)
+
+
+def test_prunes_method_is_checked_in_one_place_for_the_cli_and_the_api(tmp_path):
+    said = "unknown method 'angulr' (did you mean 'angular'?); choose one of angular, block-influence, last"
+    with pytest.raises(SurgeryError) as e:
+        PruneOptions(method="angulr").check()
+    assert str(e.value) == said
+    r = run("prune", LLAMA, tmp_path / "out", "--layers", 1, "--method", "angulr")
+    assert r.exit_code == 1 and r.output.strip() == f"error: {said}" and not (tmp_path / "out").exists()
 
 
 def value(got, name, key):

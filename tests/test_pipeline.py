@@ -390,7 +390,7 @@ def test_streaming_prune_copies_the_in_memory_result(tmp_path, demo):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(f"normsurgery/demo/{demo}/{f}", src / f)
     mem = ns.prune(src, tmp_path / "mem", {"layers": 1, "seq_len": 16, "samples": 3})
-    got = ns.prune(src, tmp_path / "stream", {"layers": 1, "seq_len": 16, "samples": 3}, streaming=True)
+    got = ns.prune(src, tmp_path / "stream", {"layers": 1, "seq_len": 16, "samples": 3, "streaming": True})
     assert torch.allclose(got.scores.angular, mem.scores.angular, atol=1e-6)
     assert torch.allclose(got.scores.influence, mem.scores.influence, atol=1e-6)
     assert got.removed["kept"] == mem.removed["kept"] and got.streaming and not mem.streaming
@@ -645,7 +645,7 @@ def test_an_untouched_part_is_never_read(tmp_path, monkeypatch, copies):
     monkeypatch.setattr(shards.Reader, "read_into", spying)
     monkeypatch.setattr(writer, "write_parts", spied_write)
     opts = {"layers": 1, "method": "last", "seq_len": 16}
-    got = ns.prune(src, tmp_path / "stream", opts, streaming=True)
+    got = ns.prune(src, tmp_path / "stream", {**opts, "streaming": True})
     assert reads == [] and copies["added"] == [] and len(copies["copied"]) == len(raw(tmp_path / "stream"))
     ns.prune(src, tmp_path / "mem", opts)
     assert raw(tmp_path / "stream") == raw(tmp_path / "mem")
@@ -684,7 +684,7 @@ def test_a_copied_tensor_is_still_checked_for_nan(tmp_path, monkeypatch):
     (src / "model.safetensors.index.json").unlink()
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ns.SurgeryError, match=f"^{re.escape(str(src))} holds NaN or Inf weights: {name}"):
-        ns.prune(src, tmp_path / "out", {"layers": 1, "method": "last", "seq_len": 16}, streaming=True)
+        ns.prune(src, tmp_path / "out", {"layers": 1, "method": "last", "seq_len": 16, "streaming": True})
     assert raised  # refused while copying
 
 
@@ -899,8 +899,8 @@ def test_streamed_prune_compares_no_more_states_at_once(tmp_path, monkeypatch):
             return real(states, weight, ang, cos_adj)
 
         monkeypatch.setattr(prune_mod, "_accumulate", counted)
-        ns.prune(src, tmp_path / f"out{streaming}", {"layers": 1, "samples": 8, "batch_size": 2, "seq_len": 16},
-                 streaming=streaming)
+        ns.prune(src, tmp_path / f"out{streaming}", {"layers": 1, "samples": 8, "batch_size": 2, "seq_len": 16,
+                                                     "streaming": streaming})
     assert 0 < held[True] <= held[False], held
 
 
@@ -924,7 +924,7 @@ def test_streamed_prune_holds_no_more_states_than_the_model(tmp_path, monkeypatc
         return real(model, ids, mask)
 
     monkeypatch.setattr(prune_mod, "forward_base", counted)
-    ns.prune(src, tmp_path / "out", {"layers": 1, "samples": int(samples), "seq_len": 32}, streaming=True)
+    ns.prune(src, tmp_path / "out", {"layers": 1, "samples": int(samples), "seq_len": 32, "streaming": True})
     assert len(held) > 1 and max(held) <= model_bytes and sum(held) == samples * per_window, (held, model_bytes)
 
 

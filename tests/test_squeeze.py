@@ -21,7 +21,7 @@ from normsurgery.core import masks
 from normsurgery.cli import app
 from normsurgery.core.families import layout
 from normsurgery.core.norms import faithful_norms
-from normsurgery.commands.squeeze import SqueezeOptions, release, squeeze_model
+from normsurgery.commands.squeeze import Setup, SqueezeOptions, release, squeeze_model
 
 from models import rel, tiny_model, token_ids, torchrun_cli
 
@@ -112,7 +112,7 @@ def test_every_cycle_minimize_is_exact_float64_and_reaches_the_target(family):
     p0 = sum(p.numel() for p in model.parameters())
     train_ids, held = token_ids(1, 3000, seed=1)[0], token_ids(4, 16, seed=2)
     opts = SqueezeOptions(target=0.5, cycles=2, steps_per_cycle=2, sparsity=0.3, **SMALL)
-    model, result = squeeze_model(model, train_ids, held, opts, storage_bytes=4)
+    model, result = squeeze_model(model, train_ids, held, opts, Setup(4))
     assert [c.cycle for c in result.cycles] == [1, 2]
     for c in result.cycles:
         assert c.minimize_relative <= 1e-10 and c.minimize_tolerance == 1e-10
@@ -126,7 +126,7 @@ def test_an_unreachable_goal_is_refused_with_the_reason():
     model = tiny_model("llama", torch.float32)
     opts = SqueezeOptions(target=0.1, cycles=1, steps_per_cycle=1, structure=("heads",), **SMALL)
     with pytest.raises(ns.SurgeryError, match=r"masking 95% of the heads leaves .* more than this cycle's goal"):
-        squeeze_model(model, token_ids(1, 500)[0], token_ids(2, 16), opts, storage_bytes=4)
+        squeeze_model(model, token_ids(1, 500)[0], token_ids(2, 16), opts, Setup(4))
 
 
 @pytest.mark.parametrize("family, reason", [("mixtral", "mixture of experts"), ("gemma2", "sandwich norms"),
@@ -135,8 +135,8 @@ def test_a_family_minimize_refuses_is_refused_before_any_work(family, reason):
     opts = SqueezeOptions(cycles=1, steps_per_cycle=1, **SMALL)
     calls = []
     with pytest.raises(ns.SurgeryError, match=f"squeeze: pass minimize does not apply.*{reason}"):
-        squeeze_model(tiny_model(family, torch.float32), token_ids(1, 500)[0], token_ids(2, 16), opts,
-                      storage_bytes=4, progress=lambda *a: calls.append(a))
+        squeeze_model(tiny_model(family, torch.float32), token_ids(1, 500)[0], token_ids(2, 16), opts, Setup(4),
+                      progress=lambda *a: calls.append(a))
     assert calls == []  # nothing was measured or masked first
 
 

@@ -8,7 +8,6 @@ receives what was given on the command line (:class:`Given`), from which it buil
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import inspect
 import typing
@@ -17,7 +16,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from ..core import devices
-from ..core.options import AT_LEAST, ON_OVERFLOW, Flag, Writing, default_of, flagged
+from ..core.options import AT_LEAST, ON_OVERFLOW, Flag, Writing, default_of, did_you_mean, flagged
 
 #: the options every command that reads (or writes) a checkpoint shares: listed after a command's own
 SHARED = frozenset(f.name for f in dataclasses.fields(Writing))
@@ -64,15 +63,6 @@ def _split_parts(value: str | None) -> tuple[str, ...] | None:
 
 
 DTYPES = ("float64", "float32", "float16", "bfloat16")
-
-
-def did_you_mean(name: str, choices) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices`` (case, - and _ ignored), or ''."""
-    choices = list(choices)
-    key = name.lower().replace("_", "-")
-    close = [c for c in choices if c.lower().replace("_", "-") == key]
-    close = close or difflib.get_close_matches(key, choices, 1, 0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def dtype_option(value: str | None) -> str | None:
@@ -183,6 +173,8 @@ def parameter(flags: Flags, f) -> inspect.Parameter:
     kw = {"metavar": flag.metavar, "help": flags.prefix + flag.text(default_of(f))}
     if name in AT_LEAST and not isinstance(default_of(f), bool):
         kw["min"] = AT_LEAST[name]
+    if flag.least is not None:
+        kw["min"] = flag.least
     if flag.check:
         kw["callback"] = CHECKS[flag.check]
     if flag.envvar:

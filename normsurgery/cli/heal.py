@@ -7,13 +7,9 @@ from typing import Optional
 
 import typer
 
-from ..core.options import LEARNING_RATES, HealOptions, Writing, defaults
+from ..core.options import HealOptions, Writing
 from .app import JSON, claimed, command, emit_json, progress_bar, read_text, say, say_device, show, stderr
-from .flags import IN, OUT
-
-#: heal's options and defaults: ``HealOptions``' own (options.py loads no torch, so --help needs none)
-HEAL_DEFAULTS = defaults(HealOptions)
-LR_HELP = ", ".join(f"{mode} {lr:g}" for mode, lr in LEARNING_RATES.items())
+from .flags import OUT
 
 
 def print_heal_steps(report, seconds: float) -> None:
@@ -41,7 +37,7 @@ def say_heldout(on: str, record: dict) -> None:
 
 @command
 def heal(
-    src: str = IN,
+    src: str = typer.Argument(..., metavar="IN", help="input checkpoint (a pruned one, typically)"),
     out: Path = OUT,
     text: Path = typer.Option(..., metavar="FILE", help="training text; its last --eval-fraction is held out"),
     eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="a second text the healing never reads: the "
@@ -55,11 +51,11 @@ def heal(
     """LoRA on the remaining linears (LM loss; MLM for BERT), merge, save a plain checkpoint."""
     from ..commands.heal import heal as heal_checkpoint
 
-    options.check(save_adapter_)
+    options.save_adapter = save_adapter_
+    options.check()
     body, held_text = read_text(text), read_text(eval_text)
     with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
-        result = heal_checkpoint(source, out, body, eval_text=held_text, options=options, save_adapter=save_adapter_,
-                                 force=run.force, progress=progress, device=run.device)
+        result = heal_checkpoint(source, out, body, eval_text=held_text, options=options, io=run, progress=progress)
     if result.saved is None:  # a secondary process of a distributed run
         return
     if json:

@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-import typer
 
 from ..core.errors import SurgeryError
-from ..core.options import AT_LEAST, METHODS, TRAIN_MODES, HealOptions, PruneOptions, defaults
-from .app import ALLOW_PICKLE, DEVICE, FORCE, JSON, PRECISION, SEQ_LEN_HELP, claimed, command, did_you_mean, emit_json, merge, one_of, open_unit, positive, progress_bar, read_text, say, say_device, show, split_names
-from .heal import HEAL_DEFAULTS, LR_HELP, print_heal_steps, say_heldout
+from ..core.options import EVAL_FRACTION, HealOptions, PruneOptions, Writing, did_you_mean, flagged, option
+from .app import JSON, claimed, command, emit_json, progress_bar, read_text, say, say_device, show
+from .flags import IN, OUT, Flags, Given
+from .heal import print_heal_steps, say_heldout
 
-#: prune's options and defaults: ``PruneOptions``' own (options.py loads no torch, so --help needs none)
-PRUNE_DEFAULTS = defaults(PruneOptions)
-P, H = PruneOptions, HealOptions  # their fields' defaults, for the help
+#: the heal flags prune takes, each help prefixed "heal: "; seq_len, batch_size and eval_samples are prune's
+#: own flags, which feed heal's options too (:data:`SHARED`)
+HEAL_FLAGS = ("steps", "rank", "lr", "target_modules", "grad_accum", "precision", "train")
+SHARED = ("seq_len", "batch_size", "eval_samples")
+HEALING = Flags(HealOptions, only=HEAL_FLAGS, prefix="heal: ")
+
+
+@dataclass
+class PruneAsked:
+    """What prune's command line takes besides prune's and heal's options: texts, files, switches."""
+
+    text: Path | None = option(None, f"calibration (and healing) text, its last {EVAL_FRACTION:.0%} held out for CE; "
+                               "default: bundled Shakespeare", metavar="FILE")
+    eval_text: Path | None = option(None, "a second text for CE (original, pruned, healed), beside the held-out last "
+                                    f"{EVAL_FRACTION:.0%} of --text", metavar="FILE")
+    plot: Path | None = option(None, "also draw the scores into this PNG", metavar="PNG")
+    recipe: Path | None = option(None, "a TOML recipe with [prune] (and [heal]) tables", metavar="FILE")
+    streaming: bool = option(PruneOptions.streaming, "score and copy one block at a time (default {default}; models "
+                             "larger than memory; no cross-entropy figures, no --heal)", given=False)
+    heal: bool = option(False, "heal with LoRA after pruning (see `heal --help`)", given=False)
+    save_adapter_: bool = option(False, "heal: keep the adapter in OUT/adapter, unmerged", names=("--save-adapter",),
+                                 given=False)
 
 
 def load_prune_recipe(path: Path) -> tuple[dict, dict | None]:
@@ -24,86 +42,55 @@ def load_prune_recipe(path: Path) -> tuple[dict, dict | None]:
     data = read_recipe(path)
     if not isinstance(data.get("prune"), dict):
         raise SurgeryError(f"recipe {path} needs a [prune] table")
-    for table, known in (("prune", PRUNE_DEFAULTS), ("heal", HEAL_DEFAULTS)):
+    for table, cls in (("prune", PruneOptions), ("heal", HealOptions)):
+        known = [f.name for f in flagged(cls)]
         for key in set(data.get(table) or {}) - set(known):
             raise SurgeryError(f"recipe {path}: [{table}] has no option {key}{did_you_mean(key, known)}; "
                                f"options: {', '.join(known)}")
     return data["prune"], data.get("heal")
 
 
+def built(options: Given, healing: Given, asked: PruneAsked) -> tuple[PruneOptions, HealOptions | None]:
+    """prune's options and, to heal, heal's (None: no healing): the flags given, then the recipe's
+    ``[prune]`` and ``[heal]`` tables, then the defaults; a shared flag given feeds both, checked."""
+    prune_recipe, heal_recipe = load_prune_recipe(asked.recipe) if asked.recipe else ({}, None)
+    opts = options.build(prune_recipe, streaming=asked.streaming)
+    opts.check()
+    if not asked.heal and heal_recipe is None:
+        return opts, None
+    shared = {k: v for k, v in options.values.items() if k in SHARED}
+    heal = healing.build(heal_recipe, save_adapter=asked.save_adapter_, **shared)
+    heal.check()
+    return opts, heal
+
+
 @command
 def prune(
-    src: str = typer.Argument(..., metavar="IN", help="input checkpoint: a folder or a cached hub id"),
-    out: Path = typer.Argument(..., metavar="OUT", help="output folder, written atomically (never inside IN)"),
-    layers: Optional[int] = typer.Option(None, "--layers", "-n", min=AT_LEAST["layers"], metavar="N",
-                                         help="how many layers to remove"),
-    fraction: Optional[float] = typer.Option(None, callback=open_unit, metavar="F",
-                                             help="or: the fraction of layers to remove (rounded)"),
-    method: Optional[str] = typer.Option(None, metavar="METHOD", help=one_of(METHODS, P.method)),
-    text: Optional[Path] = typer.Option(None, metavar="FILE", help="calibration (and healing) text, its last "
-                                             f"{H.eval_fraction:.0%} held out for CE; default: bundled Shakespeare"),
-    samples: Optional[int] = typer.Option(None, min=AT_LEAST["samples"], metavar="K",
-                                          help=f"calibration windows (default {P.samples})"),
-    seq_len: Optional[int] = typer.Option(None, min=AT_LEAST["seq_len"], metavar="L", help=SEQ_LEN_HELP),
-    batch_size: Optional[int] = typer.Option(None, min=AT_LEAST["batch_size"], metavar="B",
-                                             help="windows per forward pass and per heal "
-                                                                            f"micro-batch (default {P.batch_size})"),
-    plot: Optional[Path] = typer.Option(None, metavar="PNG", help="also draw the scores into this PNG"),
-    heal: bool = typer.Option(False, "--heal", help="heal with LoRA after pruning (see `heal --help`)"),
-    eval_text: Optional[Path] = typer.Option(None, metavar="FILE", help="a second text for CE (original, pruned, "
-                                             f"healed), beside the held-out last {H.eval_fraction:.0%} of --text"),
-    eval_samples: Optional[int] = typer.Option(None, min=AT_LEAST["eval_samples"], metavar="K",
-                                               help=f"held-out windows at most (default {P.eval_samples})"),
-    steps: Optional[int] = typer.Option(None, min=AT_LEAST["steps"], metavar="N",
-                                        help=f"heal: optimizer steps (default {H.steps})"),
-    rank: Optional[int] = typer.Option(None, min=AT_LEAST["rank"], metavar="R",
-                                       help=f"heal: LoRA rank (default {H.rank})"),
-    lr: Optional[float] = typer.Option(None, callback=positive, metavar="X",
-                                      help=f"heal: learning rate (default by --train: {LR_HELP})"),
-    target_modules: Optional[list[str]] = typer.Option(None, metavar="NAMES", help="heal: linears to adapt, by name "
-                                                       "(default: all in the blocks)"),
-    grad_accum: Optional[int] = typer.Option(None, min=AT_LEAST["grad_accum"], metavar="K",
-                                             help=f"heal: gradient-accumulation steps (default {H.grad_accum})"),
-    precision: Optional[str] = PRECISION,
-    device: str = DEVICE,
-    train: Optional[str] = typer.Option(None, metavar="WHAT",
-                                        help=f"heal: what trains: {one_of(TRAIN_MODES, H.train)}; "
-                                        "see `heal --help`"),
-    save_adapter_: bool = typer.Option(False, "--save-adapter", help="heal: keep the adapter in OUT/adapter, unmerged"),
-    recipe: Optional[Path] = typer.Option(None, metavar="FILE", help="a TOML recipe with [prune] (and [heal]) tables"),
-    force: bool = FORCE,
-    streaming: bool = typer.Option(False, "--streaming", help="score and copy one block at a time (models larger "
-                                   "than memory; no cross-entropy figures, no --heal)"),
-    allow_pickle: bool = ALLOW_PICKLE,
+    src: str = IN,
+    out: Path = OUT,
+    options: Flags(PruneOptions) = None,
+    asked: PruneAsked = None,
+    healing: HEALING = None,
+    run: Writing = None,
     json: bool = JSON,
 ):
     """Remove the layers that change the residual stream least; optionally heal; save."""
     from ..commands.prune import prune as prune_checkpoint
 
-    prune_recipe, heal_recipe = load_prune_recipe(recipe) if recipe else ({}, None)
-    p = merge(PRUNE_DEFAULTS, prune_recipe, {"layers": layers, "fraction": fraction, "method": method,
-                                             "samples": samples, "seq_len": seq_len, "batch_size": batch_size,
-                                             "eval_samples": eval_samples})
-    if p["method"] not in METHODS:
-        raise SurgeryError(f"unknown method {p['method']!r}{did_you_mean(p['method'], METHODS)}; "
-                           f"choose one of {', '.join(METHODS)}")
-    opts = PruneOptions(**p)
-    opts.check()
-    h = None
-    if heal or heal_recipe is not None:
-        h = HealOptions(**merge(HEAL_DEFAULTS, heal_recipe, {
-            "steps": steps, "rank": rank, "lr": lr, "grad_accum": grad_accum,
-            "target_modules": split_names(target_modules), "precision": precision, "seq_len": seq_len,
-            "batch_size": batch_size, "eval_samples": eval_samples, "train": train}))
-        h.check(save_adapter_)
-    if plot is not None and plot.is_dir():
-        raise SurgeryError(f"--plot {plot} is a folder; give a .png file name")
-    body, held_text = read_text(text), read_text(eval_text)
-    with claimed(src, out, force, allow_pickle) as source, progress_bar(not json) as progress:
-        r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=h, save_adapter=save_adapter_,
-                             streaming=streaming, force=force, progress=progress, device=device)
+    opts, heal = built(options, healing, asked)
+    if asked.plot is not None and asked.plot.is_dir():
+        raise SurgeryError(f"--plot {asked.plot} is a folder; give a .png file name")
+    body, held_text = read_text(asked.text), read_text(asked.eval_text)
+    with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
+        r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=heal, io=run, progress=progress)
     if r.saved is None:  # a secondary process of a distributed heal
         return
+    say_pruned(r, asked.plot, json)
+
+
+def say_pruned(r, plot: Path | None, json: bool) -> None:
+    """What prune did (``commands.prune.PruneResult`` ``r``): the plot drawn, then JSON, or the scores,
+    the layers removed, the cross-entropy table, the heal's steps and where it was saved."""
     from .report import ce_table, loads_with, plot_scores, score_table
 
     if plot is not None and r.scores is not None:

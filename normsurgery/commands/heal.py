@@ -53,7 +53,7 @@ from ..engine.runner import Job
 from ..io.texts import heldout_text, text_of
 from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
-from ..core.options import TRAIN_MODES, HealOptions, check_values  # noqa: F401
+from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, as_options, check_values  # noqa: F401
 from ..engine.training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
 
 __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
@@ -146,63 +146,66 @@ def require_lm(model) -> None:
     objective_of(model)
 
 
-def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, *, steps: int = 200,
-               seq_len: int = 128, batch_size: int = 8, rank: int = 8, alpha: float | None = None,
-               lr: float = 2e-3, target_modules: list[str] | None = None, mask_token_id: int | None = None,
-               merge: bool = True, seed: int = 0, grad_accum: int = 1, accelerator=None, train_mode: str = "lora",
-               progress: StepProgress = lambda step, total, loss: None, save_every: int = 0,
-               state_dir: Path | None = None, resume: bool = False, patience: int = 0, eval_every: int = 25):
-    """Train LoRA adapters (rank ``rank``, scale ``alpha / rank``, alpha defaulting to 2 rank) on
-    random ``seq_len`` windows of ``train_ids`` for ``steps`` optimizer steps of ``batch_size``
-    windows x ``grad_accum`` x processes. AdamW, linear warm-up over the first 10% of steps,
-    then cosine decay to lr / 10.
+@dataclass(frozen=True)
+class Kept:
+    """Where a training keeps its state and whether it continues from it (squeeze's cycles): the
+    ``state_dir``, ``save_every`` and ``resume`` of :class:`training.TrainConfig`."""
 
-    ``train_mode`` "norms" or "full" trains the model's own norm parameters or every parameter
-    instead (rank, alpha, target_modules and merge then play no part).
+    state_dir: Path
+    save_every: int = 0
+    resume: bool = False
 
-    ``save_every``, ``state_dir``, ``resume``: the training state, kept and continued as
-    :func:`training.train` does. ``patience``: stop once held-out CE went that many evaluations
-    (every ``eval_every`` steps) without improving; ``steps`` is then the cap.
 
-    Returns (model, HealReport): the merged plain model, or the peft model when ``merge=False``.
+def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts: HealOptions, *,
+               mask_token_id: int | None = None, accelerator=None,
+               progress: StepProgress = lambda step, total, loss: None, kept: Kept | None = None):
+    """Train LoRA adapters (rank ``opts.rank``, scale ``alpha / rank``, alpha defaulting to 2 rank)
+    on random ``opts.seq_len`` windows of ``train_ids`` (default :data:`options.SEQ_LEN`) for
+    ``opts.steps`` optimizer steps of ``batch_size`` windows x ``grad_accum`` x processes. AdamW,
+    linear warm-up over the first 10% of steps, then cosine decay to lr / 10.
+
+    ``opts.train`` "norms" or "full" trains the model's own norm parameters or every parameter
+    instead (rank, alpha, target_modules and save_adapter then play no part).
+
+    ``kept``: the training state, kept and continued as :func:`training.train` does.
+    ``opts.patience``: stop once held-out CE went that many evaluations (every ``eval_every``
+    steps) without improving; ``steps`` is then the cap.
+
+    Returns (model, HealReport): the merged plain model, or the peft model with ``opts.save_adapter``.
     """
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
-    if rank < 1:
-        raise SurgeryError(f"--rank must be at least 1, got {rank}")
-    config = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, grad_accum=grad_accum,
-                         seed=seed, eval_batch_size=batch_size, save_every=save_every, state_dir=state_dir,
-                         resume=resume, patience=patience, eval_every=eval_every if patience else 0)
+    opts.check()
+    config = TrainConfig(steps=opts.steps, batch_size=opts.batch_size, seq_len=opts.seq_len or SEQ_LEN,
+                         lr=opts.learning_rate, grad_accum=opts.grad_accum, seed=opts.seed,
+                         eval_batch_size=opts.batch_size, patience=opts.patience,
+                         eval_every=opts.eval_every if opts.patience else 0, **(asdict(kept) if kept else {}))
     config.check()
     objective = objective_of(model)
-    alpha = float(2 * rank if alpha is None else alpha)
-    check_values({"train": train_mode})
-    if train_mode != "lora":
+    alpha, merge = float(2 * opts.rank if opts.alpha is None else opts.alpha), not opts.save_adapter
+    targets, params = 0, None
+    if opts.train != "lora":
         # "full": a generator, so that no list here holds the weights a sharded run replaces
-        params = norm_parameters(model) if train_mode == "norms" else model.parameters()
-        result = train(model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
-                       progress=progress, accelerator=accelerator, params=params)
-        targets = len(layout(model).norms) + len(layout(model).qk_norms) if train_mode == "norms" else 0
-        return model, HealReport(result.ce_before, result.ce_after, result.steps, result.tokens,
-                                 result.tokens / len(train_ids), result.seconds, rank, alpha, lr,
-                                 result.trainable_parameters, targets, result.precision, result.processes,
-                                 result.losses, train_mode)
-    pattern = target_pattern(model, target_modules)
-    conv1d = any(isinstance(m, Conv1D) for n, m in model.named_modules() if re.fullmatch(pattern, n))
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
-                                                      target_modules=pattern, fan_in_fan_out=conv1d))
-    targets = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
-    result = train(peft_model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
-                   progress=progress, accelerator=accelerator)
+        params = norm_parameters(model) if opts.train == "norms" else model.parameters()
+        targets = len(layout(model).norms) + len(layout(model).qk_norms) if opts.train == "norms" else 0
+        merge = False
+    else:
+        pattern = target_pattern(model, opts.target_modules)
+        conv1d = any(isinstance(m, Conv1D) for n, m in model.named_modules() if re.fullmatch(pattern, n))
+        torch.manual_seed(opts.seed)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, LoraConfig(r=opts.rank, lora_alpha=alpha, lora_dropout=0.0,
+                                                     target_modules=pattern, fan_in_fan_out=conv1d))
+        targets = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
+    result = train(model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
+                   progress=progress, accelerator=accelerator, params=params)
     report = HealReport(result.ce_before, result.ce_after, result.steps, result.tokens,
-                        result.tokens / len(train_ids), result.seconds, rank, alpha, lr,
+                        result.tokens / len(train_ids), result.seconds, opts.rank, alpha, config.lr,
                         result.trainable_parameters, targets, result.precision, result.processes, result.losses,
-                        train_mode, merged=merge)
-    return (peft_model.merge_and_unload() if merge else peft_model), report
+                        opts.train, merged=merge)
+    return (model.merge_and_unload() if merge else model), report
 
 
 @dataclass
@@ -217,12 +220,13 @@ class HealResult:
     eval_text_ce: dict[str, float] | None = None  # the same three on --eval-text, when given
 
 
-def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = True, accelerator=None,
-        progress=no_progress, other: torch.Tensor | None = None):
-    """:func:`heal_model` with ``opts``, reporting its steps to ``progress`` (stage "heal", the
-    running loss and when it evaluates as the note), and CE on as many fixed windows of the training
-    text as are held out, before and after (what :attr:`HealReport.cause` compares), and on
-    ``other`` (--eval-text's windows) when given; returns (model, report, wall seconds)."""
+def run(model, tokenizer, train_ids, held, opts: HealOptions, *, accelerator=None, progress=no_progress,
+        other: torch.Tensor | None = None):
+    """:func:`heal_model` with ``opts`` (merged unless ``opts.save_adapter``), reporting its steps to
+    ``progress`` (stage "heal", the running loss and when it evaluates as the note), and CE on as
+    many fixed windows of the training text as are held out, before and after (what
+    :attr:`HealReport.cause` compares), and on ``other`` (--eval-text's windows) when given;
+    returns (model, report, wall seconds)."""
     progress("heal", 0, opts.steps, "evaluating held-out CE")
     mask_id = getattr(tokenizer, "mask_token_id", None)
     fit = windows(train_ids, opts.seq_len, len(held), "the training text")
@@ -237,11 +241,8 @@ def run(model, tokenizer, train_ids, held, opts: HealOptions, *, merge: bool = T
     meta = any(p.is_meta for p in model.parameters())
     before = None if meta else train_ce(model)
     other_before = None if meta or other is None else train_ce(model, other)
-    model, report = heal_model(model, train_ids, held, steps=opts.steps, seq_len=opts.seq_len,
-                               batch_size=opts.batch_size, rank=opts.rank, alpha=opts.alpha, lr=opts.learning_rate,
-                               target_modules=opts.target_modules, mask_token_id=mask_id, merge=merge, seed=opts.seed,
-                               grad_accum=opts.grad_accum, accelerator=accelerator, train_mode=opts.train,
-                               progress=step, patience=opts.patience, eval_every=opts.eval_every)
+    model, report = heal_model(model, train_ids, held, opts, mask_token_id=mask_id, accelerator=accelerator,
+                               progress=step)
     report.train_ce_before, report.train_ce_after = before, train_ce(model)
     if other is not None:
         report.eval_text_ce_before, report.eval_text_ce_after = other_before, train_ce(model, other)
@@ -387,15 +388,16 @@ def adapter_base(source: Source) -> str:
 
 
 def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: HealOptions | dict | None = None,
-         save_adapter: bool = False, force: bool = False, progress=no_progress,
-         allow_pickle: bool = False, device: str = "auto") -> HealResult:
+         io: Writing | dict | None = None, progress=no_progress) -> HealResult:
     """LoRA on the remaining linears of ``src`` (LM loss; MLM for BERT) on ``text`` (its end held
     out; ``eval_text``, a second text, measured beside), merged and saved to ``out`` as a plain checkpoint (or, with
-    ``save_adapter``, the adapter alone, base ``src``); computed on ``device`` (``devices``).
-    ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a file to read."""
+    ``options.save_adapter``, the adapter alone, base ``src``); ``io``: whether ``out`` may be replaced, pickle
+    read, and the device computed on (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a
+    ``pathlib.Path`` a file to read."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts = options if isinstance(options, HealOptions) else HealOptions(**(options or {}))
-    opts.check(save_adapter)
+    opts, io = as_options(HealOptions, options), as_options(Writing, io)
+    opts.check()
+    force, allow_pickle, device = io.force, io.allow_pickle, io.device
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     data = job.training_data(text, eval_text, opts)
     held = data.held
@@ -405,8 +407,8 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     ce_original, original = original_ce(job, [held, data.other], getattr(tok, "mask_token_id", None))
     model = job.load(trains=True)
     require_lm(model)
-    model, report, seconds = run(model, tok, data.train_ids, held, opts, merge=not save_adapter, other=data.other,
-                                 accelerator=acc, progress=progress if job.main else no_progress)
+    model, report, seconds = run(model, tok, data.train_ids, held, opts, other=data.other, accelerator=acc,
+                                 progress=progress if job.main else no_progress)
     ce = {**({"original": ce_original[0]} if ce_original else {}), "input": report.ce_before,
           "healed": report.ce_after}
     other = None if data.other is None else {**({"original": ce_original[1]} if ce_original else {}),
@@ -414,7 +416,7 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     on = heldout_text(opts.eval_fraction)
     record = job.record(heal=summary(report), heldout_ce=ce, heldout=heldout_record(on, data.heldout, original),
                         **eval_text_record(other, data.other_record), recovered=recovery(ce, other, "input"))
-    if save_adapter:
+    if opts.save_adapter:
         saved = None
         if job.main:
             adapter = take_adapter(model)

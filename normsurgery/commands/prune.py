@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -35,7 +35,7 @@ from ..core.families import family, layout
 from .heal import HealOptions, HealReport, eval_text_record, heldout_record, recovery, summary, take_adapter, write_adapter
 from .heal import run as heal_run
 from ..core.layout import LM_OBJECTIVES
-from ..core.options import METHODS, PruneOptions  # noqa: F401  (re-exported: the API's names)
+from ..core.options import METHODS, PruneOptions, Writing, as_options  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import output_kind, probe_ids
 from ..engine.check import Check, Tolerances, anchor
 from ..engine.sweep import Work
@@ -159,9 +159,8 @@ def count_layers(num_layers: int, layers: int | None = None, fraction: float | N
 
 def select_layers(method: str, n: int, scores: LayerScores | None = None,
                   num_layers: int | None = None) -> Selection:
-    """The layers ``method`` removes. angular and block-influence need ``scores``; last does not."""
-    if method not in METHODS:
-        raise SurgeryError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    """The layers ``method`` (one of METHODS: ``PruneOptions.check`` refuses any other) removes.
+    angular and block-influence need ``scores``; last does not."""
     L = scores.num_layers if scores is not None else num_layers
     if L is None:
         raise SurgeryError("select_layers needs scores or num_layers")
@@ -260,80 +259,105 @@ class PruneResult:
 
 
 def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | Path | None = None,
-          eval_text: str | Path | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
-          streaming: bool = False, force: bool = False, progress: Progress = no_progress,
-          allow_pickle: bool = False, device: str = "auto") -> PruneResult:
+          eval_text: str | Path | None = None, heal: HealOptions | dict | None = None,
+          io: Writing | dict | None = None, progress: Progress = no_progress) -> PruneResult:
     """Score the layers of ``src`` on ``text`` (default: the bundled sample) before its held-out
     end (where cross-entropy is measured, and on ``eval_text`` beside), remove the chosen
-    ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``streaming``:
-    scored and copied one part at a time (no cross-entropy, no healing). Computed on ``device``
-    (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a
-    file to read."""
+    ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``options.streaming``:
+    scored and copied one part at a time (no cross-entropy, no healing). ``io``: whether ``out`` may be
+    replaced, pickle read, and the device computed on (``devices``). ``text`` and ``eval_text``: a
+    ``str`` is the text itself, a ``pathlib.Path`` a file to read."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts = options if isinstance(options, PruneOptions) else PruneOptions(**(options or {}))
+    opts, io = as_options(PruneOptions, options), as_options(Writing, io)
     opts.check()
-    hopts = heal if isinstance(heal, HealOptions) or heal is None else HealOptions(**heal)
+    hopts = None if heal is None else as_options(HealOptions, heal)
+    streaming = opts.streaming
     if hopts is not None:
-        hopts.check(save_adapter)
+        hopts.check()
         if streaming:
             raise SurgeryError("--heal trains the whole model in memory: prune with --streaming, then heal the result")
+    force, allow_pickle, device = io.force, io.allow_pickle, io.device
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     source = job.source
     layers = source.config.num_hidden_layers
     n = count_layers(layers, opts.layers, opts.fraction)
-    tok = source.tokenizer
     lm = source.head.objective in LM_OBJECTIVES
     if (hopts is not None or eval_text is not None) and not lm:
         raise SurgeryError(f"{source.class_name} has no language-modelling head: cross-entropy and healing need "
                            "a causal or masked LM")
     cal, data = _windows(job, opts, hopts, text, eval_text)
-    why = "asked for (--streaming)" if streaming else None
     work = Work(source, source.storage, streamed=streaming, alone=True, device=job.device)
     acc = job.make_accelerator(hopts.precision) if hopts is not None else None
-    scores = forward = None  # in memory: batch_size windows per forward
-    if cal is not None and streaming:  # every window through each part at once (each part read once), unless their
-        # residual states would outweigh the whole model the in-memory plan holds: then as many as do not
-        states = (layers + 1) * cal.shape[1] * source.config.get_text_config().hidden_size * source.storage.itemsize
-        forward = max(opts.batch_size, min(len(cal), source.index.numel * source.storage.itemsize // states))
-    if cal is not None:
-        with work.running():
-            scores = score_layers(work.model, cal, batch_size=opts.batch_size, forward_size=forward,
-                                  progress=progress)
+    scores = _scores(source, work, cal, opts, progress)
     selection = select_layers(opts.method, n, scores, layers)
-    ce, mask_id = {}, getattr(tok, "mask_token_id", None)
-    measure = lm and not streaming and data is not None
-    other = {} if measure and data.other is not None else None  # CE on --eval-text
-
-    def measured(name: str, model) -> None:
-        if measure:
-            ce[name] = heldout_ce(model, data.held, mask_token_id=mask_id)
-            if other is not None:
-                other[name] = heldout_ce(model, data.other, mask_token_id=mask_id)
-
-    measured("original", work.load_all() if measure else None)
+    ce = Measured(data if lm and not streaming else None, getattr(source.tokenizer, "mask_token_id", None))
+    ce.measure("original", work.load_all() if ce.data is not None else None)
     removed = prune_model(work.model, selection.layers)
     work.replan()
-    measured("pruned", work.model)
-    on = heldout_text((hopts or HealOptions()).eval_fraction) if measure else None
+    ce.measure("pruned", work.model)
+    on = heldout_text((hopts or HealOptions()).eval_fraction) if ce.data is not None else None
     record = job.record(**({"streaming": True} if streaming else {}),
                         prune={**selection.as_dict(), **removed, "text_tokens": scores.tokens if scores else 0},
-                        heldout_ce=ce,  # filled in as it is measured (healed: after healing)
-                        **({"heldout": heldout_record(on, data.heldout)} if measure else {}),
-                        **eval_text_record(other, data and data.other_record))
+                        heldout_ce=ce.held,  # filled in as it is measured (healed: after healing)
+                        **({"heldout": heldout_record(on, data.heldout)} if ce.data is not None else {}),
+                        **eval_text_record(ce.other, data and data.other_record))
     probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
     report = seconds = model = None
     if hopts is not None:
-        model, report, seconds = heal_run(work.load_all(), tok, data.train_ids, data.held, hopts,
-                                          merge=not save_adapter, accelerator=acc, other=data.other,
+        model, report, seconds = heal_run(work.load_all(), source.tokenizer, data.train_ids, data.held, hopts,
+                                          accelerator=acc, other=data.other,
                                           progress=progress if acc.is_main_process else no_progress)
-        ce["healed"] = report.ce_after
-        if other is not None:
-            other["healed"] = report.eval_text_ce_after
+        ce.healed(report, record)
+    saved = _save_pruned(job, work, model, record, probe, hopts is not None and hopts.save_adapter, progress)
+    return PruneResult(selection, scores, removed, ce.held, on, None if lm else source.class_name, report, seconds,
+                       record, saved, "asked for (--streaming)" if streaming else None, ce.other)
+
+
+@dataclass
+class Measured:
+    """Held-out CE of the original, pruned (and healed) model: on the held-out end of the text
+    (``held``) and on --eval-text's windows (``other``, None without them); nothing measured
+    without ``data`` (streamed, or no language-modelling head)."""
+
+    data: object  # runner.Texts, or None
+    mask_token_id: int | None
+    held: dict = field(default_factory=dict)
+    other: dict | None = None
+
+    def __post_init__(self):
+        if self.data is not None and self.data.other is not None:
+            self.other = {}
+
+    def measure(self, name: str, model) -> None:
+        if self.data is None:
+            return
+        self.held[name] = heldout_ce(model, self.data.held, mask_token_id=self.mask_token_id)
+        if self.other is not None:
+            self.other[name] = heldout_ce(model, self.data.other, mask_token_id=self.mask_token_id)
+
+    def healed(self, report: HealReport, record: dict) -> None:
+        """The healed model's CE (measured by the healing) and what it recovered, into ``record``."""
+        self.held["healed"] = report.ce_after
+        if self.other is not None:
+            self.other["healed"] = report.eval_text_ce_after
         record["heal"] = summary(report)
-        record["recovered"] = recovery(ce, other, "pruned")
-    saved = _save_pruned(job, work, model, record, probe, save_adapter, progress)
-    return PruneResult(selection, scores, removed, ce, on, None if lm else source.class_name, report, seconds,
-                       record, saved, why, other)
+        record["recovered"] = recovery(self.held, self.other, "pruned")
+
+
+def _scores(source, work: Work, cal: torch.Tensor | None, opts: PruneOptions,
+            progress: Progress) -> LayerScores | None:
+    """The layer scores on the calibration windows ``cal`` (None without them). In memory: batch_size
+    windows per forward; streamed: every window through each part at once (each part read once), unless
+    their residual states would outweigh the whole model the in-memory plan holds: then as many as do not."""
+    if cal is None:
+        return None
+    forward = None
+    if opts.streaming:
+        layers = source.config.num_hidden_layers
+        states = (layers + 1) * cal.shape[1] * source.config.get_text_config().hidden_size * source.storage.itemsize
+        forward = max(opts.batch_size, min(len(cal), source.index.numel * source.storage.itemsize // states))
+    with work.running():
+        return score_layers(work.model, cal, batch_size=opts.batch_size, forward_size=forward, progress=progress)
 
 
 def _windows(job: Job, opts: PruneOptions, hopts: HealOptions | None, text: str | None, eval_text: str | None):

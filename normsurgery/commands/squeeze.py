@@ -46,8 +46,8 @@ from ..core.calibration import windows
 from .convert import apply_passes
 from ..core.errors import SurgeryError
 from ..core.families import layout
-from .heal import heal_model, require_lm
-from ..core.options import STRUCTURES, SqueezeOptions  # noqa: F401  (re-exported: the API's names)
+from .heal import Kept, heal_model, require_lm
+from ..core.options import STRUCTURES, SqueezeOptions, Writing, as_options  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import probe_ids
 from ..engine.plan import check_applies
 from ..passes.mask import CALIBRATION
@@ -174,11 +174,21 @@ def _fingerprint(opts: SqueezeOptions, train_ids: torch.Tensor, held: torch.Tens
     return hashlib.sha256(text.encode() + data).hexdigest()[:16]
 
 
-def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: SqueezeOptions, *, storage_bytes: int,
-                  mask_token_id: int | None = None, state: Path | None = None, resume: bool = False,
-                  accelerator=None, progress: Progress = no_progress) -> tuple[object, SqueezeResult]:
+@dataclass(frozen=True)
+class Setup:
+    """What the cycles take of the job: the output's bytes per parameter (its storage dtype's), the
+    tokenizer's mask token (masked LMs), the training processes' accelerator."""
+
+    storage_bytes: int
+    mask_token_id: int | None = None
+    accelerator: object = None
+
+
+def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: SqueezeOptions, setup: Setup, *,
+                  state: Path | None = None, resume: bool = False,
+                  progress: Progress = no_progress) -> tuple[object, SqueezeResult]:
     """The cycles on ``model`` (in place; returned, since a resumed run continues from the kept
-    model): training windows from ``train_ids``, held-out CE on ``held``; ``storage_bytes`` per
+    model): training windows from ``train_ids``, held-out CE on ``held``; ``setup.storage_bytes`` per
     parameter in the output. ``state``: the folder of the kept state (None: nothing kept)."""
     opts.check()
     try:
@@ -189,26 +199,16 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
     heal = opts.heal_options()
     heal.seq_len = held.shape[1]
     fingerprint = _fingerprint(opts, train_ids, held)
-    p0 = parameters(model)
-    original = {"params": p0, "bytes": p0 * storage_bytes, "ce": heldout_ce(model, held, mask_token_id=mask_token_id)}
+    p0, mask_id = parameters(model), setup.mask_token_id
+    original = {"params": p0, "bytes": p0 * setup.storage_bytes, "ce": heldout_ce(model, held, mask_token_id=mask_id)}
     t = opts.target_bytes / original["bytes"] if opts.target_bytes is not None else opts.target
     if not 0 < t < 1:
         raise SurgeryError(f"--target-bytes {opts.target_bytes:,} is not below the model's {original['bytes']:,} bytes")
-    cycles, first, resumed = [], 1, None
-    kept, train_state = (None, None) if state is None else (state / STATE, state / TRAIN_STATE)
+    train_state = None if state is None else state / TRAIN_STATE
     mid_cycle = train_state is not None and (train_state / STATE_FILE).is_file()  # a cycle's training was cut
-    if resume:
-        if kept is None or not (kept.is_file() or mid_cycle):
-            raise SurgeryError(f"nothing to resume: no squeeze state in {state}")
-        if kept.is_file():
-            saved = torch.load(kept, map_location="cpu", weights_only=False)
-            if saved["fingerprint"] != fingerprint:
-                raise SurgeryError(f"the squeeze state in {state} is from another run (other text or options); "
-                                   "resume with the same ones or start afresh without --resume")
-            model, cycles, original = (saved["model"].to(devices.of(model)), [Cycle(**c) for c in saved["cycles"]],
-                                       saved["original"])
-            first = len(cycles) + 1
-        resumed = first
+    model, cycles, original, resumed = (_resumed(model, original, state, fingerprint, mid_cycle) if resume else
+                                        (model, [], original, None))
+    first = len(cycles) + 1
     ids = probe_ids(None, model.config.vocab_size, None, 2, held.shape[1])
     context = PassContext(calibration=windows(train_ids, held.shape[1], CALIBRATION, "the training text"))
     for c in range(first, opts.cycles + 1):
@@ -221,22 +221,19 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
         if not check.ok:
             raise SurgeryError(f"cycle {c}: minimize changed the masked model's outputs by {check.relative:.2e} "
                                f"(tolerance {check.tolerance:.1e}); nothing was written")
-        ce_masked = heldout_ce(model, held, mask_token_id=mask_token_id)
+        ce_masked = heldout_ce(model, held, mask_token_id=mask_id)
         released = release(model, opts.release_scale, opts.seed, c) if opts.train == "full" else 0
 
         def step(done, total, loss, c=c):
             progress("squeeze", c - 1, opts.cycles, f"cycle {c}: retraining, step {done}/{total}, loss {loss:.4f}")
 
-        model, report = heal_model(
-            model, train_ids, held, steps=heal.steps, seq_len=heal.seq_len, batch_size=heal.batch_size,
-            lr=heal.lr, mask_token_id=mask_token_id, seed=opts.seed + c, accelerator=accelerator,
-            train_mode=heal.train, progress=step, save_every=opts.save_every if state is not None else 0,
-            state_dir=train_state, resume=resume and c == first and mid_cycle, patience=heal.patience,
-            eval_every=heal.eval_every)
+        kept = None if state is None else Kept(train_state, opts.save_every, resume and c == first and mid_cycle)
+        model, report = heal_model(model, train_ids, held, replace(heal, seed=opts.seed + c), mask_token_id=mask_id,
+                                   accelerator=setup.accelerator, progress=step, kept=kept)
         params = parameters(model)
-        cycles.append(Cycle(c, fraction, heads, params, params * storage_bytes, check.relative, check.tolerance,
-                            released, ce_masked, report.ce_before, report.ce_after, report.tokens, report.seconds,
-                            report.steps))
+        cycles.append(Cycle(c, fraction, heads, params, params * setup.storage_bytes, check.relative,
+                            check.tolerance, released, ce_masked, report.ce_before, report.ce_after, report.tokens,
+                            report.seconds, report.steps))
         if state is not None and is_main_process():
             _keep(state, {"fingerprint": fingerprint, "model": model, "original": original,
                           "cycles": [asdict(x) for x in cycles]})
@@ -244,8 +241,26 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
     return model, SqueezeResult(original, cycles, asdict(opts), time.perf_counter() - t0, resumed_at=resumed)
 
 
+def _resumed(model, original: dict, state: Path | None, fingerprint: str,
+             mid_cycle: bool) -> tuple[object, list, dict, int]:
+    """(model, cycles done, original, the cycle resumed in) from the squeeze state in ``state``: the
+    model and records kept after the last completed cycle (``model`` and ``original`` as they are
+    when the first cycle's training was cut: ``mid_cycle``)."""
+    kept = None if state is None else state / STATE
+    if kept is None or not (kept.is_file() or mid_cycle):
+        raise SurgeryError(f"nothing to resume: no squeeze state in {state}")
+    if not kept.is_file():
+        return model, [], original, 1
+    saved = torch.load(kept, map_location="cpu", weights_only=False)
+    if saved["fingerprint"] != fingerprint:
+        raise SurgeryError(f"the squeeze state in {state} is from another run (other text or options); "
+                           "resume with the same ones or start afresh without --resume")
+    cycles = [Cycle(**c) for c in saved["cycles"]]
+    return saved["model"].to(devices.of(model)), cycles, saved["original"], len(cycles) + 1
+
+
 def one_shot(model, cycles: list[Cycle], train_ids: torch.Tensor, held: torch.Tensor, opts: SqueezeOptions,
-             progress: Progress = no_progress, **kw) -> Cycle:
+             setup: Setup, progress: Progress = no_progress) -> Cycle:
     """The control of a squeeze that ran ``cycles``: ``model`` (the input) masked to the same
     target at once, minimized, released and retrained for as many steps as the cycles took
     together (every step: no patience), same seed and options. Its one :class:`Cycle`."""
@@ -255,7 +270,7 @@ def one_shot(model, cycles: list[Cycle], train_ids: torch.Tensor, held: torch.Te
     def step(task, done, total, message=""):
         progress("one-shot", done, total, f"the control, {message.removeprefix('cycle 1: ')}")
 
-    _, result = squeeze_model(model, train_ids, held, once, progress=step, **kw)
+    _, result = squeeze_model(model, train_ids, held, once, setup, progress=step)
     return result.cycles[0]
 
 
@@ -269,19 +284,20 @@ def _keep(state: Path, data: dict) -> None:
 
 
 def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
-            options: SqueezeOptions | dict | None = None,
-            resume: bool = False, force: bool = False, progress: Progress = no_progress,
-            allow_pickle: bool = False, device: str = "auto") -> SqueezeResult:
+            options: SqueezeOptions | dict | None = None, resume: bool = False, io: Writing | dict | None = None,
+            progress: Progress = no_progress) -> SqueezeResult:
     """Squeeze ``src`` to ``options.target`` of its parameters (or ``target_bytes``) and save the
     last cycle's model to ``out`` (checked as every output is: read back and compared); training
-    on ``text`` (its end held out unless ``eval_text``), computed on ``device`` (``devices``),
-    through the one runner (``runner.Job``). ``text`` and ``eval_text``: a ``str`` is the text
-    itself, a ``pathlib.Path`` a file to read. See the module docstring."""
+    on ``text`` (its end held out unless ``eval_text``), through the one runner (``runner.Job``).
+    ``io``: whether ``out`` may be replaced, pickle read, and the device computed on (``devices``).
+    ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a file to read.
+    See the module docstring."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts = options if isinstance(options, SqueezeOptions) else SqueezeOptions(**(options or {}))
+    opts, io = as_options(SqueezeOptions, options), as_options(Writing, io)
     opts.structure = tuple(opts.structure)
     opts.check()
     opts.steps_per_cycle = opts.steps()  # the default's split, so the record and the card state it
+    force, allow_pickle, device = io.force, io.allow_pickle, io.device
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     heal = opts.heal_options()
     data = job.training_data(text, eval_text, heal)
@@ -291,12 +307,11 @@ def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
     model = job.load()
     require_lm(model)
     state = state_dir(out)
-    same = {"storage_bytes": job.source.storage.itemsize, "accelerator": acc,
-            "mask_token_id": getattr(job.source.tokenizer, "mask_token_id", None)}
-    model, result = squeeze_model(model, train_ids, held, opts, state=state, resume=resume, progress=progress, **same)
+    setup = Setup(job.source.storage.itemsize, getattr(job.source.tokenizer, "mask_token_id", None), acc)
+    model, result = squeeze_model(model, train_ids, held, opts, setup, state=state, resume=resume, progress=progress)
     if opts.control and opts.cycles > 1:  # the squeezed model waits on disk meanwhile
         aside = Stash(model, state / "squeezed")
-        result.control = one_shot(job.load(), result.cycles, train_ids, held, opts, progress, **same)
+        result.control = one_shot(job.load(), result.cycles, train_ids, held, opts, setup, progress)
         aside.back()
     result.device = devices.describe(job.device)
     record = job.record(squeeze={"options": result.options, "original": result.original,

@@ -10,6 +10,7 @@ A value out of range is named by its flag (:func:`flag`, the one place an option
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -90,6 +91,7 @@ class Flag:
     param: str | None = None
     negate: bool = False
     required: bool = False
+    least: float | None = None  # a real number's least value (a whole number's: AT_LEAST's)
 
     def text(self, default: Any) -> str:
         """The help, its ``{default}``, ``{choices}`` and constants filled in."""
@@ -134,6 +136,15 @@ def one_of(choices, default=None) -> str:
     """``a | b | c (default a)``: a flag's choices and default as --help shows them."""
     return " | ".join(choices) + ("" if default is None else f" (default {default})")
 
+
+def did_you_mean(name: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` (case, - and _ ignored), or ''."""
+    choices = list(choices)
+    key = name.lower().replace("_", "-")
+    close = [c for c in choices if c.lower().replace("_", "-") == key]
+    close = close or difflib.get_close_matches(key, choices, 1, 0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
 #: the share of the text held out when no held-out text is given (heal, prune --heal, squeeze)
 EVAL_FRACTION = 0.1
 #: tokens per window, as --help says it
@@ -152,6 +163,12 @@ HELP_VALUES = {"SEQ_LEN": SEQ_LEN, "SQUEEZE_STEPS": SQUEEZE_STEPS, "SQUEEZE_THIR
 def flag(name: str) -> str:
     """The command-line spelling of option ``name``: ``seq_len`` -> ``--seq-len``."""
     return f"--{name.replace('_', '-')}"
+
+
+def as_options(cls, given):
+    """``given`` as options dataclass ``cls`` (the API's argument): itself, built from a dict of its
+    fields, or (None) the defaults."""
+    return given if isinstance(given, cls) else cls(**(given or {}))
 
 
 def defaults(cls) -> dict:
@@ -208,58 +225,78 @@ class HealOptions:
     patience: int = option(0, "stop once held-out CE went N evaluations without improving, --steps the cap (default "
                            "{default}: every step)", metavar="N")
     eval_every: int = option(25, "with --patience: steps between evaluations (default {default})", metavar="S")
+    save_adapter: bool = False  # keep the adapter unmerged (--save-adapter: a flag of each command's own wording)
 
     @property
     def learning_rate(self) -> float:
         """``lr``, or when none was given the default of what trains (:data:`LEARNING_RATES`)."""
         return self.lr if self.lr is not None else LEARNING_RATES[self.train]
 
-    def check(self, save_adapter: bool = False) -> None:
+    def check(self) -> None:
         """The ranges the command line enforces, for values that came from a recipe or the API too."""
         check_values(asdict(self))
-        if save_adapter and self.train != "lora":
+        if self.save_adapter and self.train != "lora":
             raise UsageError(f"--save-adapter needs {flag('train')} lora ({flag('train')} {self.train} trains "
                              "no adapter)")
 
 
 @dataclass
 class PruneOptions:
-    layers: int | None = None  # how many layers to remove (or fraction)
-    fraction: float | None = None
-    method: str = "angular"  # METHODS
-    samples: int = 32  # calibration windows
-    seq_len: int | None = None  # tokens per window (default 128, or the model's positions when fewer)
-    batch_size: int = 8  # windows per forward pass (and per heal micro-batch)
-    eval_samples: int = 64  # held-out windows at most (cross-entropy of the original and the pruned model)
+    layers: int | None = option(None, "how many layers to remove", metavar="N", names=("--layers", "-n"))
+    fraction: float | None = option(None, "or: the fraction of layers to remove (rounded)", metavar="F",
+                                    check="open_unit")
+    method: str = option("angular", "{choices}", metavar="METHOD", choices=METHODS)
+    samples: int = option(32, "calibration windows (default {default})", metavar="K")
+    seq_len: int | None = option(None, SEQ_LEN_HELP, metavar="L")  # None: SEQ_LEN, or the model's positions when fewer
+    batch_size: int = option(8, "windows per forward pass and per heal micro-batch (default {default})", metavar="B")
+    eval_samples: int = option(64, "held-out windows at most (default {default})", metavar="K")
+    streaming: bool = False  # scored and copied one part at a time (no cross-entropy, no healing): a flag of its own
 
     def check(self) -> None:
+        """The method (the one check of it) and every range, for values from a recipe or the API too."""
         if self.method not in METHODS:
-            raise SurgeryError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise SurgeryError(f"unknown method {self.method!r}{did_you_mean(self.method, METHODS)}; "
+                               f"choose one of {', '.join(METHODS)}")
         check_values(asdict(self))
 
 
 @dataclass
 class SqueezeOptions:
-    target: float | None = 0.5  # fraction of the original's parameters (unless target_bytes)
-    target_bytes: int | None = None  # or: the output's size in bytes, in the storage dtype
-    cycles: int = 1  # one-shot: measured better than 3 cycles at equal tokens (README, squeeze); N: Squeeze-Release
-    steps_per_cycle: int | None = None  # None: SQUEEZE_STEPS in all, split evenly over the cycles (:meth:`steps`)
-    structure: tuple[str, ...] = STRUCTURES
-    by: str = "activation"  # CRITERIA: how units and heads are ranked
-    sparsity: float = 0.0  # unstructured magnitude sparsity in each cycle's mask, released after minimize
-    release_scale: float = 0.1  # released noise's std, in units of the tensor's surviving RMS
-    train: str = "full"  # TRAIN_MODES
-    lr: float = 1e-3
-    batch_size: int = 8
-    seq_len: int | None = None
-    eval_fraction: float = 0.1
-    eval_samples: int = 64
-    precision: str = "auto"
-    save_every: int = 0  # training state every this many steps within a cycle (0: cycle ends only)
-    seed: int = 0
-    patience: int = 0  # a cycle's retraining stops once held-out CE went this many evaluations without improving
-    eval_every: int = 25  # steps between those evaluations (with patience)
-    control: bool = True  # also one-shot from the input (one cycle, the cycles' steps in one retraining), beside
+    target: float | None = option(0.5, "fraction of the parameters to keep (default {default})", metavar="F",
+                                  check="open_unit")  # unless target_bytes
+    target_bytes: int | None = option(None, "or: the output's size in bytes (storage dtype)", metavar="N")
+    cycles: int = option(1, "mask -> minimize -> release -> retrain cycles (default {default}: one-shot, measured "
+                         "better than 3 at the same size and tokens; N > 1: Squeeze-Release, with its one-shot "
+                         "control)", metavar="N")
+    steps_per_cycle: int | None = option(None, "retraining steps per cycle (default: {SQUEEZE_STEPS} in all, split "
+                                         "evenly over the cycles; {SQUEEZE_STEPS} with one, {SQUEEZE_THIRD} each "
+                                         "with 3)", metavar="S")  # None: SQUEEZE_STEPS split (:meth:`steps`)
+    structure: tuple[str, ...] = option(STRUCTURES, f"what the masks remove: some of {', '.join(STRUCTURES)} "
+                                        "(default {default})", metavar="LIST", parse="parts")
+    by: str = option("activation", "how units and heads are ranked (activation: by the energy they write on "
+                     "calibration windows of --text; magnitude: by their weights; channels by the energy written "
+                     "into them): {choices}", metavar="HOW", choices=CRITERIA)
+    sparsity: float = option(0.0, "unstructured magnitude sparsity added to each cycle's mask, released after "
+                             "minimize (default {default})", metavar="X", check="unit_interval")
+    release_scale: float = option(0.1, "released noise's std, in units of the RMS of the tensor's surviving weights "
+                                  "(default {default})", metavar="X", least=0.0)
+    train: str = option("full", "what retrains (lora: merged): {choices}", metavar="WHAT", choices=TRAIN_MODES)
+    lr: float = option(1e-3, "learning rate (default {default})", metavar="X", check="positive")
+    batch_size: int = option(8, "windows per step (default {default})", metavar="B")
+    seq_len: int | None = option(None, SEQ_LEN_HELP, metavar="L")
+    eval_fraction: float = option(EVAL_FRACTION, "share of --text held out (default {default})", metavar="F",
+                                  check="open_unit")
+    eval_samples: int = option(64, "held-out windows at most (default {default})", metavar="K")
+    precision: str = option("auto", **PRECISION_FLAG)
+    seed: int = option(0, "seed of the release noise and the training batches (default {default})", metavar="N")
+    save_every: int = option(0, "keep the training state every N steps within a cycle (default {default}: none; "
+                             "the state after each cycle is always kept)", metavar="N")
+    patience: int = option(0, "a cycle's retraining stops once held-out CE went N evaluations without improving "
+                           "(default {default}: every step)", metavar="N")
+    eval_every: int = option(25, "with --patience: steps between evaluations (default {default})", metavar="S")
+    control: bool = option(True, "also one-shot from the input at the same target and training steps, reported "
+                           "beside (default {default}; only with --cycles above 1: one cycle is its own)",
+                           names=("--control/--no-control",))
 
     def check(self) -> None:
         if self.target_bytes is not None:
