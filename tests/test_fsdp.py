@@ -72,13 +72,14 @@ def test_remove_ln_sharded_over_two_processes_matches_one(tmp_path):
 
 WORKER = """import json, sys
 import torch
-from normsurgery.io import checkpoint
+from normsurgery.io.loader import load
+from normsurgery.io.source import Source
 from normsurgery.engine import training
 from normsurgery.core.calibration import tokenize, windows
 
 out, state, batch, stop, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-source = checkpoint.Source.open("normsurgery/demo/llama-tiny")
-model = checkpoint.load(source)
+source = Source.open("normsurgery/demo/llama-tiny")
+model = load(source)
 ids = tokenize(source.tokenizer, open("normsurgery/data/sample.txt").read())
 train_ids, held = ids[:-1024], windows(ids[-1024:], 32, 4)
 

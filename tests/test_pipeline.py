@@ -12,9 +12,9 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 import normsurgery as ns
-from normsurgery.io import checkpoint
+from normsurgery.io.loader import Loader
 from normsurgery.core import memory
-from normsurgery.io.checkpoint import Source
+from normsurgery.io.source import Source
 from normsurgery.core.families import layout as layout_of
 from normsurgery.core.families import FAMILIES
 
@@ -274,7 +274,7 @@ def test_streaming_holds_one_part_whatever_the_depth(tmp_path, monkeypatch, pass
     import weakref
 
     held, loaders = [], weakref.WeakSet()
-    load = checkpoint.Loader.load
+    load = Loader.load
 
     def counting(self, scope, *unread):
         load(self, scope, *unread)
@@ -283,7 +283,7 @@ def test_streaming_holds_one_part_whatever_the_depth(tmp_path, monkeypatch, pass
                         + sum(t.numel() for kept in x.spare.values() for t in kept)  # freed, kept for reuse
                         for x in loaders))
 
-    monkeypatch.setattr(checkpoint.Loader, "load", counting)
+    monkeypatch.setattr(Loader, "load", counting)
     peaks, totals = [], []
     for layers in (4, 16):
         src = checkpoint_at(tmp_path, "llama", layers=layers, name=f"in{layers}")
@@ -318,7 +318,7 @@ def test_a_freed_part_is_reused_only_when_nothing_holds_it(tmp_path):
     stored = tensors(src)
     source = Source.open(src)
     model = source.meta_model(torch.float32)
-    loader = checkpoint.Loader(model, source, torch.float32, "cpu")
+    loader = Loader(model, source, torch.float32, "cpu")
     q = lambda i: model.model.layers[i].self_attn.q_proj.weight  # noqa: E731
     loader.load(("model.layers.0",))
     where = q(0).data_ptr()

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 import normsurgery
 import normsurgery as ns
-from normsurgery.io import checkpoint
+from normsurgery.io.loader import load
+from normsurgery.io.source import Source
 from normsurgery.core.families import layout
 from normsurgery.core.families import norm_kind as kind_of
 from normsurgery.cli import app
@@ -167,7 +168,7 @@ def run_pass(tmp_path, model=None, interrupt_at=None, heldout_ce=heldout_ce, tra
         if done == interrupt_at:
             raise KeyboardInterrupt
 
-    ctx = PassContext(options=opts, tokenizer=checkpoint.Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
+    ctx = PassContext(options=opts, tokenizer=Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
                       train=train_fn, heldout_ce=heldout_ce, workdir=tmp_path, train_progress=progress)
     report = get("remove-ln").apply(model, layout(model), ctx)
     return model, report
@@ -214,7 +215,7 @@ def test_quality_after_a_short_run():
     """60 steps of 8 x 64 tokens on the bundled sample: the demo gpt2-tiny without any norm stays
     within +0.05 nats of its held-out CE (measured +0.012; freezing the divisors without
     fine-tuning costs about +0.9)."""
-    model, report = run_pass(None, checkpoint.load(GPT2), steps=60, batch_size=8, seq_len=64, lr=3e-4,
+    model, report = run_pass(None, load(GPT2), steps=60, batch_size=8, seq_len=64, lr=3e-4,
                              eval_samples=16, save_every=0)
     m = report.metrics
     assert m["ce_delta"] < 0.05, m["curve"]
@@ -306,7 +307,7 @@ def test_saved_line_names_the_trained_model_and_the_difference_to_the_input(tmp_
 def test_a_step_budget_too_small_is_refused_before_the_weights_are_read(tmp_path, monkeypatch):
     """Issue 28: the schedule's needs follow from the Layout (no weights): refused before loading,
     naming the smallest budget that fits."""
-    from normsurgery.io.checkpoint import Loader
+    from normsurgery.io.loader import Loader
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the step budget was checked")
@@ -318,7 +319,7 @@ def test_a_step_budget_too_small_is_refused_before_the_weights_are_read(tmp_path
     r = cli("convert", GPT2, out, "--pass", "remove-ln:gap=3", "--text", SAMPLE, "--steps", 20)
     assert_refused(r, out, "steps=64 with gap=3 as given; a smaller gap needs fewer")
     monkeypatch.undo()
-    model = checkpoint.load(GPT2)
+    model = load(GPT2)
     options = {**get("remove-ln").options, "steps": 22}
     assert R.check(model, layout(model), options) is None  # 22 fits: the budget named is the smallest
 
@@ -372,7 +373,7 @@ def test_keep_final_leaves_exactly_the_final_norm_and_says_so(tmp_path, family, 
         lens.norm_kind(loaded)
     if family == "llama":
         with pytest.raises(SurgeryError, match="GGUF has one norm epsilon"):
-            gguf.plan(checkpoint.Source.open(out))
+            gguf.plan(Source.open(out))
 
 
 def test_keep_final_with_export_stock_and_a_bad_keep_are_refused_in_one_line(tmp_path):
@@ -563,7 +564,7 @@ def test_waiting_resumes_an_interrupted_run_to_the_same_model(tmp_path):
     ("keep=final,final_divisor=remeasure", 900, "keep=final keeps it"),
 ])
 def test_options_that_cannot_hold_together_are_refused_before_reading(tmp_path, monkeypatch, options, steps, match):
-    from normsurgery.io.checkpoint import Loader
+    from normsurgery.io.loader import Loader
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the options were checked")

@@ -61,13 +61,13 @@ def inspect(src: str = typer.Argument(..., metavar="IN", help="checkpoint folder
             show(t)
         say_device(r["device"])
         return
-    from ..io import checkpoint
+    from ..io import loader
     from .. import passes as _passes
     from ..core import registry  # noqa: F401  (the built-in passes)
     from ..core.analysis import dead_units
     from ..core.families import layout
 
-    model = checkpoint.load(src, allow_pickle=allow_pickle)
+    model = loader.load(src, allow_pickle=allow_pickle)
     lay = layout(model)
     info = {
         "architecture": type(model).__name__, "family": lay.family, "placement": lay.placement,

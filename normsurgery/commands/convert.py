@@ -38,7 +38,7 @@ import torch
 from ..core.version import __version__
 from ..core import devices, memory, precision
 from .. import passes as _passes  # noqa: F401  (passes: the built-in passes)
-from ..io.checkpoint import Source
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import family
 from ..core.layout import LM_OBJECTIVES

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..core import analysis, devices, memory
-from ..io.checkpoint import Source, load
+from ..io.loader import load
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.options import OUTLIER_SAMPLES, PROBE_GENERATE, PROBE_LENGTH, PROBE_SAMPLES
 from ..core.families import FAMILIES, architecture, objective, positions, stock_class_of

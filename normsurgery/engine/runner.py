@@ -3,7 +3,7 @@
 training runs inside the executor's one-part plan).
 
 A :class:`Job` is opened once per command that writes (those, ``convert`` and ``export``), before
-any work: the checkpoint resolved (``checkpoint.Source``), the output checked
+any work: the checkpoint resolved (``source.Source``), the output checked
 (``output.check_output``: never the input, never a folder of the user's, writable) and the device
 chosen (``devices.choose``). Then:
 
@@ -31,7 +31,7 @@ import torch
 
 from ..core import devices
 from ..core.calibration import fit_seq_len, split_heldout, tokenize, windows
-from ..io.checkpoint import Source
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..io.output import check_output
 from .sweep import Work

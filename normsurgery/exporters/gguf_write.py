@@ -21,7 +21,7 @@ llama.cpp's normal RoPE rotates pairs of consecutive values, transformers' rotat
 of each head: for those architectures the q and k rows of each head are permuted (what
 convert_hf_to_gguf.py does). What GGUF cannot express is refused, one line, before writing.
 
-Written tensor by tensor (``checkpoint.Loader``: each read from the files when written, then
+Written tensor by tensor (``loader.Loader``: each read from the files when written, then
 freed): memory bounded by a tensor.
 """
 
@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from ..core import algebra
-from ..io.checkpoint import Loader, Source
+from ..io.loader import Loader
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import FAMILIES, family, layout
 from ..core.layout import Layout

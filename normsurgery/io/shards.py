@@ -162,7 +162,7 @@ class Reader:
 
     def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
         """``key``'s values into ``out`` (contiguous, its shape, in host memory: the file's bytes land
-        in it directly; ``checkpoint.Loader`` moves what it read to the device), cast to ``out``'s dtype."""
+        in it directly; ``loader.Loader`` moves what it read to the device), cast to ``out``'s dtype."""
         e = self.index[key]
         if e.tensor is not None:
             return out.copy_(e.tensor)
