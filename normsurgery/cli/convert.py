@@ -90,7 +90,7 @@ def convert(
     try:
         with claimed(src, out, force, allow_pickle) as source:  # OUT locked before torch is loaded
             from ..commands.convert import convert as convert_checkpoint
-            from ..engine.training import is_main_process
+            from ..engine.processes import is_main_process
 
             with progress_bar(not json and is_main_process()) as progress:
                 result = convert_checkpoint(source, out, specs, force=force, verify=not no_verify,
@@ -98,8 +98,7 @@ def convert(
                                              max_shard_size=max_shard_size, progress=progress,
                                              streaming=streaming, on_overflow=on_overflow, device=device)
     except KeyboardInterrupt as e:
-        from ..commands.convert import state_dir
-        from ..engine.training import STATE_FILE
+        from ..engine.train_state import STATE_FILE, state_dir
 
         kept = state_dir(out)
         if (kept / STATE_FILE).is_file():

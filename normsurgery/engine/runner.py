@@ -111,7 +111,7 @@ class Job:
         """The checkpoint whole, in its storage dtype, on the job's device. ``trains``: the model
         goes straight to training; where that is sharded over the processes (FSDP), only the
         main process reads the weights, the others' wait on the meta device until training
-        gives them their shards (``training.Shards``)."""
+        gives them their shards (``processes.Shards``)."""
         if trains and devices.sharding() and not self.main:
             model = self.source.meta_model(self.source.storage)
             devices.place_buffers(model, self.device)

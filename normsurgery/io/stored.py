@@ -90,8 +90,9 @@ class Stored:
 
 def model_keys(model, source) -> dict[str, Stored]:
     """{model state-dict name: its tensors in ``source``'s files (a ``Source``)}, renamed as
-    ``from_pretrained`` renames, and merged as it merges them (:class:`Stored`): the experts of a mixture stored one tensor
-    per expert, in the order of their numbers, which must run 0, 1, ... with none missing."""
+    ``from_pretrained`` renames, and merged as it merges them (:class:`Stored`): the experts of a
+    mixture stored one tensor per expert, in the order of their numbers, which must run 0, 1, ...
+    with none missing."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (Concatenate, MergeModulelist, WeightConverter, WeightRenaming,
                                                  rename_source_key)
