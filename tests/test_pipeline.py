@@ -495,8 +495,8 @@ def test_a_pass_that_changes_nothing_writes_the_input_bytes(tmp_path, copies):
             float(p.detach().float().abs().sum())
         return PassReport("test-nothing")
 
-    registry.register("test-nothing", "changes nothing", "exact", "tests", lambda m, lay: None,
-                      blockwise=True, tracked=True)(nothing)
+    registry.register("test-nothing", registry.Declared("changes nothing", "exact", "tests", blockwise=True),
+                      lambda m, lay: None, tracked=True)(nothing)
     try:
         src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
         before = raw(src)
@@ -525,8 +525,8 @@ def test_a_write_through_data_is_not_copied(tmp_path, copies):
             model.get_submodule(site.path).weight.data.mul_(0.5)
         return PassReport("test-halve")
 
-    registry.register("test-halve", "halves the norms' gains", "exact", "tests", lambda m, lay: None,
-                      blockwise=True)(halve)
+    registry.register("test-halve", registry.Declared("halves the norms' gains", "exact", "tests", blockwise=True),
+                      lambda m, lay: None)(halve)
     try:
         src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
         convert_mod.convert(src, tmp_path / "out", [("test-halve", {})], streaming=True, verify=False)
@@ -581,8 +581,8 @@ def test_every_value_a_built_in_pass_changes_is_noted(tmp_path, monkeypatch, fam
             model.get_submodule(site.path).weight.data.mul_(0.5)
         return PassReport("test-halve")
 
-    registry.register("test-halve", "halves the norms' gains", "exact", "tests", lambda m, lay: None,
-                      blockwise=True, tracked=True)(halve)  # a false claim
+    registry.register("test-halve", registry.Declared("halves the norms' gains", "exact", "tests", blockwise=True),
+                      lambda m, lay: None, tracked=True)(halve)  # a false claim
     try:
         convert_mod.convert(src, tmp_path / "out2", [("test-halve", {})], streaming=streaming, verify=False)
     finally:
@@ -736,8 +736,8 @@ def test_identical_outputs_need_no_baseline(tmp_path, forwards):
     from normsurgery.core import registry
     from normsurgery.core.registry import PassReport
 
-    registry.register("test-nothing2", "changes nothing", "exact", "tests", lambda m, lay: None,
-                      blockwise=True)(lambda model, lay, ctx: PassReport("test-nothing2"))
+    registry.register("test-nothing2", registry.Declared("changes nothing", "exact", "tests", blockwise=True),
+                      lambda m, lay: None)(lambda model, lay, ctx: PassReport("test-nothing2"))
     try:
         src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
         res = convert_mod.convert(src, tmp_path / "out", [("test-nothing2", {})], streaming=True)

@@ -172,7 +172,7 @@ def differing_parameters(a, b) -> frozenset[str]:
     """The parameters of ``a`` that ``b`` does not hold as they are (absent, of another shape or values)."""
     pb = dict(b.named_parameters())
     return frozenset(k for k, p in a.named_parameters() if k not in pb or pb[k].shape != p.shape
-                     or not torch.equal(p.detach().cpu(), pb[k].detach().to("cpu", p.dtype)))
+                     or not torch.equal(p.detach().cpu(), pb[k].detach().to(devices.HOST, p.dtype)))
 
 
 def outliers(a, b=None, *, text: str | None = None, n: int = OUTLIER_SAMPLES, length: int | None = None,

@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..core import algebra
+from ..core import algebra, devices
 from ..io.loader import Loader
 from ..io.source import Source
 from ..core.errors import SurgeryError
@@ -335,7 +335,7 @@ def _encode_rows(x: np.ndarray, q) -> np.ndarray:
 def encode(values: torch.Tensor, q) -> np.ndarray:
     """float32 values as stored in GGML type ``q`` (a matrix: [rows, bytes or entries of a row]),
     encoded a block of rows at a time."""
-    x = values.detach().to("cpu", torch.float32).contiguous().numpy()  # host
+    x = values.detach().to(devices.HOST, torch.float32).contiguous().numpy()  # host
     if x.ndim < 2:
         return _encode_rows(x, q)
     rows = x.reshape(-1, x.shape[-1])
@@ -362,7 +362,7 @@ def rounded(values: torch.Tensor, q, out: torch.Tensor | None = None) -> torch.T
         if half is not None or q == Q.F32:
             dst[i:j].copy_(src[i:j].detach().to(half or torch.float32))
             continue
-        x = src[i:j].detach().to("cpu", torch.float32).numpy()  # host
+        x = src[i:j].detach().to(devices.HOST, torch.float32).numpy()  # host
         dst[i:j].copy_(torch.from_numpy(quants.dequantize(_encode_rows(x, q), q).astype(np.float32).reshape(x.shape)))
     return out
 
@@ -481,7 +481,7 @@ def write(source: Source, model, p: Plan, voc: Vocab, path: Path, dtype: str,
 def reading(source: Source, model):
     """``read(param)``: one parameter of the meta ``model`` read from the checkpoint's files in
     float32 (a fresh tensor each time: memory bounded by one)."""
-    loader = Loader(model, source, torch.float32, "cpu")  # host values, written into the file
+    loader = Loader(model, source, torch.float32, devices.HOST)  # host values, written into the file
     try:
         def read(name: str) -> torch.Tensor:
             p = model.get_parameter(name)

@@ -205,7 +205,7 @@ def tensors(model, lay: Layout, p: Plan, storage: torch.dtype) -> list[tuple[str
     norms = {r: [s for s in lay.norms if s.role == r] for r in ("attn", "mlp", "final")}
 
     def param(path: str, attr: str = "weight"):
-        return lambda: getattr(get(path), attr).detach().to(device="cpu", dtype=storage)
+        return lambda: getattr(get(path), attr).detach().to(device=devices.HOST, dtype=storage)
 
     def linear(name: str, path: str, bias: bool, rows: int = 0, cols: int = 0) -> list:
         def weight():
