@@ -313,13 +313,13 @@ def probe(args):
 def op_parity(args) -> dict:
     """Logits (float32) of the original, ours and the peer's, one model in memory at a time."""
     torch, T = quiet_imports()
-    from normsurgery.io import checkpoint
+    from normsurgery.io.loader import load
     from normsurgery.core.parity import compare
 
     ids = probe(args)
 
     def outputs(path):
-        model = checkpoint.load(path, torch.float32)
+        model = load(path, torch.float32)
         with torch.no_grad():
             out = model(input_ids=ids).logits
         del model
@@ -340,7 +340,7 @@ def op_forward(args) -> dict:
     """Forward time (no_grad, float32) of the original and the converted model, one loaded at a
     time: warm-up, then the median of a few runs."""
     torch, T = quiet_imports()
-    from normsurgery.io import checkpoint
+    from normsurgery.io.loader import load
 
     torch.set_num_threads(args.threads)
     batch, seq = (4, 256) if args.model == "gpt2" else (1, 128)
@@ -348,7 +348,7 @@ def op_forward(args) -> dict:
                         generator=torch.Generator().manual_seed(0))
     out = {"tokens": [batch, seq]}
     for label, path in (("original", args.src), ("converted", args.ref)):
-        model = checkpoint.load(path, torch.float32)
+        model = load(path, torch.float32)
         times = []
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)

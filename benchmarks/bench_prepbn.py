@@ -37,7 +37,7 @@ from timing import forward_ms  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
 from normsurgery.core import registry  # noqa: E402
-from normsurgery.io import checkpoint
+from normsurgery.io.source import Source
 from normsurgery.core.registry import PassContext  # noqa: E402
 
 BOUND = 0.10  # prepbn's held-out CE over its vanilla control (README)
@@ -55,7 +55,7 @@ def trained(original, path: Path, name: str):
         return None
     model = copy.deepcopy(original)
     options = {k: v for k, v in SHORT[name].items() if k in p.options}
-    ctx = PassContext(tokenizer=checkpoint.Source.open(path).tokenizer, text=SAMPLE.read_text())
+    ctx = PassContext(tokenizer=Source.open(path).tokenizer, text=SAMPLE.read_text())
     ns.apply_passes(model, [(name, options)], context=ctx)
     return model.eval()
 

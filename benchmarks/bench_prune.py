@@ -38,7 +38,7 @@ def build(name: str, device: str):
     import torch
     import transformers as T
 
-    from normsurgery.io import checkpoint
+    from normsurgery.io.loader import load
 
     if name == WIDE:
         torch.manual_seed(0)
@@ -46,7 +46,7 @@ def build(name: str, device: str):
                             intermediate_size=2048, vocab_size=8192, max_position_embeddings=512)
         model = T.AutoModelForCausalLM.from_config(cfg).eval()
     else:
-        model = checkpoint.load(ROOT / DEMOS[name])
+        model = load(ROOT / DEMOS[name])
     return model.to(device)
 
 

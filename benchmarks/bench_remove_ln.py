@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from normsurgery.io import checkpoint
+    from normsurgery.io.loader import load
     from normsurgery.core.registry import parse_pass
 
     results = []
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         else:
             text = (ROOT / "normsurgery/data/sample.txt").read_text()
             steps = args.steps or 40  # llama-tiny has 26 removals to schedule
-            original = checkpoint.load(path)
+            original = load(path)
             model, m, wall = trained_pass(path, "remove-ln", text, {"steps": steps, "batch_size": args.batch or 8,
                                                    "eval_samples": 2, "save_every": 0, "control": False})
             ids = torch.randint(0, original.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(0))

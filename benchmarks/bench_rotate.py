@@ -43,7 +43,7 @@ from benchmarks.common import write_json  # noqa: E402
 import torch  # noqa: E402
 
 import normsurgery as ns  # noqa: E402
-from normsurgery.io import checkpoint  # noqa: E402
+from normsurgery.io.source import Source  # noqa: E402
 from normsurgery.core import algebra
 from normsurgery.core import analysis
 from normsurgery.core import calibration
@@ -96,7 +96,7 @@ def versions(model, seeds: int):
 
 
 def measure(name: str, path: Path, samples: int, seq_len: int, seeds: int) -> dict:
-    source = checkpoint.Source.open(path)
+    source = Source.open(path)
     ids = calibration.tokenize(source.tokenizer, calibration.bundled_text("heldout.txt"))
     windows = calibration.windows(ids, seq_len, samples)
     model = ns.load(path, torch.float32)

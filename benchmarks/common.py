@@ -183,12 +183,13 @@ def saved_rows(files: list[str]) -> list[dict]:
 def trained_pass(path: Path, name: str, text: str, options: dict):
     """The trained pass ``name`` with ``options`` on the model at ``path`` (in memory; TEXT its
     training text, the pass holding out its last 10%): (model, the pass's metrics, wall seconds)."""
-    from normsurgery.io import checkpoint
+    from normsurgery.io.loader import load
+    from normsurgery.io.source import Source
     from normsurgery.commands.convert import apply_passes
     from normsurgery.core.registry import PassContext
 
-    model = checkpoint.load(path)
-    ctx = PassContext(tokenizer=checkpoint.Source.open(path).tokenizer, text=text)
+    model = load(path)
+    ctx = PassContext(tokenizer=Source.open(path).tokenizer, text=text)
     t = time.perf_counter()
     [step] = apply_passes(model, [(name, options)], context=ctx)
     return model, step.metrics, time.perf_counter() - t

@@ -281,7 +281,7 @@ def test_tensors_stored_per_expert_merge_as_transformers_merges_them(tmp_path, s
     from safetensors.torch import save_file
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
-    from normsurgery.io.checkpoint import Stored
+    from normsurgery.io.stored import Stored
     from normsurgery.io.shards import Index, Reader
 
     g = torch.Generator().manual_seed(0)
@@ -298,7 +298,7 @@ def test_tensors_stored_per_expert_merge_as_transformers_merges_them(tmp_path, s
 
 def test_a_missing_folder_is_not_sent_to_hf_download(tmp_path):
     """Issue 28: only something shaped like a hub id (owner/name) gets the `hf download` advice."""
-    from normsurgery.io.checkpoint import resolve
+    from normsurgery.io.source import resolve
     from normsurgery.core.errors import SurgeryError
 
     with pytest.raises(SurgeryError, match="no such folder") as e:
@@ -353,7 +353,7 @@ def test_a_mistyped_local_path_is_no_such_folder(tmp_path, monkeypatch):
     """Issue 34, finding 11: `models/nope` (a typo beside an existing models/ folder) got the
     `hf download models/nope` advice. A path that looks local is "no such folder"; owner/name
     whose owner is no folder here is still taken for a hub id."""
-    from normsurgery.io.checkpoint import resolve
+    from normsurgery.io.source import resolve
     from normsurgery.core.errors import SurgeryError
 
     monkeypatch.chdir(tmp_path)

@@ -401,13 +401,13 @@ def test_an_interrupt_names_the_training_state_it_keeps(tmp_path, monkeypatch):
     import importlib
 
     conv = importlib.import_module("normsurgery.commands.convert")
-    from normsurgery.engine.training import STATE_FILE
+    from normsurgery.engine.train_state import STATE_FILE, state_dir
 
     out = tmp_path / "out"
 
     def interrupted(src, out, *args, **kwargs):
-        conv.state_dir(out).mkdir()
-        (conv.state_dir(out) / STATE_FILE).write_bytes(b"state")
+        state_dir(out).mkdir()
+        (state_dir(out) / STATE_FILE).write_bytes(b"state")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(conv, "convert", interrupted)

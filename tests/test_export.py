@@ -19,6 +19,7 @@ from test_checkpoint import sentence_transformers_folder
 from test_heads import make
 from test_remove_ln import frozen_model
 from normsurgery.passes import remove_ln as R
+from normsurgery.passes import removable_norm as RN
 
 pytest.importorskip("onnxruntime")
 
@@ -65,7 +66,7 @@ def test_remote_code_output_crmsnorm_gpt2(tmp_path):
 
 def test_remove_ln_output_has_no_norm_in_the_graph(tmp_path):
     model, lay, norms = frozen_model("gpt2", torch.float32)
-    R.fold(model, lay, norms)
+    RN.fold(model, lay, norms)
     ns.save(model, tmp_path / "noln")
     r = ns.export(tmp_path / "noln", tmp_path / "onnx")
     assert r.parity.ok

@@ -72,13 +72,14 @@ def test_remove_ln_sharded_over_two_processes_matches_one(tmp_path):
 
 WORKER = """import json, sys
 import torch
-from normsurgery.io import checkpoint
-from normsurgery.engine import training
+from normsurgery.io.loader import load
+from normsurgery.io.source import Source
+from normsurgery.engine import processes, training
 from normsurgery.core.calibration import tokenize, windows
 
 out, state, batch, stop, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-source = checkpoint.Source.open("normsurgery/demo/llama-tiny")
-model = checkpoint.load(source)
+source = Source.open("normsurgery/demo/llama-tiny")
+model = load(source)
 ids = tokenize(source.tokenizer, open("normsurgery/data/sample.txt").read())
 train_ids, held = ids[:-1024], windows(ids[-1024:], 32, 4)
 
@@ -91,7 +92,7 @@ def on_step(step, m):
 config = dict(steps=8, batch_size=batch, seq_len=32, lr=1e-3, save_every=2, eval_every=4, state_dir=state,
               resume=resume)
 r = training.train(model, train_ids, held, config, on_step=on_step)
-if training.is_main_process():
+if processes.is_main_process():
     json.dump({"result": r.as_dict(), "weights": {n: p.sum().item() for n, p in model.named_parameters()}},
               open(out, "w"))
 """
@@ -127,11 +128,12 @@ def test_resume_under_two_sharded_processes_reaches_the_one_process_result(tmp_p
     (2, None, "is sharded over 2 processes (FSDP) and this run is not: resume it with 2 processes under FSDP"),
     (None, 2, "is not sharded and this run is, over 2 processes: resume it without FSDP")])
 def test_a_state_resumed_on_another_number_of_shards_is_refused_in_one_line(tmp_path, kept, now, says):
-    from normsurgery.engine.training import STATE_FILE, TrainConfig, _load_state
+    from normsurgery.engine.train_state import STATE_FILE, load_state
+    from normsurgery.engine.training import TrainConfig
 
     torch.save({"fingerprint": "f", "step": 2, **({"shards": kept} if kept else {})}, tmp_path / STATE_FILE)
     with pytest.raises(SurgeryError, match=re.escape(says)) as e:
-        _load_state(TrainConfig(state_dir=tmp_path, resume=True), "f", now)
+        load_state(TrainConfig(state_dir=tmp_path, resume=True), "f", now)
     assert "\n" not in str(e.value)
 
 

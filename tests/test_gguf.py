@@ -23,6 +23,7 @@ from normsurgery.core.families import layout
 from normsurgery.exporters.gguf import export as export_gguf, run_llama
 from normsurgery.core.parity import probe_ids
 from normsurgery.passes import remove_ln as R
+from normsurgery.passes import removable_norm as RN
 from normsurgery.core.runtime import NoNorm
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
@@ -125,13 +126,13 @@ def removed_ln(path: str, tmp_path: Path, stock_export: bool = False) -> tuple[P
     model = ns.load(path, torch.float32)
     lay = layout(model)
     norms = R.install(model, lay, split=not stock_export)
-    R._calibrate(model, norms, probe_ids(None, 1024, None, 4, 32, seed=3))
+    R.calibrate(model, norms, probe_ids(None, 1024, None, 4, 32, seed=3))
     for rn in norms:
-        R.freeze_until([rn], [(0, "all", [(0, p) for p in range(len(rn.paths))]), (0, "position 0", [])], 0)
+        RN.freeze_until([rn], [(0, "all", [(0, p) for p in range(len(rn.paths))]), (0, "position 0", [])], 0)
     if stock_export:
         R.export_stock(model, lay, norms)
     else:
-        R.fold(model, lay, norms)
+        RN.fold(model, lay, norms)
     out = tmp_path / ("stock" if stock_export else "folded")
     ns.save(model, out, source=path)
     return out, model

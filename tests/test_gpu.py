@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from normsurgery.io.checkpoint import Source
+from normsurgery.io.source import Source
 from normsurgery.cli import app
 from normsurgery.engine.sweep import Work
 from normsurgery.io.shards import ShardWriter

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import normsurgery as ns
-from normsurgery.io import checkpoint
+from normsurgery.io.loader import load
 from normsurgery.core.errors import SurgeryNote
 import normsurgery.cli.prune  # noqa: F401  (registers prune and heal)
 from normsurgery.cli import app
@@ -197,7 +197,7 @@ def test_plain_transformers_is_claimed_only_when_checked(tmp_path):
     ids = token_ids(2, 32)
     with pytest.raises(ValueError, match="trust_remote_code"):  # plain loading fails loudly
         T.AutoModelForCausalLM.from_pretrained(out)
-    ours, stock = ns.load(out), checkpoint.load(out, stock=True)
+    ours, stock = ns.load(out), load(out, stock=True)
     assert rel(ours, stock, ids) > 1e-4  # the claim would have been false
     again = tmp_path / "again"  # a re-save keeps the honest mark
     ns.save(ours, again)

@@ -10,6 +10,7 @@ from normsurgery.core.errors import SurgeryError
 from normsurgery.core.families import layout
 from normsurgery.core.parity import compare
 from normsurgery.passes import remove_ln as R
+from normsurgery.passes import removable_norm as RN
 
 from models import token_ids
 
@@ -25,10 +26,10 @@ def ln_free_gpt2(out):
     model = ns.load(GPT2, torch.float32)
     lay = layout(model)
     norms = R.install(model, lay, True)
-    R._calibrate(model, norms, token_ids(4, 32, seed=3))
+    R.calibrate(model, norms, token_ids(4, 32, seed=3))
     every = [(i, p) for i, rn in enumerate(norms) for p in range(len(rn.paths))]
-    R.freeze_until(norms, [(0, "all", every), (0, "position 0", [])], 0)
-    R.fold(model, lay, norms)
+    RN.freeze_until(norms, [(0, "all", every), (0, "position 0", [])], 0)
+    RN.fold(model, lay, norms)
     ns.save(model, out, source=GPT2)
     return out
 

@@ -12,9 +12,9 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 import normsurgery as ns
-from normsurgery.io import checkpoint
+from normsurgery.io.loader import Loader
 from normsurgery.core import memory
-from normsurgery.io.checkpoint import Source
+from normsurgery.io.source import Source
 from normsurgery.core.families import layout as layout_of
 from normsurgery.core.families import FAMILIES
 
@@ -274,7 +274,7 @@ def test_streaming_holds_one_part_whatever_the_depth(tmp_path, monkeypatch, pass
     import weakref
 
     held, loaders = [], weakref.WeakSet()
-    load = checkpoint.Loader.load
+    load = Loader.load
 
     def counting(self, scope, *unread):
         load(self, scope, *unread)
@@ -283,7 +283,7 @@ def test_streaming_holds_one_part_whatever_the_depth(tmp_path, monkeypatch, pass
                         + sum(t.numel() for kept in x.spare.values() for t in kept)  # freed, kept for reuse
                         for x in loaders))
 
-    monkeypatch.setattr(checkpoint.Loader, "load", counting)
+    monkeypatch.setattr(Loader, "load", counting)
     peaks, totals = [], []
     for layers in (4, 16):
         src = checkpoint_at(tmp_path, "llama", layers=layers, name=f"in{layers}")
@@ -318,7 +318,7 @@ def test_a_freed_part_is_reused_only_when_nothing_holds_it(tmp_path):
     stored = tensors(src)
     source = Source.open(src)
     model = source.meta_model(torch.float32)
-    loader = checkpoint.Loader(model, source, torch.float32, "cpu")
+    loader = Loader(model, source, torch.float32, "cpu")
     q = lambda i: model.model.layers[i].self_attn.q_proj.weight  # noqa: E731
     loader.load(("model.layers.0",))
     where = q(0).data_ptr()
@@ -495,8 +495,8 @@ def test_a_pass_that_changes_nothing_writes_the_input_bytes(tmp_path, copies):
             float(p.detach().float().abs().sum())
         return PassReport("test-nothing")
 
-    registry.register("test-nothing", "changes nothing", "exact", "tests", lambda m, lay: None,
-                      blockwise=True, tracked=True)(nothing)
+    registry.register("test-nothing", registry.Declared("changes nothing", "exact", "tests", blockwise=True),
+                      lambda m, lay: None, tracked=True)(nothing)
     try:
         src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
         before = raw(src)
@@ -525,8 +525,8 @@ def test_a_write_through_data_is_not_copied(tmp_path, copies):
             model.get_submodule(site.path).weight.data.mul_(0.5)
         return PassReport("test-halve")
 
-    registry.register("test-halve", "halves the norms' gains", "exact", "tests", lambda m, lay: None,
-                      blockwise=True)(halve)
+    registry.register("test-halve", registry.Declared("halves the norms' gains", "exact", "tests", blockwise=True),
+                      lambda m, lay: None)(halve)
     try:
         src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
         convert_mod.convert(src, tmp_path / "out", [("test-halve", {})], streaming=True, verify=False)
@@ -581,8 +581,8 @@ def test_every_value_a_built_in_pass_changes_is_noted(tmp_path, monkeypatch, fam
             model.get_submodule(site.path).weight.data.mul_(0.5)
         return PassReport("test-halve")
 
-    registry.register("test-halve", "halves the norms' gains", "exact", "tests", lambda m, lay: None,
-                      blockwise=True, tracked=True)(halve)  # a false claim
+    registry.register("test-halve", registry.Declared("halves the norms' gains", "exact", "tests", blockwise=True),
+                      lambda m, lay: None, tracked=True)(halve)  # a false claim
     try:
         convert_mod.convert(src, tmp_path / "out2", [("test-halve", {})], streaming=streaming, verify=False)
     finally:
@@ -736,8 +736,8 @@ def test_identical_outputs_need_no_baseline(tmp_path, forwards):
     from normsurgery.core import registry
     from normsurgery.core.registry import PassReport
 
-    registry.register("test-nothing2", "changes nothing", "exact", "tests", lambda m, lay: None,
-                      blockwise=True)(lambda model, lay, ctx: PassReport("test-nothing2"))
+    registry.register("test-nothing2", registry.Declared("changes nothing", "exact", "tests", blockwise=True),
+                      lambda m, lay: None)(lambda model, lay, ctx: PassReport("test-nothing2"))
     try:
         src = checkpoint_at(tmp_path, "llama", torch.bfloat16)
         res = convert_mod.convert(src, tmp_path / "out", [("test-nothing2", {})], streaming=True)

@@ -11,7 +11,8 @@ from torch.overrides import TorchFunctionMode
 
 import normsurgery as ns
 from normsurgery.core import registry
-from normsurgery.io import checkpoint
+from normsurgery.io.loader import load
+from normsurgery.io.source import Source
 from normsurgery.core.families import layout
 from normsurgery.core.errors import SurgeryError
 from normsurgery.passes import prepbn
@@ -165,7 +166,7 @@ def run_pass(model, workdir=None, interrupt_at=None, train=train, **options):
         if done == interrupt_at:
             raise KeyboardInterrupt
 
-    ctx = PassContext(options=opts, tokenizer=checkpoint.Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
+    ctx = PassContext(options=opts, tokenizer=Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
                       train=train, heldout_ce=heldout_ce, workdir=workdir, train_progress=progress)
     return get("prepbn").apply(model, layout(model), ctx)
 
@@ -189,14 +190,14 @@ def test_resume_continues_an_interrupted_run_to_the_same_model(tmp_path):
 def test_quality_and_no_statistics_after_a_short_run(tmp_path):
     """gpt2-tiny after 40 steps of 8 x 64 tokens: held-out CE within the bound measured, the
     folded model equal to the re-estimated one; saved and loaded, it computes no statistic."""
-    model = checkpoint.load(GPT2, torch.float32)
+    model = load(GPT2, torch.float32)
     m = run_pass(model, steps=40, batch_size=8, seq_len=64, lr=3e-4, eval_samples=16, calib_samples=16).metrics
     assert m["ce_delta"] < BOUND_40_STEPS, m["curve"]
     assert abs(m["ce_folded"] - m["ce_after"]) < 1e-4
     assert m["fold"]["norms_folded"] == len(layout(model).norms)
     ids = token_ids(2, 16)
     ns.save(model, tmp_path / "out")
-    loaded = checkpoint.load(tmp_path / "out", torch.float32)
+    loaded = load(tmp_path / "out", torch.float32)
     for m in (model, loaded):
         ran, stats = run_modules(m, ids)
         assert stats == [], f"statistics computed at run time: {stats}"
@@ -205,7 +206,7 @@ def test_quality_and_no_statistics_after_a_short_run(tmp_path):
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, loaded(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     # the unmodified model does compute them (the check can fail)
-    assert run_modules(checkpoint.load(GPT2, torch.float32), ids)[1]
+    assert run_modules(load(GPT2, torch.float32), ids)[1]
 
 
 def test_a_schedule_the_budget_cannot_hold_is_refused_before_the_weights_are_read(monkeypatch):

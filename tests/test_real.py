@@ -200,7 +200,7 @@ def real_gguf_bytes(real: Path) -> int:
     import math
 
     from normsurgery.exporters import gguf_write as W
-    from normsurgery.io.checkpoint import Source
+    from normsurgery.io.source import Source
 
     p, _ = W.plan(Source.open(real))
     return sum(math.prod(it.shape) * 4 for it in p.items)

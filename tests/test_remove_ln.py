@@ -11,12 +11,15 @@ from typer.testing import CliRunner
 
 import normsurgery
 import normsurgery as ns
-from normsurgery.io import checkpoint
+from normsurgery.io.loader import load
+from normsurgery.io.source import Source
 from normsurgery.core.families import layout
 from normsurgery.core.families import norm_kind as kind_of
 from normsurgery.cli import app
 from normsurgery.core.errors import SurgeryError
 from normsurgery.passes import remove_ln as R
+from normsurgery.passes import removable_norm as RN
+from normsurgery.passes import remove_ln_run as RR
 from normsurgery.passes import removal_schedule as S
 from normsurgery.core.registry import PassContext, get
 from normsurgery.engine.training import heldout_ce, train
@@ -56,11 +59,11 @@ def frozen_model(family, dtype=torch.float64, seed=0, split=True):
     model = tiny_model(family, dtype, seed=seed)
     lay = layout(model)
     norms = R.install(model, lay, split)
-    R._calibrate(model, norms, token_ids(4, 32, seed=3))
+    R.calibrate(model, norms, token_ids(4, 32, seed=3))
     g = torch.Generator().manual_seed(seed)
     for rn in norms:
         rn.scale.mul_(0.5 + torch.rand(rn.scale.shape, generator=g, dtype=torch.float64).to(dtype))
-        R.freeze_until([rn], [(0, "all", [(0, p) for p in range(len(rn.paths))]), (0, "position 0", [])], 0)
+        RN.freeze_until([rn], [(0, "all", [(0, p) for p in range(len(rn.paths))]), (0, "position 0", [])], 0)
     return model, lay, norms
 
 
@@ -72,21 +75,21 @@ def test_the_folds_float32_check_allows_the_folded_models_own_rounding_and_no_mo
     fold erred 1.17e-5 and was refused against the fixed 1e-5). The fixed tolerance is lowered here
     so a tiny model takes that path; a reader off by 1e-3 still fails it (float64's check let through
     here, to see float32's)."""
-    monkeypatch.setitem(R.TOLERANCE, torch.float32, 1e-12)
+    monkeypatch.setitem(RN.TOLERANCE, torch.float32, 1e-12)
     model, lay, norms = frozen_model(family, torch.float32)
     ids = token_ids(3, 24)
     m = R.fold_checked(model, lay, norms, ids)
     assert 1e-12 < m["fold_error_float32"] and m["fold_error_float64"] <= 1e-10
     model, lay, norms = frozen_model(family, torch.float32)
-    fold = R.fold
+    fold = RN.fold
 
     def off(model, lay, norms):  # one reader's weights off by 1e-3 after an exact fold
         n = fold(model, lay, norms)
         model.get_submodule(lay.norms[0].readers[0]).weight.data.mul_(1 + 1e-3)
         return n
 
-    monkeypatch.setattr(R, "fold", off)
-    monkeypatch.setitem(R.TOLERANCE, torch.float64, 1.0)
+    monkeypatch.setattr(RN, "fold", off)
+    monkeypatch.setitem(RN.TOLERANCE, torch.float64, 1.0)
     with pytest.raises(SurgeryError, match="in float32 .* own float32 rounding"):
         R.fold_checked(model, lay, norms, ids)
 
@@ -98,7 +101,7 @@ def test_fold_equals_the_frozen_norm_model_in_float64(family):
         frozen = model(input_ids=ids).logits
         original = tiny_model(family, torch.float64)(input_ids=ids).logits
     assert (frozen - original).abs().max() > 1e-2 * original.abs().max()  # the constants matter
-    R.fold(model, lay, norms)
+    RN.fold(model, lay, norms)
     with torch.no_grad():
         folded = model(input_ids=ids).logits
     assert (folded - frozen).abs().max() <= 1e-10 * frozen.abs().max()
@@ -118,7 +121,7 @@ def test_saved_model_has_no_norm_and_computes_no_statistic(family, tmp_path):
     model, lay, norms = frozen_model(family, torch.float32)
     ids = token_ids(2, 16)
     assert statistics_computed(tiny_model(family, torch.float32), ids)  # the check sees the original's norms
-    R.fold(model, lay, norms)
+    RN.fold(model, lay, norms)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     saved = ns.save(model, tmp_path / "out")
@@ -167,7 +170,7 @@ def run_pass(tmp_path, model=None, interrupt_at=None, heldout_ce=heldout_ce, tra
         if done == interrupt_at:
             raise KeyboardInterrupt
 
-    ctx = PassContext(options=opts, tokenizer=checkpoint.Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
+    ctx = PassContext(options=opts, tokenizer=Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
                       train=train_fn, heldout_ce=heldout_ce, workdir=tmp_path, train_progress=progress)
     report = get("remove-ln").apply(model, layout(model), ctx)
     return model, report
@@ -214,7 +217,7 @@ def test_quality_after_a_short_run():
     """60 steps of 8 x 64 tokens on the bundled sample: the demo gpt2-tiny without any norm stays
     within +0.05 nats of its held-out CE (measured +0.012; freezing the divisors without
     fine-tuning costs about +0.9)."""
-    model, report = run_pass(None, checkpoint.load(GPT2), steps=60, batch_size=8, seq_len=64, lr=3e-4,
+    model, report = run_pass(None, load(GPT2), steps=60, batch_size=8, seq_len=64, lr=3e-4,
                              eval_samples=16, save_every=0)
     m = report.metrics
     assert m["ce_delta"] < 0.05, m["curve"]
@@ -306,7 +309,7 @@ def test_saved_line_names_the_trained_model_and_the_difference_to_the_input(tmp_
 def test_a_step_budget_too_small_is_refused_before_the_weights_are_read(tmp_path, monkeypatch):
     """Issue 28: the schedule's needs follow from the Layout (no weights): refused before loading,
     naming the smallest budget that fits."""
-    from normsurgery.io.checkpoint import Loader
+    from normsurgery.io.loader import Loader
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the step budget was checked")
@@ -318,7 +321,7 @@ def test_a_step_budget_too_small_is_refused_before_the_weights_are_read(tmp_path
     r = cli("convert", GPT2, out, "--pass", "remove-ln:gap=3", "--text", SAMPLE, "--steps", 20)
     assert_refused(r, out, "steps=64 with gap=3 as given; a smaller gap needs fewer")
     monkeypatch.undo()
-    model = checkpoint.load(GPT2)
+    model = load(GPT2)
     options = {**get("remove-ln").options, "steps": 22}
     assert R.check(model, layout(model), options) is None  # 22 fits: the budget named is the smallest
 
@@ -360,7 +363,7 @@ def test_keep_final_leaves_exactly_the_final_norm_and_says_so(tmp_path, family, 
     lay = layout(loaded)
     for site in lay.norms:
         mod = loaded.get_submodule(site.path)
-        assert isinstance(mod, R.NoNorm) != (site.role == "final"), site.path
+        assert isinstance(mod, RN.NoNorm) != (site.role == "final"), site.path
     stock = type(loaded.get_submodule([s.path for s in lay.norms if s.role == "final"][0]))
     assert stock.__module__.startswith("transformers.") and final in stock.__name__ or (
         family == "gpt2" and stock is torch.nn.LayerNorm)
@@ -372,7 +375,7 @@ def test_keep_final_leaves_exactly_the_final_norm_and_says_so(tmp_path, family, 
         lens.norm_kind(loaded)
     if family == "llama":
         with pytest.raises(SurgeryError, match="GGUF has one norm epsilon"):
-            gguf.plan(checkpoint.Source.open(out))
+            gguf.plan(Source.open(out))
 
 
 def test_keep_final_with_export_stock_and_a_bad_keep_are_refused_in_one_line(tmp_path):
@@ -404,7 +407,7 @@ def test_remeasured_divisor_leaves_position_0_out():
     rn = R.RemovableNorm(torch.nn.RMSNorm(16, eps=1e-6, dtype=torch.float64), False, 1e-6, 0.0, ["final"])
     rn.scale.fill_(123.0)  # a stale moving average
     rn.eval()
-    R.remeasure(rn, 0, lambda: (rn(x[:2]), rn(x[2:])))
+    RN.remeasure(rn, 0, lambda: (rn(x[:2]), rn(x[2:])))
     d = rms(x)
     assert torch.allclose(rn.scale[0].double(), d[:, 1:].mean(), rtol=1e-6)
     assert torch.allclose(rn.scale_first[0].double(), d[:, 0].mean(), rtol=1e-6)
@@ -415,11 +418,11 @@ def test_remeasured_divisor_leaves_position_0_out():
 def test_aux_loss_is_zero_for_equal_scales_and_positive_otherwise():
     d = torch.full((2, 8), 3.7, dtype=torch.float64)
     d[:, 0] = 40.0  # position 0 is left out
-    assert R.aux_loss(d).item() < 1e-20
+    assert RN.aux_loss(d).item() < 1e-20
     d[1, 5] = 4.0
-    assert R.aux_loss(d).item() > 1e-4
+    assert RN.aux_loss(d).item() > 1e-4
     # relative: the same shape at 10x the scale gives the same loss
-    assert torch.allclose(R.aux_loss(10 * d), R.aux_loss(d))
+    assert torch.allclose(RN.aux_loss(10 * d), RN.aux_loss(d))
 
 
 def test_aux_loss_reaches_the_parameters_only_through_the_final_norms_input():
@@ -563,7 +566,7 @@ def test_waiting_resumes_an_interrupted_run_to_the_same_model(tmp_path):
     ("keep=final,final_divisor=remeasure", 900, "keep=final keeps it"),
 ])
 def test_options_that_cannot_hold_together_are_refused_before_reading(tmp_path, monkeypatch, options, steps, match):
-    from normsurgery.io.checkpoint import Loader
+    from normsurgery.io.loader import Loader
 
     def no_reading(*a, **k):
         raise AssertionError("weights read before the options were checked")
@@ -585,7 +588,7 @@ def test_per_position_ce_before_and_after_the_final_stage():
     assert got["before"] != got["after"] and any("by predicting position, before the final stage" in n
                                                  for n in report.notes)
     held = token_ids(4, 32, seed=5)
-    ces = R.position_ce(model, held, 2)
+    ces = RR.position_ce(model, held, 2)
     assert (ces["0"] + 7 * ces["1-7"] + 23 * ces["8+"]) / 31 == pytest.approx(heldout_ce(model, held, 2), rel=1e-6)
 
 
@@ -612,7 +615,7 @@ def test_final_blend_moves_from_the_live_norm_to_the_constant(family):
     a = 1 the frozen constant, between them the mix, computed here by hand in float64."""
     model = tiny_model(family, torch.float64)
     norms = R.install(model, layout(model))
-    R._calibrate(model, norms, token_ids(4, 32, seed=3))
+    R.calibrate(model, norms, token_ids(4, 32, seed=3))
     rn = norms[-1]  # the final norm
     p = rn.paths.index("final")
     x = 3 * torch.randn(2, 7, rn.weight.shape[0], dtype=torch.float64)

@@ -302,7 +302,7 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
     (("heal", GPT2, "OUT", "--text", "x.txt", "--eval-fraction", "0"), "--eval-fraction"),
 ])
 def test_bad_values_are_usage_errors_before_any_work(tmp_path, args, match, monkeypatch):
-    from normsurgery.io.checkpoint import Source
+    from normsurgery.io.source import Source
 
     def never(*a, **k):
         raise AssertionError("a checkpoint was read before the usage error")

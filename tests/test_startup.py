@@ -46,18 +46,18 @@ def test_a_convert_that_reads_no_text_never_loads_the_tokenizer(tmp_path, monkey
     import importlib
 
     import normsurgery as ns
-    from normsurgery.io import checkpoint
+    from normsurgery.io.source import Source
 
     convert_mod = importlib.import_module("normsurgery.commands.convert")
     demo = Path(ns.__file__).parent / "demo" / "llama-tiny"
     made = []
-    real = checkpoint.Source.tokenizer.func
+    real = Source.tokenizer.func
 
     def tokenizer(self):
         made.append(self.name)
         return real(self)
 
-    monkeypatch.setattr(checkpoint.Source, "tokenizer", property(tokenizer))
+    monkeypatch.setattr(Source, "tokenizer", property(tokenizer))
     res = convert_mod.convert(demo, tmp_path / "out", [("flashnorm", {})], verify=False, streaming=True)
     assert res.saved and made == []
     text = (Path(ns.__file__).parent / "data" / "sample.txt").read_text()

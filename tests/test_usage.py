@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 import normsurgery as ns
 from normsurgery.core import registry
-from normsurgery.io import checkpoint
+from normsurgery.io.loader import Loader
+from normsurgery.io.source import Source
 from normsurgery.cli import app
 from normsurgery.core.errors import SurgeryError, UsageError
 
@@ -23,8 +24,8 @@ def nothing_loads(monkeypatch):
     """Any read of a checkpoint fails the test."""
     def refused(*args, **kwargs):
         raise AssertionError("a checkpoint was opened")
-    monkeypatch.setattr(checkpoint.Source, "open", refused)
-    monkeypatch.setattr(checkpoint.Loader, "load", refused)
+    monkeypatch.setattr(Source, "open", refused)
+    monkeypatch.setattr(Loader, "load", refused)
 
 
 @pytest.mark.parametrize("spec", ["remove-ln", "prepbn:steps=2", "mask:by=activation,prune_units=0.1",
@@ -62,7 +63,7 @@ def test_a_streamed_refusal_counts_every_norm_of_the_model(tmp_path, monkeypatch
     def refused(*args, **kwargs):
         raise AssertionError("weights were read")
 
-    monkeypatch.setattr(checkpoint.Loader, "load", refused)
+    monkeypatch.setattr(Loader, "load", refused)
     said = {}
     for streaming in (True, False):
         with pytest.raises(SurgeryError) as e:

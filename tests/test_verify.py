@@ -172,7 +172,8 @@ def test_overall_parity_catches_drift_the_steps_do_not(tmp_path):
         model.get_submodule(lay.final_norm.path).weight.data.mul_(1 + 4e-6)  # logits x (1 + 4e-6)
         return PassReport("test-nudge")
 
-    registry.register("test-nudge", "scale the logits by 1 + 4e-6", "exact", "tests", lambda m, lay: None)(nudge)
+    registry.register("test-nudge", registry.Declared("scale the logits by 1 + 4e-6", "exact", "tests"),
+                      lambda m, lay: None)(nudge)
     try:
         src, out = stored(tmp_path, "llama", torch.float32), tmp_path / "out"
         # a given tolerance (this one is float32's fixed one): no adaptation to the model's rounding
@@ -420,8 +421,8 @@ def test_convert_checks_the_rewrite_before_the_cast_at_float32s_tolerance(tmp_pa
                 model.model.layers[1].mlp.up_proj.weight.mul_(1.01)
         return report or PassReport("test-wrong-flashnorm")
 
-    registry.register("test-wrong-flashnorm", "flashnorm, 1% off in one layer", "exact", "tests", flash.applies,
-                      options=flash.options, blockwise=True)(wrong)
+    registry.register("test-wrong-flashnorm", registry.Declared("flashnorm, 1% off in one layer", "exact", "tests",
+                                                                 flash.options, blockwise=True), flash.applies)(wrong)
     try:
         src = stored(tmp_path, "llama", torch.bfloat16)
         wrong = r"broke parity: relative error .* > (\d\.\d+e-0\d) \(float32.*--work-dtype float64"

@@ -219,12 +219,12 @@ def read_text(path) -> str | None:
 @contextmanager
 def claimed(src: str, out, force: bool, allow_pickle: bool = False):
     """For the whole command: ``out`` locked and checked before any work (what killed runs
-    left beside it cleared and reported); yields ``src`` read (``checkpoint.Source``)."""
+    left beside it cleared and reported); yields ``src`` read (``source.Source``)."""
     from ..io.output import check_output, output_lock
 
     with output_lock(out):  # before loading torch or reading anything: a second run stops at once
         load_transformers()
-        from ..io.checkpoint import Source
+        from ..io.source import Source
 
         source = Source.open(src, allow_pickle)
         for line in check_output(out, force, source.path):

@@ -66,13 +66,12 @@ def convert(
     try:
         with claimed(src, out, options.force, options.allow_pickle) as source:  # OUT locked before torch is loaded
             from ..commands.convert import convert as convert_checkpoint
-            from ..engine.training import is_main_process
+            from ..engine.processes import is_main_process
 
             with progress_bar(not json and is_main_process()) as progress:
                 result = convert_checkpoint(source, out, specs, options, text=body, progress=progress)
     except KeyboardInterrupt as e:
-        from ..commands.convert import state_dir
-        from ..engine.training import STATE_FILE
+        from ..engine.train_state import STATE_FILE, state_dir
 
         kept = state_dir(out)
         if (kept / STATE_FILE).is_file():

@@ -71,13 +71,13 @@ def print_outliers(src: str, other: str | None, text: str | None, options: Inspe
 
 def describe(src: str, allow_pickle: bool) -> dict:
     """What ``inspect`` says of checkpoint ``src``: architecture, layout, dead units, passes."""
-    from ..io import checkpoint
+    from ..io import loader
     from .. import passes as _passes
     from ..core import registry  # noqa: F401  (the built-in passes)
     from ..core.analysis import dead_units
     from ..core.families import layout
 
-    model = checkpoint.load(src, allow_pickle=allow_pickle)
+    model = loader.load(src, allow_pickle=allow_pickle)
     lay = layout(model)
     return {
         "architecture": type(model).__name__, "family": lay.family, "placement": lay.placement,

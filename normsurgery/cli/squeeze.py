@@ -54,10 +54,10 @@ def squeeze(
             result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=opts, resume=asked.resume,
                                         io=run, progress=progress)
     except KeyboardInterrupt as e:
-        from ..commands.squeeze import state_dir
+        from ..engine.train_state import state_dir
 
-        if state_dir(out).is_dir():
-            e.kept = f"the squeeze state is kept in {state_dir(out)}: the same command with --resume continues from it"
+        if state_dir(out, "squeeze").is_dir():
+            e.kept = f"the squeeze state is kept in {state_dir(out, 'squeeze')}: the same command with --resume continues from it"
         raise
     if result.saved is None:  # a secondary process of a distributed run
         return

@@ -38,7 +38,7 @@ import torch
 from ..core.version import __version__
 from ..core import devices, memory, precision
 from .. import passes as _passes  # noqa: F401  (passes: the built-in passes)
-from ..io.checkpoint import Source
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import family
 from ..core.layout import LM_OBJECTIVES
@@ -51,7 +51,9 @@ from ..engine.runner import Job
 from ..engine.sweep import Meter, Work, step_reports
 from ..io.texts import text_of
 from ..core.registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
-from ..engine.training import heldout_ce, is_main_process, train
+from ..engine.processes import is_main_process
+from ..engine.train_state import state_dir
+from ..engine.training import heldout_ce, train
 from ..engine.writer import save_work
 from .verify import as_dtype
 
@@ -126,11 +128,6 @@ def work_dtype_for(storage: torch.dtype, requested: torch.dtype | None) -> torch
                            "float64 (half precision would round every intermediate result, and parity could not "
                            "be checked); the weights are cast back to their storage dtype once, at the end")
     return requested or (torch.float64 if storage == torch.float64 else torch.float32)
-
-
-def state_dir(out) -> Path:
-    """Where trained passes keep their resumable state for ``out``: ``.OUT.train-state`` beside it."""
-    return Path(out).parent / f".{Path(out).name}.train-state"
 
 
 def in_memory_bytes(source: Source, dtype: torch.dtype) -> float:

@@ -43,7 +43,7 @@ import torch
 from ..core import algebra
 from ..core.calibration import windows
 from ..core.errors import SurgeryError
-from ..io.checkpoint import Source
+from ..io.source import Source
 from ..core.families import layout
 from ..io.output import writing, written
 from ..core.progress import no_progress

@@ -23,7 +23,8 @@ import warnings
 import torch
 
 from ..core import devices
-from ..io.checkpoint import Source, load
+from ..io.loader import load
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.parity import compare, outputs, probe_ids

@@ -56,7 +56,9 @@ from ..core.registry import PassContext
 from ..engine.runner import Job
 from ..io.stash import Stash
 from ..io.texts import text_of
-from ..engine.training import STATE_FILE, heldout_ce, is_main_process
+from ..engine.processes import is_main_process
+from ..engine.train_state import STATE_FILE, state_dir
+from ..engine.training import heldout_ce
 
 STATE = "squeeze.pt"
 TRAIN_STATE = "train"  # the folder of a cycle's training state, inside the squeeze state
@@ -161,11 +163,6 @@ def release(model, scale: float, seed: int, cycle: int) -> int:
     gen = torch.Generator().manual_seed(seed * 1_000_003 + cycle)
     weights = masks.block_weights(model, layout(model))
     return sum(masks.release(weights[name].data, scale, gen) for name in sorted(weights))
-
-
-def state_dir(out) -> Path:
-    """Where squeeze keeps its resumable state for ``out``: ``.OUT.squeeze-state`` beside it."""
-    return Path(out).parent / f".{Path(out).name}.squeeze-state"
 
 
 def _fingerprint(opts: SqueezeOptions, train_ids: torch.Tensor, held: torch.Tensor) -> str:
@@ -306,7 +303,7 @@ def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
     acc = job.make_accelerator(opts.precision)
     model = job.load()
     require_lm(model)
-    state = state_dir(out)
+    state = state_dir(out, "squeeze")
     setup = Setup(job.source.storage.itemsize, getattr(job.source.tokenizer, "mask_token_id", None), acc)
     model, result = squeeze_model(model, train_ids, held, opts, setup, state=state, resume=resume, progress=progress)
     if opts.control and opts.cycles > 1:  # the squeezed model waits on disk meanwhile

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..core import analysis, devices, memory
-from ..io.checkpoint import Source, load
+from ..io.loader import load
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.options import PROBE_LENGTH, InspectOptions, VerifyOptions, options_of
 from ..core.families import FAMILIES, architecture, objective, positions, stock_class_of
@@ -172,7 +173,7 @@ def differing_parameters(a, b) -> frozenset[str]:
     """The parameters of ``a`` that ``b`` does not hold as they are (absent, of another shape or values)."""
     pb = dict(b.named_parameters())
     return frozenset(k for k, p in a.named_parameters() if k not in pb or pb[k].shape != p.shape
-                     or not torch.equal(p.detach().cpu(), pb[k].detach().to("cpu", p.dtype)))
+                     or not torch.equal(p.detach().cpu(), pb[k].detach().to(devices.HOST, p.dtype)))
 
 
 def outliers(a, b=None, options: InspectOptions | None = None, *, text: str | None = None, **keywords) -> dict:

@@ -250,3 +250,8 @@ def free_bytes(device) -> int | None:
     if not is_gpu(device):
         return None
     return torch.cuda.mem_get_info(torch.device(device))[0]
+
+
+#: host memory: where tensors go on purpose to become bytes, numpy arrays or files (and a model with
+#: no other device given), named once instead of the literal "cpu" throughout
+HOST = "cpu"

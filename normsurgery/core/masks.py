@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import algebra, analysis
+from . import algebra, analysis, devices
 from .errors import SurgeryError
 from .layout import Layout
 from .options import CRITERIA  # the ranking criteria (one list, options.py)
@@ -88,7 +88,7 @@ def drop_smallest(w: torch.Tensor, k: int) -> torch.Tensor:
 def _kth_abs(w: torch.Tensor, k: int) -> float:
     """The k-th smallest |w| (1-based, 1 <= k <= numel), exactly (a value of |w|)."""
     v = w.detach().flatten()
-    if v.device.type != "cpu":
+    if v.device.type != devices.HOST:
         return torch.kthvalue(v.abs(), k).values.item()
     # host: NumPy's in-place introselect (torch.kthvalue on CPU allocates int64 indices)
     a = v.abs() if v.dtype in (torch.float32, torch.float64) else v.float().abs_()  # exact widening

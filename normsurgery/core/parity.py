@@ -235,7 +235,7 @@ class HeadInput:
 def _columns(x, start: int, stop: int) -> torch.Tensor:
     """Columns start..stop of full outputs or of :class:`HeadInput`, as [positions, n] float64 on the CPU."""
     c = x.slab(start, stop) if isinstance(x, HeadInput) else x[..., start:stop]
-    return c.reshape(-1, stop - start).to("cpu", torch.float64)
+    return c.reshape(-1, stop - start).to(devices.HOST, torch.float64)
 
 
 def compare_slabs(ref, out) -> Comparison:
@@ -410,7 +410,7 @@ def greedy_agreement(a, b, prompts: torch.Tensor, new_tokens: int = 16) -> float
     kw = dict(max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
               pad_token_id=0, eos_token_id=None)
     # the mask given: else generate masks the prompt's tokens that equal the pad id
-    pa, pb = prompts.to(a.device), prompts.to(b.device)
+    pa, pb = prompts.to(devices.of(a)), prompts.to(devices.of(b))
     ga = a.generate(pa, attention_mask=torch.ones_like(pa), **kw)[:, prompts.shape[1]:]
     gb = b.generate(pb, attention_mask=torch.ones_like(pb), **kw)[:, prompts.shape[1]:]
     return (ga.cpu() == gb.cpu()).double().mean().item()

@@ -196,16 +196,33 @@ AUTO = {"seq_len": 0, "min_lr": -1, "warmup": -1, "decay": -1, "start": -1, "gap
 PASSES: dict[str, Pass] = {}
 
 
-def register(name: str, description: str, kind: str, families: str, applies, options=None, reference=None,
-             blockwise: bool = False, tracked: bool = False):
-    """Decorator registering ``apply(model, layout, ctx) -> PassReport`` under ``name``; ``tracked``:
-    it writes parameters in place or replaces them, never through ``.data`` (``Pass.tracked``)."""
-    if kind not in KINDS:
-        raise ValueError(kind)
+@dataclass(frozen=True)
+class Declared:
+    """What a pass declares about itself beside its name and functions: a one-line ``description``,
+    its ``kind`` (one of :data:`KINDS`), where it applies (``families``, in words), its options by
+    name with their defaults (a given value is coerced to its default's type), and whether it may
+    run one part of the model at a time (``blockwise``: see the module docstring)."""
+
+    description: str
+    kind: str
+    families: str
+    options: dict[str, Any] = field(default_factory=dict)
+    blockwise: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(self.kind)
+
+
+def register(name: str, declared: Declared, applies, reference=None, tracked: bool = False):
+    """Decorator registering ``apply(model, layout, ctx) -> PassReport`` under ``name``, as
+    ``declared``; ``tracked``: it writes parameters in place or replaces them, never through
+    ``.data`` (``Pass.tracked``)."""
 
     def wrap(apply):
-        PASSES[name] = Pass(name, description, kind, families, applies, apply, dict(options or {}), reference,
-                            blockwise, tracked=tracked)
+        d = declared
+        PASSES[name] = Pass(name, d.description, d.kind, d.families, applies, apply, dict(d.options), reference,
+                            d.blockwise, tracked=tracked)
         return apply
 
     return wrap
@@ -222,24 +239,30 @@ class Lazy:
         return getattr(importlib.import_module(self.module), self.attr)(*args, **kwargs)
 
 
-def declare(name: str, module: str, description: str, kind: str, families: str, options=None,
-            reference: bool = False, blockwise: bool = False, limits=None, check: bool = False,
-            stages: bool = False, reads: bool = False, text: Callable[[dict], str | None] | None = None) -> None:
-    """Register the pass ``name`` whose ``applies`` and ``apply`` (and ``reference``, ``check`` and
-    ``reads`` when said; ``stages``: ``stages``, ``whole`` and with a reference ``reference_stages``)
-    are functions of ``module``, imported on first use. ``text``: why its options read text
-    (``Pass.text``; a trained pass: it trains on it)."""
-    if kind not in KINDS:
-        raise ValueError(kind)
-    PASSES[name] = Pass(name, description, kind, families, Lazy(module, "applies"),
-                        None if stages else Lazy(module, "apply"), dict(options or {}),
-                        Lazy(module, "reference") if reference and not stages else None, blockwise or stages,
-                        {k: v for k, v in (limits or {}).items() if k in (options or {})},
-                        Lazy(module, "check") if check else None, Lazy(module, "stages") if stages else None,
+#: the functions a built-in pass's module may have beyond ``applies`` and ``apply`` (``declare``'s ``has``)
+FUNCTIONS = ("reference", "check", "stages", "reads")
+
+
+def declare(name: str, module: str, declared: Declared, limits: dict[str, Limit] | None = None,
+            has: tuple[str, ...] = (), text: Callable[[dict], str | None] | None = None) -> None:
+    """Register the pass ``name``, as ``declared``, whose ``applies`` and ``apply`` (and those of
+    :data:`FUNCTIONS` it ``has``: ``reference``, ``check``, ``reads``; ``stages``: ``stages``,
+    ``whole`` and with a reference ``reference_stages``, in place of ``apply``) are functions of
+    ``module``, imported on first use. ``limits``: the values options take (those of its options
+    kept). ``text``: why its options read text (``Pass.text``; a trained pass: it trains on it)."""
+    unknown = set(has) - set(FUNCTIONS)
+    if unknown:
+        raise ValueError(f"{name}: no such functions {sorted(unknown)}; a pass may have {', '.join(FUNCTIONS)}")
+    d, stages, reference = declared, "stages" in has, "reference" in has
+    PASSES[name] = Pass(name, d.description, d.kind, d.families, Lazy(module, "applies"),
+                        None if stages else Lazy(module, "apply"), dict(d.options),
+                        Lazy(module, "reference") if reference and not stages else None, d.blockwise or stages,
+                        {k: v for k, v in (limits or {}).items() if k in d.options},
+                        Lazy(module, "check") if "check" in has else None, Lazy(module, "stages") if stages else None,
                         Lazy(module, "reference_stages") if stages and reference else None,
                         Lazy(module, "whole") if stages else None, tracked=True,
-                        reads=Lazy(module, "reads") if reads else None,
-                        text=text or (trains_on_text if kind == "trained" else None))
+                        reads=Lazy(module, "reads") if "reads" in has else None,
+                        text=text or (trains_on_text if d.kind == "trained" else None))
 
 
 def get(name: str) -> Pass:

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 
 from ..core import precision
-from ..io.checkpoint import Source, mark_not_stock
+from ..io.checkpoint import mark_not_stock
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.parity import DRAWS, TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, jittered, needs_rounding_tolerance, null_summary, outputs, rounding_tolerance, tolerance
 from .plan import Part

@@ -3,7 +3,7 @@
 training runs inside the executor's one-part plan).
 
 A :class:`Job` is opened once per command that writes (those, ``convert`` and ``export``), before
-any work: the checkpoint resolved (``checkpoint.Source``), the output checked
+any work: the checkpoint resolved (``source.Source``), the output checked
 (``output.check_output``: never the input, never a folder of the user's, writable) and the device
 chosen (``devices.choose``). Then:
 
@@ -31,7 +31,7 @@ import torch
 
 from ..core import devices
 from ..core.calibration import fit_seq_len, split_heldout, tokenize, windows
-from ..io.checkpoint import Source
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..io.output import check_output
 from .sweep import Work
@@ -111,7 +111,7 @@ class Job:
         """The checkpoint whole, in its storage dtype, on the job's device. ``trains``: the model
         goes straight to training; where that is sharded over the processes (FSDP), only the
         main process reads the weights, the others' wait on the meta device until training
-        gives them their shards (``training.Shards``)."""
+        gives them their shards (``processes.Shards``)."""
         if trains and devices.sharding() and not self.main:
             model = self.source.meta_model(self.source.storage)
             devices.place_buffers(model, self.device)

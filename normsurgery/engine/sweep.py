@@ -1,7 +1,7 @@
 """The sweep: one executor over parts. Every model convert, verify, prune and heal read, rewrite,
 check and write goes through it, whether the whole model is in memory or one part at a time.
 
-A :class:`Work` is a model of a checkpoint (``checkpoint.Source``) built on the meta device (no
+A :class:`Work` is a model of a checkpoint (``source.Source``) built on the meta device (no
 memory for weights) and cut into parts (:func:`plan.plan`). "In memory" is the plan of one part
 holding the whole model, loaded once and kept (``resident``). A part is *entered* (its tensors
 read from the files, cast to the working dtype, then brought to a level: the first ``level``
@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..core import devices, memory, registry
-from ..io.checkpoint import Loader, Source
+from ..io.loader import Loader
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.norms import faithful_norms

@@ -18,7 +18,7 @@ Processes: one CPU, one GPU, or several under ``torchrun`` / ``accelerate launch
 CPU, NCCL on GPUs; each process its own batches, gradients averaged). Data parallel, each
 process holding the whole training state, unless accelerate's FSDP configuration asks to shard
 it (``devices.sharding``): then each block, and the whole model, are wrapped with FSDP2's
-``fully_shard`` for the steps (:class:`Shards`), each process holding 1/N of the weights,
+``fully_shard`` for the steps (``processes.Shards``), each process holding 1/N of the weights,
 gradients and AdamW moments, and every process is given the whole model back after them. Only
 the main process writes the state (a sharded run: each process its shard) and reports progress.
 The model trains on the accelerator's device (the one ``devices.choose`` made current) and is
@@ -28,9 +28,7 @@ given back where it was found. Precision
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -46,9 +44,11 @@ from ..core.devices import make_accelerator, mixed_precision  # noqa: F401  (the
 from ..core.errors import SurgeryError
 from ..core.families import layout, stock_class_of
 from ..core.layout import LM_OBJECTIVES
+from ..core.options import SEQ_LEN, HealOptions, check_values
+from . import train_state
+from .processes import Shards
 
 MLM_FRACTION = 0.15
-STATE_FILE = "train-state.pt"
 
 #: (step done, total steps, running training loss), called on the main process only
 StepProgress = Callable[[int, int, float], None]
@@ -58,20 +58,20 @@ OnStep = Callable[[int, Any], "dict[str, Any] | None"]
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    batch_size: int = 8  # windows per micro-batch and process
-    seq_len: int = 128
+    steps: int = HealOptions.steps
+    batch_size: int = HealOptions.batch_size  # windows per micro-batch and process
+    seq_len: int = SEQ_LEN
     lr: float = 1e-4
     min_lr: float | None = None  # end of the cosine; default lr / 10
     warmup: int | None = None  # warm-up steps; default steps // 10 (at least 1)
     weight_decay: float = 0.0
-    grad_accum: int = 1
+    grad_accum: int = HealOptions.grad_accum
     clip: float = 1.0  # gradient-norm clipping (0: none)
-    precision: str = "auto"  # devices.PRECISIONS
-    seed: int = 0
+    precision: str = HealOptions.precision  # devices.PRECISIONS
+    seed: int = HealOptions.seed
     eval_every: int = 0  # held-out CE every this many steps (0: before and after only)
     eval_steps: tuple[int, ...] = ()  # and after these steps
-    eval_batch_size: int = 8
+    eval_batch_size: int = HealOptions.batch_size
     save_every: int = 0  # training state every this many steps (0: never)
     state_dir: Path | None = None
     resume: bool = False
@@ -80,13 +80,11 @@ class TrainConfig:
     settle: int = 0  # evaluations before this step do not count (a schedule still changing the model)
 
     def check(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise SurgeryError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.seq_len < 2:
-            raise SurgeryError(f"a sequence needs at least 2 tokens, got seq_len {self.seq_len}")
-        if not self.lr > 0:
-            raise SurgeryError(f"--lr must be positive, got {self.lr:g}")
+        """The ranges ``core.options`` checks for every command (``check_values``), and what the
+        other fields ask of each other."""
+        check_values({k: getattr(self, k) for k in ("steps", "batch_size", "grad_accum", "seq_len", "lr")})
+        if self.eval_batch_size < 1:  # no command's option: not in check_values
+            raise SurgeryError(f"eval_batch_size must be at least 1, got {self.eval_batch_size}")
         if (self.save_every or self.resume) and self.state_dir is None:
             raise SurgeryError("saving or resuming training state needs a state directory")
         if self.patience and not (self.eval_every or self.eval_steps):
@@ -142,14 +140,6 @@ class TrainResult:
         stopped = f" of at most {self.cap}, held-out CE having stopped improving" if self.cap else ""
         return (f"trained {self.steps} steps ({resumed}{self.tokens:,} tokens, {self.seconds:.0f} s, {precision}"
                 f"{stopped})")
-
-
-# ----------------------------------------------------------------------------- processes
-
-def is_main_process() -> bool:
-    """False in every process but the first of a distributed group."""
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
-        or torch.distributed.get_rank() == 0
 
 
 # ----------------------------------------------------------------------------- data and loss
@@ -209,14 +199,15 @@ def _batch(ids: torch.Tensor, config: TrainConfig, step: int, micro: int, rank: 
 
 @torch.no_grad()
 def heldout_ce(model, windows: torch.Tensor, batch_size: int = 8, objective: str | None = None, *,
-               mask_token_id: int | None = None, autocast=None) -> float:
+               mask_token_id: int | None = None, autocast=None, device=None) -> float:
     """Mean CE (nats/token) on ``windows`` [n, T] in eval mode: next-token, or masked-token with
-    masks fixed by seed (every model sees the same ones). ``objective`` defaults to the model's."""
+    masks fixed by seed (every model sees the same ones). ``objective`` defaults to the model's,
+    ``device`` (where the model is now) to ``devices.of(model)``."""
     objective = objective or objective_of(model)
     mlm = _mlm_spec(objective, model, mask_token_id)
     inputs, labels = mask_tokens(windows, *mlm, torch.Generator().manual_seed(0)) if mlm else (windows, windows)
     total, count = 0.0, 0
-    device = next(model.parameters()).device  # where it is now (tests stand devices.of in for home)
+    device = device or devices.of(model)
     with evaluating(model):
         for s in range(0, len(windows), batch_size):
             with autocast() if autocast else nullcontext():
@@ -226,207 +217,72 @@ def heldout_ce(model, windows: torch.Tensor, batch_size: int = 8, objective: str
     return total / count
 
 
-# ----------------------------------------------------------------------------- state
-
-def _fingerprint(config: TrainConfig, ids: torch.Tensor, objective: str, processes: int) -> str:
-    keys = ("steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "weight_decay", "grad_accum", "clip",
-            "precision", "seed")
-    text = repr(([getattr(config, k) for k in keys], objective, processes, len(ids)))
-    return hashlib.sha256(text.encode() + ids.cpu().numpy().tobytes()).hexdigest()[:16]
-
-
-def _save_state(path: Path, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def _load_state(config: TrainConfig, fingerprint: str, shards: int | None) -> dict:
-    """The state kept in ``config.state_dir``, refused in one line when another run's, or kept
-    sharded over another number of processes than ``shards`` (None: not sharded)."""
-    path = Path(config.state_dir) / STATE_FILE
-    if not path.is_file():
-        raise SurgeryError(f"nothing to resume: no training state at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    kept = state.get("shards")
-    if kept != shards:
-        how = f"sharded over {kept} processes (FSDP)" if kept else "not sharded"
-        now = "is not" if not shards else f"over {shards}" if kept else f"is, over {shards} processes"
-        raise SurgeryError(f"the training state at {path} is {how} and this run {now}: resume it "
-                           f"{f'with {kept} processes under FSDP' if kept else 'without FSDP'}, or start afresh "
-                           "without --resume")
-    if state.get("fingerprint") != fingerprint:
-        raise SurgeryError(f"the training state at {path} is from another run (other text, options or process "
-                           "count); resume with the same ones or start afresh without --resume")
-    return state
-
-
-def _shard_file(state_dir, step: int, rank: int, procs: int) -> Path:
-    """Process ``rank``'s shard of the state at ``step`` (a file per step: the one the state names
-    survives an interrupted save)."""
-    return Path(state_dir) / f"train-state.step{step}.rank{rank}-of-{procs}.pt"
-
-
-# ----------------------------------------------------------------------------- sharding (FSDP2)
-
-#: a module's hook tables (fully_shard adds to them; :meth:`Shards.whole` takes its entries out)
-_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-          "_forward_hooks_always_called", "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
-          "_load_state_dict_post_hooks")
-
-
-def _local(obj):
-    """``obj`` (a state dict, nested) with every DTensor replaced by this process's shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, dict):
-        return {k: _local(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_local(v) for v in obj]
-    return obj.to_local() if isinstance(obj, DTensor) else obj
-
-
-def _like(t, template):
-    """A shard ``t`` as a DTensor laid out as ``template`` (itself where ``template`` is not one)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(template, DTensor) or t.ndim != template.ndim:
-        return t
-    return DTensor.from_local(t.to(template.device), template.device_mesh, template.placements,
-                              shape=template.shape, stride=template.stride())
-
-
-def _from_main(model, whole: dict) -> None:
-    """Load the main process's ``whole`` state dict (empty elsewhere) into the sharded ``model``:
-    each process receives its shards of each tensor in turn (ties kept: one parameter per tensor)."""
-    from torch import nn
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    state, made = {}, {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in made:
-            device = torch.device(t.device_mesh.device_type) if isinstance(t, DTensor) else t.device
-            full = whole[key].to(device) if whole else torch.empty(t.shape, dtype=t.dtype, device=device)
-            if isinstance(t, DTensor):
-                made[id(t)] = nn.Parameter(distribute_tensor(full, t.device_mesh, t.placements),
-                                           requires_grad=t.requires_grad)
-            else:
-                torch.distributed.broadcast(full, 0)
-                made[id(t)] = full
-        state[key] = made[id(t)]
-    model.load_state_dict(state, assign=True)
-
-
-class Shards:
-    """``model`` sharded in place over the processes for training (FSDP2): each block, then the
-    whole model (embeddings, final norm, head), wrapped with ``fully_shard`` under ``policy``
-    (``devices.shard_policy``), each process's shards sent by the main process (the others may
-    hold the model on the meta device: ``runner.Job.load``). :meth:`whole` gives every process the
-    whole model back as it was: plain parameters, its classes and hooks."""
-
-    def __init__(self, model, policy):
-        from torch.distributed.fsdp import fully_shard
-
-        self.model = model
-        self.before = {m: (type(m), set(vars(m)), {h: set(getattr(m, h)) for h in _HOOKS}) for m in model.modules()}
-        whole = model.state_dict() if is_main_process() else {}  # the others' may wait on the meta device
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        for block in base.get_submodule(layout(base).layers_path).children():
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        _from_main(model, whole)
-
-    def whole(self) -> None:
-        """Every parameter gathered whole in every process, and fully_shard's changes undone."""
-        from torch import nn
-        from torch.distributed._composable_state import _module_state_mapping
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-
-        for m in self.model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
-        gathered: dict[int, nn.Parameter] = {}
-        for m in self.model.modules():  # the same order in every process: one all-gather at a time
-            for name, p in m._parameters.items():
-                if isinstance(p, DTensor):
-                    if id(p) not in gathered:
-                        gathered[id(p)] = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
-                    m._parameters[name] = gathered[id(p)]
-        for m, (cls, attrs, hooks) in self.before.items():
-            m.__class__ = cls
-            for a in set(vars(m)) - attrs:
-                if a.startswith(("__composable_api", "_is_fsdp", "_fsdp")):
-                    delattr(m, a)
-            for h, keys in hooks.items():
-                table = getattr(m, h)
-                for k in set(table) - keys:
-                    del table[k]
-            _module_state_mapping.pop(m, None)
-
-    def local_state(self, optimizer) -> dict:
-        """This process's shards of the model's and ``optimizer``'s states, plain tensors."""
-        return {"model": _local(self.model.state_dict()), "optimizer": _local(optimizer.state_dict())}
-
-    def load_local(self, state: dict, optimizer) -> None:
-        """:meth:`local_state`'s shards put back into the sharded model and ``optimizer``."""
-        template = self.model.state_dict()
-        self.model.load_state_dict({k: _like(v, template[k]) for k, v in state["model"].items()})
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        saved = state["optimizer"]
-        optimizer.load_state_dict({**saved, "state": {i: {k: _like(v, params[i]) for k, v in s.items()}
-                                                      for i, s in saved["state"].items()}})
-
-
 # ----------------------------------------------------------------------------- the loop
 
-def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainConfig | dict, *,
-          objective: str = "causal-lm", mask_token_id: int | None = None, on_step: OnStep | None = None,
-          params: Iterable[torch.nn.Parameter] | None = None, progress: StepProgress | None = None,
-          accelerator=None, extra_loss: Callable[[], "torch.Tensor | None"] | None = None) -> TrainResult:
-    """Fine-tune ``model`` in place on random windows of the 1-D token stream ``train_ids``;
-    held-out CE on the fixed windows ``heldout`` [n, T] before, after and on ``config``'s
-    evaluation steps (``config`` may be a dict of TrainConfig's fields). ``params``: what
-    trains (default every parameter that requires grad).
+@dataclass
+class Training:
+    """What :func:`train` trains with beyond its configuration (its keyword arguments).
+
+    ``objective`` (``causal-lm`` or ``masked-lm``, with the tokenizer's ``mask_token_id``);
+    ``params``: what trains (default every parameter that requires grad).
 
     ``on_step(step, model)`` runs at the start of each optimizer step, before its forwards; it
     must depend only on ``step`` and the model's state (a resumed run skips the earlier calls);
-    the metrics it returns go into the next curve row.
+    the metrics it returns go into the next curve row. ``progress(step, steps, loss)``: on the
+    main process only.
 
     ``extra_loss()``, called after each training forward, gives a term (or None) added to that
     micro-batch's loss before the backward (remove-ln's auxiliary loss on the final norm's input,
     computed in that forward); the training losses reported stay the LM loss alone.
 
-    Training runs on ``accelerator``'s device (default: an accelerator where the model is, with
-    ``config.precision``), sharded over its processes where FSDP is asked (``devices.sharding``);
-    the model is given back whole, on the device it was found on.
+    ``accelerator``: where training runs (default: an accelerator where the model is, with
+    ``config.precision``)."""
+
+    objective: str = "causal-lm"
+    mask_token_id: int | None = None
+    on_step: OnStep | None = None
+    params: Iterable[torch.nn.Parameter] | None = None
+    progress: StepProgress | None = None
+    accelerator: Any = None
+    extra_loss: Callable[[], "torch.Tensor | None"] | None = None
+
+
+def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainConfig | dict, **given) -> TrainResult:
+    """Fine-tune ``model`` in place on random windows of the 1-D token stream ``train_ids``;
+    held-out CE on the fixed windows ``heldout`` [n, T] before, after and on ``config``'s
+    evaluation steps (``config`` may be a dict of TrainConfig's fields). ``given``: the fields of
+    :class:`Training` (objective, mask_token_id, on_step, params, progress, accelerator, extra_loss).
+
+    Training runs on the accelerator's device, sharded over its processes where FSDP is asked
+    (``devices.sharding``); the model is given back whole, on the device it was found on.
     """
+    run = Training(**given)
     config = TrainConfig(**config) if isinstance(config, dict) else config
     config.check()
-    train_ids = torch.as_tensor(train_ids).reshape(-1).cpu()
+    train_ids = torch.as_tensor(train_ids).reshape(-1).to(devices.HOST)
     if len(train_ids) < config.seq_len:
         raise SurgeryError(f"the training text has {len(train_ids)} tokens, fewer than one sequence of "
                            f"{config.seq_len} (give more text, or shorter windows: a smaller seq_len)")
     home = devices.of(model)
-    acc = accelerator or make_accelerator(config.precision, home)
-    mlm = _mlm_spec(objective, model, mask_token_id)
+    acc = run.accelerator or make_accelerator(config.precision, home)
+    _mlm_spec(run.objective, model, run.mask_token_id)  # refused before anything moves
     sharded = devices.sharding() and acc.num_processes > 1
     policy = devices.shard_policy(acc.mixed_precision) if sharded else None
-    chosen = {id(p) for p in ((p for p in model.parameters() if p.requires_grad) if params is None else params)}
+    chosen = {id(p) for p in ((p for p in model.parameters() if p.requires_grad) if run.params is None
+                              else run.params)}
     check_fits(model, [p for p in model.parameters() if id(p) in chosen], acc.device,
                acc.num_processes if sharded else 1)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     names = {n for n, p in model.named_parameters() if id(p) in chosen}
-    del params, chosen  # the parameters sharding replaces: none kept here
+    run.params = chosen = None  # the parameters sharding replaces: none kept here
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
     if not sharded:  # fully_shard places the shards
         model.to(acc.device)
     shards = Shards(model, policy) if sharded else None
     try:
-        return _train(model, acc, train_ids, heldout, config, objective, mask_token_id, mlm, on_step,
-                      [p for n, p in model.named_parameters() if n in names], progress, shards, extra_loss)
+        params = [p for n, p in model.named_parameters() if n in names]
+        return _Loop(model, acc, (train_ids, heldout), config, run, params, shards).run()
     finally:
         acc.free_memory()  # its references to this training's optimizer (and moments) and wrapped model
         if shards:
@@ -462,111 +318,115 @@ def check_fits(model, params: list, device, shards: int = 1) -> None:
                            "--num_processes N), or train on the CPU (--device cpu)")
 
 
-def _train(model, acc, train_ids, heldout, config: TrainConfig, objective: str, mask_token_id: int | None, mlm,
-           on_step: OnStep | None, params, progress: StepProgress | None, shards: Shards | None,
-           extra_loss=None) -> TrainResult:
+class _Loop:
     """:func:`train`'s loop, with the model on ``acc``'s device (sharded where ``shards``) and
-    ``params`` alone requiring grad."""
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: config.lr_at(s) / config.lr)
-    wrapped, optimizer = (model, optimizer) if shards else acc.prepare(model, optimizer)
-    procs, rank, main = acc.num_processes, acc.process_index, acc.is_main_process
-    evaluate = lambda: heldout_ce(model, heldout, config.eval_batch_size, objective,  # noqa: E731
-                                  mask_token_id=mask_token_id, autocast=acc.autocast)
-    fingerprint = _fingerprint(config, train_ids, objective, procs)
-    state_path = Path(config.state_dir) / STATE_FILE if config.state_dir else None
-    tokens_per_step = config.batch_size * config.grad_accum * procs * config.seq_len
-    eval_at = set(config.eval_steps) | ({s for s in range(config.eval_every, config.steps, config.eval_every)}
-                                       if config.eval_every else set())
+    ``params`` alone requiring grad; ``data``: (the training tokens, the held-out windows)."""
 
-    start, losses, curve, resumed = 0, [], [], None
-    if config.resume:
-        state = _load_state(config, fingerprint, procs if shards else None)
-        if shards:
-            local = torch.load(_shard_file(config.state_dir, state["step"], rank, procs), map_location="cpu",
-                               weights_only=False)
-            shards.load_local(local, optimizer)
-            devices.restore_rng(local)
-        else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            devices.restore_rng(state)
-        scheduler.load_state_dict(state["scheduler"])
-        start = resumed = state["step"]
-        losses, curve, ce_before = state["losses"], state["curve"], state["ce_before"]
-    else:
-        torch.manual_seed(config.seed)
-        ce_before = evaluate()
-        curve.append({"step": 0, "tokens": 0, "loss": None, "heldout_ce": ce_before, "lr": config.lr_at(0)})
+    def __init__(self, model, acc, data: tuple[torch.Tensor, torch.Tensor], config: TrainConfig, run: Training,
+                 params: list, shards: Shards | None):
+        self.model, self.acc, self.config, self.training, self.params = model, acc, config, run, params
+        self.shards = shards
+        self.train_ids, self.heldout = data
+        self.mlm = _mlm_spec(run.objective, model, run.mask_token_id)
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: config.lr_at(s) / config.lr)
+        self.wrapped, self.optimizer = (model, optimizer) if shards else acc.prepare(model, optimizer)
+        self.procs, self.rank, self.main = acc.num_processes, acc.process_index, acc.is_main_process
+        self.fingerprint = train_state.fingerprint(config, self.train_ids, run.objective, self.procs)
+        self.tokens_per_step = config.batch_size * config.grad_accum * self.procs * config.seq_len
+        self.eval_at = set(config.eval_steps) | (
+            {s for s in range(config.eval_every, config.steps, config.eval_every)} if config.eval_every else set())
+        self.losses, self.curve, self.resumed, self.kept = [], [], None, None
 
-    wrapped.train()
-    metrics: dict[str, Any] = {}
-    kept = resumed
-    t0 = time.perf_counter()
-    for step in range(start, config.steps):
-        if on_step:
-            metrics.update(on_step(step, model) or {})
+    def evaluate(self) -> float:
+        return heldout_ce(self.model, self.heldout, self.config.eval_batch_size, self.training.objective,
+                          mask_token_id=self.training.mask_token_id, autocast=self.acc.autocast, device=self.acc.device)
+
+    def begin(self) -> int:
+        """The step to start at: a resumed run's, or 0 (the held-out CE before measured)."""
+        if self.config.resume:
+            state = train_state.restore(self.config, self.fingerprint, self.model, self.optimizer, self.shards,
+                                        self.acc)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.resumed = self.kept = state["step"]
+            self.losses, self.curve, self.ce_before = state["losses"], state["curve"], state["ce_before"]
+            return state["step"]
+        torch.manual_seed(self.config.seed)
+        self.ce_before = self.evaluate()
+        self.curve.append({"step": 0, "tokens": 0, "loss": None, "heldout_ce": self.ce_before,
+                           "lr": self.config.lr_at(0)})
+        return 0
+
+    def step(self, step: int) -> None:
+        """One optimizer step: its micro-batches' forwards and backwards, its mean loss kept."""
+        config, acc = self.config, self.acc
         total = torch.zeros((), device=acc.device)
         for micro in range(config.grad_accum):
-            inputs, labels = _batch(train_ids, config, step, micro, rank, procs, mlm)
+            inputs, labels = _batch(self.train_ids, config, step, micro, self.rank, self.procs, self.mlm)
             sync = micro == config.grad_accum - 1
-            with (nullcontext() if sync else acc.no_sync(wrapped)), acc.autocast():
-                s, n = loss_sum(wrapped, inputs.to(acc.device), labels.to(acc.device), mlm is None)
+            with (nullcontext() if sync else acc.no_sync(self.wrapped)), acc.autocast():
+                s, n = loss_sum(self.wrapped, inputs.to(acc.device), labels.to(acc.device), self.mlm is None)
                 loss = s / n.clamp_min(1) / config.grad_accum
-                extra = extra_loss() if extra_loss else None
+                extra = self.training.extra_loss() if self.training.extra_loss else None
                 acc.backward(loss if extra is None else loss + extra / config.grad_accum)
             total += loss.detach().float()
         if config.clip:
-            acc.clip_grad_norm_(params, config.clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(acc.reduce(total, "mean").item() if procs > 1 else total.item())
-        done = step + 1
+            acc.clip_grad_norm_(self.params, config.clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = self.losses
+        losses.append(acc.reduce(total, "mean").item() if self.procs > 1 else total.item())
         if not math.isfinite(losses[-1]):
-            raise SurgeryError(f"training diverged at step {done} of {config.steps}: the loss is {losses[-1]} (the "
-                               f"last finite one {next((x for x in reversed(losses) if math.isfinite(x)), None)}); "
-                               "nothing was saved: a lower --lr may hold")
-        evaluated = done in eval_at or done == config.steps
-        if evaluated:
-            window = losses[curve[-1]["step"]:]
-            curve.append({"step": done, "tokens": done * tokens_per_step,
-                          "loss": sum(window) / len(window) if window else None, "heldout_ce": evaluate(),
-                          "lr": config.lr_at(step), **metrics})
-            metrics = {}
-            wrapped.train()
-        if evaluated and done < config.steps and config.patience and plateaued(
-                curve, config.settle, config.patience, config.min_delta):
-            if main and progress:
-                progress(done, done, sum(losses[-10:]) / len(losses[-10:]))
-            break
-        if config.save_every and done % config.save_every == 0 and done < config.steps:
-            common = {"fingerprint": fingerprint, "step": done, "scheduler": scheduler.state_dict(),
-                      "losses": losses, "curve": curve, "ce_before": ce_before}
-            if shards:
-                _save_state(_shard_file(config.state_dir, done, rank, procs),
-                            {**shards.local_state(optimizer), **devices.rng_state()})
-                acc.wait_for_everyone()
-                if main:
-                    _save_state(state_path, {**common, "shards": procs})
-                acc.wait_for_everyone()
-                if kept is not None:  # the state now names this step's shards
-                    _shard_file(config.state_dir, kept, rank, procs).unlink(missing_ok=True)
-                kept = done
-            elif main:
-                _save_state(state_path, {**common, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                         **devices.rng_state()})
-            acc.wait_for_everyone()
-        if main and progress:
-            progress(done, config.steps, sum(losses[-10:]) / len(losses[-10:]))
-    seconds = time.perf_counter() - t0
-    model.eval()
-    ran = len(losses)
-    return TrainResult(ran, ran * tokens_per_step, seconds, procs, acc.mixed_precision, ce_before,
-                       curve[-1]["heldout_ce"], sum(p.numel() for p in params), resumed, losses, curve,
-                       cap=config.steps if ran < config.steps else None)
+            raise SurgeryError(f"training diverged at step {step + 1} of {config.steps}: the loss is {losses[-1]} "
+                               f"(the last finite one {next((x for x in reversed(losses) if math.isfinite(x)), None)}"
+                               "); nothing was saved: a lower --lr may hold")
+
+    def evaluated(self, step: int, metrics: dict) -> bool:
+        """After step ``step``, the held-out CE where it is due, with ``metrics``: whether it was."""
+        done, config = step + 1, self.config
+        if not (done in self.eval_at or done == config.steps):
+            return False
+        window = self.losses[self.curve[-1]["step"]:]
+        self.curve.append({"step": done, "tokens": done * self.tokens_per_step,
+                           "loss": sum(window) / len(window) if window else None, "heldout_ce": self.evaluate(),
+                           "lr": config.lr_at(step), **metrics})
+        self.wrapped.train()
+        return True
+
+    def run(self) -> TrainResult:
+        config, progress = self.config, self.training.progress
+        start = self.begin()
+        self.wrapped.train()
+        metrics: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        for step in range(start, config.steps):
+            if self.training.on_step:
+                metrics.update(self.training.on_step(step, self.model) or {})
+            self.step(step)
+            done, recent = step + 1, sum(self.losses[-10:]) / len(self.losses[-10:])
+            if self.evaluated(step, metrics):
+                metrics = {}
+                if done < config.steps and config.patience and plateaued(self.curve, config.settle, config.patience,
+                                                                         config.min_delta):
+                    if self.main and progress:
+                        progress(done, done, recent)
+                    break
+            if config.save_every and done % config.save_every == 0 and done < config.steps:
+                common = {"fingerprint": self.fingerprint, "step": done, "scheduler": self.scheduler.state_dict(),
+                          "losses": self.losses, "curve": self.curve, "ce_before": self.ce_before}
+                self.kept = train_state.keep(config, common, self.model, self.optimizer, self.shards, self.acc,
+                                             self.kept)
+            if self.main and progress:
+                progress(done, config.steps, recent)
+        seconds = time.perf_counter() - t0
+        self.model.eval()
+        ran = len(self.losses)
+        return TrainResult(ran, ran * self.tokens_per_step, seconds, self.procs, self.acc.mixed_precision,
+                           self.ce_before, self.curve[-1]["heldout_ce"], sum(p.numel() for p in self.params),
+                           self.resumed, self.losses, self.curve, cap=config.steps if ran < config.steps else None)
 
 
 def plateaued(curve: list[dict], settle: int, patience: int, min_delta: float) -> bool:

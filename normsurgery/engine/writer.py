@@ -16,7 +16,9 @@ import torch
 from ..core import devices, precision
 from ..io import modelcard
 from .check import Check, Tolerances, check_written, model_reader
-from ..io.checkpoint import Source, check_finite, claims, finish, load_dtype, save_config, stamp, write_config
+from ..io.checkpoint import claims, finish, load_dtype, save_config, stamp, write_config
+from ..io.loader import check_finite
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import positions
 from ..core.norms import faithful_norms

@@ -57,24 +57,29 @@ class BlockConfig:
         return dataclasses.asdict(self)
 
 
+#: what a DeciLM config holds beside transformers' own fields and the RoPE and block configs, with
+#: the defaults of the nemotron-nas config it mirrors (Llama-2-7B's shapes)
+DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
+
+
 class DeciLMConfig(PretrainedConfig):
     model_type = "nemotron-nas"
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    def __init__(self, vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                 hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
-                 rope_scaling=None, rope_parameters=None, attention_bias=False, mlp_bias=False,
-                 attention_dropout=0.0, tie_word_embeddings=False, block_configs=None, **kwargs):
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
-        self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
-        self.rms_norm_eps, self.rope_theta = rms_norm_eps, rope_theta
+    def __init__(self, rope_scaling=None, rope_parameters=None, tie_word_embeddings=False, block_configs=None,
+                 **kwargs):
+        """The fields of :data:`DEFAULTS` (given by name, else their defaults), the RoPE parameters and
+        the layers' block configs; the rest is transformers' (``PretrainedConfig``)."""
+        for key, default in DEFAULTS.items():
+            setattr(self, key, kwargs.pop(key, default))
         # transformers 5 reads rope_parameters, the runtimes rope_theta and (scaled RoPE) rope_scaling
-        self.rope_parameters = rope_parameters or rope_scaling or {"rope_type": "default", "rope_theta": rope_theta}
+        self.rope_parameters = rope_parameters or rope_scaling or {"rope_type": "default",
+                                                                   "rope_theta": self.rope_theta}
         if rope_scaling is not None:
             self.rope_scaling = rope_scaling
-        self.attention_bias, self.mlp_bias, self.attention_dropout = attention_bias, mlp_bias, attention_dropout
-        self.head_dim = hidden_size // num_attention_heads
+        self.head_dim = self.hidden_size // self.num_attention_heads
         self.block_configs = [BlockConfig.from_dict(b) for b in block_configs or []]
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 

@@ -1,7 +1,7 @@
 """export: a checkpoint as an ONNX graph, run in ONNX Runtime and compared with the torch model
 (``to="gguf"``: one GGUF file for llama.cpp, checked in llama.cpp: ``normsurgery.exporters.gguf``).
 
-The model (stock or rewritten: ``checkpoint.load``, float32) is traced by the exporter torch
+The model (stock or rewritten: ``loader.load``, float32) is traced by the exporter torch
 ships (``torch.onnx.export``, the TorchScript exporter, opset 17) with inputs ``input_ids`` and
 ``attention_mask`` (int64, dynamic batch and sequence axes) and one output: ``logits`` for a
 head, ``last_hidden_state`` for a base model. Weights above ``EXTERNAL_BYTES`` are stored as
@@ -32,7 +32,8 @@ import torch
 from ..core import devices
 from . import gguf
 from ..io import modelcard
-from ..io.checkpoint import finish, legacy_keys, load
+from ..io.checkpoint import finish, legacy_keys
+from ..io.loader import load
 from ..core.errors import SurgeryError
 from ..core.options import CACHE_TOKENS, EXTERNAL_BYTES, FORMATS, ExportOptions, options_of  # noqa: F401  (API)
 from ..io.output import writing, written

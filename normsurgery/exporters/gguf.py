@@ -59,7 +59,7 @@ import torch
 from ..core import algebra, calibration, devices, memory
 from ..io import modelcard
 from ..engine.check import read_outputs
-from ..io.checkpoint import Source
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from .gguf_write import Plan, plan, qtype, rounded, vocab, write
 from ..core.options import GGUF_DTYPES, ExportOptions

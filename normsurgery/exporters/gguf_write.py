@@ -21,7 +21,7 @@ llama.cpp's normal RoPE rotates pairs of consecutive values, transformers' rotat
 of each head: for those architectures the q and k rows of each head are permuted (what
 convert_hf_to_gguf.py does). What GGUF cannot express is refused, one line, before writing.
 
-Written tensor by tensor (``checkpoint.Loader``: each read from the files when written, then
+Written tensor by tensor (``loader.Loader``: each read from the files when written, then
 freed): memory bounded by a tensor.
 """
 
@@ -37,8 +37,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..core import algebra
-from ..io.checkpoint import Loader, Source
+from ..core import algebra, devices
+from ..io.loader import Loader
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import FAMILIES, family, layout
 from ..core.layout import Layout
@@ -334,7 +335,7 @@ def _encode_rows(x: np.ndarray, q) -> np.ndarray:
 def encode(values: torch.Tensor, q) -> np.ndarray:
     """float32 values as stored in GGML type ``q`` (a matrix: [rows, bytes or entries of a row]),
     encoded a block of rows at a time."""
-    x = values.detach().to("cpu", torch.float32).contiguous().numpy()  # host
+    x = values.detach().to(devices.HOST, torch.float32).contiguous().numpy()  # host
     if x.ndim < 2:
         return _encode_rows(x, q)
     rows = x.reshape(-1, x.shape[-1])
@@ -361,7 +362,7 @@ def rounded(values: torch.Tensor, q, out: torch.Tensor | None = None) -> torch.T
         if half is not None or q == Q.F32:
             dst[i:j].copy_(src[i:j].detach().to(half or torch.float32))
             continue
-        x = src[i:j].detach().to("cpu", torch.float32).numpy()  # host
+        x = src[i:j].detach().to(devices.HOST, torch.float32).numpy()  # host
         dst[i:j].copy_(torch.from_numpy(quants.dequantize(_encode_rows(x, q), q).astype(np.float32).reshape(x.shape)))
     return out
 
@@ -480,7 +481,7 @@ def write(source: Source, model, p: Plan, voc: Vocab, path: Path, dtype: str,
 def reading(source: Source, model):
     """``read(param)``: one parameter of the meta ``model`` read from the checkpoint's files in
     float32 (a fresh tensor each time: memory bounded by one)."""
-    loader = Loader(model, source, torch.float32, "cpu")  # host values, written into the file
+    loader = Loader(model, source, torch.float32, devices.HOST)  # host values, written into the file
     try:
         def read(name: str) -> torch.Tensor:
             p = model.get_parameter(name)

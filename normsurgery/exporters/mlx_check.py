@@ -29,7 +29,8 @@ import torch
 
 from ..core import devices
 from ..engine.check import Tolerances, model_reader
-from ..io.checkpoint import TOKENIZER_FILES, Source, load
+from ..io.loader import load
+from ..io.source import TOKENIZER_FILES, Source
 from ..core.errors import SurgeryError
 from ..core.parity import Comparison, compare, outputs, probe_ids
 
@@ -137,7 +138,7 @@ def compare_runtime(folder: Path, model, ids: torch.Tensor, tolerance: float | N
 def check(folder, reference=None, *, text: str | None = None, tolerance: float | None = None,
           new_tokens: int = NEW_TOKENS, allow_pickle: bool = False) -> Checked:
     """``folder`` (a written checkpoint MLX-LM reads) in MLX-LM against the checkpoint
-    ``reference`` (default: the folder itself) in torch, float32 (``checkpoint.load``: our
+    ``reference`` (default: the folder itself) in torch, float32 (``loader.load``: our
     runtime for rewritten ones), on probe windows of ``text`` (default: the bundled sample)
     tokenized by the reference's tokenizer."""
     require_mlx()

@@ -29,7 +29,7 @@ head with a bias, removed residual channels, scaled or soft-capped logits, a sli
 partial RoPE, another MLP than SwiGLU.
 
 The check (``mlx_check.compare_runtime``): the folder loaded by ``mlx_lm.load`` in float32
-against the checkpoint in torch float32 (``checkpoint.load``: our runtime for rewritten ones):
+against the checkpoint in torch float32 (``loader.load``: our runtime for rewritten ones):
 logits on the probe (relative error, KL, top-1 within float32 rounding) and greedy tokens. The
 weights are written in the checkpoint's storage dtype, which holds them exactly (the padding is
 zeros): the two compute the same function.
@@ -47,7 +47,9 @@ import torch
 
 from ..core import algebra, devices
 from . import configuration_decilm
-from ..io.checkpoint import Source, finish, load
+from ..io.checkpoint import finish
+from ..io.loader import load
+from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.layout import Layout
@@ -203,7 +205,7 @@ def tensors(model, lay: Layout, p: Plan, storage: torch.dtype) -> list[tuple[str
     norms = {r: [s for s in lay.norms if s.role == r] for r in ("attn", "mlp", "final")}
 
     def param(path: str, attr: str = "weight"):
-        return lambda: getattr(get(path), attr).detach().to(device="cpu", dtype=storage)
+        return lambda: getattr(get(path), attr).detach().to(device=devices.HOST, dtype=storage)
 
     def linear(name: str, path: str, bias: bool, rows: int = 0, cols: int = 0) -> list:
         def weight():

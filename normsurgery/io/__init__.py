@@ -1,5 +1,6 @@
-"""Files, above core only: safetensors shards (headers, reader, writer), checkpoints (validate, load
-with the right head, save), the atomic locked output folder, the stash (tensors set aside on disk
-while training needs the memory), texts and model cards.
+"""Files, above core only: safetensors shards (headers, reader, writer), checkpoints (resolved
+once: source; where each tensor lies: stored; read with the right head: loader; configs and
+records: checkpoint), the atomic locked output folder, the stash (tensors set aside on disk while
+training needs the memory), texts and model cards.
 
 A floor imports only the floors below it (tests/test_architecture.py)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..core import devices
 from ..core.errors import SurgeryError
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -144,7 +145,7 @@ def differing(a: Index, b: Index, rows: int = 1 << 22) -> frozenset[str]:
 
 def _pickled(f: Path) -> dict[str, torch.Tensor]:
     try:
-        sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        sd = torch.load(f, map_location=devices.HOST, mmap=True, weights_only=True)
     except Exception as e:
         raise SurgeryError(f"{f} is not a readable PyTorch weights file ({type(e).__name__})") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
@@ -162,7 +163,7 @@ class Reader:
 
     def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
         """``key``'s values into ``out`` (contiguous, its shape, in host memory: the file's bytes land
-        in it directly; ``checkpoint.Loader`` moves what it read to the device), cast to ``out``'s dtype."""
+        in it directly; ``loader.Loader`` moves what it read to the device), cast to ``out``'s dtype."""
         e = self.index[key]
         if e.tensor is not None:
             return out.copy_(e.tensor)
@@ -271,7 +272,7 @@ class ShardWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Append ``tensor`` (from any device: written from a host copy)."""
-        t = tensor.detach().to("cpu").contiguous().reshape(-1)
+        t = tensor.detach().to(devices.HOST).contiguous().reshape(-1)
         size = t.numel() * t.element_size()
         self._open(size)
         self.fh.write(memoryview(t.view(torch.uint8).numpy()))  # host

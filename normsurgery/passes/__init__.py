@@ -3,7 +3,7 @@ importing torch; its ``applies``, ``apply`` (and ``reference``) live in the modu
 imported on first use (``registry.declare``)."""
 
 from ..core.devices import PRECISIONS
-from ..core.registry import Limit, all_passes, between, declare, one_of
+from ..core.registry import Declared, Limit, all_passes, between, declare, one_of
 
 #: options of mask and of the passes that can mask first (minimize, compensated-ln)
 #: (prune_units / prune_heads: the fraction of each MLP's units / each attention's KV heads to zero; by:
@@ -53,38 +53,46 @@ LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads"
           "patience": between(0), "eval_every": between(1),
           "kind": one_of("hadamard", "random"), "seed": between(0)}
 
-for name, module, description, kind, families, extra in [
-    ("pre-rmsnorm", "pre_rmsnorm", "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm",
-     "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi)",
-     {"options": {"fold": False}, "blockwise": True}),
-    ("flashnorm", "flashnorm", "FlashNorm: fold every norm's gain (and bias) into the linears that read it",
-     "exact", "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)",
-     {"options": {"keep_tied": False}, "blockwise": True, "reads": True}),
-    ("crmsnorm", "crmsnorm", "Pre-CRMSNorm: after pre-rmsnorm, store the zero-mean stream in d-1 dimensions",
-     "exact", "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
-     {"blockwise": True}),
-    ("mask", "mask", "Zero weights by a mask file or criterion (changes the function; minimize then shrinks)",
-     "reference", PRE_LN, {"options": MASK_OPTIONS, "stages": True, "text": scored_on_text}),
-    ("minimize", "minimize", "Remove dead MLP units, attention heads and residual channels (exact; optional mask "
-     "first)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True, "stages": True, "text": scored_on_text}),
-    ("compensated-ln", "compensated_ln", "Remove dead residual channels, norms keeping the full width's statistics "
-     "(exact)", "exact", PRE_LN, {"options": MASK_OPTIONS, "reference": True, "stages": True,
-                                  "text": scored_on_text}),
-    ("remove-ln", "remove_ln", "remove every norm by staged fine-tuning, then fold the frozen divisors: no "
-     "normalization left", "trained", "Pre-LN and parallel models with LayerNorm or RMSNorm (GPT-2, GPT-NeoX, OPT, "
-     "Phi, Llama-like)", {"options": REMOVE_LN_OPTIONS, "check": True}),
-    ("bn-fold", "bn_fold", "fold inference-time BatchNorm / RepBN / per-channel affine norms into their readers",
-     "exact", "any model whose stream norms are RepBN, BatchNorm or ChannelAffine (after prepbn); Post-LN norms "
-     "stay as a per-channel affine map", {}),
-    ("prepbn", "prepbn", "PRepBN: LayerNorm/RMSNorm to re-parameterised BatchNorm by progressive fine-tuning, then "
-     "folded (bn-fold): no normalisation statistics at run time", "trained",
-     "Pre-LN and parallel decoders with LayerNorm or RMSNorm", {"options": PREPBN_OPTIONS, "check": True}),
-    ("rotate", "rotate", "rotate the residual stream by an orthogonal Q (randomised Hadamard or random), folded "
-     "into the writers and readers", "exact", "models whose stream norms are gain-free RMSNorms: Pre-LN and "
-     "parallel models after pre-rmsnorm with fold=true, RMSNorm models after flashnorm",
-     {"options": {"kind": "hadamard", "seed": 0}, "blockwise": True}),
+for name, module, declared, extra in [
+    ("pre-rmsnorm", "pre_rmsnorm", Declared(
+        "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm", "exact",
+        "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi)", {"fold": False}, blockwise=True), {}),
+    ("flashnorm", "flashnorm", Declared(
+        "FlashNorm: fold every norm's gain (and bias) into the linears that read it", "exact",
+        "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", {"keep_tied": False},
+        blockwise=True), {"has": ("reads",)}),
+    ("crmsnorm", "crmsnorm", Declared(
+        "Pre-CRMSNorm: after pre-rmsnorm, store the zero-mean stream in d-1 dimensions", "exact",
+        "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi), or their pre-rmsnorm output",
+        blockwise=True), {}),
+    ("mask", "mask", Declared(
+        "Zero weights by a mask file or criterion (changes the function; minimize then shrinks)", "reference",
+        PRE_LN, MASK_OPTIONS), {"has": ("stages",), "text": scored_on_text}),
+    ("minimize", "minimize", Declared(
+        "Remove dead MLP units, attention heads and residual channels (exact; optional mask first)", "exact",
+        PRE_LN, MASK_OPTIONS), {"has": ("reference", "stages"), "text": scored_on_text}),
+    ("compensated-ln", "compensated_ln", Declared(
+        "Remove dead residual channels, norms keeping the full width's statistics (exact)", "exact", PRE_LN,
+        MASK_OPTIONS), {"has": ("reference", "stages"), "text": scored_on_text}),
+    ("remove-ln", "remove_ln", Declared(
+        "remove every norm by staged fine-tuning, then fold the frozen divisors: no normalization left", "trained",
+        "Pre-LN and parallel models with LayerNorm or RMSNorm (GPT-2, GPT-NeoX, OPT, Phi, Llama-like)",
+        REMOVE_LN_OPTIONS), {"has": ("check",)}),
+    ("bn-fold", "bn_fold", Declared(
+        "fold inference-time BatchNorm / RepBN / per-channel affine norms into their readers", "exact",
+        "any model whose stream norms are RepBN, BatchNorm or ChannelAffine (after prepbn); Post-LN norms stay as "
+        "a per-channel affine map"), {}),
+    ("prepbn", "prepbn", Declared(
+        "PRepBN: LayerNorm/RMSNorm to re-parameterised BatchNorm by progressive fine-tuning, then folded "
+        "(bn-fold): no normalisation statistics at run time", "trained",
+        "Pre-LN and parallel decoders with LayerNorm or RMSNorm", PREPBN_OPTIONS), {"has": ("check",)}),
+    ("rotate", "rotate", Declared(
+        "rotate the residual stream by an orthogonal Q (randomised Hadamard or random), folded into the writers "
+        "and readers", "exact", "models whose stream norms are gain-free RMSNorms: Pre-LN and parallel models "
+        "after pre-rmsnorm with fold=true, RMSNorm models after flashnorm", {"kind": "hadamard", "seed": 0},
+        blockwise=True), {}),
 ]:
-    declare(name, f"{__name__}.{module}", description, kind, families, limits=LIMITS, **extra)
+    declare(name, f"{__name__}.{module}", declared, LIMITS, **extra)
 
 
 def passes():

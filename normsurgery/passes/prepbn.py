@@ -237,20 +237,15 @@ def _data(ctx: PassContext, opts: dict, max_len: int | None):
             calibration.windows(train_ids, seq, opts["calib_samples"], "the training text"), seq)
 
 
-def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
-    opts = {**OPTIONS, **ctx.options}
-    if ctx.train is None or ctx.heldout_ce is None:
-        raise SurgeryError("prepbn needs the training loop: run it through convert or apply_passes")
-    if devices.sharding():
-        raise SurgeryError("prepbn rewrites its norms' weights in the middle of training (at the end of the "
-                           "warm-up), which training sharded over the processes (FSDP) does not allow: run it data "
-                           "parallel (without --use_fsdp / ACCELERATE_USE_FSDP)")
-    warmup, decay = schedule(opts["steps"], opts["warmup"], opts["decay"])
-    train_ids, held, calib, seq = _data(ctx, opts, positions(model.config))
-    control = Control(model, ctx.workdir) if opts["control"] else None
-    progs = install(model, layout, opts["momentum"])
+def _trained(model, layout: Layout, ctx: PassContext, opts: dict, progs: list, data: tuple, phases: tuple[int, int]):
+    """The training with lam on its schedule (``phases``: the warm-up's and the decay's steps), the
+    RepBNs initialised from the norms at the warm-up's end, and (final_aux) the auxiliary loss on
+    the final norm's input from the decay's start. ``data``: (training tokens, held-out windows,
+    calibration windows, sequence length). Returns (the training's result, its config, the
+    auxiliary loss's weight)."""
+    train_ids, held, calib, seq = data
+    warmup, decay = phases
     repbns = [p.repbn for p in progs]
-
     final = next((p for site, p in zip(layout.norms, progs) if site.role == "final"), None)
     weight = opts["final_aux"] if final is not None else 0.0
 
@@ -280,6 +275,23 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
         hook.remove()
         if final is not None:
             final.aux_weight, final.aux = 0.0, None
+    return result, config, weight
+
+
+def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
+    opts = {**OPTIONS, **ctx.options}
+    if ctx.train is None or ctx.heldout_ce is None:
+        raise SurgeryError("prepbn needs the training loop: run it through convert or apply_passes")
+    if devices.sharding():
+        raise SurgeryError("prepbn rewrites its norms' weights in the middle of training (at the end of the "
+                           "warm-up), which training sharded over the processes (FSDP) does not allow: run it data "
+                           "parallel (without --use_fsdp / ACCELERATE_USE_FSDP)")
+    warmup, decay = schedule(opts["steps"], opts["warmup"], opts["decay"])
+    train_ids, held, calib, seq = _data(ctx, opts, positions(model.config))
+    control = Control(model, ctx.workdir) if opts["control"] else None
+    progs = install(model, layout, opts["momentum"])
+    repbns = [p.repbn for p in progs]
+    result, config, weight = _trained(model, layout, ctx, opts, progs, (train_ids, held, calib, seq), (warmup, decay))
     finish(model, layout, progs)
     t = time.perf_counter()
     reestimate(model, repbns, calib)
