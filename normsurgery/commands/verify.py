@@ -21,7 +21,7 @@ from ..core.options import OUTLIER_SAMPLES, PROBE_GENERATE, PROBE_LENGTH, PROBE_
 from ..core.families import FAMILIES, architecture, objective, positions, stock_class_of
 from ..core.parity import Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs, probe_ids
 from ..engine.check import Tolerances, model_reader, source_reader
-from ..engine.sweep import Work
+from ..engine.sweep import CheckpointWork
 from ..io.shards import differing
 
 #: tokens per probe window when none is asked for (fewer when the model has fewer positions)
@@ -76,12 +76,11 @@ def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
         reference = read()
         result = compare(reference, source_reader(sb, ids, dtype, True, where)(), sa.head_output)
     else:
-        wa, wb = Work(sa, dtype, device=where), Work(sb, dtype, device=where)
+        wa, wb = CheckpointWork(sa, dtype, device=where), CheckpointWork(sb, dtype, device=where)
         result, reference = _compare_loaded(wa.load_all(), wb.load_all(), ids, generate, per_layer)
         wa.close()
         wb.close()
-    Tolerances(read, ids, dtype, reference, tolerance, sa.head_output, why is not None, where,
-               differ=lambda: differing(sa.index, sb.index)).judge(result, coarsest(sa.storage, sb.storage))
+    Tolerances(read, ids, dtype, reference, tolerance, sa.head_output, differ=lambda: differing(sa.index, sb.index)).judge(result, coarsest(sa.storage, sb.storage))
     result.streaming, result.device = why, devices.describe(where)
     return result
 
@@ -113,7 +112,7 @@ def _verify_stock(sa: Source, sb: Source, why: str | None, *, text, dtype, toler
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load=None) -> torch.Tensor:
         return model_reader(load(sa, dtype, device=device), ids)(jitter=jitter, on_load=on_load)
 
-    Tolerances(read, ids, dtype, reference, tolerance, output, False, device).judge(
+    Tolerances(read, ids, dtype, reference, tolerance, output).judge(
         result, coarsest(sa.storage, sb.storage))
     result.device = devices.describe(device)
     result.no_adapter = (f"no adapter for {family!r}: what the stock {sa.class_name} outputs was compared, both "
