@@ -80,7 +80,8 @@ def verify(a, b, *, text: str | None = None, dtype: torch.dtype = torch.float32,
         result, reference = _compare_loaded(wa.load_all(), wb.load_all(), ids, generate, per_layer)
         wa.close()
         wb.close()
-    Tolerances(read, ids, dtype, reference, tolerance, sa.head_output, differ=lambda: differing(sa.index, sb.index)).judge(result, coarsest(sa.storage, sb.storage))
+    Tolerances(read, ids, dtype, reference, tolerance, sa.head_output,
+               differ=lambda: differing(sa.index, sb.index)).judge(result, coarsest(sa.storage, sb.storage))
     result.streaming, result.device = why, devices.describe(where)
     return result
 
