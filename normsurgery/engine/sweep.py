@@ -86,15 +86,12 @@ class Work:
         self.parts = plan(self.model, layout(self.model), self.streamed, self.alone)
         self.level = {p: held[p.scope] for p in self.parts if p.scope in held}
 
-    # what each mode does: read a part, say where a parameter was stored, free parts, leave some unread
     def read(self, part: Part, unread: frozenset[int] = frozenset()) -> bool:
-        """Read ``part`` unless held, but the parameters whose ids are in ``unread``; True when it
-        was read now."""
+        """Read ``part`` unless held, but the parameters ``unread`` (ids); True when read now."""
         raise NotImplementedError
 
     def stored(self, p):
-        """The stored tensor parameter ``p`` was read from (``checkpoint.Loader.stored``; None: not
-        read from a checkpoint, or not from one tensor)."""
+        """The stored tensor parameter ``p`` was read from (``checkpoint.Loader.stored``), or None."""
         raise NotImplementedError
 
     def leave(self, part: Part, force: bool = False) -> None:
@@ -106,8 +103,11 @@ class Work:
         raise NotImplementedError
 
     def unread(self, part: Part, level: int, copied: Callable) -> dict[int, tuple]:
-        """{id: (parameter, version)} of the parameters of ``part`` left unread on entering it, that
-        ``copied`` can write as stored."""
+        """{id: (parameter, version)} of ``part``'s parameters left unread on entering it."""
+        raise NotImplementedError
+
+    def fresh(self) -> Work:
+        """A new work over the same plan and steps, nothing read yet (streamed: where scans read)."""
         raise NotImplementedError
 
     def enter(self, part: Part, level: int = 0, copied: Callable | None = None) -> None:
