@@ -183,9 +183,9 @@ def test_a_model_read_whole_is_freed_before_the_folder_is_read_back(tmp_path, mo
     tiny_model("llama", torch.float32).save_pretrained(src)
     check, devices = writer.check_written, []
 
-    def checking(folder, records, tolerances, anchor, storage, model, *args):
-        devices.extend({p.device.type for p in model.parameters()})
-        return check(folder, records, tolerances, anchor, storage, model, *args)
+    def checking(folder, records, plan, storage, work, *args):
+        devices.extend({p.device.type for p in work.model.parameters()})
+        return check(folder, records, plan, storage, work, *args)
 
     monkeypatch.setattr(writer, "check_written", checking)
     result = ns.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=False)

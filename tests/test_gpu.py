@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from normsurgery.io.source import Source
 from normsurgery.cli import app
-from normsurgery.engine.sweep import Work
+from normsurgery.engine.sweep import CheckpointWork
 from normsurgery.io.shards import ShardWriter
 from normsurgery.engine.training import TrainConfig, train
 
@@ -122,7 +122,7 @@ def test_export_and_outliers_on_cuda(tmp_path):
 
 def test_parts_are_read_onto_the_device_and_written_from_the_host(tmp_path):
     source = Source.open(LLAMA)
-    work = Work(source, torch.float32, streamed=True, device="cuda")
+    work = CheckpointWork(source, torch.float32, streamed=True, device="cuda")
     part = work.parts[1]
     work.enter(part)
     inside = [p for n, p in work.model.named_parameters() if n.startswith(part.scope[0] + ".")]

@@ -746,6 +746,50 @@ def test_identical_outputs_need_no_baseline(tmp_path, forwards):
     assert res.ok and res.parity.relative == 0 and len(forwards) == 3 and res.baseline is None
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_an_exact_step_out_of_tolerance_refuses_before_anything_is_written(tmp_path, monkeypatch, streaming):
+    """convert runs in the natural order (issue 49): the reference's and each step's outputs are
+    measured, then the steps judged, and only then the rewrite written. An exact step 1% off in one
+    layer, after an exact one that is right, refuses with its message before any shard or staging
+    folder exists, in either plan (before: it refused once the folder was written)."""
+    from pathlib import Path as P
+
+    from normsurgery.core import registry
+    from normsurgery.core.registry import PassReport
+    from normsurgery.io import shards
+
+    def off(model, lay, ctx):
+        for site in lay.norms:
+            if site.path == "model.layers.1.post_attention_layernorm":
+                with torch.no_grad():
+                    model.model.layers[1].mlp.up_proj.weight.mul_(1.01)
+        return PassReport("test-off")
+
+    made, opened, mkdir, init = [], [], P.mkdir, shards.ShardWriter.__init__
+
+    def making(self, *args, **kwargs):
+        made.append(self)
+        return mkdir(self, *args, **kwargs)
+
+    def opening(self, *args, **kwargs):
+        opened.append(args)
+        return init(self, *args, **kwargs)
+
+    registry.register("test-off", registry.Declared("1% off in one layer", "exact", "tests", blockwise=True),
+                      lambda m, lay: None)(off)
+    try:
+        src = checkpoint_at(tmp_path, "llama")
+        monkeypatch.setattr(P, "mkdir", making)
+        monkeypatch.setattr(shards.ShardWriter, "__init__", opening)
+        with pytest.raises(ns.SurgeryError, match=r"^pass test-off broke parity: relative error .* > .*; nothing was "
+                                                  r"saved \(--force saves anyway\)$"):
+            convert_mod.convert(src, tmp_path / "out", [("flashnorm", {}), ("test-off", {})], streaming=streaming)
+    finally:
+        registry.PASSES.pop("test-off")
+    assert opened == [] and not [m for m in made if m.name.startswith(".out")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
 # ---------------------------------------------------------------------------------------------
 # compact logits (issue 30): compared from the head's input and its rows, a slab at a time
 
@@ -755,6 +799,7 @@ def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
     """Logits kept as the head's input (rows read from the files when compared) give the full
     comparison's figures to float rounding, either side compact, in both plans."""
     from normsurgery.engine import check
+    from normsurgery.engine.sweep import CheckpointWork
     from normsurgery.core.parity import HeadInput, compare, probe_ids
 
     src = checkpoint_at(tmp_path, family, dtype)
@@ -765,8 +810,8 @@ def test_the_compact_comparison_equals_the_full_one(tmp_path, family, dtype):
         got = {}
         for name, path in (("a", src), ("b", out)):
             for compact in (False, True):
-                got[name, compact] = check.read_outputs(Source.open(path), ids, torch.float32, streamed, device="cpu",
-                                                           compact=compact)
+                work = CheckpointWork(Source.open(path), torch.float32, streamed=streamed, device="cpu")
+                got[name, compact] = check.read_outputs(work, ids, compact=compact)
         assert isinstance(got["a", True], HeadInput) and not isinstance(got["a", False], HeadInput)
         full = compare(got["a", False], got["b", False])
         assert full.relative > 0
@@ -785,12 +830,13 @@ def test_every_compact_family_gives_its_logits(tmp_path, family):
     """Each family kept compact: its logits are exactly its head applied to the head's input
     (no scale or soft cap after it), as the full forward gives them."""
     from normsurgery.engine import check
+    from normsurgery.engine.sweep import CheckpointWork
     from normsurgery.core.parity import HeadInput, compare, probe_ids
 
     src = checkpoint_at(tmp_path, family)
     ids = probe_ids(None, CONFIGS[family]().vocab_size, None, 2, 8)
-    full = check.read_outputs(Source.open(src), ids, torch.float32, False, device="cpu")
-    compact = check.read_outputs(Source.open(src), ids, torch.float32, False, device="cpu", compact=True)
+    full = check.read_outputs(CheckpointWork(Source.open(src), torch.float32, device="cpu"), ids)
+    compact = check.read_outputs(CheckpointWork(Source.open(src), torch.float32, device="cpu"), ids, compact=True)
     assert isinstance(compact, HeadInput)
     assert compare(full, compact).relative < 1e-6
 

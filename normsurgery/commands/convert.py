@@ -11,6 +11,10 @@ to the storage dtype as they are written. The checks compare what the model's cl
   rewrite out of tolerance is not saved (``force`` saves it anyway);
 - per step, for recipes of several steps: each step's outputs against those before it, in the
   working dtype.
+They run in the natural order: the reference's and the steps' outputs
+measured first (:class:`Checks`), the steps judged (an exact one out of tolerance refuses before
+anything is written), the rewrite written, then the folder read back and compared with the outputs
+in hand (``engine.check.CheckPlan``: data, no call back up into this module).
 A one-step convert thus costs two forward passes (the reference and the written folder), plus
 one where a tolerance beyond the arithmetic's must be measured (only when the first comparison
 exceeds the arithmetic's own: the re-rounded reference, or the jittered one); the reference's
@@ -28,8 +32,7 @@ scores from a forward) gets the one-part plan, refused when the model would not 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,32 +47,18 @@ from ..core.families import family
 from ..core.layout import LM_OBJECTIVES
 from ..core.options import PROBE_LENGTH, PROBE_SAMPLES, ConvertOptions, options_of
 from ..core.parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, output_kind, probe_ids
-from ..engine.check import Check, Reader, Tolerances, source_reader
-from ..engine.plan import StepSpec, check_applies, check_before_reading, plan, steps_of
+from ..engine.check import CheckPlan, Reader, Tolerances, source_reader
+from ..engine.plan import Step, StepSpec, check_applies, check_before_reading, plan, steps_of
 from ..core.progress import Progress, no_progress
 from ..engine.runner import Job
-from ..engine.sweep import Meter, Work, step_reports
+from ..engine.sweep import CheckpointWork, ModelWork, Work, steps_with
 from ..io.texts import text_of
 from ..core.registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
 from ..engine.processes import is_main_process
 from ..engine.train_state import state_dir
 from ..engine.training import heldout_ce, train
-from ..engine.writer import save_work
+from ..engine.writer import Record, Saved, Storage, save_work
 from .verify import as_dtype
-
-
-@dataclass
-class Step:
-    name: str
-    kind: str
-    options: dict[str, Any]
-    notes: list[str]
-    metrics: dict[str, Any]
-    parity: Comparison | None = None
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "options": self.options, "notes": self.notes,
-                "metrics": self.metrics, "parity": self.parity.as_dict() if self.parity else None}
 
 
 @dataclass
@@ -179,7 +168,7 @@ def plan_memory(work: Work, outputs: int = 0) -> dict:
 
 
 def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, streaming: bool | None,
-                device: torch.device = torch.device("cpu"), outputs: int = 0) -> str | None:
+                device: torch.device, outputs: int = 0) -> str | None:
     """Why the model is rewritten one part at a time (None: in memory, one part, on ``device``). A
     pass whose stages scan the whole model first (minimize, mask, compensated-ln) reads every part
     once more per scan when streamed: it streams when the model does not fit in memory
@@ -228,20 +217,19 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], options: Convert
     check_text(passes, text is not None)  # a usage error: before anything is read
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     work, result = _planned(job, steps, work_dtype, streaming, text, state_dir(out), progress, verify)
-    source = job.source
-    cast = coarser(source.storage, work.dtype)  # checked before the cast, then the cast
-    ids = probe_ids(source.tokenizer, source.config.vocab_size, text, PROBE_SAMPLES, _length(source)) if verify else None
-    outs, parities = {}, {}  # level -> outputs, step -> parity: measured together (_step_outputs)
-    t = _tolerances(work, ids, tolerance, outs)
+    checks = _checks(work, text, tolerance, verify, progress)
     if work.resident:
-        _in_memory(work, t, progress, cast, outs, parities)
+        _in_memory(work, checks)
     if not is_main_process():  # one of several training processes: the main one saves
         return result
-    check = _check(work, result, t, outs, parities, force, progress, cast)
-    saved = save_work(work, out, storage=source.storage, record=partial(_record, result), check=check, force=force,
-                      on_overflow=on_overflow, max_shard_size=max_shard_size, progress=progress)
+    if not work.resident and checks.t is not None:
+        _step_outputs(work, checks)  # streamed: read before anything is written
+    result.warnings = _judge_steps(work, checks.parities, force) or None
+    saved = save_work(work, out, storage=Storage(job.source.storage, on_overflow, max_shard_size),
+                      record=_record(result, checks.parities), check=_check_plan(work, checks), force=force,
+                      progress=progress)
     shutil.rmtree(state_dir(out), ignore_errors=True)
-    return _finished(result, saved, outs, check.tolerances, work.steps, work.meter)
+    return _finished(result, saved, checks, work)
 
 
 def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, streaming: bool | None, text: str,
@@ -252,7 +240,7 @@ def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, st
     dtype = work_dtype_for(source.storage, work_dtype)
     outputs = outputs_bytes(source, steps, dtype) if verify else 0
     why = choose_plan(source, steps, dtype, streaming, where, outputs)
-    work = Work(source, dtype, streamed=why is not None, device=where)
+    work = CheckpointWork(source, dtype, streamed=why is not None, device=where)
     check_before_reading(work.model, steps)  # what the config and Layout already refuse: before the weights
     needs = plan_memory(work, outputs)
     if why is not None:
@@ -273,84 +261,76 @@ def _size(n: float, digits: int = 2) -> str:
     return f"{n / 2**30:.{digits}f} GiB" if n >= 0.1 * 2**30 else f"{n / 1e6:.1f} MB"
 
 
-def _in_memory(work: Work, t: Tolerances | None, progress: Progress, cast: bool, outs: dict[int, torch.Tensor],
-               parities: dict[int, Comparison]) -> None:
+@dataclass
+class Checks:
+    """What convert's checks carry, in the order they run: the rules (``t``, around the input; None:
+    nothing is checked), whether the storage dtype is coarser than the arithmetic (``cast``: the
+    rewrite is checked before its cast, each step apart), the outputs measured ({level: outputs},
+    :func:`_step_outputs`) and each step's parity ({step: parity}), measured before anything is
+    written; ``progress``: where the measuring says how far it is."""
+
+    t: Tolerances | None
+    cast: bool
+    progress: Progress = no_progress
+    outs: dict[int, torch.Tensor] = field(default_factory=dict)
+    parities: dict[int, Comparison] = field(default_factory=dict)
+
+
+def _checks(work: Work, text: str | None, tolerance: float | None, verify: bool, progress: Progress) -> Checks:
+    """The checks of ``work``'s convert (``verify`` False: none): the rules around the input, whose
+    outputs are ``outs[0]`` once measured, on the probe of ``text``."""
+    source = work.source
+    checks = Checks(None, coarser(source.storage, work.dtype), progress)
+    if verify:
+        ids = probe_ids(source.tokenizer, source.config.vocab_size, text, PROBE_SAMPLES, _length(source))
+        read = source_reader(source, ids, work.dtype, work.streamed, work.device, work.meter)
+        checks.t = Tolerances(read, ids, work.dtype, lambda: checks.outs.get(0), tolerance, source.head_output)
+    return checks
+
+
+def _in_memory(work: Work, checks: Checks) -> None:
     """The one-part plan: the model read, every step run (in every process), and the outputs and
-    parities the checks need measured on the way into ``outs`` and ``parities`` (``t``: None, no
-    check)."""
+    parities the checks need measured on the way (:func:`_step_outputs`)."""
     work.load_all()
     check_applies(work.model, work.steps[0].pass_name)
-    if t is not None:
-        _step_outputs(work, t, progress, cast, outs, parities)
+    if checks.t is not None:
+        _step_outputs(work, checks)
     work.enter(work.parts[0], len(work.steps))  # every step runs here, in every process
 
 
-def _tolerances(work: Work, ids: torch.Tensor | None, tolerance: float | None,
-                outs: dict[int, torch.Tensor]) -> Tolerances | None:
-    """The checks' rules around the input (its outputs: ``outs[0]`` once measured; ``ids``: None,
-    no check)."""
-    if ids is None:
+def _check_plan(work: Work, checks: Checks) -> CheckPlan | None:
+    """How the written folder is checked: against the outputs already measured, of the rewrite
+    before its cast, or of what the last step that changes the function left (the input where none
+    does); None: it is not."""
+    if checks.t is None:
         return None
-    source = work.source
-    return Tolerances(source_reader(source, ids, work.dtype, work.streamed, work.device, work.meter), ids,
-                      work.dtype, lambda: outs.get(0), tolerance, source.head_output, work.streamed, work.device)
+    steps, storage = work.steps, work.source.storage
+    level = len(steps) if checks.cast else _anchor_level(steps)
+    return CheckPlan(checks.t, checks.outs[level], _failure(steps, storage if checks.cast else None))
 
 
-def _check(work: Work, result: Result, t: Tolerances | None, outs: dict[int, torch.Tensor],
-           parities: dict[int, Comparison], force: bool, progress: Progress, cast: bool) -> Check:
-    """How the written folder is checked (``t``: None, it is not). The reference's outputs are
-    those the anchor computes (streamed: once the parts are written), not read a second time for a
-    tolerance."""
-    anchor = partial(_anchor, work, t, progress, cast, outs, parities) if t is not None else None
-    return Check(t, anchor, before_check=partial(_judge_steps, result, work, parities, force),
-                 failure=partial(_failure, work.steps, cast=work.source.storage if cast else None))
-
-
-def _anchor(work: Work, t: Tolerances, progress: Progress, cast: bool, outs: dict[int, torch.Tensor],
-            parities: dict[int, Comparison]) -> torch.Tensor:
-    """The outputs the written folder is compared with (streamed: read once the parts are
-    written, into ``outs``, the steps' parities into ``parities``)."""
-    if not outs:
-        _step_outputs(work, t, progress, cast, outs, parities)
-    return outs[len(work.steps) if cast else _anchor_level(work.steps)]
-
-
-def _finished(result: Result, saved, outs: dict[int, torch.Tensor], t: Tolerances | None,
-              steps: list[StepSpec], meter: Meter) -> Result:
-    """``result`` with what was saved, the written folder's parity, what the function's change
-    measured, and the checks' forwards (``meter``: the work's)."""
-    result.saved, result.parity = saved.info, saved.comparison
+def _finished(result: Result, saved: Saved, checks: Checks, work: Work) -> Result:
+    """``result`` with what was saved, the steps as recorded, the written folder's parity, what the
+    function's change measured, and the checks' forwards (the work's ``meter``)."""
+    result.saved, result.parity, result.steps = saved.info, saved.comparison, saved.steps
+    result.against = _against(result.steps, work.dtype, work.source.storage)  # a reference step that did nothing: gone
     result.baseline = result.parity.null if result.parity is not None else None
-    level = _anchor_level(steps)
-    if t is not None and level and 0 in outs and level in outs and any(s.kind != "exact" for s in result.steps):
-        result.from_input = compare(outs[0], outs[level], t.output)
+    level, outs = _anchor_level(work.steps), checks.outs
+    if checks.t is not None and level and 0 in outs and level in outs and any(s.kind != "exact" for s in result.steps):
+        result.from_input = compare(outs[0], outs[level], checks.t.output)
     if saved.kept_float32:
         result.kept_float32, result.warnings = saved.kept_float32, [*(result.warnings or []), saved.warning]
-    result.forwards, result.seconds_check = meter.count, meter.seconds
+    result.forwards, result.seconds_check = work.meter.count, work.meter.seconds
     return result
 
 
-#: what a trained step's metrics say of its held-out loss (and, where it ran, the vanilla control's)
-HELDOUT = {"ce_before", "ce_after", "tokens"}
-CONTROL = ("ce_control", "gap_to_control", "control_tokens")
-
-
-def _record(result: Result, written: Comparison | None) -> dict:
-    """What the saved config records under "normsurgery" (``written``: the written folder's check,
-    which is a lone exact step's own where nothing else measured it)."""
-    if len(result.steps) == 1 and result.steps[0].kind == "exact" and result.steps[0].parity is None:
-        result.steps[0].parity = written
-    return {"version": __version__, "source": result.source, "device": result.device,
-            **({"streaming": True} if result.streaming else {}),
-            "work_dtype": result.work_dtype, "storage_dtype": result.storage_dtype,
-            "passes": [{"name": s.name, "options": s.options, "notes": s.notes,
-                        "relative_error": s.parity.relative if s.parity else None,
-                        "tolerance": s.parity.tolerance if s.parity else None,
-                        "reason": s.parity.reason if s.parity else None,
-                        **({"heldout": {k: s.metrics[k] for k in (*HELDOUT, *CONTROL) if k in s.metrics}}
-                           if HELDOUT <= s.metrics.keys() else {})}
-                       for s in result.steps],
-            **({"warnings": result.warnings} if result.warnings else {})}
+def _record(result: Result, parities: dict[int, Comparison]) -> Record:
+    """What the saved config records under "normsurgery": the run, then its passes as they ran (each
+    step's parity where measured: ``writer.Record.of``), then the warnings."""
+    return Record({"version": __version__, "source": result.source, "device": result.device,
+                   **({"streaming": True} if result.streaming else {}),
+                   "work_dtype": result.work_dtype, "storage_dtype": result.storage_dtype},
+                  parities, {"warnings": result.warnings} if result.warnings else {})
 
 
 def _against(steps: list[StepSpec] | list[Step], dtype: torch.dtype, storage: torch.dtype) -> str:
@@ -363,30 +343,29 @@ def _against(steps: list[StepSpec] | list[Step], dtype: torch.dtype, storage: to
             if changed else "the input")
 
 
-def _failure(steps: list[StepSpec], c: Comparison, cast: torch.dtype | None) -> str:
-    """Why nothing was saved: the written folder does not compute the function it was checked
-    against (``cast``: the model before its cast to that dtype, each step checked already)."""
+def _failure(steps: list[StepSpec], cast: torch.dtype | None) -> str:
+    """What broke, where the written folder does not compute the function it is checked against
+    (``cast``: the model before its cast to that dtype, each step checked already)."""
     one = len(steps) == 1 and steps[0].kind == "exact"
-    what = (f"the cast to {dtype_name(cast)} and the writing broke parity (the rewrite was within tolerance before "
+    return (f"the cast to {dtype_name(cast)} and the writing broke parity (the rewrite was within tolerance before "
             "it)" if cast is not None else
             f"pass {steps[0].name} broke parity" if one else "the passes together drifted from the reference")
-    return f"{what}: {beyond(c)}; nothing was saved (--force saves anyway)"
 
 
-def _step_outputs(work: Work, t: Tolerances, progress: Progress, cast: bool, outs: dict[int, torch.Tensor],
-                  parities: dict[int, Comparison]) -> None:
-    """Into ``outs`` ({level: outputs}) what the checks need: the reference (level 0), and with
-    several steps, one that changes the function, or a ``cast`` to a coarser storage dtype to
-    check apart, every step's outputs, each step applied in turn; into ``parities`` each step's
-    (:func:`step_parity`), measured while the model it produced can still be read."""
-    steps = work.steps
-    levels = check_levels(steps, cast)
+def _step_outputs(work: Work, checks: Checks) -> None:
+    """Into ``checks.outs`` ({level: outputs}) what the checks need: the reference (level 0), and
+    with several steps, one that changes the function, or a cast to a coarser storage dtype to
+    check apart, every step's outputs, each step applied in turn; into ``checks.parities`` each
+    step's (:func:`step_parity`), measured while the model it produced can still be read. Before
+    anything is written (streamed: each level read from the checkpoint)."""
+    steps, t, outs, progress = work.steps, checks.t, checks.outs, checks.progress
+    levels = check_levels(steps, checks.cast)
     for i, level in enumerate(levels):  # a streamed part goes through the steps once per read
         progress("outputs", i, len(levels))
         read = level_reader(work, t.ids, level)
         outs[level] = read()
         if level - 1 in outs:
-            parities[level - 1] = step_parity(steps[level - 1], outs[level - 1], outs[level], t, read)
+            checks.parities[level - 1] = step_parity(steps[level - 1], outs[level - 1], outs[level], t, read)
     progress("outputs", len(levels), len(levels))
 
 
@@ -421,28 +400,27 @@ def _anchor_level(steps: list[StepSpec]) -> int:
     return max((i + 1 for i, s in enumerate(steps) if s.kind != "exact"), default=0)
 
 
-def _judge_steps(result: Result, work: Work, parities: dict[int, Comparison], force: bool) -> None:
-    """The result's steps, with their parities (``step_parity``; where measured); an exact step out
-    of tolerance stops the save (unless ``force``)."""
-    result.steps = steps_with(work, parities)
-    result.against = _against(result.steps, work.dtype, work.source.storage)  # a reference step that did nothing: gone
-    result.warnings = (result.warnings or []) + damage(result.steps) or None
-    bad = [s for s in result.steps if s.kind == "exact" and s.parity is not None and not s.parity.ok]
+def _judge_steps(work: Work, parities: dict[int, Comparison], force: bool) -> list[str]:
+    """The steps judged by their parities (``step_parity``; where measured), before anything is
+    written: an exact step out of tolerance stops the convert (unless ``force``). Returns the
+    warnings of those that changed the function on purpose (:func:`damage`)."""
+    bad = [(work.steps[i], p) for i, p in sorted(parities.items()) if work.steps[i].kind == "exact" and not p.ok]
     if bad and not force:
-        p = bad[0].parity
+        step, p = bad[0]
         advice = ("; float32 rounding is what it measures: --work-dtype float64 checks the algebra itself"
                   if work.dtype == torch.float32 and "float32" in (p.reason or "") else "")
-        raise SurgeryError(f"pass {bad[0].name} broke parity: {beyond(p)}{advice}; nothing was saved "
+        raise SurgeryError(f"pass {step.name} broke parity: {beyond(p)}{advice}; nothing was saved "
                            "(--force saves anyway)")
+    return damage(work.steps, parities)
 
 
-def damage(steps: list[Step]) -> list[str]:
+def damage(steps: list[StepSpec], parities: dict[int, Comparison]) -> list[str]:
     """A warning for each step that changed the function on purpose and kept less of the top-1
-    predictions before it than :data:`DAMAGING_TOP1` (logits only: a base model has none), with
-    what to try instead."""
+    predictions before it (``parities``: step -> its parity) than :data:`DAMAGING_TOP1` (logits
+    only: a base model has none), with what to try instead."""
     out = []
-    for s in steps:
-        p = s.parity
+    for i, s in enumerate(steps):
+        p = parities.get(i)
         if s.kind != "reference" or p is None or p.top1 is None or p.top1 >= DAMAGING_TOP1:
             continue
         tries = (["by=activation (with --text FILE)"] if s.options.get("by") == "magnitude" else []) + [
@@ -454,17 +432,6 @@ def damage(steps: list[Step]) -> list[str]:
     return out
 
 
-def steps_with(work: Work, parities: dict[int, Comparison]) -> list[Step]:
-    """Each step of ``work`` with its notes, metrics and parity (where measured)."""
-    out = []
-    for i, s in enumerate(work.steps):
-        if s.kind == "reference" and not work.reports[i]:  # a pass's reference step that did nothing
-            continue
-        notes, metrics = step_reports(list(work.reports[i].values()))
-        out.append(Step(s.name, s.kind, s.options, notes, metrics, parities.get(i)))
-    return out
-
-
 def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.Tensor | None = None,
                  tolerance: float | None = None, context: PassContext | None = None,
                  progress: Progress = no_progress) -> list[Step]:
@@ -473,7 +440,7 @@ def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.
     the model's arithmetic, against its own rounding measured as it stands after the step
     (reported, not raised). A pass's own reference step (a mask first) is a step of its own, kind
     "reference"."""
-    work = Work(None, model=model)
+    work = ModelWork(model)
     work.steps = steps_of(passes)
     work.context = context or PassContext()
     work.context.train = work.context.train or train

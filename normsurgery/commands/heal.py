@@ -47,7 +47,7 @@ from ..io.source import Source
 from ..core.families import layout
 from ..io.output import writing, written
 from ..core.progress import no_progress
-from ..engine.sweep import Work
+from ..engine.sweep import CheckpointWork
 from ..engine.writer import earlier_records
 from ..engine.runner import Job
 from ..io.texts import heldout_text, text_of
@@ -304,7 +304,7 @@ def original_ce(job: Job, held: list, mask_token_id: int | None) -> tuple[list |
     if original.config.num_hidden_layers != before or original.config.vocab_size != job.source.config.vocab_size:
         return None, (f"not available: {name} has {original.config.num_hidden_layers} layers and a vocabulary of "
                       f"{original.config.vocab_size}; the record pruned {before} layers of this vocabulary")
-    model = Work(original, original.storage, device=job.device).load_all()
+    model = CheckpointWork(original, original.storage, device=job.device).load_all()
     return [None if w is None else heldout_ce(model, w, mask_token_id=mask_token_id) for w in held], name
 
 

@@ -35,11 +35,11 @@ from ..core.families import family, layout
 from .heal import HealOptions, HealReport, eval_text_record, heldout_record, recovery, summary, take_adapter, write_adapter
 from .heal import run as heal_run
 from ..core.layout import LM_OBJECTIVES
-from ..core.options import METHODS, PruneOptions, Writing, as_options  # noqa: F401  (re-exported: the API's names)
+from ..core.options import PruneOptions, Writing, as_options  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import output_kind, probe_ids
-from ..engine.check import Check, Tolerances, anchor
-from ..engine.sweep import Work
-from ..engine.writer import save_work
+from ..engine.check import CheckPlan, Tolerances
+from ..engine.sweep import CheckpointWork, Work
+from ..engine.writer import Record, Storage, save_work
 from ..core.progress import Progress, no_progress
 from ..engine.runner import Job
 from ..io.texts import heldout_text, text_of
@@ -286,7 +286,7 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
         raise SurgeryError(f"{source.class_name} has no language-modelling head: cross-entropy and healing need "
                            "a causal or masked LM")
     cal, data = _windows(job, opts, hopts, text, eval_text)
-    work = Work(source, source.storage, streamed=streaming, alone=True, device=job.device)
+    work = CheckpointWork(source, source.storage, streamed=streaming, alone=True, device=job.device)
     acc = job.make_accelerator(hopts.precision) if hopts is not None else None
     scores = _scores(source, work, cal, opts, progress)
     selection = select_layers(opts.method, n, scores, layers)
@@ -386,11 +386,10 @@ def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor
     by the main process); with ``keep_adapter`` that is the pruned base (adapter unloaded) plus the
     adapter in ``adapter/``."""
     if healed is None:  # the pruned model read from the source, part by part or whole
-        reference = anchor(work, probe)
-        t = Tolerances(None, probe, work.dtype, None, output=output_kind(work.model), streamed=work.streamed,
-                       device=work.device)
-        return save_work(work, job.out, storage=work.dtype, record=lambda _: record, check=Check(t, reference),
-                         force=job.force, progress=progress).info
+        reference = work.outputs(probe) if work.resident else None  # streamed: read once the parts are written
+        t = Tolerances(None, probe, work.dtype, None, output=output_kind(work.model))
+        return save_work(work, job.out, storage=Storage(work.dtype), record=Record(record),
+                         check=CheckPlan(t, reference), force=job.force, progress=progress).info
     if not keep_adapter:
         return job.save(healed, record, probe, progress=progress)
     adapter = take_adapter(healed)  # before unload() takes the adapters out of the model

@@ -22,7 +22,7 @@ from ..core.options import PROBE_LENGTH, InspectOptions, VerifyOptions, options_
 from ..core.families import FAMILIES, architecture, objective, positions, stock_class_of
 from ..core.parity import Comparison, coarsest, compare, greedy_agreement, layer_differences, output_kind, outputs, probe_ids
 from ..engine.check import Tolerances, model_reader, source_reader
-from ..engine.sweep import Work
+from ..engine.sweep import CheckpointWork
 from ..io.shards import differing
 
 #: tokens per probe window when none is asked for (fewer when the model has fewer positions)
@@ -79,11 +79,11 @@ def verify(a, b, options: VerifyOptions | None = None, *, text: str | None = Non
         reference = read()
         result = compare(reference, source_reader(sb, ids, dtype, True, where)(), sa.head_output)
     else:
-        wa, wb = Work(sa, dtype, device=where), Work(sb, dtype, device=where)
+        wa, wb = CheckpointWork(sa, dtype, device=where), CheckpointWork(sb, dtype, device=where)
         result, reference = _compare_loaded(wa.load_all(), wb.load_all(), ids, o.generate, o.per_layer)
         wa.close()
         wb.close()
-    Tolerances(read, ids, dtype, reference, o.tolerance, sa.head_output, why is not None, where,
+    Tolerances(read, ids, dtype, reference, o.tolerance, sa.head_output,
                differ=lambda: differing(sa.index, sb.index)).judge(result, coarsest(sa.storage, sb.storage))
     result.streaming, result.device = why, devices.describe(where)
     return result
@@ -116,7 +116,7 @@ def _verify_stock(sa: Source, sb: Source, why: str | None, o: VerifyOptions, tex
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load=None) -> torch.Tensor:
         return model_reader(load(sa, dtype, device=device), ids)(jitter=jitter, on_load=on_load)
 
-    Tolerances(read, ids, dtype, reference, o.tolerance, output, False, device).judge(
+    Tolerances(read, ids, dtype, reference, o.tolerance, output).judge(
         result, coarsest(sa.storage, sb.storage))
     result.device = devices.describe(device)
     result.no_adapter = (f"no adapter for {family!r}: what the stock {sa.class_name} outputs was compared, both "

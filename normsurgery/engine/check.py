@@ -24,7 +24,7 @@ from ..core.errors import SurgeryError
 from ..core.parity import DRAWS, TOLERANCE, Comparison, beyond, coarser, compare, dtype_name, jittered, needs_rounding_tolerance, null_summary, outputs, rounding_tolerance, tolerance
 from .plan import Part
 from ..io.shards import inside
-from .sweep import Meter, Work
+from .sweep import CheckpointWork, Meter, Work
 
 
 Reader = Callable[..., torch.Tensor]  # (dtype=, jitter=, on_load=) -> a reference's outputs on the probe
@@ -49,11 +49,8 @@ class Tolerances:
     def __init__(self, read: Reader | None, ids: torch.Tensor, dtype: torch.dtype,
                  reference: torch.Tensor | Callable[[], torch.Tensor | None] | None = None,
                  given: float | None = None, output: str = "logits",
-                 streamed: bool = False, device: torch.device | str | None = None,
                  differ: frozenset[str] | Callable[[], frozenset[str] | None] | None = None):
-        self.read, self.ids, self.dtype, self.streamed = read, ids, dtype, streamed
-        # where a written folder is read back to be compared (None: no folder is: check_written refuses)
-        self.device = None if device is None else torch.device(device)
+        self.read, self.ids, self.dtype = read, ids, dtype
         self._reference, self.given, self.output = reference, given, output
         self.differ = differ
         self.perturbed = "the reference with the tensors that differ"  # what the null perturbs, in words
@@ -62,8 +59,7 @@ class Tolerances:
     def around(self, reference: torch.Tensor, read: Reader, differ: frozenset[str], what: str) -> Tolerances:
         """The same rules with another reference: ``read`` gives its outputs (``reference``), and
         its null perturbs the tensors ``differ`` names (``what``: those, in words)."""
-        t = Tolerances(read, self.ids, self.dtype, reference, self.given, self.output, self.streamed, self.device,
-                       differ)
+        t = Tolerances(read, self.ids, self.dtype, reference, self.given, self.output, differ)
         t.perturbed = what
         return t
 
@@ -124,21 +120,14 @@ class Tolerances:
         return c
 
 
-def anchor(work: Work, ids: torch.Tensor, level: int = 0) -> Callable[[], torch.Tensor]:
-    """The outputs at ``level`` a written folder is compared with: computed now when the model is
-    held in memory (writing spends it), else read once the parts are written."""
-    if work.resident:
-        out = work.outputs(ids, level)
-        return lambda: out
-    return lambda: work.outputs(ids, level)
-
-
 def source_reader(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool,
-                  device: torch.device | str, meter: Meter | None = None) -> Reader:
-    """Reads ``source`` part by part (:func:`read_outputs`; ``meter``: counts its forwards)."""
+                  device: torch.device | str, meter: Meter | None = None, stock: bool = False) -> Reader:
+    """Reads ``source`` part by part (``streamed``) or whole, on ``device`` (:func:`read_outputs`,
+    compact; ``stock``: with the stock class; ``meter``: counts its forwards)."""
     def read(dtype: torch.dtype = dtype, jitter: bool = False, on_load: Callable | None = None) -> torch.Tensor:
-        return read_outputs(source, ids, dtype, streamed, jitter=jitter, on_load=on_load, device=device,
-                            compact=True, meter=meter)
+        work = CheckpointWork(source, dtype, streamed=streamed, stock=stock, on_load=on_load, device=device,
+                              meter=meter)
+        return read_outputs(work, ids, jitter=jitter, compact=True)
     return read
 
 
@@ -167,47 +156,40 @@ def _perturbing(storage: torch.dtype, seed: int, keys: frozenset[str] | None) ->
     return perturb
 
 
-def read_outputs(source: Source, ids: torch.Tensor, dtype: torch.dtype, streamed: bool, *, stock: bool = False,
-                 jitter: bool = False, on_load: Callable | None = None,
-                 device: torch.device | str, compact: bool = False, meter: Meter | None = None) -> torch.Tensor:
-    """``source``'s outputs on ``ids`` in ``dtype`` on ``device``, read part by part (or whole);
-    ``compact``: logits as a :class:`parity.HeadInput` where they can be (:meth:`Work.outputs`);
-    ``meter``: counts the forward."""
-    work = Work(source, dtype, streamed=streamed, stock=stock, on_load=on_load, device=device, meter=meter)
+def read_outputs(work: Work, ids: torch.Tensor, *, jitter: bool = False, compact: bool = False) -> torch.Tensor:
+    """The outputs on ``ids`` of ``work`` (a :class:`sweep.CheckpointWork`: read part by part, or
+    whole), closed after; ``compact``: logits as a :class:`parity.HeadInput` where they can be
+    (:meth:`Work.outputs`)."""
     try:
         return work.outputs(ids, jitter=jitter, compact=compact)
     finally:
         work.close()
 
 
-def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anchor: torch.Tensor,
-                  storage: torch.dtype, model, force: bool = False,
-                  failure: Callable[[Comparison], str] | None = None, rounded: set[str] = frozenset(),
-                  meter: Meter | None = None) -> dict:
+def check_written(folder: Path, records: list[dict], plan: CheckPlan, storage: torch.dtype, work: Work,
+                  force: bool = False, rounded: set[str] = frozenset()) -> dict:
     """Load ``folder`` back (with the plain stock class first, where every record says it computes
-    the same function) and compare its outputs with ``anchor`` (weights stored in ``storage``). A
-    false plain claim is corrected in the folder; a folder that does not compute the anchor's
-    function is an error, unless ``force``: then it stays and its comparison says so. Returns what
-    was checked. What ``tolerances`` measure beyond the arithmetic's own (a float32 model's own
-    rounding, a cast's null) is measured around the folder itself: the anchor may be a model that
-    a step changed on purpose (pruned, trained), which rounds differently from the input.
+    the same function) and compare its outputs with ``plan.anchor`` (weights stored in
+    ``storage``). A false plain claim is corrected in the folder; a folder that does not compute
+    the anchor's function is an error (:meth:`CheckPlan.refused`), unless ``force``: then it stays
+    and its comparison says so. Returns what was checked. What ``plan.tolerances`` measure beyond
+    the arithmetic's own (a float32 model's own rounding, a cast's null) is measured around the
+    folder itself: the anchor may be a model that a step changed on purpose (pruned, trained),
+    which rounds differently from the input.
 
-    ``storage`` coarser than the arithmetic: ``anchor`` is the model before the cast, and the
+    ``storage`` coarser than the arithmetic: the anchor is the model before the cast, and the
     folder may differ from it by what the cast of the tensors it rounded (``rounded``) costs: the
     null distribution is measured around the folder itself, those tensors perturbed as the cast
     rounds (the same statistics, whether the model before the cast is still held or was spent
-    writing). ``meter``: counts the forwards that read the folder."""
-    t = tolerances
-    if t.device is None:
-        raise SurgeryError("internal: the tolerances of a written folder's check need the device it is read to")
+    writing). ``work``: what was written; the folder is read in its plan, on its device, its
+    ``meter`` counting the forwards."""
+    t = plan.tolerances
     cast = t.dtype in TOLERANCE and coarser(storage, t.dtype)
 
     def check(stock: bool) -> Comparison:
-        def read(dtype: torch.dtype = t.dtype, jitter: bool = False, on_load: Callable | None = None):
-            return read_outputs(Source.open(folder), t.ids, dtype, t.streamed, stock=stock, jitter=jitter,
-                                on_load=on_load, device=t.device, compact=True, meter=meter)
+        read = source_reader(Source.open(folder), t.ids, t.dtype, work.streamed, work.device, work.meter, stock)
         out = read()
-        c = compare(anchor, out, t.output)
+        c = compare(plan.anchor, out, t.output)
         what = f"the written folder with the {len(rounded)} tensors the cast rounded" if cast else "the written folder"
         return t.around(out, read, frozenset(rounded), what).judge(c, storage)  # rounded: none without a cast
 
@@ -216,28 +198,33 @@ def check_written(folder: Path, records: list[dict], tolerances: Tolerances, anc
         plain = check(stock=True)
         if plain.ok or (force and not records):
             return {"loader": "plain transformers", "comparison": plain.as_dict()}
-        mark_not_stock(model, records, folder)
+        mark_not_stock(work.model, records, folder)
     if not records:
-        raise SurgeryError(failure(plain) if failure else f"the saved checkpoint does not compute what was checked "
-                           f"before saving ({beyond(plain)}); nothing was saved")
+        raise plan.refused(plain, "the saved checkpoint")
     ours = check(stock=False)
     if not ours.ok and not force:
-        raise SurgeryError(failure(ours) if failure else f"the saved checkpoint, loaded back with normsurgery's "
-                           f"runtime, does not compute what was checked before saving ({beyond(ours)}); nothing "
-                           "was saved")
+        raise plan.refused(ours, "the saved checkpoint, loaded back with normsurgery's runtime,")
     return {"loader": "trust_remote_code=True or normsurgery.load", "comparison": ours.as_dict(),
             "plain_transformers": None if plain is None else plain.as_dict()}
 
 
 @dataclass
-class Check:
-    """How ``writer.save_work`` checks what it wrote: the folder read back and its outputs compared
-    with ``anchor()`` (called once the parts are written) by ``tolerances`` (no anchor: nothing is
-    read back, and nothing is claimed); ``before_check`` runs between the writing and the reading
-    (the steps' own checks), anchor or not; ``failure(comparison)`` words the error when the folder
-    differs."""
+class CheckPlan:
+    """How ``writer.save_work`` checks what it wrote, as data in hand before anything is written:
+    the folder read back (``check_written``) and its outputs compared with ``anchor`` by
+    ``tolerances`` (None: nothing is read back, and nothing is claimed; no ``anchor``: the outputs
+    of the work written, at level 0, on ``tolerances.ids``, read once its parts are written: a
+    streamed prune's kept blocks as stored); ``failure``: what broke, in words, when the folder
+    differs (None: the writer's own words)."""
 
     tolerances: Tolerances | None = None
-    anchor: Callable[[], torch.Tensor] | None = None
-    before_check: Callable[[], None] | None = None
-    failure: Callable[[Comparison], str] | None = None
+    anchor: torch.Tensor | None = None
+    failure: str | None = None
+
+    def refused(self, c: Comparison, what: str) -> SurgeryError:
+        """The error of a folder that does not compute the anchor's function (``c``; ``what``: the
+        folder, in the writer's own words)."""
+        if self.failure is not None:
+            return SurgeryError(f"{self.failure}: {beyond(c)}; nothing was saved (--force saves anyway)")
+        return SurgeryError(f"{what} does not compute what was checked before saving ({beyond(c)}); nothing was "
+                            "saved")

@@ -17,6 +17,7 @@ from ..core import registry
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.layout import Layout
+from ..core.parity import Comparison
 from ..core.registry import PassReport
 from ..io.shards import inside
 
@@ -73,6 +74,36 @@ class StepSpec:
     stages: Callable[..., list[registry.Stage]] | None = None  # (options, layout) -> the stages, in place of run
     whole: str | None = None  # why it needs the whole model in memory (None: it runs part by part)
     tracked: bool = False  # registry.Pass.tracked: its writes are seen (else every parameter counts as changed)
+
+
+#: what a trained step's metrics say of its held-out loss (and, where it ran, the vanilla control's)
+HELDOUT = {"ce_before", "ce_after", "tokens"}
+CONTROL = ("ce_control", "gap_to_control", "control_tokens")
+
+
+@dataclass
+class Step:
+    """A step as it ran: its notes and metrics (its parts' reports merged: ``sweep.steps_with``)
+    and its parity, the model's outputs after it against those before it (where measured)."""
+
+    name: str
+    kind: str
+    options: dict[str, Any]
+    notes: list[str]
+    metrics: dict[str, Any]
+    parity: Comparison | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "options": self.options, "notes": self.notes,
+                "metrics": self.metrics, "parity": self.parity.as_dict() if self.parity else None}
+
+    def record(self) -> dict:
+        """What a saved config records of it (under "normsurgery", "passes")."""
+        p, m = self.parity, self.metrics
+        return {"name": self.name, "options": self.options, "notes": self.notes,
+                "relative_error": p.relative if p else None, "tolerance": p.tolerance if p else None,
+                "reason": p.reason if p else None,
+                **({"heldout": {k: m[k] for k in (*HELDOUT, *CONTROL) if k in m}} if HELDOUT <= m.keys() else {})}
 
 
 def check_applies(model, name: str, lay: Layout | None = None) -> registry.Pass:

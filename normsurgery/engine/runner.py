@@ -34,7 +34,7 @@ from ..core.calibration import fit_seq_len, split_heldout, tokenize, windows
 from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..io.output import check_output
-from .sweep import Work
+from .sweep import CheckpointWork
 from .writer import save
 from ..core.version import __version__
 
@@ -116,7 +116,7 @@ class Job:
             model = self.source.meta_model(self.source.storage)
             devices.place_buffers(model, self.device)
             return model
-        return Work(self.source, self.source.storage, device=self.device).load_all()
+        return CheckpointWork(self.source, self.source.storage, device=self.device).load_all()
 
     def record(self, **steps) -> dict:
         """What the saved config records under "normsurgery": version, source, device, ``steps``."""

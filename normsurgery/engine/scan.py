@@ -4,19 +4,42 @@ A step runs its pass's ``run``, or its stages in turn, each after its scans: a s
 every part brought to where its stage starts, and gathers what it collected into facts about the
 whole model (index sets, thresholds), known once for every work over one plan (``Work.fresh``
 shares them). Streamed, every scan a part's steps need runs before the part is read
-(:func:`scan_ahead`): a scan holds one part at a time, its own. Written against a
-:class:`sweep.Work`'s own methods (no import of it: the sweep calls here).
+(:func:`scan_ahead`): a scan holds one part at a time, its own. Written against :class:`Sweep`,
+what it uses of a ``sweep.Work`` (which imports this module: the one direction).
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable, Protocol
+
 from ..core.families import layout
 from ..core.layout import Layout
-from .plan import check_applies
-from ..core.registry import PassReport, Stage
+from .plan import Part, StepSpec, check_applies
+from ..core.registry import PassContext, PassReport, Stage
 
 
-def run_step(work, i: int, scope: tuple[str, ...], stages: int | None = None) -> PassReport | None:
+class Sweep(Protocol):
+    """What a step and its scans use of the executor (``sweep.Work``): its model, steps and the
+    context their passes are given, whether it holds the whole model (``resident``), the facts
+    known of it, and, streamed, a fresh work over the same plan to read parts in."""
+
+    model: Any
+    steps: list[StepSpec]
+    context: PassContext
+    resident: bool
+    known: dict[tuple[int, int], dict]
+    parts: list[Part]
+
+    def fresh(self) -> Sweep: ...
+
+    def enter(self, part: Part, level: int = 0, copied: Callable | None = None) -> None: ...
+
+    def leave(self, part: Part, force: bool = False) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def run_step(work: Sweep, i: int, scope: tuple[str, ...], stages: int | None = None) -> PassReport | None:
     """Step ``i`` of ``work`` on the part ``scope``: its ``run``, or its first ``stages`` stages
     (default: all), each after its scans (:func:`facts`) with the Layout as the stage finds it. A
     staged step that has no stages (a mask not asked for) reports None."""
@@ -33,7 +56,7 @@ def run_step(work, i: int, scope: tuple[str, ...], stages: int | None = None) ->
     return report
 
 
-def scan_ahead(work, level: int) -> None:
+def scan_ahead(work: Sweep, level: int) -> None:
     """Streamed, the facts of every stage of the steps before ``level``: their scans read every
     part in works of their own, so run before ``work`` reads a part, none holds a part of
     ``work`` beside its own. In memory, nothing: a scan collects on the resident model when its
@@ -46,7 +69,7 @@ def scan_ahead(work, level: int) -> None:
             facts(work, i, len(todo) - 1, todo)
 
 
-def facts(work, i: int, k: int, stages: list[Stage]) -> dict:
+def facts(work: Sweep, i: int, k: int, stages: list[Stage]) -> dict:
     """What stage ``k`` of step ``i`` and those before it know of the whole model: each stage's
     scans collect on every part brought to where the stage starts (the steps before ``i``, then
     stages before ``k``), once for every work over this plan (``Work.fresh`` shares them). In
@@ -71,7 +94,7 @@ def facts(work, i: int, k: int, stages: list[Stage]) -> dict:
     return known
 
 
-def _collect_all(work, i: int, k: int, collect) -> Layout:
+def _collect_all(work: Sweep, i: int, k: int, collect: Callable) -> Layout:
     """``collect(model, scope)`` on every part at step ``i``'s stage ``k``: the resident model
     itself, or the parts of a fresh work read one at a time (each checked to be one step ``i``'s
     pass applies to, as ``Work.enter`` checks it). Returns the whole model's Layout."""

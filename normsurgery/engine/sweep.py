@@ -1,8 +1,9 @@
 """The sweep: one executor over parts. Every model convert, verify, prune and heal read, rewrite,
 check and write goes through it, whether the whole model is in memory or one part at a time.
 
-A :class:`Work` is a model of a checkpoint (``source.Source``) built on the meta device (no
-memory for weights) and cut into parts (:func:`plan.plan`). "In memory" is the plan of one part
+A :class:`Work` is a model cut into parts (:func:`plan.plan`): a :class:`CheckpointWork`'s is a
+model of a checkpoint (``source.Source``) built on the meta device (no memory for weights), a
+:class:`ModelWork`'s a model given in memory. "In memory" is the plan of one part
 holding the whole model, loaded once and kept (``resident``). A part is *entered* (its tensors
 read from the files, cast to the working dtype, then brought to a level: the first ``level``
 rewrite steps applied to it with the Layout restricted to it: ``scan.run_step``) and *left*
@@ -40,36 +41,44 @@ from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.norms import faithful_norms
-from ..core.parity import HeadInput, jittered, outputs
-from .plan import Part, StepSpec, check_applies, plan
+from ..core.parity import Comparison, HeadInput, jittered, outputs
+from .plan import Part, Step, StepSpec, check_applies, plan
 from ..core.registry import PassContext, PassReport
 from .scan import run_step, scan_ahead
 from ..io.shards import Reader as ShardReader, inside
 
 
-class Parts:
-    """A model whose parts are read from the checkpoint ``source`` (onto ``device``, in ``dtype``)
-    and freed part by part (see the module docstring). Given ``model``: a model already in memory
-    (one resident part; ``source``, if any, is where it came from: its side files are copied on
-    saving; it computes where it is)."""
+class Work:
+    """The executor over a model's parts (see the module docstring), in either of its two modes:
+    :class:`CheckpointWork` reads the parts from a checkpoint and frees them, :class:`ModelWork`
+    wraps a model already in memory (one resident part, nothing read). A part entered is brought
+    to a level of the rewrite ``steps``; ``context``: what the steps' passes are given; ``device``:
+    where the forwards run. ``on_load(model, part, keys_of)``: called once a part read is at the
+    level asked for (``keys_of(name, parameter)``: the checkpoint keys it was read from).
+    ``meter``: counts its forwards.
 
-    def __init__(self, source: Source | None, dtype: torch.dtype | None = None, *, streamed: bool = False,
-                 alone: bool = False, stock: bool = False, model=None, device: torch.device | str | None = None):
-        self.source, self.streamed, self.alone = source, streamed, alone
-        read = model is None
-        if read and device is None:
-            raise SurgeryError("internal: a work that reads a checkpoint needs the device its parts go to")
-        self.model = source.meta_model(dtype, stock) if read else model
-        self.device = torch.device(device) if read else devices.of(model)
-        self.dtype = dtype or next(self.model.parameters()).dtype
-        self.restore = faithful_norms(self.model) if read and self.dtype == torch.float64 else None
-        self.loader = Loader(self.model, source, self.dtype, self.device) if read else None
-        self.parts = plan(self.model, layout(self.model), streamed, alone)
+    ``changed``: the parameters a step changed (:func:`changed`), by identity, none kept alive:
+    they are written from memory; one read and left alone is copied as stored
+    (``writer.write_parts``). Nothing is set on the model's parameters."""
+
+    spends = False  # writing a part spends it (read from a checkpoint), or leaves the model as it was (given)
+    restore: Callable[[], None] | None = None  # undoes what reading changed in the model (float64 norms)
+    on_load: Callable | None = None
+
+    def __init__(self, source: Source | None, model, device: torch.device, *, dtype: torch.dtype | None = None,
+                 streamed: bool = False, alone: bool = False, meter: Meter | None = None):
+        self.source, self.model, self.device, self.streamed, self.alone = source, model, device, streamed, alone
+        self.dtype = dtype or next(model.parameters()).dtype
+        self.parts = plan(model, layout(model), streamed, alone)
         self.resident = not streamed
         self.level: dict[Part, int] = {}  # parts held, and how many steps they went through
         self.rewritten: set[Part] = set()  # parts freed after a step rewrote them
-        if self.loader is None:
-            self.level = {p: 0 for p in self.parts}
+        self.steps: list[StepSpec] = []
+        self.context = PassContext()
+        self.known: dict[tuple[int, int], dict] = {}  # (step, stage) -> the whole-model facts its scans gathered
+        self.reports: dict[int, dict[Part, PassReport]] = defaultdict(dict)  # step -> part -> its report
+        self.changed = WeakIdKeyDictionary()  # parameter -> True
+        self.meter = Meter() if meter is None else meter
 
     def replan(self) -> None:
         """The parts again, after the model's blocks changed (``prune_model``); parts held are kept
@@ -79,71 +88,28 @@ class Parts:
         self.level = {p: held[p.scope] for p in self.parts if p.scope in held}
 
     def read(self, part: Part, unread: frozenset[int] = frozenset()) -> bool:
-        """Read ``part`` unless held (then at level 0), but the parameters whose ids are in
-        ``unread``; True when it was read now."""
-        if part in self.rewritten:
-            raise SurgeryError(f"internal: part {part.scope[:1]} was rewritten and freed: it cannot be read again")
-        if part in self.level:
-            return False
-        self.loader.load(part.scope, unread)
-        self.level[part] = 0
-        return True
+        """Read ``part`` unless held, but the parameters ``unread`` (ids); True when read now."""
+        raise NotImplementedError
 
-    def stored_keys(self, name: str, p) -> tuple[str, ...]:
-        """The checkpoint's keys parameter ``p`` (named ``name``) was read from."""
-        stored = self.loader.stored(p)
-        return tuple(stored.keys) if stored is not None else (name,)
+    def stored(self, p):
+        """The stored tensor parameter ``p`` was read from (``checkpoint.Loader.stored``), or None."""
+        raise NotImplementedError
 
     def leave(self, part: Part, force: bool = False) -> None:
         """Free ``part`` (a resident part only when ``force``)."""
-        if part in self.level and (force or not self.resident) and self.loader is not None:
-            self.loader.free(part.scope)
-            if self.level.pop(part):
-                self.rewritten.add(part)
+        raise NotImplementedError
 
     def close(self) -> None:
-        """Free every part; the loader gives its spare tensors back and closes the files (a part
-        entered later reads them again)."""
-        for part in list(self.level):
-            self.leave(part, force=True)
-        if self.loader is not None:
-            self.loader.close()
+        """Free every part."""
+        raise NotImplementedError
 
-
-class Work(Parts):
-    """:class:`Parts` brought to a level of the rewrite ``steps`` as they are entered (see the module
-    docstring); ``context``: what the steps' passes are given. ``device``: where the parts read go
-    and the forwards run (``devices.choose``; a model given computes where it is).
-    ``on_load(model, part, keys_of)``: called once a part read is at the level asked for
-    (``keys_of(name, parameter)``: the checkpoint keys it was read from). ``meter``: counts its
-    forwards (default: a meter of its own).
-
-    ``changed``: the parameters a step changed (:func:`changed`), by identity, none kept alive:
-    they are written from memory; one read and left alone is copied as stored
-    (``writer.write_parts``). Nothing is set on the model's parameters."""
-
-    def __init__(self, source: Source | None, dtype: torch.dtype | None = None, *, streamed: bool = False,
-                 alone: bool = False, stock: bool = False, model=None, on_load: Callable | None = None,
-                 device: torch.device | str | None = None, steps: list[StepSpec] | None = None,
-                 context: PassContext | None = None, meter: Meter | None = None):
-        super().__init__(source, dtype, streamed=streamed, alone=alone, stock=stock, model=model, device=device)
-        self.steps: list[StepSpec] = [] if steps is None else steps
-        self.context = PassContext() if context is None else context
-        self.known: dict[tuple[int, int], dict] = {}  # (step, stage) -> the whole-model facts its scans gathered
-        self.reports: dict[int, dict[Part, PassReport]] = defaultdict(dict)  # step -> part -> its report
-        self.changed = WeakIdKeyDictionary()  # parameter -> True
-        self.meter = Meter() if meter is None else meter
-        self.on_load = on_load
-        if streamed:
-            memory.map_large_blocks()  # freed parts go back to the system at once
+    def unread(self, part: Part, level: int, copied: Callable) -> dict[int, tuple]:
+        """{id: (parameter, version)} of ``part``'s parameters left unread on entering it."""
+        raise NotImplementedError
 
     def fresh(self) -> Work:
-        """A new work over the same checkpoint, plan and steps, nothing read yet: a rewritten part
-        (its modules changed) cannot be read again into the same model."""
-        work = Work(self.source, self.dtype, streamed=self.streamed, device=self.device, steps=self.steps,
-                    context=self.context, meter=self.meter)
-        work.known = self.known
-        return work
+        """A new work over the same plan and steps, nothing read yet (streamed: where scans read)."""
+        raise NotImplementedError
 
     def enter(self, part: Part, level: int = 0, copied: Callable | None = None) -> None:
         """Read ``part`` (unless held) and apply steps up to ``level`` to it, their scans run first
@@ -170,23 +136,6 @@ class Work(Parts):
             left_unread(self.model, part, unread)
         if read and self.on_load is not None:
             self.on_load(self.model, part, self.stored_keys)
-
-    def unread(self, part: Part, level: int, copied: Callable) -> dict[int, tuple]:
-        """{id: (parameter, version)} of the parameters of ``part`` (not held yet) that the steps up
-        to ``level`` leave alone, each pass saying what it reads (``registry.Pass.reads``; none
-        if one does not say), and ``copied`` can write as stored; empty when the part is held or
-        read to compute outputs (``on_load``)."""
-        if self.loader is None or self.on_load is not None or part in self.level:
-            return {}
-        needed: set[str] = set()
-        for step in self.steps[:level]:
-            reads = registry.get(step.pass_name).reads
-            if reads is None:
-                return {}
-            needed |= reads(layout(self.model, part.scope), step.options)
-        scope = tuple(needed)
-        return {id(p): (p, p._version) for p, uses in self.loader.uses(part.scope)
-                if p.device.type == "meta" and not any(inside(full, scope) for *_, full in uses) and copied(p)}
 
     @contextmanager
     def running(self, level: int = 0):
@@ -220,6 +169,108 @@ class Work(Parts):
         return self.model
 
 
+class ModelWork(Work):
+    """A model already in memory: one resident part, held from the start, computed where it is;
+    ``source``, if any, is where it came from (its side files are copied on saving). Writing it
+    leaves it as it was."""
+
+    def __init__(self, model, source: Source | None = None):
+        super().__init__(source, model, devices.of(model))
+        self.level = {p: 0 for p in self.parts}
+
+    def read(self, part: Part, unread: frozenset[int] = frozenset()) -> bool:
+        return False  # every part is held
+
+    def stored(self, p):
+        return None
+
+    def leave(self, part: Part, force: bool = False) -> None:
+        pass  # the model stays
+
+    def close(self) -> None:
+        pass
+
+    def unread(self, part: Part, level: int, copied: Callable) -> dict[int, tuple]:
+        return {}
+
+
+class CheckpointWork(Work):
+    """A model of the checkpoint ``source`` built on the meta device, its parts read (onto
+    ``device``, in ``dtype``; ``stock``: the stock class) and freed part by part (see the module
+    docstring). ``streamed``: a part per block (else one, resident); ``alone``: the two ends parts
+    of their own (reading only)."""
+
+    spends = True
+
+    def __init__(self, source: Source, dtype: torch.dtype, *, streamed: bool = False, alone: bool = False,
+                 stock: bool = False, on_load: Callable | None = None, device: torch.device | str,
+                 meter: Meter | None = None):
+        model = source.meta_model(dtype, stock)
+        super().__init__(source, model, torch.device(device), dtype=dtype, streamed=streamed, alone=alone,
+                         meter=meter)
+        self.restore = faithful_norms(model) if dtype == torch.float64 else None
+        self.loader = Loader(model, source, dtype, self.device)
+        self.on_load = on_load
+        if streamed:
+            memory.map_large_blocks()  # freed parts go back to the system at once
+
+    def fresh(self) -> CheckpointWork:
+        """A new work over the same checkpoint, plan and steps, nothing read yet: a rewritten part
+        (its modules changed) cannot be read again into the same model."""
+        work = CheckpointWork(self.source, self.dtype, streamed=self.streamed, device=self.device, meter=self.meter)
+        work.steps, work.context, work.known = self.steps, self.context, self.known
+        return work
+
+    def read(self, part: Part, unread: frozenset[int] = frozenset()) -> bool:
+        """Read ``part`` unless held (then at level 0), but the parameters whose ids are in
+        ``unread``; True when it was read now."""
+        if part in self.rewritten:
+            raise SurgeryError(f"internal: part {part.scope[:1]} was rewritten and freed: it cannot be read again")
+        if part in self.level:
+            return False
+        self.loader.load(part.scope, unread)
+        self.level[part] = 0
+        return True
+
+    def stored_keys(self, name: str, p) -> tuple[str, ...]:
+        """The checkpoint's keys parameter ``p`` (named ``name``) was read from."""
+        stored = self.loader.stored(p)
+        return tuple(stored.keys) if stored is not None else (name,)
+
+    def stored(self, p):
+        return self.loader.stored(p)
+
+    def leave(self, part: Part, force: bool = False) -> None:
+        if part in self.level and (force or not self.resident):
+            self.loader.free(part.scope)
+            if self.level.pop(part):
+                self.rewritten.add(part)
+
+    def close(self) -> None:
+        """Free every part; the loader gives its spare tensors back and closes the files (a part
+        entered later reads them again)."""
+        for part in list(self.level):
+            self.leave(part, force=True)
+        self.loader.close()
+
+    def unread(self, part: Part, level: int, copied: Callable) -> dict[int, tuple]:
+        """{id: (parameter, version)} of the parameters of ``part`` (not held yet) that the steps up
+        to ``level`` leave alone, each pass saying what it reads (``registry.Pass.reads``; none
+        if one does not say), and ``copied`` can write as stored; empty when the part is held or
+        read to compute outputs (``on_load``)."""
+        if self.on_load is not None or part in self.level:
+            return {}
+        needed: set[str] = set()
+        for step in self.steps[:level]:
+            reads = registry.get(step.pass_name).reads
+            if reads is None:
+                return {}
+            needed |= reads(layout(self.model, part.scope), step.options)
+        scope = tuple(needed)
+        return {id(p): (p, p._version) for p, uses in self.loader.uses(part.scope)
+                if p.device.type == "meta" and not any(inside(full, scope) for *_, full in uses) and copied(p)}
+
+
 class RefuseUnread(TorchDispatchMode):
     """Refuses an operation that mixes a parameter left unread (meta) with tensors read: in place,
     torch would leave the tensor read unchanged without a word."""
@@ -247,7 +298,7 @@ def left_unread(model, part: Part, unread: dict[int, tuple]) -> None:
 def compact_head(work: Work):
     """The head module when ``work``'s logits are a plain linear map of the head's input stored as
     one tensor (:meth:`Work.outputs`), else None."""
-    if work.loader is None or work.on_load is not None:
+    if work.on_load is not None:
         return None
     lay = layout(work.model)
     if lay.head is None or lay.objective != "causal-lm" or not lay.plain_logits:
@@ -255,8 +306,8 @@ def compact_head(work: Work):
     head = work.model.get_submodule(lay.head)
     if type(head) is not torch.nn.Linear:
         return None
-    stored = work.loader.stored(head.weight)
-    if stored is None or stored.stack is not None or work.loader.source.index[stored.keys[0]].tensor is not None:
+    stored = work.stored(head.weight)  # None: a model given in memory
+    if stored is None or stored.stack is not None or work.source.index[stored.keys[0]].tensor is not None:
         return None
     if work.resident and head.weight in work.changed:
         return None
@@ -265,10 +316,25 @@ def compact_head(work: Work):
 
 def head_input(work: Work, head, seen: dict) -> HeadInput:
     """The logits as :func:`capture` saw ``head``'s input, its rows read from the checkpoint."""
-    key, vocab = work.loader.stored(head.weight).keys[0], head.weight.shape[0]
-    reader, dtype = ShardReader(work.loader.source.index), work.dtype
+    key, vocab = work.stored(head.weight).keys[0], head.weight.shape[0]
+    reader, dtype = ShardReader(work.source.index), work.dtype
     rows = lambda i, j: reader.read_rows(key, i, j, dtype)  # noqa: E731
     return HeadInput(seen["hidden"], rows, seen["bias"], vocab)
+
+
+def steps_with(work: Work, parities: dict[int, Comparison], written: Comparison | None = None) -> list[Step]:
+    """Each step of ``work`` with its notes, metrics and parity (``parities``: step -> its own, where
+    measured; a lone exact step's, where nothing else measured it, is ``written``: the written
+    folder's check); a pass's reference step that did nothing left out."""
+    out = []
+    for i, s in enumerate(work.steps):
+        if s.kind == "reference" and not work.reports[i]:
+            continue
+        notes, metrics = step_reports(list(work.reports[i].values()))
+        out.append(Step(s.name, s.kind, s.options, notes, metrics, parities.get(i)))
+    if len(out) == 1 and out[0].kind == "exact" and out[0].parity is None:
+        out[0].parity = written
+    return out
 
 
 def step_reports(reports: list[PassReport]) -> tuple[list[str], dict]:

@@ -7,15 +7,15 @@ copied unread), then the config, records and side files, and the folder read bac
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..core import devices, precision
+from ..core import precision
 from ..io import modelcard
-from .check import Check, Tolerances, check_written, model_reader
+from .check import CheckPlan, Tolerances, check_written, model_reader
 from ..io.checkpoint import claims, finish, load_dtype, save_config, stamp, write_config
 from ..io.loader import check_finite
 from ..io.source import Source
@@ -25,10 +25,10 @@ from ..core.norms import faithful_norms
 from ..core.options import MAX_SHARD_SIZE
 from ..io.output import writing, written
 from ..core.parity import Comparison, output_kind, outputs, probe_ids
-from .plan import Part
+from .plan import Part, Step
 from ..core.progress import Progress, no_progress
 from ..io.shards import ShardWriter, header_room, saved_tensors
-from .sweep import Work
+from .sweep import ModelWork, Work, steps_with
 
 
 def write_parts(work: Work, shards: ShardWriter, storage: torch.dtype, level: int, lost: list,
@@ -43,8 +43,7 @@ def write_parts(work: Work, shards: ShardWriter, storage: torch.dtype, level: in
         if not _copy_untouched(work, part, level, shards, storage):
             work.enter(part, level, _copyable(work, part, storage))
             _write_part(work, part, shards, storage, lost, rounded)
-            if work.loader is not None:  # a model given in memory stays as it was
-                work.leave(part, force=True)
+            work.leave(part, force=True)  # a model given in memory stays as it was
         progress("write", i + 1, len(work.parts))
     return rounded
 
@@ -69,12 +68,12 @@ def _write_part(work: Work, part: Part, shards: ShardWriter, storage: torch.dtyp
         key = _unchanged(work, params.get(name), storage, held)
         if key is not None:  # read (and checked) on entering, no pass changed it: its bytes; or left
             # unread: its bytes, each chunk checked for NaN or Inf as reading it would
-            check = None if held else lambda c, key=key: check_finite(c, key, work.loader.source)
-            shards.copy(name, work.loader.reader, key, check)
+            check = None if held else lambda c, key=key: check_finite(c, key, work.source)
+            shards.copy(name, work.loader.reader, key, check)  # a key: a checkpoint's (``_unchanged``)
             continue
         if not held:
             raise SurgeryError(f"internal: {name} was left unread and cannot be copied as stored")
-        spend = work.loader is not None and users[t.untyped_storage().data_ptr()] == 1
+        spend = work.spends and users[t.untyped_storage().data_ptr()] == 1
         narrowed = t.is_floating_point() and torch.finfo(t.dtype).bits > torch.finfo(storage).bits
         t = precision.for_storage(name, t, storage, lost, spend) if t.is_floating_point() else t
         if narrowed and t.dtype == storage:
@@ -88,12 +87,12 @@ def _unchanged(work: Work, p, storage: torch.dtype, held: bool = True) -> str | 
     dtype that holds it exactly, is written in the dtype it is stored in, and no step changed
     it (``Work.changed``); ``held``: it is in memory (else: not read yet, on the meta
     device)."""
-    if p is None or work.loader is None or (p.device.type == "meta") == held:
+    if p is None or (p.device.type == "meta") == held:
         return None
-    stored = work.loader.stored(p)
+    stored = work.stored(p)  # None: a model given in memory
     if stored is None or stored.stack is not None or p in work.changed:
         return None
-    e = work.loader.source.index[stored.keys[0]]
+    e = work.source.index[stored.keys[0]]
     if e.tensor is not None or tuple(p.shape) != e.shape:
         return None
     if e.dtype.is_floating_point:
@@ -111,7 +110,7 @@ def _copy_untouched(work: Work, part: Part, level: int, shards: ShardWriter, sto
     kept blocks under their new names, a checkpoint written unchanged) and each of its tensors
     is one stored tensor written as stored (:func:`_unchanged`): its bytes are copied, each
     chunk checked for NaN or Inf as reading it would. False: it must be read."""
-    if work.loader is None or level != 0 or part in work.level or part in work.rewritten:
+    if level != 0 or part in work.level or part in work.rewritten:  # a model given holds every part
         return False
     params = dict(work.model.named_parameters(remove_duplicate=False))
     keys = {}
@@ -119,10 +118,38 @@ def _copy_untouched(work: Work, part: Part, level: int, shards: ShardWriter, sto
         keys[name] = _unchanged(work, params.get(name), storage, held=False)
         if keys[name] is None:  # a buffer, a merged tensor, a cast: read it
             return False
-    source = work.loader.source
     for name, key in keys.items():
-        shards.copy(name, work.loader.reader, key, lambda t, key=key: check_finite(t, key, source))
+        shards.copy(name, work.loader.reader, key, lambda t, key=key: check_finite(t, key, work.source))
     return True
+
+
+@dataclass
+class Storage:
+    """How the weights are stored: in ``dtype``, a tensor that does not fit it refused or kept in
+    float32 (``on_overflow``: ``precision.check_policy``), in shards of at most ``max_shard_size``."""
+
+    dtype: torch.dtype
+    on_overflow: str = "refuse"
+    max_shard_size: str | int = MAX_SHARD_SIZE
+
+
+@dataclass
+class Record:
+    """What the saved config records under "normsurgery", as data: ``fields``; with ``parities`` (a
+    convert's: step -> its parity, where measured), "passes" after them: the work's steps as they
+    report once written (``sweep.steps_with``: a lone exact step's parity is the written folder's
+    own), then ``last``. Empty: the config ``save_pretrained`` writes."""
+
+    fields: dict = field(default_factory=dict)
+    parities: dict[int, Comparison] | None = None
+    last: dict = field(default_factory=dict)
+
+    def of(self, work: Work, written: Comparison | None) -> tuple[dict, list[Step]]:
+        """The record of ``work`` once written (``written``: the folder's check, or None), and its steps."""
+        if self.parities is None:
+            return dict(self.fields), []
+        steps = steps_with(work, self.parities, written)
+        return {**self.fields, "passes": [s.record() for s in steps], **self.last}, steps
 
 
 @dataclass
@@ -133,59 +160,53 @@ class Saved:
     comparison: Comparison | None  # the written folder against the anchor
     kept_float32: list[str]
     warning: str | None
+    steps: list[Step]  # the work's steps as recorded (:meth:`Record.of`)
 
 
-def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[Comparison | None], dict],
-              check: Check | None = None, level: int | None = None, force: bool = False, on_overflow: str = "refuse",
-              max_shard_size: str | int = MAX_SHARD_SIZE, progress: Progress = no_progress,
+def save_work(work: Work, out, *, storage: Storage, record: Record, check: CheckPlan | None = None,
+              force: bool = False, progress: Progress = no_progress,
               extra: Callable[[Path], None] | None = None) -> Saved:
-    """Write ``work`` (at ``level``, default its last) to ``out`` atomically: the weights cast to
-    ``storage`` (a tensor that does not fit it is refused or kept in float32, ``on_overflow``),
-    the config with ``record(comparison)`` (the folder's check, or None), the overall parity and
-    the module records, the runtime where modules were rebuilt, the source's side files
-    (``extra(folder)`` adds more); then the folder read back and checked as ``check`` says
-    (:class:`Check`). The work is spent."""
+    """Write ``work`` (at its last level) to ``out`` atomically: the weights as ``storage`` says,
+    the config with ``record`` (:meth:`Record.of`), the overall parity and the module records, the
+    runtime where modules were rebuilt, the source's side files (``extra(folder)`` adds more); then
+    the folder read back and checked as ``check`` says (:class:`check.CheckPlan`: its outputs and
+    tolerances measured before anything was written; None: not read back). The work is spent."""
     from transformers.utils.hub import convert_file_size_to_int
 
-    level = len(work.steps) if level is None else level
     history = earlier_records(getattr(work.model.config, "normsurgery", None))  # before stamp replaces it
     with writing(out, force=force, source=work.source.path if work.source is not None else None) as stage:
         lost = []
-        shards = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size),
+        shards = ShardWriter(stage.path, convert_file_size_to_int(storage.max_shard_size),
                              header_room(saved_tensors(work.model, meta=True)))
-        rounded = write_parts(work, shards, storage, level, lost, progress)
+        rounded = write_parts(work, shards, storage.dtype, len(work.steps), lost, progress)
         files = shards.close()
-        precision.check_policy(lost, storage, on_overflow)
+        precision.check_policy(lost, storage.dtype, storage.on_overflow)
         kept = [x.name for x in lost]
         work.close()  # the spare tensors too: the checks' forwards read parts of their own
-        check = check or Check()
-        reference = check.anchor() if check.anchor is not None else None
-        if check.before_check is not None:
-            check.before_check()
+        if check is not None and check.tolerances is not None and check.anchor is None:  # as stored (a prune's)
+            check = replace(check, anchor=work.outputs(check.tolerances.ids))
         if work.restore:
             work.restore()
-        loads_as = torch.float32 if kept else storage
         records = stamp(work.model, {"kept_float32": kept} if kept else None)
-        write_config(work.model, stage.path, loads_as)
+        write_config(work.model, stage.path, torch.float32 if kept else storage.dtype)
         finish(stage.path, records, work.source)
         if extra is not None:
             extra(stage.path)
         reload = None
-        if reference is not None:
+        if check is not None and check.tolerances is not None:
             progress("check", 0, 1)
-            reload = check_written(stage.path, records, check.tolerances, reference, storage, work.model, force,
-                                   check.failure, rounded, work.meter)
+            reload = check_written(stage.path, records, check, storage.dtype, work, force, rounded)
             progress("check", 1, 1)
         comparison = None if reload is None else Comparison(
             **{k: v for k, v in reload["comparison"].items() if k not in ("ok", "failed")})
-        done = record(comparison)  # a plain save (no record) writes the config save_pretrained writes
+        done, steps = record.of(work, comparison)  # no record: the config save_pretrained writes
         done = {**done, **({"parity": overall(reload)} if reload and done else {}),
                 **({"kept_float32": kept} if kept else {}), **({"history": history} if history else {})}
         stamp(work.model, done)
         save_config(work.model.config, stage.path)
         modelcard.write(stage.path, done, reload, work.model.config, Path(out).name)
     info = written(out, stage, {**claims(records, reload), "shards": len(files)})
-    return Saved(info, comparison, kept, precision.warning(lost, storage) if lost else None)
+    return Saved(info, comparison, kept, precision.warning(lost, storage.dtype) if lost else None, steps)
 
 
 def overall(reload: dict) -> dict:
@@ -220,8 +241,7 @@ def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = N
     reference = outputs(model, ids)
     if restore:
         restore()
-    tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model),
-                            device=devices.of(model))
-    return save_work(Work(source, model=model), out, storage=load_dtype(model), record=lambda _: record or {},
-                     check=Check(tolerances, lambda: reference), force=force, max_shard_size=max_shard_size,
-                     extra=extra, progress=progress).info
+    tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model))
+    return save_work(ModelWork(model, source), out, storage=Storage(load_dtype(model), max_shard_size=max_shard_size),
+                     record=Record(record or {}), check=CheckPlan(tolerances, reference), force=force,
+                     progress=progress, extra=extra).info

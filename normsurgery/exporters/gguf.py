@@ -58,7 +58,7 @@ import torch
 
 from ..core import algebra, calibration, devices, memory
 from ..io import modelcard
-from ..engine.check import read_outputs
+from ..engine.check import source_reader
 from ..io.source import Source
 from ..core.errors import SurgeryError
 from .gguf_write import Plan, plan, qtype, rounded, vocab, write
@@ -148,7 +148,7 @@ def reference_rows(source: Source, ids: torch.Tensor, start: int, device, on_loa
     """transformers' logits at positions ``start``.. of ``ids`` ([prompts, positions, vocab],
     float32, on the CPU): the checkpoint read one part at a time (``check.read_outputs``);
     ``on_load``: a change to each part read (:func:`storing`)."""
-    out = read_outputs(source, ids, torch.float32, True, on_load=on_load, device=device, compact=True)
+    out = source_reader(source, ids, torch.float32, True, device)(on_load=on_load)
     if isinstance(out, HeadInput):
         head = HeadInput(out.hidden[:, start:], out.rows, out.bias, out.vocab)
         step = max(1, (1 << 24) // head.hidden.shape[-1])  # head rows read at a time: 64 MB in float32
