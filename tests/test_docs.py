@@ -3,7 +3,10 @@ navigation, and no page cites the project's internal issue numbers. (README's an
 commands and example outputs: tests/test_cli.py.)"""
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -53,3 +56,20 @@ def test_no_page_cites_an_internal_issue_number():
     pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
     cited = [(p.name, m) for p in pages for m in re.findall(r"(?i)\bissues? \d[\d.]*", p.read_text())]
     assert not cited, cited
+
+
+def test_the_add_a_pass_example_runs_as_printed(tmp_path):
+    """The contributing guide's own pass, run as printed (from a folder where the demo's paths resolve):
+    it registers, converts the demo Llama and leaves a checkpoint whose final norm gain is halved."""
+    import torch
+    from safetensors.torch import load_file
+
+    page = (ROOT / "docs" / "contributing" / "add-a-pass.md").read_text()
+    block = re.search(r"## A pass of your own.*?```python\n(.*?)```", page, re.S).group(1)
+    (tmp_path / "normsurgery").symlink_to(ROOT / "normsurgery")
+    r = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    before = load_file(ROOT / "normsurgery/demo/llama-tiny/model.safetensors")
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(after["model.norm.weight"], before["model.norm.weight"] * 0.5)
