@@ -329,3 +329,8 @@ def test_prune_refuses_an_existing_output_and_a_missing_input(tmp_path):
     assert r.exit_code == 1 and "already exists" in r.output and not any(out.iterdir())
     missing = tmp_path / "missing-out"
     assert_refused(run("prune", tmp_path / "no-model", missing, "--layers", 1), missing, "no checkpoint")
+
+
+def test_select_layers_refuses_an_unknown_method_instead_of_reading_it_as_last():
+    with pytest.raises(ns.SurgeryError, match=r"unknown method 'angualr' \(did you mean 'angular'\?\)"):
+        select_layers("angualr", 1, num_layers=4)

@@ -161,6 +161,7 @@ def select_layers(method: str, n: int, scores: LayerScores | None = None,
                   num_layers: int | None = None) -> Selection:
     """The layers ``method`` (one of METHODS: ``PruneOptions.check`` refuses any other) removes.
     angular and block-influence need ``scores``; last does not."""
+    PruneOptions(method=method).check()  # called alone (the API), an unknown method is not read as "last"
     L = scores.num_layers if scores is not None else num_layers
     if L is None:
         raise SurgeryError("select_layers needs scores or num_layers")
