@@ -47,7 +47,7 @@ from ..core.parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype
 from ..engine.check import Check, Reader, Tolerances, source_reader
 from ..engine.plan import StepSpec, check_applies, check_before_reading, plan, steps_of
 from ..core.progress import Progress, no_progress
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..engine.sweep import Meter, Work, step_reports
 from ..io.texts import text_of
 from ..core.registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
@@ -207,6 +207,7 @@ def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, strea
     return why
 
 
+@job_scope
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], *, force: bool = False,
             verify: bool = True, work_dtype: torch.dtype | None = None, text: str | Path | None = None,
             tolerance: float | None = None, max_shard_size: str = MAX_SHARD_SIZE,

@@ -45,11 +45,11 @@ from ..core.calibration import windows
 from ..core.errors import SurgeryError
 from ..io.checkpoint import Source
 from ..core.families import layout
-from ..io.output import writing, written
+from ..io.output import written
 from ..core.progress import no_progress
 from ..engine.sweep import Work
 from ..engine.writer import earlier_records
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..io.texts import heldout_text, text_of
 from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
@@ -386,6 +386,7 @@ def adapter_base(source: Source) -> str:
     return source.name if hub_id(source.name) else str(source.path.resolve())
 
 
+@job_scope
 def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: HealOptions | dict | None = None,
          save_adapter: bool = False, force: bool = False, progress=no_progress,
          allow_pickle: bool = False, device: str = "auto") -> HealResult:
@@ -418,11 +419,11 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
         saved = None
         if job.main:
             adapter = take_adapter(model)
-            with writing(out, force=force, source=job.source.path) as stage:
+            with job.staged() as stage:
                 held_info = write_adapter(adapter, stage.path, adapter_base(job.source), source=job.source,
                                           record=record, name=Path(out).name)
             saved = written(out, stage, {"adapter": held_info})
-        acc.wait_for_everyone()
+        job.wait()
     else:
         saved = job.save(model, record, held[:4])
     return HealResult(report, seconds, saved, record, ce, on, original, other)

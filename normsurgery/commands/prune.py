@@ -41,7 +41,7 @@ from ..engine.check import Check, Tolerances, anchor
 from ..engine.sweep import Work
 from ..engine.writer import save_work
 from ..core.progress import Progress, no_progress
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..io.texts import heldout_text, text_of
 from ..engine.training import heldout_ce
 
@@ -259,6 +259,7 @@ class PruneResult:
     eval_text_ce: dict[str, float] | None = None  # the same CEs on --eval-text, when given
 
 
+@job_scope
 def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | Path | None = None,
           eval_text: str | Path | None = None, heal: HealOptions | dict | None = None, save_adapter: bool = False,
           streaming: bool = False, force: bool = False, progress: Progress = no_progress,

@@ -53,7 +53,7 @@ from ..engine.plan import check_applies
 from ..passes.mask import CALIBRATION
 from ..core.progress import Progress, no_progress
 from ..core.registry import PassContext
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..io.stash import Stash
 from ..io.texts import text_of
 from ..engine.training import STATE_FILE, heldout_ce, is_main_process
@@ -268,6 +268,7 @@ def _keep(state: Path, data: dict) -> None:
     shutil.rmtree(state / TRAIN_STATE, ignore_errors=True)
 
 
+@job_scope
 def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
             options: SqueezeOptions | dict | None = None,
             resume: bool = False, force: bool = False, progress: Progress = no_progress,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,11 +65,43 @@ def trim() -> None:
         libc.malloc_trim(0)
 
 
-def map_large_blocks(threshold: int = 1 << 20) -> None:
-    """Ask glibc to serve every allocation of ``threshold`` bytes or more by its own mapping, so a
-    freed tensor goes back to the system at once (by default the threshold rises with each large
-    block freed, later tensors come from the heap, and the heap only grows). Process-wide, for the
-    rest of the process: called by the operations that bound their memory (streamed plans)."""
+#: mallopt's M_MMAP_THRESHOLD
+MMAP_THRESHOLD = -3
+#: glibc's threshold when nothing set one (DEFAULT_MMAP_THRESHOLD_MIN), which then rises with each
+#: large block freed
+GLIBC_THRESHOLD = 128 * 1024
+_MAPPING = [0]  # the jobs mapping large blocks now (nested ones leave the outer one's setting)
+
+
+@contextmanager
+def large_blocks_mapped(threshold: int = 1 << 20):
+    """For the block (a job: ``runner``), glibc serves every allocation of ``threshold`` bytes or
+    more by its own mapping, so a freed tensor goes back to the system at once (by default the
+    threshold rises with each large block freed, later tensors come from the heap, and the heap
+    only grows: a streamed plan would hold every part it freed). Then the threshold is put back
+    to the process's start-up value (:func:`start_threshold`). What cannot be put back: glibc
+    tells no one the threshold in force (a caller's own ``mallopt`` is not known), and once set
+    it no longer rises by itself (glibc has no call that turns that back on)."""
     libc = _libc()
-    if libc is not None:
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    if libc is None or _MAPPING[0]:
+        yield
+        return
+    _MAPPING[0] += 1
+    libc.mallopt(MMAP_THRESHOLD, threshold)
+    try:
+        yield
+    finally:
+        libc.mallopt(MMAP_THRESHOLD, start_threshold())
+        _MAPPING[0] -= 1
+
+
+def start_threshold() -> int:
+    """glibc's mmap threshold as the process started: ``GLIBC_TUNABLES``' ``glibc.malloc.mmap_threshold``
+    or ``MALLOC_MMAP_THRESHOLD_`` where set, else glibc's default."""
+    tuned = re.search(r"(?:^|:)glibc\.malloc\.mmap_threshold=(\w+)", os.environ.get("GLIBC_TUNABLES", ""))
+    for value in (tuned and tuned[1], os.environ.get("MALLOC_MMAP_THRESHOLD_")):
+        try:
+            return int(value, 0)
+        except (TypeError, ValueError):
+            continue
+    return GLIBC_THRESHOLD

@@ -1,7 +1,8 @@
 """The writer: each part of a :class:`sweep.Work` cast to the storage dtype and appended to the
 output shards (:func:`write_parts`: raw bytes where a tensor is unchanged, a part no step runs on
 copied unread), then the config, records and side files, and the folder read back and checked
-(:func:`save_work`, :func:`save`).
+(:func:`save_work`, :func:`save_model`), into the stage of the output its job claimed
+(``runner``, ``output.staged``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..core.errors import SurgeryError
 from ..core.families import positions
 from ..core.norms import faithful_norms
 from ..core.options import MAX_SHARD_SIZE
-from ..io.output import writing, written
+from ..io.output import Claim, staged, written
 from ..core.parity import Comparison, output_kind, outputs, probe_ids
 from .plan import Part
 from ..core.progress import Progress, no_progress
@@ -147,7 +148,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[Compar
 
     level = len(work.steps) if level is None else level
     history = earlier_records(getattr(work.model.config, "normsurgery", None))  # before stamp replaces it
-    with writing(out, force=force, source=work.source.path if work.source is not None else None) as stage:
+    with staged(out) as stage:  # the output its job claimed (``runner.claim_output``)
         lost = []
         shards = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size),
                              header_room(saved_tensors(work.model, meta=True)))
@@ -203,13 +204,14 @@ def earlier_records(record: dict | None) -> list[dict]:
     return [*(record.get("history") or []), *([own] if own else [])]
 
 
-def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
-         force: bool = False, max_shard_size: str | int = MAX_SHARD_SIZE, extra: Callable[[Path], None] | None = None,
-         progress: Progress = no_progress) -> dict:
-    """Save a model held in memory (rewritten, pruned, healed) to ``out`` with :func:`save_work`,
-    checked: the folder read back, on the model's device, against the model's outputs on ``ids``
-    (default: random tokens); ``source`` (a checkpoint): where it came from, whose side files are copied. The model
-    is spent. Returns what was written (the folder, its files, how it loads)."""
+def save_model(model, claim: Claim, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
+               max_shard_size: str | int = MAX_SHARD_SIZE, extra: Callable[[Path], None] | None = None,
+               progress: Progress = no_progress) -> dict:
+    """Save a model held in memory (rewritten, pruned, healed) to the output ``claim`` (a job's:
+    ``runner``) with :func:`save_work`, checked: the folder read back, on the model's device,
+    against the model's outputs on ``ids`` (default: random tokens); ``source`` (a checkpoint):
+    where it came from, whose side files are copied. The model is spent. Returns what was
+    written (the folder, its files, how it loads)."""
     source = None if source is None else Source.open(source)
     if ids is None:
         ids = probe_ids(None, model.config.vocab_size, None, 2, min(32, positions(model.config) or 32))
@@ -220,6 +222,6 @@ def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = N
         restore()
     tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model),
                             device=devices.of(model))
-    return save_work(Work(source, model=model), out, storage=load_dtype(model), record=lambda _: record or {},
-                     check=Check(tolerances, lambda: reference), force=force, max_shard_size=max_shard_size,
+    return save_work(Work(source, model=model), claim.path, storage=load_dtype(model), record=lambda _: record or {},
+                     check=Check(tolerances, lambda: reference), force=claim.force, max_shard_size=max_shard_size,
                      extra=extra, progress=progress).info

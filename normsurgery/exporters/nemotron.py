@@ -52,9 +52,9 @@ from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.layout import Layout
 from ..core.options import MAX_SHARD_SIZE
-from ..io.output import writing, written
+from ..io.output import written
 from ..core.parity import Comparison, probe_ids
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..io.shards import ShardWriter, header_room
 from ..io.texts import text_of
 
@@ -166,7 +166,7 @@ def refusal(source: Source, model, lay: Layout, no_op: list[bool]) -> str | None
     return None
 
 
-def plan(source: Source, model, lay: Layout, storage: torch.dtype) -> Plan:
+def deci_plan(source: Source, model, lay: Layout, storage: torch.dtype) -> Plan:
     """The block configs of ``model`` (refused with a SurgeryError where the format cannot say it)
     and the bytes its padding takes, stored in ``storage``."""
     no_op = [_attention_dead(model, a) for a in lay.attention]
@@ -267,20 +267,22 @@ class Exported:
                 "parity": self.parity.as_dict(), "greedy": self.greedy, "ok": self.parity.ok}
 
 
+@job_scope
 def export(src, dest, *, text: str | None = None, tolerance: float | None = None, force: bool = False,
-           allow_pickle: bool = False, device: str = "auto", max_shard_size: str | int = MAX_SHARD_SIZE,
+           device: str = "auto", max_shard_size: str | int = MAX_SHARD_SIZE,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
-    """``src`` written to the folder ``dest`` as a nemotron-nas checkpoint (module docstring) and
-    checked in MLX-LM; raises SurgeryError, leaving nothing, where the format cannot say the
-    model or the check fails. ``change(name, tensor)``: a last change to each tensor written
-    (tests: a wrong weight)."""
+    """``src`` (a checkpoint or a ``Source``) written to the folder ``dest`` as a nemotron-nas
+    checkpoint (module docstring) and checked in MLX-LM; raises SurgeryError, leaving nothing,
+    where the format cannot say the model or the check fails. Written through the one runner
+    (``runner.Job``: the output claimed once, the folder filled in its stage).
+    ``change(name, tensor)``: a last change to each tensor written (tests: a wrong weight)."""
     from transformers.utils.hub import convert_file_size_to_int
 
     from . import mlx_check
 
     mlx_check.require_mlx()
     text = text_of(text)
-    job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device)
+    job = Job.open(src, dest, force=force, device=device)
     source = job.source
     if source.family not in FAMILIES:  # before loading anything
         raise SurgeryError(f"nemotron-nas cannot express {source.name}: it is a {source.family} model; nemotron-nas "
@@ -288,10 +290,10 @@ def export(src, dest, *, text: str | None = None, tolerance: float | None = None
     model = load(source, torch.float32, device=job.device)
     lay = layout(model)
     storage = source.storage
-    p = plan(source, model, lay, storage)
+    p = deci_plan(source, model, lay, storage)
     n = max(mlx_check.PROMPT + 1, min(64, (source.positions or 64) - mlx_check.NEW_TOKENS - mlx_check.PROMPT))
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, n)
-    with writing(dest, force=force, source=source.path) as stage:
+    with job.staged() as stage:
         items = tensors(model, lay, p, storage)
         shards = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size), header_room(n for n, _ in items))
         for name, make in items:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from contextvars import ContextVar
 from pathlib import Path
 
 from ..core.registry import AUTO
@@ -31,8 +32,9 @@ CAUSAL_CLASSES = ("ForCausalLM", "LMHeadModel")
 #: what a card keeps of its input card's YAML header
 KEPT = ("language", "license", "license_name", "license_link", "library_name", "pipeline_tag", "datasets", "tags",
         "base_model")
-#: the command line of the CLI run writing the folder (set by the CLI; None: the Python API)
-COMMAND: list[str] | None = None
+#: the command line of the CLI run writing the folder (set by the CLI for the command's duration,
+#: then reset; None: the Python API)
+COMMAND: ContextVar[list[str] | None] = ContextVar("normsurgery_command", default=None)
 
 
 def write(folder: Path, record: dict, reload: dict | None, config, name: str) -> None:
@@ -130,8 +132,9 @@ def _what_was_done(record: dict) -> list[str]:
     import torch
     import transformers
 
+    command = COMMAND.get()
     lines = ["## What was done", "",
-             "- command line: " + (f"`normsurgery {shlex.join(COMMAND)}`" if COMMAND is not None else
+             "- command line: " + (f"`normsurgery {shlex.join(command)}`" if command is not None else
                                    "the Python API (" + (sys.argv[0] or "python") + ")"),
              f"- versions: normsurgery {__version__}, torch {torch.__version__}, "
              f"transformers {transformers.__version__}",
