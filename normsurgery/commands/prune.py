@@ -42,6 +42,7 @@ from ..engine.sweep import Work
 from ..engine.writer import save_work
 from ..core.progress import Progress, no_progress
 from ..engine.runner import Job, job_scope
+from ..io.output import Staged
 from ..io.texts import heldout_text, text_of
 from ..engine.training import heldout_ce
 
@@ -373,9 +374,9 @@ def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor
     adapter = take_adapter(healed)  # before unload() takes the adapters out of the model
     held = {}
 
-    def extra(folder: Path) -> None:
-        held.update(write_adapter(adapter, folder / "adapter", job.out.expanduser().resolve(), source=job.source,
-                                  record=record, name=f"{job.out.name}/adapter"))
+    def extra(stage: Staged) -> None:
+        held.update(write_adapter(adapter, stage, job.out.expanduser().resolve(), source=job.source,
+                                  record=record, name=f"{job.out.name}/adapter", into="adapter"))
 
     saved = job.save(healed.unload(), record, probe, extra=extra, progress=progress)
     return saved and {**saved, "adapter": held}

@@ -182,7 +182,7 @@ class Job:
         """What the saved config records under "normsurgery": version, source, device, ``steps``."""
         return {"version": __version__, "source": self.source.name, "device": devices.describe(self.device), **steps}
 
-    def save(self, model, record: dict, ids: torch.Tensor, *, extra: Callable[[Path], None] | None = None,
+    def save(self, model, record: dict, ids: torch.Tensor, *, extra: Callable[[output.Staged], None] | None = None,
              progress=None) -> dict | None:
         """``model`` written to the job's output and checked (``writer.save_model``) by the main
         process; every process waits for it. Returns what was written (None on the other processes)."""

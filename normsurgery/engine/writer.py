@@ -15,14 +15,13 @@ from typing import Callable
 import torch
 
 from ..core import devices, precision
-from ..io import modelcard
 from .check import Check, Tolerances, check_written, model_reader
 from ..io.checkpoint import Source, check_finite, claims, finish, load_dtype, save_config, stamp, write_config
 from ..core.errors import SurgeryError
 from ..core.families import positions
 from ..core.norms import faithful_norms
 from ..core.options import MAX_SHARD_SIZE
-from ..io.output import Claim, staged, written
+from ..io.output import Claim, Staged, staged, written
 from ..core.parity import Comparison, output_kind, outputs, probe_ids
 from .plan import Part
 from ..core.progress import Progress, no_progress
@@ -137,7 +136,7 @@ class Saved:
 def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[Comparison | None], dict],
               check: Check | None = None, level: int | None = None, force: bool = False, on_overflow: str = "refuse",
               max_shard_size: str | int = MAX_SHARD_SIZE, progress: Progress = no_progress,
-              extra: Callable[[Path], None] | None = None) -> Saved:
+              extra: Callable[[Staged], None] | None = None) -> Saved:
     """Write ``work`` (at ``level``, default its last) to ``out`` atomically: the weights cast to
     ``storage`` (a tensor that does not fit it is refused or kept in float32, ``on_overflow``),
     the config with ``record(comparison)`` (the folder's check, or None), the overall parity and
@@ -168,7 +167,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[Compar
         write_config(work.model, stage.path, loads_as)
         finish(stage.path, records, work.source)
         if extra is not None:
-            extra(stage.path)
+            extra(stage)
         reload = None
         if reference is not None:
             progress("check", 0, 1)
@@ -182,7 +181,7 @@ def save_work(work: Work, out, *, storage: torch.dtype, record: Callable[[Compar
                 **({"kept_float32": kept} if kept else {}), **({"history": history} if history else {})}
         stamp(work.model, done)
         save_config(work.model.config, stage.path)
-        modelcard.write(stage.path, done, reload, work.model.config, Path(out).name)
+        stage.card("model", stage.path, record=done, reload=reload, config=work.model.config, name=Path(out).name)
     info = written(out, stage, {**claims(records, reload), "shards": len(files)})
     return Saved(info, comparison, kept, precision.warning(lost, storage) if lost else None)
 
@@ -205,7 +204,7 @@ def earlier_records(record: dict | None) -> list[dict]:
 
 
 def save_model(model, claim: Claim, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
-               max_shard_size: str | int = MAX_SHARD_SIZE, extra: Callable[[Path], None] | None = None,
+               max_shard_size: str | int = MAX_SHARD_SIZE, extra: Callable[[Staged], None] | None = None,
                progress: Progress = no_progress) -> dict:
     """Save a model held in memory (rewritten, pruned, healed) to the output ``claim`` (a job's:
     ``runner``) with :func:`save_work`, checked: the folder read back, on the model's device,

@@ -31,7 +31,6 @@ import torch
 
 from ..core import devices
 from . import gguf
-from ..io import modelcard
 from ..io.checkpoint import Source, finish, legacy_keys, load
 from ..core.errors import SurgeryError
 from ..core.options import FORMATS  # re-exported
@@ -175,8 +174,8 @@ def onnx_export(source: Source, dest, *, text: str | None, tolerance: float | No
             config = legacy_keys(json.loads((source.path / "config.json").read_text()))
             (stage.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             finish(stage.path, [], source)
-            modelcard.write_export(stage.path, Path(dest).name, source.name, source.config, c.as_dict(), bool(past),
-                                   external)
+            stage.card("onnx", stage.path, name=Path(dest).name, source=source.name, config=source.config,
+                       parity=c.as_dict(), with_past=bool(past), external=external)
     c.device = devices.describe(where)
     return Exported(written(dest, stage, {}), output_name(model), OPSET, external, c, bool(past))
 

@@ -341,6 +341,6 @@ def export(src, dest, *, dtype: str = GGUF_DTYPES[0], text: str | None = None, t
         c.device = devices.describe(job.device)
         out = Exported({"path": str(dest), "card": f"{dest}.md", "bytes": size}, p.arch, dtype, p.eps_trick,
                        p.widths, voc.pre, c, k, result.greedy, result.tokenizer, result.llama_cpp)
-        (stage.path / f"{dest.name}.md").write_text(modelcard.gguf_card(
-            dest.name, source.name, source.config, out.as_dict(), modelcard.source_header(source.path / modelcard.CARD)))
+        stage.card("gguf", stage.path, name=dest.name, source=source.name, config=source.config, result=out.as_dict(),
+                   kept=modelcard.source_header(source.path / modelcard.CARD))
     return out

@@ -308,7 +308,7 @@ def export(src, dest, *, text: str | None = None, tolerance: float | None = None
             raise SurgeryError(f"{checked.failure()}; nothing was written")
         record["parity"] = {**checked.parity.as_dict(), "runtime": "mlx-lm"}
         (stage.path / "config.json").write_text(json.dumps(config(source, lay, p, storage, record), indent=2) + "\n")
-        (stage.path / "README.md").write_text(card(Path(dest).name, source.name, p, checked))
+        stage.card("text", stage.path, text=card(Path(dest).name, source.name, p, checked))
     checked.parity.device = devices.describe(job.device)
     saved = written(dest, stage, {"shards": len(files)})
     return Exported(saved, p, str(storage).removeprefix("torch."), checked.parity, checked.greedy)

@@ -37,6 +37,20 @@ KEPT = ("language", "license", "license_name", "license_link", "library_name", "
 COMMAND: ContextVar[list[str] | None] = ContextVar("normsurgery_command", default=None)
 
 
+def write_card(kind: str, folder: Path, facts: dict) -> None:
+    """The card of what was written into ``folder``, as ``kind`` says (a writer asks for it in its
+    stage, ``output.Staged.card``; ``output.staged`` writes it once the writing succeeded): a
+    model folder (:func:`write`), an unmerged adapter (:func:`write_adapter`), an ONNX export
+    (:func:`write_export`), a GGUF file (:func:`gguf_card`, beside it as ``NAME.md``), or a card its
+    exporter composed (``text``, as README.md)."""
+    if kind == "gguf":
+        (Path(folder) / f"{facts['name']}.md").write_text(gguf_card(**facts))
+    elif kind == "text":
+        (Path(folder) / CARD).write_text(facts["text"])
+    else:
+        {"model": write, "adapter": write_adapter, "onnx": write_export}[kind](folder, **facts)
+
+
 def write(folder: Path, record: dict, reload: dict | None, config, name: str) -> None:
     """``folder/README.md`` (of the model ``name``) from ``record`` and ``reload`` (see the module
     docstring)."""

@@ -61,10 +61,16 @@ class Claim:
 class Staged:
     path: Path  # the temporary folder to fill
     claim: Claim
+    cards: list[tuple[str, Path, dict]] = field(default_factory=list)  # (what was written, where, its facts)
 
     @property
     def stale(self) -> list[str]:
         return self.claim.stale
+
+    def card(self, kind: str, folder: Path, **facts) -> None:
+        """The card of what was written into ``folder`` (``kind``: ``modelcard.write_card``), written
+        once the writing succeeded, before the stage is moved into place."""
+        self.cards.append((kind, Path(folder), facts))
 
 
 #: the outputs this process claims now (:func:`claim`), by resolved path
@@ -113,6 +119,7 @@ def staged(out):
             stage.path.mkdir()
             try:
                 yield stage
+                _write_cards(stage)
                 _replace(stage.path, out, held.file is not None)
             finally:
                 shutil.rmtree(stage.path, ignore_errors=True)
@@ -137,6 +144,14 @@ def _folders(out: Path):
             except OSError:
                 break
         raise
+
+
+def _write_cards(stage: Staged) -> None:
+    """The one place cards are written: each the stage's writers asked for (``modelcard.write_card``)."""
+    from .modelcard import write_card
+
+    for kind, folder, facts in stage.cards:
+        write_card(kind, folder, facts)
 
 
 def _key(out: Path) -> str:
