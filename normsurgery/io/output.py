@@ -82,14 +82,13 @@ def claim(out, force: bool = False, source: Path | None = None, *, file: str | N
           source_name: str | None = None):
     """Yields the :class:`Claim` of ``out`` for the block: locked against a second run
     (:func:`output_lock`) and checked once, before any work (:func:`check_output`; ``file``: a file
-    output, :func:`check_file`); what killed runs left is removed and said (a ``SurgeryNote``). A
-    claim of an output this process claims already is that claim (checked once)."""
+    output, :func:`check_file`); what killed runs left is removed and said (a ``SurgeryNote``). Within
+    the CLI's early lock of the same output (:func:`output_lock` is re-entrant)."""
     out = Path(out).expanduser()
     with output_lock(out):
         key = _key(out)
         if key in _CLAIMS:
-            yield _CLAIMS[key]
-            return
+            raise SurgeryError(f"internal: {out} is claimed twice by one process")
         stale = (check_file(out, force, source, source_name or str(source), file) if file
                  else check_output(out, force, source))
         for line in stale:
