@@ -7,6 +7,7 @@ import functools
 import os
 import re
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -70,29 +71,39 @@ MMAP_THRESHOLD = -3
 #: glibc's threshold when nothing set one (DEFAULT_MMAP_THRESHOLD_MIN), which then rises with each
 #: large block freed
 GLIBC_THRESHOLD = 128 * 1024
-_MAPPING = [0]  # the jobs mapping large blocks now (nested ones leave the outer one's setting)
+#: inside a job (:func:`allocator_kept`): whether :func:`map_large_blocks` set the threshold
+_KEPT: ContextVar[list[bool] | None] = ContextVar("normsurgery_allocator", default=None)
+
+
+def map_large_blocks(threshold: int = 1 << 20) -> None:
+    """Ask glibc to serve every allocation of ``threshold`` bytes or more by its own mapping, so a
+    freed tensor goes back to the system at once (by default the threshold rises with each large
+    block freed, later tensors come from the heap, and the heap only grows): called by the
+    operations that bound their memory (streamed plans), for the rest of their job
+    (:func:`allocator_kept`); outside a job, nothing (the caller's allocator is the caller's)."""
+    kept = _KEPT.get()
+    libc = _libc()
+    if kept is None or libc is None:
+        return
+    libc.mallopt(MMAP_THRESHOLD, threshold)
+    kept[0] = True
 
 
 @contextmanager
-def large_blocks_mapped(threshold: int = 1 << 20):
-    """For the block (a job: ``runner``), glibc serves every allocation of ``threshold`` bytes or
-    more by its own mapping, so a freed tensor goes back to the system at once (by default the
-    threshold rises with each large block freed, later tensors come from the heap, and the heap
-    only grows: a streamed plan would hold every part it freed). Then the threshold is put back
-    to the process's start-up value (:func:`start_threshold`). What cannot be put back: glibc
-    tells no one the threshold in force (a caller's own ``mallopt`` is not known), and once set
-    it no longer rises by itself (glibc has no call that turns that back on)."""
-    libc = _libc()
-    if libc is None or _MAPPING[0]:
-        yield
-        return
-    _MAPPING[0] += 1
-    libc.mallopt(MMAP_THRESHOLD, threshold)
+def allocator_kept():
+    """For the block (a job: ``runner``): the mmap threshold :func:`map_large_blocks` sets is put
+    back when it ends, to the process's start-up value (:func:`start_threshold`). What cannot be
+    put back: glibc tells no one the threshold in force (a caller's own ``mallopt`` is not known),
+    and once set it no longer rises by itself (glibc has no call that turns that back on)."""
+    outer = _KEPT.get()
+    kept = [False] if outer is None else outer  # (a job inside a job: the outer one puts it back)
+    token = _KEPT.set(kept)
     try:
         yield
     finally:
-        libc.mallopt(MMAP_THRESHOLD, start_threshold())
-        _MAPPING[0] -= 1
+        _KEPT.reset(token)
+        if outer is None and kept[0]:
+            _libc().mallopt(MMAP_THRESHOLD, start_threshold())
 
 
 def start_threshold() -> int:

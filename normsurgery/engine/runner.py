@@ -6,7 +6,7 @@ A command runs in a job's scope (:func:`job_scope`): what its :class:`Job` claim
 process is released and put back when the command returns or raises. A :class:`Job` is opened
 once per command, before any work: the checkpoint resolved (``checkpoint.Source``), the output
 claimed (:func:`claim_output`, the one place: locked and checked once, ``output.claim``), the
-process set for the work (:func:`process_state`: TF32 off, large blocks mapped) and the device
+process set for the work (:func:`process_state`: TF32 off, glibc's allocator kept) and the device
 chosen (``devices.choose``). Then:
 
 - :meth:`Job.training_data`: the text split into training ids and held-out windows (and
@@ -72,9 +72,10 @@ def job_scope(command):
 @contextmanager
 def process_state():
     """The process as a job computes in it, put back when the job ends: TF32 off
-    (``devices.exact_arithmetic``: a float32 check on a GPU) and glibc's large blocks mapped
-    (``memory.large_blocks_mapped``: freed parts go back to the system at once)."""
-    with devices.exact_arithmetic(), memory.large_blocks_mapped():
+    (``devices.exact_arithmetic``: a float32 check on a GPU) and glibc's mmap threshold, which a
+    streamed plan lowers (``memory.map_large_blocks``: freed parts go back to the system at once)
+    for the rest of its job (``memory.allocator_kept``)."""
+    with devices.exact_arithmetic(), memory.allocator_kept():
         yield
 
 

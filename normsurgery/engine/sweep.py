@@ -133,6 +133,8 @@ class Work(Parts):
         self.changed = WeakIdKeyDictionary()  # parameter -> True
         self.meter = Meter() if meter is None else meter
         self.on_load = on_load
+        if streamed:
+            memory.map_large_blocks()  # freed parts go back to the system at once
 
     def fresh(self) -> Work:
         """A new work over the same checkpoint, plan and steps, nothing read yet: a rewritten part
