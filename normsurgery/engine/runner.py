@@ -2,11 +2,11 @@
 ``--heal``), ``heal`` (with and without ``--save-adapter``), ``squeeze``, and each ``export``
 format (an exporter is a writer into the job's stage plus a check in its runtime).
 
-A command runs in a job's scope (:func:`job_scope`): what its :class:`Job` claims and sets in the
-process is released and put back when the command returns or raises. A :class:`Job` is opened
-once per command, before any work: the checkpoint resolved (``checkpoint.Source``), the output
-claimed (:func:`claim_output`, the one place: locked and checked once, ``output.claim``), the
-process set for the work (:func:`process_state`: TF32 off, glibc's allocator kept) and the device
+A command runs in a job's scope (:func:`job_scope`): the process set for the work
+(:func:`process_state`: TF32 off, glibc's allocator kept) and what its :class:`Job` claims are
+put back and released when the command returns or raises. A :class:`Job` is opened once per
+command, before any work: the checkpoint resolved (``checkpoint.Source``), the output claimed
+(:func:`claim_output`, the one place: locked and checked once, ``output.claim``) and the device
 chosen (``devices.choose``). Then:
 
 - :meth:`Job.training_data`: the text split into training ids and held-out windows (and
@@ -54,12 +54,13 @@ _SCOPE: ContextVar[ExitStack | None] = ContextVar("normsurgery_job_scope", defau
 
 def job_scope(command):
     """``command`` (an API function that writes: it opens a :class:`Job` or calls :func:`save`)
-    run in a scope of its own: the output it claims stays locked, and the process settings of
-    :func:`process_state` hold, until it returns or raises; then the lock is released and the
-    settings put back."""
+    run in a scope of its own: the process settings of :func:`process_state` hold, and the output
+    it claims stays locked, until it returns or raises; then the lock is released and the settings
+    put back."""
     @functools.wraps(command)
     def run(*args, **kwargs):
         with ExitStack() as scope:
+            scope.enter_context(process_state())
             token = _SCOPE.set(scope)
             try:
                 return command(*args, **kwargs)
@@ -81,14 +82,12 @@ def process_state():
 
 def claim_output(out, force: bool, source: Source | None, file: str | None = None) -> output.Claim:
     """The one place a command claims its output ``out`` (``output.claim``: locked, checked once;
-    ``file``: a file output, what it is), and sets the process for the work
-    (:func:`process_state`): both held until the command's :func:`job_scope` ends."""
+    ``file``: a file output, what it is), held until the command's :func:`job_scope` ends."""
     scope = _SCOPE.get()
     if scope is None:
         raise SurgeryError(f"internal: {out} claimed outside a command's job scope (runner.job_scope)")
     claim = scope.enter_context(output.claim(out, force, None if source is None else source.path, file=file,
                                              source_name=None if source is None else source.name))
-    scope.enter_context(process_state())
     return claim
 
 
