@@ -23,7 +23,7 @@ import types  # noqa: E402
 # The API is imported on first use (PEP 562), so ``import normsurgery.cli`` and
 # ``normsurgery --help`` do not pay for torch and transformers.
 _API = {"layout": "core.families", "Layout": "core.layout", "NormSite": "core.layout", "load": "io.loader",
-        "Source": "io.source", "save": "engine.writer", "convert": "commands.convert", "apply_passes": "commands.convert",
+        "Source": "io.source", "save": "engine.runner", "convert": "commands.convert", "apply_passes": "commands.convert",
         "load_recipe": "core.registry", "parse_pass": "core.registry", "SurgeryError": "core.errors", "passes": "passes",
         "register": "core.registry", "verify": "commands.verify", "outliers": "commands.verify", "prune": "commands.prune", "heal": "commands.heal",
         "PruneOptions": "core.options", "HealOptions": "core.options", "squeeze": "commands.squeeze", "SqueezeOptions": "core.options",

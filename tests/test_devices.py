@@ -130,22 +130,34 @@ def test_training_that_cannot_fit_the_gpu_is_refused_before_anything_moves(monke
     check_fits(model, params, torch.device("cpu"))  # host memory is not measured here
 
 
-def test_checks_turn_tf32_off(monkeypatch):
-    """TF32 (10 mantissa bits) would round a float32 check far past its 1e-5: choosing a GPU turns it
-    off. Only ``choose`` is called (torch told there is one GPU, where there is none) and torch's own
-    flags are read: with ``exact_arithmetic()`` removed from ``choose``, they stay on and this fails."""
+def test_checks_turn_tf32_off(monkeypatch, tmp_path):
+    """TF32 (10 mantissa bits) would round a float32 check far past its 1e-5: a job on a GPU
+    (``runner.Job``) computes with it off, and puts the caller's flags back when it ends (issue 49:
+    the library leaves its caller's process as it found it; ``choose`` no longer sets them). Torch
+    is told there is one GPU (there is none) and its own flags are read: with
+    ``exact_arithmetic()`` left out of the job's scope they stay on inside it, and with the flags
+    not put back they stay off after it; either way this fails."""
+    from normsurgery.engine import runner as job_runner
+
     cuda_matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     before = cuda_matmul.allow_tf32, cudnn.allow_tf32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    inside = []
+
+    @job_runner.job_scope
+    def job():
+        inside.append((job_runner.Job.open(LLAMA, tmp_path / "o", device="cuda").device, cuda_matmul.allow_tf32,
+                       cudnn.allow_tf32))
+
     try:
         cuda_matmul.allow_tf32 = cudnn.allow_tf32 = True
-        assert devices.choose("cuda") == torch.device("cuda", 0)
-        assert cuda_matmul.allow_tf32 is False and cudnn.allow_tf32 is False
-        cuda_matmul.allow_tf32 = cudnn.allow_tf32 = True
-        devices.choose("cpu")  # the CPU computes in IEEE float32 already: nothing to turn off
+        job()
+        assert inside == [(torch.device("cuda", 0), False, False)]
+        assert cuda_matmul.allow_tf32 is True and cudnn.allow_tf32 is True  # the caller's, put back
+        devices.choose("cpu")  # choosing sets nothing
         assert cuda_matmul.allow_tf32 is True and cudnn.allow_tf32 is True
     finally:
         cuda_matmul.allow_tf32, cudnn.allow_tf32 = before

@@ -225,8 +225,8 @@ def test_a_file_llama_cpp_cannot_load_is_one_line_and_leaves_no_folder(tmp_path,
         p.meta["block_count"] += 1
         return p, model
 
-    plan = G.plan
-    monkeypatch.setattr(G, "plan", deeper)
+    plan = G.gguf_plan
+    monkeypatch.setattr(G, "gguf_plan", deeper)
     out = tmp_path / "new" / "deeper" / "x.gguf"
     r = run("export", LLAMA, out, "--to", "gguf")
     assert r.exit_code == 1, r.output

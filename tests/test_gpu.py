@@ -64,16 +64,24 @@ def tf32_is_off() -> bool:
 
 @pytest.mark.parametrize("src,passes", [(LLAMA, ["flashnorm"]), (GPT2, ["pre-rmsnorm:fold=true", "rotate"])])
 @pytest.mark.parametrize("plan", ["--streaming", "--in-memory"])
-def test_convert_on_cuda_gives_the_cpu_verdict(tmp_path, src, passes, plan):
+def test_convert_on_cuda_gives_the_cpu_verdict(tmp_path, src, passes, plan, monkeypatch):
+    """convert on the GPU gives the CPU's verdict, with TF32 off while the written folder is
+    checked, and the caller's TF32 flags as they were once the command ends (issue 49: the job
+    puts them back)."""
+    from normsurgery.engine import writer
+
     flags = [a for p in passes for a in ("--pass", p)]
     cpu = cli("convert", src, tmp_path / "cpu", *flags, plan, "--device", "cpu")
+    checked, off = writer.check_written, []
+    monkeypatch.setattr(writer, "check_written", lambda *a, **k: off.append(tf32_is_off()) or checked(*a, **k))
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     with on_the_gpu(largest_tensor_bytes(src)):
         gpu = cli("convert", src, tmp_path / "gpu", *flags, plan, "--device", "cuda")
     assert gpu["device"]["device"] == "cuda:0" and gpu["device"]["name"] == torch.cuda.get_device_name(0)
     assert cpu["ok"] and gpu["ok"]
     a, b = cpu["parity"]["relative"], gpu["parity"]["relative"]
     assert b <= gpu["parity"]["tolerance"] and max(a, b) <= 10 * max(min(a, b), 1e-7), (a, b)
-    assert tf32_is_off()
+    assert off == [True] and (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
 
 
 def test_float64_algebra_on_cuda(tmp_path):

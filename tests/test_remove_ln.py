@@ -375,7 +375,7 @@ def test_keep_final_leaves_exactly_the_final_norm_and_says_so(tmp_path, family, 
         lens.norm_kind(loaded)
     if family == "llama":
         with pytest.raises(SurgeryError, match="GGUF has one norm epsilon"):
-            gguf.plan(Source.open(out))
+            gguf.gguf_plan(Source.open(out))
 
 
 def test_keep_final_with_export_stock_and_a_bad_keep_are_refused_in_one_line(tmp_path):

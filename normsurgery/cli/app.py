@@ -70,12 +70,12 @@ def main() -> None:
     from ..io import modelcard
 
     signal.signal(signal.SIGTERM, _on_sigterm)
-    modelcard.COMMAND = sys.argv[1:]  # for the cards of the folders written
     try:
         launch.relaunch_cpu_processes()  # accelerate launch --cpu's one process becomes N, before any loading
     except SurgeryError as e:
         say_error(str(e))
         sys.exit(FAILED)
+    command = modelcard.COMMAND.set(sys.argv[1:])  # for the cards of the folders written, this command's only
     mark = len(output.REPLACED)
     try:
         app()
@@ -83,6 +83,7 @@ def main() -> None:
         say_error(interrupted(e, output.REPLACED[mark:]))
         sys.exit(INTERRUPTED)
     finally:
+        modelcard.COMMAND.reset(command)
         _ignore_interrupts()
 
 
@@ -218,18 +219,16 @@ def read_text(path) -> str | None:
 
 @contextmanager
 def claimed(src: str, out, force: bool, allow_pickle: bool = False):
-    """For the whole command: ``out`` locked and checked before any work (what killed runs
-    left beside it cleared and reported); yields ``src`` read (``source.Source``)."""
-    from ..io.output import check_output, output_lock
+    """For the whole command: ``out`` locked before torch loads or anything is read, so a second
+    run stops at once; the API's job claims it within this lock (``runner.claim_output``: checked
+    once, what killed runs left cleared and noted). Yields ``src`` read (``source.Source``)."""
+    from ..io.output import output_lock
 
     with output_lock(out):  # before loading torch or reading anything: a second run stops at once
         load_transformers()
         from ..io.source import Source
 
-        source = Source.open(src, allow_pickle)
-        for line in check_output(out, force, source.path):
-            stderr().print(f"note: {line} (left by a run that was killed)", markup=False, highlight=False)
-        yield source
+        yield Source.open(src, allow_pickle)
 
 
 def merge(defaults: dict, recipe: dict | None, given: dict) -> dict:

@@ -50,7 +50,7 @@ from ..core.parity import TOLERANCE, Comparison, beyond, coarser, compare, dtype
 from ..engine.check import CheckPlan, Reader, Tolerances, source_reader
 from ..engine.plan import Step, StepSpec, check_applies, check_before_reading, plan, steps_of
 from ..core.progress import Progress, no_progress
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..engine.sweep import CheckpointWork, ModelWork, Work, steps_with
 from ..io.texts import text_of
 from ..core.registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
@@ -194,6 +194,7 @@ def choose_plan(source: Source, steps: list[StepSpec], dtype: torch.dtype, strea
     return why
 
 
+@job_scope
 def convert(src, out, passes: list[tuple[str, dict[str, Any]]], options: ConvertOptions | None = None, *,
             text: str | Path | None = None, progress: Progress = no_progress, **keywords) -> Result:
     """Read ``src``, apply ``passes``, save to ``out`` atomically, checked (see the module docstring),

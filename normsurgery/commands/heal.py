@@ -45,11 +45,11 @@ from ..core.calibration import windows
 from ..core.errors import SurgeryError
 from ..io.source import Source
 from ..core.families import layout
-from ..io.output import writing, written
+from ..io.output import Staged, written
 from ..core.progress import no_progress
 from ..engine.sweep import CheckpointWork
 from ..engine.writer import earlier_records
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..io.texts import heldout_text, text_of
 from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
@@ -346,18 +346,18 @@ def take_adapter(peft_model) -> Adapter:
                    copy.deepcopy(peft_model.peft_config[name]), expected)
 
 
-def write_adapter(adapter: Adapter, folder: Path, base: str, *, source: Source, record: dict, name: str) -> dict:
+def write_adapter(adapter: Adapter, stage: Staged, base: str, *, source: Source, record: dict, name: str,
+                  into: str = "") -> dict:
     """The one way an adapter is saved (``heal --save-adapter``, ``prune --heal --save-adapter``):
     ``adapter``'s config (naming ``base``, the folder or hub id peft loads it onto) and tensors written
-    into ``folder``, ``source``'s tokenizer files copied, then the file read back: it must hold every
-    LoRA parameter of the model (by name and shape) with the values trained, or nothing is kept (a
-    SurgeryError). The card (``modelcard.write_adapter``) gives ``record``. Returns what the file holds."""
+    into the folder ``into`` of the job's ``stage``, ``source``'s tokenizer files copied, then the file
+    read back: it must hold every LoRA parameter of the model (by name and shape) with the values
+    trained, or nothing is kept (a SurgeryError). Its card (``modelcard.write_adapter``, asked of the
+    stage) gives ``record``. Returns what the file holds."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from ..io import modelcard
-
-    folder = Path(folder)
+    folder = stage.path / into
     folder.mkdir(parents=True, exist_ok=True)
     config = adapter.config
     config.base_model_name_or_path = str(base)
@@ -376,7 +376,7 @@ def write_adapter(adapter: Adapter, folder: Path, base: str, *, source: Source, 
         shutil.copy2(f, folder / f.name)
     info = {"tensors": len(saved), "parameters": sum(t.numel() for t in saved.values()), "rank": config.r,
             "alpha": config.lora_alpha, "base": str(base)}
-    modelcard.write_adapter(folder, record, info, source, name)
+    stage.card("adapter", folder, record=record, adapter=info, source=source, name=name)
     return info
 
 
@@ -387,6 +387,7 @@ def adapter_base(source: Source) -> str:
     return source.name if hub_id(source.name) else str(source.path.resolve())
 
 
+@job_scope
 def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: HealOptions | dict | None = None,
          io: Writing | dict | None = None, progress=no_progress) -> HealResult:
     """LoRA on the remaining linears of ``src`` (LM loss; MLM for BERT) on ``text`` (its end held
@@ -420,11 +421,11 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
         saved = None
         if job.main:
             adapter = take_adapter(model)
-            with writing(out, force=force, source=job.source.path) as stage:
-                held_info = write_adapter(adapter, stage.path, adapter_base(job.source), source=job.source,
+            with job.staged() as stage:
+                held_info = write_adapter(adapter, stage, adapter_base(job.source), source=job.source,
                                           record=record, name=Path(out).name)
             saved = written(out, stage, {"adapter": held_info})
-        acc.wait_for_everyone()
+        job.wait()
     else:
         saved = job.save(model, record, held[:4])
     return HealResult(report, seconds, saved, record, ce, on, original, other)

@@ -41,7 +41,8 @@ from ..engine.check import CheckPlan, Tolerances
 from ..engine.sweep import CheckpointWork, Work
 from ..engine.writer import Record, Storage, save_work
 from ..core.progress import Progress, no_progress
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
+from ..io.output import Staged
 from ..io.texts import heldout_text, text_of
 from ..engine.training import heldout_ce
 
@@ -259,6 +260,7 @@ class PruneResult:
     eval_text_ce: dict[str, float] | None = None  # the same CEs on --eval-text, when given
 
 
+@job_scope
 def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | Path | None = None,
           eval_text: str | Path | None = None, heal: HealOptions | dict | None = None,
           io: Writing | dict | None = None, progress: Progress = no_progress) -> PruneResult:
@@ -396,9 +398,9 @@ def _save_pruned(job: Job, work: Work, healed, record: dict, probe: torch.Tensor
     adapter = take_adapter(healed)  # before unload() takes the adapters out of the model
     held = {}
 
-    def extra(folder: Path) -> None:
-        held.update(write_adapter(adapter, folder / "adapter", job.out.expanduser().resolve(), source=job.source,
-                                  record=record, name=f"{job.out.name}/adapter"))
+    def extra(stage: Staged) -> None:
+        held.update(write_adapter(adapter, stage, job.out.expanduser().resolve(), source=job.source,
+                                  record=record, name=f"{job.out.name}/adapter", into="adapter"))
 
     saved = job.save(healed.unload(), record, probe, extra=extra, progress=progress)
     return saved and {**saved, "adapter": held}

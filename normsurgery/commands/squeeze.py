@@ -53,7 +53,7 @@ from ..engine.plan import check_applies
 from ..passes.mask import CALIBRATION
 from ..core.progress import Progress, no_progress
 from ..core.registry import PassContext
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..io.stash import Stash
 from ..io.texts import text_of
 from ..engine.processes import is_main_process
@@ -280,6 +280,7 @@ def _keep(state: Path, data: dict) -> None:
     shutil.rmtree(state / TRAIN_STATE, ignore_errors=True)
 
 
+@job_scope
 def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
             options: SqueezeOptions | dict | None = None, resume: bool = False, io: Writing | dict | None = None,
             progress: Progress = no_progress) -> SqueezeResult:

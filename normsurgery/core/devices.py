@@ -16,8 +16,9 @@ Several processes shard the training state (FSDP2, ``fully_shard``) where accele
 configuration asks for it (:func:`sharding`); their precision is :func:`shard_policy`'s.
 
 Checks on a GPU compute in IEEE float32 and float64: TF32 matrix products (10 bits of mantissa)
-would round about 1e-3 relative, far above a float32 check's 1e-5, so :func:`choose` turns TF32
-off for matmuls and cuDNN in the process that checks (float64 runs at full precision on any GPU
+would round about 1e-3 relative, far above a float32 check's 1e-5, so a job (``runner``) computes
+with TF32 off for matmuls and cuDNN (:func:`exact_arithmetic`), and puts the caller's flags back
+when it ends (float64 runs at full precision on any GPU
 that has it: an H200 does). Training on a GPU uses bf16 autocast by ``--precision``, not TF32.
 
 Nothing here imports torch at module level: :func:`check` answers usage errors before torch loads.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 
 from .errors import SurgeryError, UsageError
 
@@ -49,7 +51,7 @@ def check(spec: str) -> str:
 
 def choose(spec: str = "auto"):
     """The device ``spec`` names (see the module docstring), made the current CUDA device when a
-    GPU, with TF32 off."""
+    GPU (TF32: :func:`exact_arithmetic`)."""
     import torch
 
     check(spec)
@@ -66,18 +68,35 @@ def choose(spec: str = "auto"):
     if index >= torch.cuda.device_count():
         raise SurgeryError(f"--device {spec}: torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
     torch.cuda.set_device(index)
-    exact_arithmetic()
     return torch.device("cuda", index)
 
 
-def exact_arithmetic() -> None:
-    """IEEE float32 matrix products and convolutions on CUDA (TF32 off), through the
-    ``allow_tf32`` flags: torch >= 2.9 also has ``fp32_precision`` settings, but once those are
-    set, reading ``allow_tf32`` (as accelerate and transformers do) raises, while these set both."""
+@contextmanager
+def exact_arithmetic():
+    """For the block (a job: ``runner``): IEEE float32 matrix products and convolutions on CUDA
+    (TF32 off), through the ``allow_tf32`` flags: torch >= 2.9 also has ``fp32_precision``
+    settings, but once those are set, reading ``allow_tf32`` (as accelerate and transformers do)
+    raises, while these set both. Then each flag put back as it was, through the setting it was
+    read by (``fp32_precision`` where the caller set that one)."""
     import torch
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    backends = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    before = [_tf32(b) for b in backends]
+    for b in backends:
+        b.allow_tf32 = False
+    try:
+        yield
+    finally:
+        for b, (name, value) in zip(backends, before):
+            setattr(b, name, value)
+
+
+def _tf32(backend) -> tuple[str, object]:
+    """(the setting, its value) that says whether ``backend`` computes float32 in TF32."""
+    try:
+        return "allow_tf32", backend.allow_tf32
+    except RuntimeError:  # its fp32_precision was set: reading the old flag raises
+        return "fp32_precision", backend.fp32_precision
 
 
 def tf32_off() -> bool:

@@ -1,10 +1,12 @@
-"""The one load -> (mask / train) -> save runner of the commands that change a model on purpose:
-``heal``, ``prune`` (with ``--heal``), ``squeeze`` (and ``convert``'s trained passes, whose
-training runs inside the executor's one-part plan).
+"""The one runner of every command that writes: ``convert``, ``prune`` (with and without
+``--heal``), ``heal`` (with and without ``--save-adapter``), ``squeeze``, and each ``export``
+format (an exporter is a writer into the job's stage plus a check in its runtime).
 
-A :class:`Job` is opened once per command that writes (those, ``convert`` and ``export``), before
-any work: the checkpoint resolved (``source.Source``), the output checked
-(``output.check_output``: never the input, never a folder of the user's, writable) and the device
+A command runs in a job's scope (:func:`job_scope`): the process set for the work
+(:func:`process_state`: TF32 off, glibc's allocator kept) and what its :class:`Job` claims are
+put back and released when the command returns or raises. A :class:`Job` is opened once per
+command, before any work: the checkpoint resolved (``source.Source``), the output claimed
+(:func:`claim_output`, the one place: locked and checked once, ``output.claim``) and the device
 chosen (``devices.choose``). Then:
 
 - :meth:`Job.training_data`: the text split into training ids and held-out windows (and
@@ -14,29 +16,79 @@ chosen (``devices.choose``). Then:
 - :meth:`Job.load`: the checkpoint whole, on the device (the one-part plan of ``sweep``; under
   sharded training, on the main process only);
 - :meth:`Job.record`: what the saved config records (version, source, device, the steps');
-- :meth:`Job.save`: the model written and checked by ``writer.save`` on the main process (the
-  other processes of a distributed run wait for it).
+- the output written atomically into the claim's stage (``output.staged``) and read back: a
+  model by :meth:`Job.save` (``writer.save_model``, on the main process; the other processes of a
+  distributed run wait for it) or ``writer.save_work``, anything else by its writer in
+  :meth:`Job.staged`.
 
 Training itself is ``training.train``, the one loop, which moves the model to the accelerator's
-device and gives it back where it found it.
+device and gives it back where it found it. :func:`save` (``ns.save``) writes a model held in
+memory through the same claim.
 """
 
 from __future__ import annotations
 
+import functools
+from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..core import devices
+from ..core import devices, memory
 from ..core.calibration import fit_seq_len, split_heldout, tokenize, windows
-from ..io.source import Source
 from ..core.errors import SurgeryError
-from ..io.output import check_output
-from .sweep import CheckpointWork
-from .writer import save
+from ..core.options import MAX_SHARD_SIZE
+from ..core.progress import Progress, no_progress
 from ..core.version import __version__
+from ..io import output
+from ..io.source import Source
+from .sweep import CheckpointWork
+from .writer import save_model
+
+#: the scope of the command running in this context (:func:`job_scope`): what its job holds
+_SCOPE: ContextVar[ExitStack | None] = ContextVar("normsurgery_job_scope", default=None)
+
+
+def job_scope(command):
+    """``command`` (an API function that writes: it opens a :class:`Job` or calls :func:`save`)
+    run in a scope of its own: the process settings of :func:`process_state` hold, and the output
+    it claims stays locked, until it returns or raises; then the lock is released and the settings
+    put back."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        with ExitStack() as scope:
+            scope.enter_context(process_state())
+            token = _SCOPE.set(scope)
+            try:
+                return command(*args, **kwargs)
+            finally:
+                _SCOPE.reset(token)
+
+    return run
+
+
+@contextmanager
+def process_state():
+    """The process as a job computes in it, put back when the job ends: TF32 off
+    (``devices.exact_arithmetic``: a float32 check on a GPU) and glibc's mmap threshold, which a
+    streamed plan lowers (``memory.map_large_blocks``: freed parts go back to the system at once)
+    for the rest of its job (``memory.allocator_kept``)."""
+    with devices.exact_arithmetic(), memory.allocator_kept():
+        yield
+
+
+def claim_output(out, force: bool, source: Source | None, file: str | None = None) -> output.Claim:
+    """The one place a command claims its output ``out`` (``output.claim``: locked, checked once;
+    ``file``: a file output, what it is), held until the command's :func:`job_scope` ends."""
+    scope = _SCOPE.get()
+    if scope is None:
+        raise SurgeryError(f"internal: {out} claimed outside a command's job scope (runner.job_scope)")
+    claim = scope.enter_context(output.claim(out, force, None if source is None else source.path, file=file,
+                                             source_name=None if source is None else source.name))
+    return claim
 
 
 @dataclass
@@ -77,17 +129,25 @@ def training_windows(tokenizer, text: str, eval_text: str | None, opts) -> Texts
 @dataclass
 class Job:
     source: Source
-    out: Path
-    force: bool
+    claim: output.Claim
     device: torch.device
     accelerator: object = None
 
     @classmethod
-    def open(cls, src, out, *, force: bool = False, allow_pickle: bool = False, device: str = "auto") -> Job:
-        """``src`` resolved, ``out`` checked and ``device`` chosen, before any work."""
+    def open(cls, src, out, *, force: bool = False, allow_pickle: bool = False, device: str = "auto",
+             file: str | None = None) -> Job:
+        """``src`` resolved, ``out`` claimed (:func:`claim_output`; ``file``: a file output, what it
+        is) and ``device`` chosen, before any work."""
         source = Source.open(src, allow_pickle)
-        check_output(Path(out), force, source.path)
-        return cls(source, Path(out), force, devices.choose(device))
+        return cls(source, claim_output(out, force, source, file), devices.choose(device))
+
+    @property
+    def out(self) -> Path:
+        return self.claim.path
+
+    @property
+    def force(self) -> bool:
+        return self.claim.force
 
     def training_data(self, text: str, eval_text: str | None, opts) -> Texts:
         """:func:`training_windows` of ``text`` with the checkpoint's tokenizer (``opts.seq_len``
@@ -122,15 +182,39 @@ class Job:
         """What the saved config records under "normsurgery": version, source, device, ``steps``."""
         return {"version": __version__, "source": self.source.name, "device": devices.describe(self.device), **steps}
 
-    def save(self, model, record: dict, ids: torch.Tensor, *, extra: Callable[[Path], None] | None = None,
+    def save(self, model, record: dict, ids: torch.Tensor, *, extra: Callable[[output.Staged], None] | None = None,
              progress=None) -> dict | None:
-        """``model`` written to the job's output and checked (``writer.save``) by the main process;
-        every process waits for it. Returns what was written (None on the other processes)."""
+        """``model`` written to the job's output and checked (``writer.save_model``) by the main
+        process; every process waits for it. Returns what was written (None on the other processes)."""
         saved = None
         if self.main:
             kw = {} if progress is None else {"progress": progress}
-            saved = save(model, self.out, record=record, ids=ids, source=self.source, force=self.force, extra=extra,
-                         **kw)
+            saved = save_model(model, self.claim, record=record, ids=ids, source=self.source, extra=extra, **kw)
+        self.wait()
+        return saved
+
+    @contextmanager
+    def staged(self):
+        """The job's output written by what the block puts in the stage it yields (``output.staged``:
+        moved into place when the block ends, removed on any error), by the main process."""
+        with output.staged(self.out) as stage:
+            yield stage
+
+    def wait(self) -> None:
+        """The processes of a distributed run wait here for the main one (which writes)."""
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()
-        return saved
+
+
+@job_scope
+def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
+         force: bool = False, max_shard_size: str | int = MAX_SHARD_SIZE, progress: Progress = no_progress) -> dict:
+    """Save a model held in memory (rewritten, pruned, healed) to ``out``, claimed as a job's
+    output is (:func:`claim_output`), with ``writer.save_model``: checked, the folder read back,
+    on the model's device, against the model's outputs on ``ids`` (default: random tokens);
+    ``source`` (a checkpoint): where it came from, whose side files are copied. The model is
+    spent. Returns what was written (the folder, its files, how it loads)."""
+    source = None if source is None else Source.open(source)
+    claim = claim_output(out, force, source)
+    return save_model(model, claim, record=record, ids=ids, source=source, max_shard_size=max_shard_size,
+                      progress=progress)

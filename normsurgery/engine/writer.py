@@ -1,7 +1,8 @@
 """The writer: each part of a :class:`sweep.Work` cast to the storage dtype and appended to the
 output shards (:func:`write_parts`: raw bytes where a tensor is unchanged, a part no step runs on
 copied unread), then the config, records and side files, and the folder read back and checked
-(:func:`save_work`, :func:`save`).
+(:func:`save_work`, :func:`save_model`), into the stage of the output its job claimed
+(``runner``, ``output.staged``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Callable
 import torch
 
 from ..core import precision
-from ..io import modelcard
 from .check import CheckPlan, Tolerances, check_written, model_reader
 from ..io.checkpoint import claims, finish, load_dtype, save_config, stamp, write_config
 from ..io.loader import check_finite
@@ -23,7 +23,7 @@ from ..core.errors import SurgeryError
 from ..core.families import positions
 from ..core.norms import faithful_norms
 from ..core.options import MAX_SHARD_SIZE
-from ..io.output import writing, written
+from ..io.output import Claim, Staged, staged, written
 from ..core.parity import Comparison, output_kind, outputs, probe_ids
 from .plan import Part, Step
 from ..core.progress import Progress, no_progress
@@ -165,7 +165,7 @@ class Saved:
 
 def save_work(work: Work, out, *, storage: Storage, record: Record, check: CheckPlan | None = None,
               force: bool = False, progress: Progress = no_progress,
-              extra: Callable[[Path], None] | None = None) -> Saved:
+              extra: Callable[[Staged], None] | None = None) -> Saved:
     """Write ``work`` (at its last level) to ``out`` atomically: the weights as ``storage`` says,
     the config with ``record`` (:meth:`Record.of`), the overall parity and the module records, the
     runtime where modules were rebuilt, the source's side files (``extra(folder)`` adds more); then
@@ -174,7 +174,7 @@ def save_work(work: Work, out, *, storage: Storage, record: Record, check: Check
     from transformers.utils.hub import convert_file_size_to_int
 
     history = earlier_records(getattr(work.model.config, "normsurgery", None))  # before stamp replaces it
-    with writing(out, force=force, source=work.source.path if work.source is not None else None) as stage:
+    with staged(out) as stage:  # the output its job claimed (``runner.claim_output``)
         lost = []
         shards = ShardWriter(stage.path, convert_file_size_to_int(storage.max_shard_size),
                              header_room(saved_tensors(work.model, meta=True)))
@@ -191,7 +191,7 @@ def save_work(work: Work, out, *, storage: Storage, record: Record, check: Check
         write_config(work.model, stage.path, torch.float32 if kept else storage.dtype)
         finish(stage.path, records, work.source)
         if extra is not None:
-            extra(stage.path)
+            extra(stage)
         reload = None
         if check is not None and check.tolerances is not None:
             progress("check", 0, 1)
@@ -204,7 +204,7 @@ def save_work(work: Work, out, *, storage: Storage, record: Record, check: Check
                 **({"kept_float32": kept} if kept else {}), **({"history": history} if history else {})}
         stamp(work.model, done)
         save_config(work.model.config, stage.path)
-        modelcard.write(stage.path, done, reload, work.model.config, Path(out).name)
+        stage.card("model", stage.path, record=done, reload=reload, config=work.model.config, name=Path(out).name)
     info = written(out, stage, {**claims(records, reload), "shards": len(files)})
     return Saved(info, comparison, kept, precision.warning(lost, storage.dtype) if lost else None, steps)
 
@@ -226,13 +226,14 @@ def earlier_records(record: dict | None) -> list[dict]:
     return [*(record.get("history") or []), *([own] if own else [])]
 
 
-def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
-         force: bool = False, max_shard_size: str | int = MAX_SHARD_SIZE, extra: Callable[[Path], None] | None = None,
-         progress: Progress = no_progress) -> dict:
-    """Save a model held in memory (rewritten, pruned, healed) to ``out`` with :func:`save_work`,
-    checked: the folder read back, on the model's device, against the model's outputs on ``ids``
-    (default: random tokens); ``source`` (a checkpoint): where it came from, whose side files are copied. The model
-    is spent. Returns what was written (the folder, its files, how it loads)."""
+def save_model(model, claim: Claim, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
+               max_shard_size: str | int = MAX_SHARD_SIZE, extra: Callable[[Staged], None] | None = None,
+               progress: Progress = no_progress) -> dict:
+    """Save a model held in memory (rewritten, pruned, healed) to the output ``claim`` (a job's:
+    ``runner``) with :func:`save_work`, checked: the folder read back, on the model's device,
+    against the model's outputs on ``ids`` (default: random tokens); ``source`` (a checkpoint):
+    where it came from, whose side files are copied. The model is spent. Returns what was
+    written (the folder, its files, how it loads)."""
     source = None if source is None else Source.open(source)
     if ids is None:
         ids = probe_ids(None, model.config.vocab_size, None, 2, min(32, positions(model.config) or 32))
@@ -242,6 +243,6 @@ def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = N
     if restore:
         restore()
     tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model))
-    return save_work(ModelWork(model, source), out, storage=Storage(load_dtype(model), max_shard_size=max_shard_size),
-                     record=Record(record or {}), check=CheckPlan(tolerances, reference), force=force,
-                     progress=progress, extra=extra).info
+    return save_work(ModelWork(model, source), claim.path,
+                     storage=Storage(load_dtype(model), max_shard_size=max_shard_size), record=Record(record or {}),
+                     check=CheckPlan(tolerances, reference), force=claim.force, progress=progress, extra=extra).info

@@ -31,15 +31,14 @@ import torch
 
 from ..core import devices
 from . import gguf
-from ..io import modelcard
 from ..io.checkpoint import finish, legacy_keys
 from ..io.loader import load
 from ..core.errors import SurgeryError
 from ..core.options import CACHE_TOKENS, EXTERNAL_BYTES, FORMATS, ExportOptions, options_of  # noqa: F401  (API)
-from ..io.output import writing, written
-from ..core.parity import Comparison, compare, outputs, probe_ids, unpadded
+from ..io.output import written
+from ..core.parity import Comparison, compare, greedy_agreement, outputs, probe_ids, unpadded
 from ..engine.check import Tolerances, model_reader
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..io.texts import text_of
 
 OPSET = 17
@@ -123,10 +122,9 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | Path 
     ``text``: the check's text (default: the bundled sample), a ``str`` the text, a ``Path`` a file.
     ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``: llama.cpp
     runs on the CPU, transformers' side on ``device``; the ONNX options do not apply).
-    ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM (``nemotron.export``)."""
+    ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM (``nemotron.export``). Each writes
+    through the one runner (``runner.Job``: the output claimed once, written into its stage)."""
     options = options_of(ExportOptions, options, keywords)
-    tolerance, force, external_data, with_past, allow_pickle, device = (
-        options.tolerance, options.force, options.external_data, options.with_past, options.allow_pickle, options.device)
     text = text_of(text)
     check_format(options)
     if options.to == "gguf":
@@ -136,39 +134,55 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | Path 
 
         return nemotron.export(src, dest, options, text=text)
     require_onnx()
-    job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device)
-    source, where = job.source, job.device
+    return onnx_export(src, dest, options, text)
+
+
+@job_scope
+def onnx_export(src, dest, options: ExportOptions, text: str | None) -> Exported:
+    """``export`` to ONNX: the graph written into the job's stage, run in ONNX Runtime and compared
+    with the torch model (:func:`check_graph`), then its folder's config, side files and card."""
+    job = Job.open(src, dest, force=options.force, allow_pickle=options.allow_pickle, device=options.device)
+    source, where, with_past, external_data = job.source, job.device, options.with_past, options.external_data
     model = load(source, torch.float32, device=where)
     if with_past and not model.can_generate():
         raise SurgeryError(f"--with-past: {source.name} is a {source.class_name}, which does not generate (no "
                            "key/value cache to export)")
     past = cache_shapes(model) if with_past else None
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, min(64, source.positions or 64))
-    name = output_name(model)
     with unpadded(model):
         reference = outputs(model, ids)
-        tol = Tolerances(model_reader(model, ids), ids, torch.float32, reference, tolerance, source.head_output)
+        tol = Tolerances(model_reader(model, ids), ids, torch.float32, reference, options.tolerance,
+                          source.head_output)
         external = external_data if external_data is not None else \
             sum(p.numel() * 4 for p in model.parameters()) > EXTERNAL_BYTES
-        with writing(dest, force=force, source=source.path) as stage:
+        with job.staged() as stage:
             write_graph(model, stage.path, external, past)
-            got = run_graph(stage.path / GRAPH, ids, past)[0].to(reference.device)
-            c = tol.judge(compare(reference, got, source.head_output))
-            if not c.ok:
-                raise SurgeryError(f"ONNX Runtime's {source.head_output} differ from the torch model's: relative "
-                                   f"error {c.relative:.2e} > {c.tolerance:.1e} ({c.reason}); nothing was written")
-            if past:
-                c.generation = greedy_agreement(model, stage.path / GRAPH, ids[:, :8], past)
-                if c.generation < 1:
-                    raise SurgeryError(f"ONNX Runtime's greedy tokens (with the cache) differ from generate's: "
-                                       f"{c.generation:.1%} agree; nothing was written")
+            c = check_graph(model, stage.path / GRAPH, ids, past, reference, tol, source.head_output)
             config = legacy_keys(json.loads((source.path / "config.json").read_text()))
             (stage.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             finish(stage.path, [], source)
-            modelcard.write_export(stage.path, Path(dest).name, source.name, source.config, c.as_dict(), bool(past),
-                                   external)
+            stage.card("onnx", stage.path, name=Path(dest).name, source=source.name, config=source.config,
+                       parity=c.as_dict(), with_past=bool(past), external=external)
     c.device = devices.describe(where)
-    return Exported(written(dest, stage, {}), name, OPSET, external, c, bool(past))
+    return Exported(written(dest, stage, {}), output_name(model), OPSET, external, c, bool(past))
+
+
+def check_graph(model, path: Path, ids: torch.Tensor, past: list[tuple] | None, reference: torch.Tensor,
+                tol: Tolerances, head_output: str) -> Comparison:
+    """The graph at ``path`` run in ONNX Runtime on ``ids`` against the torch ``model``'s
+    ``reference`` outputs, judged by ``tol``; with ``past``, its greedy tokens through the cache
+    against ``generate``'s too. Out of tolerance, or a token differing: a SurgeryError."""
+    got = run_graph(path, ids, past)[0].to(reference.device)
+    c = tol.judge(compare(reference, got, head_output))
+    if not c.ok:
+        raise SurgeryError(f"ONNX Runtime's {head_output} differ from the torch model's: relative "
+                           f"error {c.relative:.2e} > {c.tolerance:.1e} ({c.reason}); nothing was written")
+    if past:
+        c.generation = greedy_agreement(model, Greedy(path, past), ids[:, :8], CACHE_TOKENS)
+        if c.generation < 1:
+            raise SurgeryError(f"ONNX Runtime's greedy tokens (with the cache) differ from generate's: "
+                               f"{c.generation:.1%} agree; nothing was written")
+    return c
 
 
 def check_format(options: ExportOptions) -> None:
@@ -251,19 +265,25 @@ def run_graph(path: Path, ids: torch.Tensor, past: list[tuple] | None = None, *,
     return [torch.from_numpy(x).float() for x in graph.run(None, feed)]
 
 
-def greedy_agreement(model, path: Path, prompts: torch.Tensor, past: list[tuple], new_tokens: int = CACHE_TOKENS) -> float:
-    """Fraction of ``new_tokens`` greedy tokens after ``prompts`` on which ONNX Runtime (the
-    prompt once, then one token at a time through the cache) and ``generate`` agree."""
-    on = prompts.to(devices.of(model))
-    with torch.no_grad():  # the mask given: else generate masks the prompt's tokens that equal the pad id
-        expected = model.generate(on, attention_mask=torch.ones_like(on), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                  eos_token_id=None)[:, prompts.shape[1]:].cpu()
-    graph, cache, total, cur, got = session(path), None, 0, prompts, []
-    for _ in range(new_tokens):
-        out = run_graph(path, cur, past, cache=cache, total=total, graph=graph)
-        total += cur.shape[1]
-        cur = out[0][:, -1].argmax(-1, keepdim=True)
-        cache = [t.numpy() for t in out[1:]]  # host: ONNX Runtime outputs
-        got.append(cur)
-    return (torch.cat(got, 1) == expected).double().mean().item()
+class Greedy:
+    """The graph at ``path`` (with the cache: ``past``, its shapes) as ``parity.greedy_agreement``
+    reads a model: ``generate`` greedily in ONNX Runtime (the prompt once, then one token at a
+    time through the cache), on the host (no tensors of its own: ``devices.of`` says the host)."""
+
+    def parameters(self):
+        return iter(())
+
+    buffers = parameters
+
+    def __init__(self, path: Path, past: list[tuple]):
+        self.path, self.past = path, past
+
+    def generate(self, prompts: torch.Tensor, *, max_new_tokens: int, **_) -> torch.Tensor:
+        graph, cache, total, cur, got = session(self.path), None, 0, prompts, []
+        for _ in range(max_new_tokens):
+            out = run_graph(self.path, cur, self.past, cache=cache, total=total, graph=graph)
+            total += cur.shape[1]
+            cur = out[0][:, -1].argmax(-1, keepdim=True)
+            cache = [t.numpy() for t in out[1:]]  # host: ONNX Runtime outputs
+            got.append(cur)
+        return torch.cat([prompts, *got], 1)

@@ -42,13 +42,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -61,9 +59,9 @@ from ..io import modelcard
 from ..engine.check import source_reader
 from ..io.source import Source
 from ..core.errors import SurgeryError
-from .gguf_write import Plan, plan, qtype, rounded, vocab, write
+from .gguf_write import Plan, gguf_plan, qtype, rounded, vocab, write
 from ..core.options import GGUF_DTYPES, ExportOptions
-from ..io.output import _alive, output_lock
+from ..engine.runner import Job, job_scope
 from ..core.parity import Comparison, HeadInput, probe_ids
 from ..io.shards import inside
 from ..io.texts import text_of
@@ -81,6 +79,8 @@ LOG_FLOOR = -80.0
 #: llama.cpp gives float32's lowest for a probability that is zero: clamped to the log of its least subnormal
 LEAST = math.log(2.0 ** -149)
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
+#: what the output is, said where it names a folder (``output.check_file``)
+FILE = "GGUF is one file (name it OUT.gguf)"
 
 
 def require_gguf() -> None:
@@ -229,7 +229,7 @@ def distributions(reference: torch.Tensor, got: torch.Tensor) -> tuple[Compariso
     return c, stats
 
 
-def tolerance(source: Source, p: Plan, dtype: str, ids: torch.Tensor, start: int, reference: torch.Tensor,
+def rounding_tolerance(source: Source, p: Plan, dtype: str, ids: torch.Tensor, start: int, reference: torch.Tensor,
               device) -> tuple[float, str]:
     """(tolerance, why) of ``dtype`` (module docstring). Below F32 the baseline is measured: the
     reference read again rounded as llama.cpp rounds (:func:`storing`), compared as llama.cpp is."""
@@ -245,7 +245,7 @@ def tolerance(source: Source, p: Plan, dtype: str, ids: torch.Tensor, start: int
 
 
 @dataclass
-class Check:
+class LlamaCheck:
     parity: Comparison  # llama.cpp's log-probabilities against transformers' at the generated positions
     distributions: dict  # KLD statistics (llama.cpp's KL-divergence tool's)
     greedy: dict  # prompts, new tokens, tokens agreeing before the first difference, the first prompt's
@@ -253,10 +253,10 @@ class Check:
     llama_cpp: dict = field(default_factory=dict)  # the run: threads, address, system info, peak RSS
 
 
-def check(source: Source, path: Path, p: Plan, dtype: str, text: str | None, tol: float | None = None,
-          device="cpu") -> Check:
+def check(source: Source, path: Path, p: Plan, dtype: str, text: str | None, tol: float | None,
+          device) -> LlamaCheck:
     """Run ``path`` in llama.cpp and compare it with the checkpoint in transformers on ``device``
-    (module docstring). The tolerance: ``tol``, else :func:`tolerance`."""
+    (module docstring). The tolerance: ``tol``, else :func:`rounding_tolerance`."""
     positions = source.positions or 2048
     new = min(NEW_TOKENS, positions // 2)
     m = max(2, min(PROMPT_TOKENS, positions - new))
@@ -267,7 +267,8 @@ def check(source: Source, path: Path, p: Plan, dtype: str, text: str | None, tol
     ids = torch.cat([prompts, run.tokens[:, :-1]], 1)  # each prompt and llama.cpp's continuation
     reference = reference_rows(source, ids, m - 1, device)  # [prompts, new, vocab]
     c, stats = distributions(reference.reshape(-1, vocab_size), run.logprobs.reshape(-1, vocab_size))
-    c.judged(*((tol, "given") if tol is not None else tolerance(source, p, dtype, ids, m - 1, reference, device)))
+    c.judged(*((tol, "given") if tol is not None else
+               rounding_tolerance(source, p, dtype, ids, m - 1, reference, device)))
     best = reference.argmax(-1)  # transformers' choice after the tokens both chose before
     before = [int((b == t).long().cumprod(0).sum()) for b, t in zip(best, run.tokens)]
     c.generation = sum(before) / (len(before) * new)
@@ -279,7 +280,7 @@ def check(source: Source, path: Path, p: Plan, dtype: str, text: str | None, tol
     ours = run.text_tokens
     same = ours == theirs
     first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    return Check(c, stats, greedy, {"equal": same, "tokens": len(theirs), "first_difference": None if same else first},
+    return LlamaCheck(c, stats, greedy, {"equal": same, "tokens": len(theirs), "first_difference": None if same else first},
                  run.info)
 
 
@@ -307,13 +308,15 @@ class Exported:
                 "tokenizer": self.tokenizer, "llama_cpp": self.llama_cpp, "ok": self.parity.ok}
 
 
+@job_scope
 def export(src, dest, options: ExportOptions | None = None, *, text: str | None = None,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
     """``src`` written to the file ``dest`` in GGUF and checked in llama.cpp (module docstring),
     with ``options`` (``ExportOptions``: ``dtype``, None: ``GGUF_DTYPES[0]``), transformers' side
     computed on its ``device`` (llama.cpp's on the CPU); raises SurgeryError,
-    leaving nothing (no file, no folder), when the check fails. The file appears only once
-    checked (a temporary file beside it, renamed), with its card ``dest.md`` beside it.
+    leaving nothing (no file, no folder), when the check fails. The output is claimed as a file by
+    the one runner (``runner.Job``) and written into its stage: the file appears only once checked,
+    with its card ``dest.md`` beside it.
     ``change(name, values)``: a last change to each tensor written (tests: a wrong weight)."""
     options = options or ExportOptions(to="gguf")
     dtype, tolerance, force = options.dtype or GGUF_DTYPES[0], options.tolerance, options.force
@@ -322,73 +325,25 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
     text = text_of(text)
     if dtype not in GGUF_DTYPES:
         raise SurgeryError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
-    source = Source.open(src, allow_pickle)
-    dest = Path(dest).expanduser()
-    _check_dest(dest, force, source)
-    where = devices.choose(device)
-    p, model = plan(source)
+    job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device, file=FILE)
+    source, dest = job.source, job.out
+    p, model = gguf_plan(source)
     voc = vocab(source)
-    with output_lock(dest), folders(dest):
-        tmp, card = (dest.parent / f".{dest.name}{s}.tmp-{os.getpid()}" for s in ("", ".md"))
-        try:
-            size = write(source, model, p, voc, tmp, dtype, change)
-            memory.trim()
-            result = check(source, tmp, p, dtype, text, tolerance, where)
-            c, k = result.parity, result.distributions
-            if not c.ok:
-                raise SurgeryError(f"llama.cpp's log-probabilities differ from transformers': relative error "
-                                   f"{c.relative:.2e} > {c.tolerance:.1e} ({c.reason}); mean KLD {k['mean_kld']:.2e}, "
-                                   f"same top p {k['same_top_p']:.1f}%; nothing was written")
-            if not result.tokenizer["equal"]:
-                raise SurgeryError(f"llama.cpp tokenizes the text differently from transformers (first at token "
-                                   f"{result.tokenizer['first_difference']}); nothing was written")
-            c.device = devices.describe(where)
-            out = Exported({"path": str(dest), "card": f"{dest}.md", "bytes": size}, p.arch, dtype, p.eps_trick,
-                           p.widths, voc.pre, c, k, result.greedy, result.tokenizer, result.llama_cpp)
-            card.write_text(modelcard.gguf_card(dest.name, source.name, source.config, out.as_dict(),
-                                                  modelcard.source_header(source.path / modelcard.CARD)))
-            os.replace(tmp, dest)
-            os.replace(card, f"{dest}.md")
-        finally:
-            for f in (tmp, card):
-                f.unlink(missing_ok=True)
+    with job.staged() as stage:
+        size = write(source, model, p, voc, stage.path / dest.name, dtype, change)
+        memory.trim()
+        result = check(source, stage.path / dest.name, p, dtype, text, tolerance, job.device)
+        c, k = result.parity, result.distributions
+        if not c.ok:
+            raise SurgeryError(f"llama.cpp's log-probabilities differ from transformers': relative error "
+                               f"{c.relative:.2e} > {c.tolerance:.1e} ({c.reason}); mean KLD {k['mean_kld']:.2e}, "
+                               f"same top p {k['same_top_p']:.1f}%; nothing was written")
+        if not result.tokenizer["equal"]:
+            raise SurgeryError(f"llama.cpp tokenizes the text differently from transformers (first at token "
+                               f"{result.tokenizer['first_difference']}); nothing was written")
+        c.device = devices.describe(job.device)
+        out = Exported({"path": str(dest), "card": f"{dest}.md", "bytes": size}, p.arch, dtype, p.eps_trick,
+                       p.widths, voc.pre, c, k, result.greedy, result.tokenizer, result.llama_cpp)
+        stage.card("gguf", stage.path, name=dest.name, source=source.name, config=source.config, result=out.as_dict(),
+                   kept=modelcard.source_header(source.path / modelcard.CARD))
     return out
-
-
-def _check_dest(dest: Path, force: bool, source: Source) -> None:
-    """An output file: never a folder or the input's, replaced only with ``force``; its stale
-    temporary files (killed runs) removed. Nothing is created here (:func:`folders` does, when
-    writing)."""
-    if dest.is_dir():
-        raise SurgeryError(f"output {dest} is a folder; GGUF is one file (name it OUT.gguf)")
-    if source.path.resolve() in dest.resolve().parents:
-        raise SurgeryError(f"output {dest} is inside the input checkpoint {source.name}; choose a file outside it")
-    if dest.exists() and not force:
-        raise SurgeryError(f"output {dest} already exists; pass --force to replace it")
-    if dest.parent.is_dir():
-        for f in dest.parent.glob(f".{glob_escape(dest.name)}*.tmp-*"):
-            pid = f.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not _alive(int(pid)):
-                f.unlink(missing_ok=True)
-
-
-@contextmanager
-def folders(dest: Path):
-    """The folders ``dest`` lacks created for the time of the writing, and removed again (those
-    still empty) when it fails: a refused export leaves no folder."""
-    missing = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
-    for d in reversed(missing):
-        d.mkdir()
-    try:
-        yield
-    except BaseException:
-        for d in missing:  # the deepest first
-            try:
-                d.rmdir()
-            except OSError:
-                break
-        raise
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)

@@ -1,7 +1,7 @@
 """export --to gguf, what is written: a checkpoint as one GGUF file for llama.cpp (checked in
 llama.cpp by ``gguf``).
 
-What is written (:func:`plan`, from the Layout of the checkpoint's meta model; nothing is read):
+What is written (:func:`gguf_plan`, from the Layout of the checkpoint's meta model; nothing is read):
 - stock widths: the family's own llama.cpp architecture (``families.Family.gguf``); fewer layers
   are the same architecture with the new ``block_count``;
 - per-layer widths (minimize, squeeze: MLP units or heads removed unevenly): ``deci``, which
@@ -105,7 +105,7 @@ class Plan:
     widths: dict  # per-layer heads, kv heads, MLP units (for the report)
 
 
-def plan(source: Source) -> tuple[Plan, object]:
+def gguf_plan(source: Source) -> tuple[Plan, object]:
     """The plan of ``source`` and its meta model; a SurgeryError (one line) for what GGUF cannot express."""
     fam = family(source.family)
     if fam.gguf is None:

@@ -54,9 +54,9 @@ from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.layout import Layout
 from ..core.options import MAX_SHARD_SIZE, ExportOptions
-from ..io.output import writing, written
+from ..io.output import written
 from ..core.parity import Comparison, probe_ids
-from ..engine.runner import Job
+from ..engine.runner import Job, job_scope
 from ..io.shards import ShardWriter, header_room
 from ..io.texts import text_of
 
@@ -168,7 +168,7 @@ def refusal(source: Source, model, lay: Layout, no_op: list[bool]) -> str | None
     return None
 
 
-def plan(source: Source, model, lay: Layout, storage: torch.dtype) -> Plan:
+def deci_plan(source: Source, model, lay: Layout, storage: torch.dtype) -> Plan:
     """The block configs of ``model`` (refused with a SurgeryError where the format cannot say it)
     and the bytes its padding takes, stored in ``storage``."""
     no_op = [_attention_dead(model, a) for a in lay.attention]
@@ -269,13 +269,15 @@ class Exported:
                 "parity": self.parity.as_dict(), "greedy": self.greedy, "ok": self.parity.ok}
 
 
+@job_scope
 def export(src, dest, options: ExportOptions | None = None, *, text: str | None = None,
            max_shard_size: str | int = MAX_SHARD_SIZE,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
     """``src`` written to the folder ``dest`` as a nemotron-nas checkpoint (module docstring) with
     ``options`` (``ExportOptions``: ``tolerance``, ``force``, ``allow_pickle``, ``device``) and
     checked in MLX-LM; raises SurgeryError, leaving nothing, where the format cannot say the
-    model or the check fails. ``change(name, tensor)``: a last change to each tensor written
+    model or the check fails. Written through the one runner (``runner.Job``: the output claimed
+    once, the folder filled in its stage). ``change(name, tensor)``: a last change to each tensor written
     (tests: a wrong weight)."""
     options = options or ExportOptions(to="nemotron-nas")
     tolerance, force, allow_pickle, device = options.tolerance, options.force, options.allow_pickle, options.device
@@ -293,10 +295,10 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
     model = load(source, torch.float32, device=job.device)
     lay = layout(model)
     storage = source.storage
-    p = plan(source, model, lay, storage)
+    p = deci_plan(source, model, lay, storage)
     n = max(mlx_check.PROMPT + 1, min(64, (source.positions or 64) - mlx_check.NEW_TOKENS - mlx_check.PROMPT))
     ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, n)
-    with writing(dest, force=force, source=source.path) as stage:
+    with job.staged() as stage:
         items = tensors(model, lay, p, storage)
         shards = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size), header_room(n for n, _ in items))
         for name, make in items:
@@ -311,7 +313,7 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
             raise SurgeryError(f"{checked.failure()}; nothing was written")
         record["parity"] = {**checked.parity.as_dict(), "runtime": "mlx-lm"}
         (stage.path / "config.json").write_text(json.dumps(config(source, lay, p, storage, record), indent=2) + "\n")
-        (stage.path / "README.md").write_text(card(Path(dest).name, source.name, p, checked))
+        stage.card("text", stage.path, text=card(Path(dest).name, source.name, p, checked))
     checked.parity.device = devices.describe(job.device)
     saved = written(dest, stage, {"shards": len(files)})
     return Exported(saved, p, str(storage).removeprefix("torch."), checked.parity, checked.greedy)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from contextvars import ContextVar
 from pathlib import Path
 
 from ..core.options import CACHE_TOKENS
@@ -32,8 +33,23 @@ CAUSAL_CLASSES = ("ForCausalLM", "LMHeadModel")
 #: what a card keeps of its input card's YAML header
 KEPT = ("language", "license", "license_name", "license_link", "library_name", "pipeline_tag", "datasets", "tags",
         "base_model")
-#: the command line of the CLI run writing the folder (set by the CLI; None: the Python API)
-COMMAND: list[str] | None = None
+#: the command line of the CLI run writing the folder (set by the CLI for the command's duration,
+#: then reset; None: the Python API)
+COMMAND: ContextVar[list[str] | None] = ContextVar("normsurgery_command", default=None)
+
+
+def write_card(kind: str, folder: Path, facts: dict) -> None:
+    """The card of what was written into ``folder``, as ``kind`` says (a writer asks for it in its
+    stage, ``output.Staged.card``; ``output.staged`` writes it once the writing succeeded): a
+    model folder (:func:`write`), an unmerged adapter (:func:`write_adapter`), an ONNX export
+    (:func:`write_export`), a GGUF file (:func:`gguf_card`, beside it as ``NAME.md``), or a card its
+    exporter composed (``text``, as README.md)."""
+    if kind == "gguf":
+        (Path(folder) / f"{facts['name']}.md").write_text(gguf_card(**facts))
+    elif kind == "text":
+        (Path(folder) / CARD).write_text(facts["text"])
+    else:
+        {"model": write, "adapter": write_adapter, "onnx": write_export}[kind](folder, **facts)
 
 
 def write(folder: Path, record: dict, reload: dict | None, config, name: str) -> None:
@@ -131,8 +147,9 @@ def _what_was_done(record: dict) -> list[str]:
     import torch
     import transformers
 
+    command = COMMAND.get()
     lines = ["## What was done", "",
-             "- command line: " + (f"`normsurgery {shlex.join(COMMAND)}`" if COMMAND is not None else
+             "- command line: " + (f"`normsurgery {shlex.join(command)}`" if command is not None else
                                    "the Python API (" + (sys.argv[0] or "python") + ")"),
              f"- versions: normsurgery {__version__}, torch {torch.__version__}, "
              f"transformers {transformers.__version__}",

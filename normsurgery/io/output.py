@@ -1,12 +1,14 @@
-"""The output folder: written atomically, locked, never losing data.
+"""The output of every command that writes (a folder, or a file and its card): claimed once,
+written atomically, locked, never losing data.
 
-A run fills a temporary sibling folder ``.OUT.tmp-PID`` (:func:`writing`) that replaces ``OUT`` in
-one rename once everything is written and checked; on any error, Ctrl-C or SIGTERM it is removed
-and ``OUT`` is as it was. Before any work, an output that would lose data is refused
-(:func:`check_output`), what killed runs left beside it is cleared (:func:`remove_stale`), and the
-output path is locked against a second run writing it (:func:`output_lock`). Every output moved
-into place is recorded (:data:`REPLACED`), so an interrupt after that is never reported as having
-written nothing.
+A command's output is claimed once, before any work (:func:`claim`, by ``runner.Job``): locked
+against a second run writing it (:func:`output_lock`), an output that would lose data refused
+(:func:`check_output`; a file: :func:`check_file`), what killed runs left beside it cleared
+(:func:`remove_stale`). A run then fills a temporary sibling folder ``.OUT.tmp-PID``
+(:func:`staged`) that replaces ``OUT`` in one rename (a file output: its files, each in one
+rename) once everything is written and checked; on any error, Ctrl-C or SIGTERM it is removed
+and ``OUT`` is as it was. Every output moved into place is recorded (:data:`REPLACED`), so an
+interrupt after that is never reported as having written nothing.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import shutil
 import signal
 import tempfile
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.errors import SurgeryError
+from ..core.errors import SurgeryError, SurgeryNote
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".onnx", ".onnx_data")
 #: folders a checkpoint may hold that ``--force`` may replace with it (ours: an unmerged adapter)
@@ -45,36 +48,116 @@ REPLACED: list[Path] = []
 
 
 @dataclass
-class Stage:
-    path: Path  # the temporary folder to fill
+class Claim:
+    """An output this process claimed (:func:`claim`): locked, checked once, written by :func:`staged`."""
+
+    path: Path
+    force: bool
+    file: str | None = None  # a file (what it is, for the refusal of a folder), else a folder
     stale: list[str] = field(default_factory=list)  # leftovers of killed runs, removed
 
 
+@dataclass
+class Staged:
+    path: Path  # the temporary folder to fill
+    claim: Claim
+    cards: list[tuple[str, Path, dict]] = field(default_factory=list)  # (what was written, where, its facts)
+
+    @property
+    def stale(self) -> list[str]:
+        return self.claim.stale
+
+    def card(self, kind: str, folder: Path, **facts) -> None:
+        """The card of what was written into ``folder`` (``kind``: ``modelcard.write_card``), written
+        once the writing succeeded, before the stage is moved into place."""
+        self.cards.append((kind, Path(folder), facts))
+
+
+#: the outputs this process claims now (:func:`claim`), by resolved path
+_CLAIMS: dict[str, Claim] = {}
+
+
 @contextmanager
-def writing(out, *, force: bool = False, source: Path | None = None):
-    """Yields a :class:`Stage`: a temporary sibling folder ``.OUT.tmp-PID`` to fill. When the
-    block ends without an exception the folder replaces ``out`` (see :func:`_replace`); on any
-    exception, Ctrl-C or SIGTERM (the CLI turns it into an exception) it is removed, and ``out``
-    is as it was. Holds :func:`output_lock` throughout; first removes what killed runs left."""
+def claim(out, force: bool = False, source: Path | None = None, *, file: str | None = None,
+          source_name: str | None = None):
+    """Yields the :class:`Claim` of ``out`` for the block: locked against a second run
+    (:func:`output_lock`) and checked once, before any work (:func:`check_output`; ``file``: a file
+    output, :func:`check_file`); what killed runs left is removed and said (a ``SurgeryNote``). Within
+    the CLI's early lock of the same output (:func:`output_lock` is re-entrant)."""
     out = Path(out).expanduser()
     with output_lock(out):
-        stale = check_output(out, force, source)
+        key = _key(out)
+        if key in _CLAIMS:
+            raise SurgeryError(f"internal: {out} is claimed twice by one process")
+        stale = (check_file(out, force, source, source_name or str(source), file) if file
+                 else check_output(out, force, source))
+        for line in stale:
+            warnings.warn(f"{line} (left by a run that was killed)", SurgeryNote, stacklevel=3)
+        _CLAIMS[key] = Claim(out, force, file, stale)
         try:
-            stage = Stage(out.parent / f".{out.name}.tmp-{os.getpid()}", stale)
-            out.parent.mkdir(parents=True, exist_ok=True)
+            yield _CLAIMS[key]
+        finally:
+            del _CLAIMS[key]
+
+
+@contextmanager
+def staged(out):
+    """Yields a :class:`Staged`: a temporary sibling folder ``.OUT.tmp-PID`` to fill, for the output
+    ``out`` this process claims (:func:`claim`). When the block ends without an exception its
+    content replaces ``out`` (a folder: the folder; a file: the files in it, each beside ``out``:
+    :func:`_replace`); on any exception, Ctrl-C or SIGTERM (the CLI turns it into an exception) it
+    is removed, and ``out`` is as it was, the folders made above it too (:func:`_folders`)."""
+    out = Path(out).expanduser()
+    held = _CLAIMS.get(_key(out))
+    if held is None:
+        raise SurgeryError(f"internal: {out} is written without being claimed (runner.Job)")
+    try:
+        with _folders(out):
+            stage = Staged(out.parent / f".{out.name}.tmp-{os.getpid()}", held)
             shutil.rmtree(stage.path, ignore_errors=True)
             stage.path.mkdir()
             try:
                 yield stage
-                _replace(stage.path, out)
+                _write_cards(stage)
+                _replace(stage.path, out, held.file is not None)
             finally:
                 shutil.rmtree(stage.path, ignore_errors=True)
-        except OSError as e:
-            raise SurgeryError(f"cannot write {out}: {e.strerror or e}"
-                               + (f" ({e.filename})" if e.filename else "")) from None
+    except OSError as e:
+        raise SurgeryError(f"cannot write {out}: {e.strerror or e}"
+                           + (f" ({e.filename})" if e.filename else "")) from None
 
 
-def written(out, stage: Stage, info: dict) -> dict:
+@contextmanager
+def _folders(out: Path):
+    """The folders ``out`` lacks made for the time of the writing, and removed again (those still
+    empty) when it fails: a refused output leaves no folder."""
+    missing = [d for d in (out.parent, *out.parent.parents) if not d.exists()]
+    for d in reversed(missing):
+        d.mkdir()
+    try:
+        yield
+    except BaseException:
+        for d in missing:  # the deepest first
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _write_cards(stage: Staged) -> None:
+    """The one place cards are written: each the stage's writers asked for (``modelcard.write_card``)."""
+    from .modelcard import write_card
+
+    for kind, folder, facts in stage.cards:
+        write_card(kind, folder, facts)
+
+
+def _key(out: Path) -> str:
+    return str(Path(out).expanduser().resolve())
+
+
+def written(out, stage: Staged, info: dict) -> dict:
     """What a save returns once ``stage`` replaced ``out``: the folder, its files, ``info`` (see
     ``checkpoint.claims``) and the leftovers of killed runs that were removed."""
     out = Path(out).expanduser()
@@ -115,6 +198,23 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> list[str
             raise SurgeryError(f"--force replaces only a checkpoint folder, and {out} {why}; move what you "
                                "keep there or choose another output")
     _check_writable(out, target.parent)
+    return stale
+
+
+def check_file(out: Path, force: bool, source: Path | None, source_name: str, what: str) -> list[str]:
+    """:func:`check_output` for a file output (``what`` it is, said when ``out`` is a folder): never
+    a folder or inside the input folder ``source`` (``source_name``, as the user gave it), replaced
+    only with ``force``, in a location that takes the stage's folder. First clears what killed runs
+    left beside it (:func:`remove_stale`) and returns what that did."""
+    out = Path(out).expanduser()
+    stale = remove_stale(out)
+    if out.is_dir():
+        raise SurgeryError(f"output {out} is a folder; {what}")
+    if source is not None and Path(source).resolve() in out.resolve().parents:
+        raise SurgeryError(f"output {out} is inside the input checkpoint {source_name}; choose a file outside it")
+    if out.exists() and not force:
+        raise SurgeryError(f"output {out} already exists; pass --force to replace it")
+    _check_writable(out, out.resolve().parent)
     return stale
 
 
@@ -197,20 +297,23 @@ STALE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)")
 
 def remove_stale(out: Path) -> list[str]:
     """Remove the ``.OUT.tmp-PID`` / ``.OUT.old-PID`` folders of killed runs (PID no longer
-    alive); an ``.old`` one with no ``out`` beside it (killed between the two renames of
+    alive; a ``.tmp`` file too: a file output's of an earlier version); an ``.old`` one with no ``out`` beside it (killed between the two renames of
     :func:`_replace`) is the previous output: it is put back. Returns what was done."""
     done = []
     if not out.parent.is_dir():
         return done
     for f in out.parent.iterdir():
         m = STALE.fullmatch(f.name)
-        if not m or m["name"] != out.name or not f.is_dir() or _alive(int(m["pid"])):
+        if not m or m["name"] != out.name or _alive(int(m["pid"])) or not (f.is_dir() or m["kind"] == "tmp"):
             continue
         if m["kind"] == "old" and not out.exists():
             f.rename(out)
             done.append(f"restored {out} from {f.name}")
         else:
-            shutil.rmtree(f, ignore_errors=True)
+            if f.is_dir():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                f.unlink(missing_ok=True)
             done.append(f"removed {f.name}")
     return done
 
@@ -281,12 +384,21 @@ def _lock(path: Path, out) -> int:
         os.close(fd)
 
 
-def _replace(tmp: Path, out: Path) -> None:
+def _replace(tmp: Path, out: Path, file: bool = False) -> None:
     """Move ``tmp`` to ``out``; an old ``out`` is only removed once the new one is in place.
     Ctrl-C and SIGTERM wait for the swap (the two renames, ``out`` recorded in :data:`REPLACED`,
     the old one removed: :func:`_held`); a SIGKILL between the renames leaves the previous output
-    as ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`)."""
+    as ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`). ``file``: ``out`` is
+    the file of that name in ``tmp``, moved beside it with the files named after it (its card),
+    each replacing its own in one rename."""
     with _held(signal.SIGINT, signal.SIGTERM):
+        if file:
+            for f in sorted(tmp.iterdir(), key=lambda f: (f.name != out.name, f.name)):
+                if not f.name.startswith(out.name):
+                    raise SurgeryError(f"internal: {f.name} written beside the file {out}")
+                os.replace(f, out.parent / f.name)
+            REPLACED.append(out)
+            return
         old = out.parent / f".{out.name}.old-{os.getpid()}" if out.exists() or out.is_symlink() else None
         if old is not None:
             out.rename(old)
