@@ -455,3 +455,19 @@ def test_the_null_perturbs_the_tensors_the_other_model_does_not_hold_as_they_are
     save_file(b, tmp_path / "b.safetensors")
     got = differing(Index([tmp_path / "a.safetensors"]), Index([tmp_path / "b.safetensors"]), rows=64)
     assert got == {"value", "shape", "gone"}
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_compact_logits_leave_no_file_open(tmp_path, streaming):
+    """Logits kept as the head's input read the head's rows from the checkpoint when compared: each
+    read closes its file (a reader left open was closed only by the garbage collector, with a
+    ResourceWarning that landed in whichever later test recorded warnings)."""
+    import gc
+    import warnings
+
+    src = stored(tmp_path, "llama", torch.float32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        assert ns.convert(src, tmp_path / "out", [("flashnorm", {})], streaming=streaming).ok
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], [str(w.message) for w in seen]

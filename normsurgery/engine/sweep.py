@@ -315,10 +315,16 @@ def compact_head(work: Work):
 
 
 def head_input(work: Work, head, seen: dict) -> HeadInput:
-    """The logits as :func:`capture` saw ``head``'s input, its rows read from the checkpoint."""
-    key, vocab = work.stored(head.weight).keys[0], head.weight.shape[0]
-    reader, dtype = ShardReader(work.source.index), work.dtype
-    rows = lambda i, j: reader.read_rows(key, i, j, dtype)  # noqa: E731
+    """The logits as :func:`capture` saw ``head``'s input, its rows read from the checkpoint (each
+    slab's read opens the file and closes it: nothing is left open once the work is closed)."""
+    key, vocab, index, dtype = work.stored(head.weight).keys[0], head.weight.shape[0], work.source.index, work.dtype
+
+    def rows(i: int, j: int) -> torch.Tensor:
+        reader = ShardReader(index)
+        try:
+            return reader.read_rows(key, i, j, dtype)
+        finally:
+            reader.close()
     return HeadInput(seen["hidden"], rows, seen["bias"], vocab)
 
 
