@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+
+import normsurgery as ns
 from typer.testing import CliRunner
 
 from normsurgery.core import devices
@@ -159,5 +161,24 @@ def test_checks_turn_tf32_off(monkeypatch, tmp_path):
         assert cuda_matmul.allow_tf32 is True and cudnn.allow_tf32 is True  # the caller's, put back
         devices.choose("cpu")  # choosing sets nothing
         assert cuda_matmul.allow_tf32 is True and cudnn.allow_tf32 is True
+    finally:
+        cuda_matmul.allow_tf32, cudnn.allow_tf32 = before
+
+
+def test_verify_compares_with_tf32_off_and_puts_the_flags_back(monkeypatch):
+    """verify (a command that writes nothing) holds the job's process settings too: TF32 off while
+    it compares, the caller's flags back after (without its scope it compared with TF32 on)."""
+    from normsurgery.commands import verify as verify_mod
+
+    cuda_matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before, seen = (cuda_matmul.allow_tf32, cudnn.allow_tf32), []
+    compare = verify_mod.compare
+    monkeypatch.setattr(verify_mod, "compare", lambda *a, **k: seen.append(
+        (cuda_matmul.allow_tf32, cudnn.allow_tf32)) or compare(*a, **k))
+    try:
+        cuda_matmul.allow_tf32 = cudnn.allow_tf32 = True
+        assert ns.verify(LLAMA, LLAMA, streaming=True).ok
+        assert seen and set(seen) == {(False, False)}
+        assert (cuda_matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
     finally:
         cuda_matmul.allow_tf32, cudnn.allow_tf32 = before

@@ -49,3 +49,9 @@ def test_prune_and_heal_read_a_path_as_the_text_it_holds(tmp_path):
                      options={"steps": 1, "batch_size": 2, "seq_len": 32})  # prune's held-out windows (64 at most)
     assert healed.saved is not None and healed.report.ce_before == pytest.approx(by_path.ce["pruned"], abs=1e-4)
     assert healed.eval_text_ce["input"] == pytest.approx(by_path.eval_text_ce["pruned"], abs=1e-4)
+
+
+def test_a_long_one_line_text_is_the_text_not_an_error():
+    """A one-line text too long to be a file name (Path.is_file raised ENAMETOOLONG) is the text."""
+    text = "word " * 600
+    assert text_of(text) == text

@@ -30,6 +30,7 @@ from ..core.families import layout
 from ..core.parity import compare, outputs, probe_ids
 from ..engine.check import Tolerances, model_reader
 from ..core.runtime import NoNorm
+from ..engine.runner import job_scope
 
 INSTALL = "pip install 'normsurgery[lens]'"
 #: norm kinds TransformerLens has no component for, and why
@@ -37,6 +38,7 @@ INEXPRESSIBLE = {"crmsnorm": "CRMSNorm keeps d-1 coordinates of a zero-mean stre
                  "compensated-layernorm": "CompensatedLayerNorm adds a rank-one correction to a LayerNorm"}
 
 
+@job_scope  # TF32 off while it computes, the caller's settings put back
 def lens(src, *, text: str | None = None, allow_pickle: bool = False, device: str = "auto"):
     """A ``TransformerBridge`` of ``src`` (see the module docstring) on ``device`` (``devices``),
     with ``parity`` (its logits against the checkpoint's, float32) set on it as ``normsurgery_parity``."""

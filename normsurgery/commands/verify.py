@@ -24,6 +24,7 @@ from ..core.parity import Comparison, coarsest, compare, greedy_agreement, layer
 from ..engine.check import Tolerances, model_reader, source_reader
 from ..engine.sweep import CheckpointWork
 from ..io.shards import differing
+from ..engine.runner import job_scope
 
 #: tokens per probe window when none is asked for (fewer when the model has fewer positions)
 LENGTH = PROBE_LENGTH
@@ -56,6 +57,7 @@ def as_dtype(dtype) -> torch.dtype | None:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+@job_scope  # TF32 off while it computes, the caller's settings put back
 def verify(a, b, options: VerifyOptions | None = None, *, text: str | None = None, **keywords) -> Comparison:
     """Run ``b`` against the reference ``a`` in ``options.dtype`` and compare (``options``:
     ``VerifyOptions``; ``keywords``: its fields, e.g. ``generate=0``): checkpoints (paths, hub ids
@@ -176,6 +178,7 @@ def differing_parameters(a, b) -> frozenset[str]:
                      or not torch.equal(p.detach().cpu(), pb[k].detach().to(devices.HOST, p.dtype)))
 
 
+@job_scope  # TF32 off while it computes, the caller's settings put back
 def outliers(a, b=None, options: InspectOptions | None = None, *, text: str | None = None, **keywords) -> dict:
     """``analysis.outliers`` of checkpoint ``a`` and, when given, ``b`` (its rewrite: same blocks and
     vocabulary), on the same ``options.samples`` windows of ``text`` (default: the bundled sample), in

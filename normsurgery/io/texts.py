@@ -38,10 +38,18 @@ def text_of(text, what: str = "text") -> str | None:
         return read_text(text)
     if not isinstance(text, str):
         raise SurgeryError(f"{what}= takes the text (a str) or a file (a pathlib.Path), got {type(text).__name__}")
-    if "\n" not in text and len(text) < 4096 and Path(text).is_file():
+    if "\n" not in text and len(text) < 4096 and _names_a_file(text):
         warnings.warn(f"{what}={text!r} is taken as the text itself (a str), not as the file it names: pass "
                       f"pathlib.Path({text!r}) to read the file", SurgeryWarning, stacklevel=3)
     return text
+
+
+def _names_a_file(text: str) -> bool:
+    """Whether ``text`` is the path of an existing file (a name too long to be one is not)."""
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
 
 
 def heldout_text(fraction: float) -> str:
