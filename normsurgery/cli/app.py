@@ -22,9 +22,8 @@ from .. import __version__
 from ..core import threads
 from ..engine import launch
 from ..io import output
-from ..core.options import AT_LEAST, SEQ_LEN_HELP, one_of  # noqa: F401  (for the commands)
-from .flags import (DEVICE, PRECISION, did_you_mean, dtype_option, expand, open_unit, overflow_option,  # noqa: F401
-                    positive, size_option, split_names)
+from ..core.options import AT_LEAST
+from .flags import expand
 from ..core.errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryNote, SurgeryWarning, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..core.errors import UsageError
-from ..core.options import ConvertOptions, PassFlags
-from .app import JSON, claimed, command, did_you_mean, emit_json, progress_bar, read_text, say, say_device, say_warning, show
+from ..core.options import ConvertOptions, PassFlags, did_you_mean
+from .app import JSON, claimed, command, emit_json, progress_bar, read_text, say, say_device, say_warning, show
 from .flags import IN, OUT
 
 

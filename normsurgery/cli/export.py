@@ -10,8 +10,8 @@ from typing import Optional
 import typer
 
 from ..core.errors import UsageError
-from ..core.options import CACHE_TOKENS, FORMATS, GGUF_DTYPES, ExportOptions
-from .app import JSON, claimed, command, did_you_mean, emit_json, read_text, say, say_device
+from ..core.options import CACHE_TOKENS, FORMATS, GGUF_DTYPES, ExportOptions, did_you_mean
+from .app import JSON, claimed, command, emit_json, read_text, say, say_device
 
 
 @command(preload=False)

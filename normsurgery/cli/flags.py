@@ -95,13 +95,6 @@ def precision_option(value: str | None) -> str | None:
     return value
 
 
-DEVICE = typer.Option("auto", "--device", metavar="auto|cpu|cuda|cuda:N", callback=device_option, help=devices.HELP)
-PRECISION = typer.Option(None, "--precision", metavar="auto|fp32|bf16|fp16", callback=precision_option,
-                         help=devices.PRECISION_HELP)
-
-
-
-
 def split_names(names: list[str] | None) -> list[str] | None:
     """``--target-modules q_proj,v_proj --target-modules o_proj`` -> [q_proj, v_proj, o_proj]."""
     out = [n.strip() for item in names or [] for n in item.split(",") if n.strip()]

@@ -20,7 +20,7 @@ from .errors import SurgeryError, UsageError
 __all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
            "METHODS", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
            "PruneOptions", "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values",
-           "defaults", "flag"]
+           "flag"]
 
 #: tokens per window when none is given (or the model's positions when fewer: ``calibration.fit_seq_len``)
 SEQ_LEN = 128
@@ -169,11 +169,6 @@ def as_options(cls, given):
     """``given`` as options dataclass ``cls`` (the API's argument): itself, built from a dict of its
     fields, or (None) the defaults."""
     return given if isinstance(given, cls) else cls(**(given or {}))
-
-
-def defaults(cls) -> dict:
-    """``{field: default}`` of an options dataclass (a fresh copy: lists are not shared)."""
-    return asdict(cls())
 
 
 #: the least value of each whole-number option, by name, for every command: ``check_values`` (heal, prune,
@@ -457,6 +452,3 @@ __all__ += ["CACHE_TOKENS", "ConvertOptions", "EXTERNAL_BYTES", "ExportOptions",
 COMMANDS = {"heal": HealOptions, "prune": PruneOptions, "squeeze": SqueezeOptions, "convert": ConvertOptions,
             "verify": VerifyOptions, "inspect": InspectOptions, "export": ExportOptions}
 
-
-def field_names(cls) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
