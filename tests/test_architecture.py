@@ -124,3 +124,29 @@ def test_the_checks_see_lazy_upward_imports_and_cycles(tmp_path):
     assert ["normsurgery.core.masks", "normsurgery.passes.norms"] in cycles(edges)
     assert floor("normsurgery.passes.norms") > floor("normsurgery.core.masks")  # the upward edge is seen
     assert floor("normsurgery.loose") < 0 <= floor("normsurgery.core")  # beside the floors; a floor's own package
+
+
+def calls(name: str) -> list[str]:
+    """Where the package calls a function named ``name`` (``f(...)`` or ``x.f(...)``), as module:function."""
+    found = []
+    for module, path in modules().items():
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Call):
+                        f = node.func
+                        if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == name:
+                            found.append(f"{module}:{fn.name}")
+    return sorted(set(found))
+
+
+def test_one_way_out_every_output_claimed_and_carded_in_one_place():
+    """Every writer goes through the runner: an output is claimed (locked and checked) at one call
+    site, ``runner.claim_output``; only ``output.claim`` checks it; the cards are written by
+    ``output.staged`` alone (a writer asks its stage for one); only ``output`` moves a stage into place."""
+    assert calls("claim") == ["normsurgery.engine.runner:claim_output"]
+    assert calls("check_output") == ["normsurgery.io.output:claim"]
+    assert calls("_write_cards") == ["normsurgery.io.output:staged"]
+    movers = sorted(m for m, p in modules().items() if "os.replace(" in p.read_text() or "os.rename(" in p.read_text())
+    assert movers == ["normsurgery.engine.train_state", "normsurgery.io.output"], movers  # train_state: not an output
