@@ -202,5 +202,5 @@ def real_gguf_bytes(real: Path) -> int:
     from normsurgery.exporters import gguf_write as W
     from normsurgery.io.source import Source
 
-    p, _ = W.plan(Source.open(real))
+    p, _ = W.gguf_plan(Source.open(real))
     return sum(math.prod(it.shape) * 4 for it in p.items)
