@@ -53,10 +53,10 @@ _SCOPE: ContextVar[ExitStack | None] = ContextVar("normsurgery_job_scope", defau
 
 
 def job_scope(command):
-    """``command`` (an API function that writes: it opens a :class:`Job` or calls :func:`save`)
-    run in a scope of its own: the process settings of :func:`process_state` hold, and the output
-    it claims stays locked, until it returns or raises; then the lock is released and the settings
-    put back."""
+    """``command`` (an API function that computes: one that writes opens a :class:`Job` or calls
+    :func:`save`; verify, outliers and lens write nothing) run in a scope of its own: the process
+    settings of :func:`process_state` hold, and the output it claims stays locked, until it returns
+    or raises; then the lock is released and the settings put back."""
     @functools.wraps(command)
     def run(*args, **kwargs):
         with ExitStack() as scope:
