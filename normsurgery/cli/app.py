@@ -199,12 +199,7 @@ def say_device(device: dict | None) -> None:
         say(f"computed on {device['device']}" + (f" ({device['name']})" if device["name"] != "CPU" else ""))
 
 
-FORCE = typer.Option(False, "--force", help="replace OUT if it is a checkpoint (never a folder of other files); "
-                                            "a checkpoint written (not an ONNX export) is kept even if its "
-                                            "reload check fails")
 JSON = typer.Option(False, "--json", help="print the result as JSON (for scripts)")
-ALLOW_PICKLE = typer.Option(False, "--allow-pickle", envvar="NORMSURGERY_ALLOW_PICKLE",
-                            help="read pickle (.bin) weights, with torch.load(weights_only=True); refused otherwise")
 
 
 def read_text(path) -> str | None:

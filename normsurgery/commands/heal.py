@@ -53,7 +53,7 @@ from ..engine.runner import Job, job_scope
 from ..io.texts import heldout_text, text_of
 from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
-from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, as_options, check_values  # noqa: F401
+from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_of, check_values  # noqa: F401
 from ..engine.training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
 
 __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
@@ -396,7 +396,7 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     read, and the device computed on (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a
     ``pathlib.Path`` a file to read."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts, io = as_options(HealOptions, options), as_options(Writing, io)
+    opts, io = options_of(HealOptions, options), options_of(Writing, io)
     opts.check()
     force, allow_pickle, device = io.force, io.allow_pickle, io.device
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)

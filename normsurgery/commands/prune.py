@@ -35,7 +35,7 @@ from ..core.families import family, layout
 from .heal import HealOptions, HealReport, eval_text_record, heldout_record, recovery, summary, take_adapter, write_adapter
 from .heal import run as heal_run
 from ..core.layout import LM_OBJECTIVES
-from ..core.options import PruneOptions, Writing, as_options  # noqa: F401  (re-exported: the API's names)
+from ..core.options import PruneOptions, Writing, options_of  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import output_kind, probe_ids
 from ..engine.check import CheckPlan, Tolerances
 from ..engine.sweep import CheckpointWork, Work
@@ -271,9 +271,9 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     replaced, pickle read, and the device computed on (``devices``). ``text`` and ``eval_text``: a
     ``str`` is the text itself, a ``pathlib.Path`` a file to read."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts, io = as_options(PruneOptions, options), as_options(Writing, io)
+    opts, io = options_of(PruneOptions, options), options_of(Writing, io)
     opts.check()
-    hopts = None if heal is None else as_options(HealOptions, heal)
+    hopts = None if heal is None else options_of(HealOptions, heal)
     streaming = opts.streaming
     if hopts is not None:
         hopts.check()

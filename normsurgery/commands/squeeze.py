@@ -47,7 +47,7 @@ from .convert import apply_passes
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from .heal import Kept, heal_model, require_lm
-from ..core.options import STRUCTURES, SqueezeOptions, Writing, as_options  # noqa: F401  (re-exported: the API's names)
+from ..core.options import STRUCTURES, SqueezeOptions, Writing, options_of  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import probe_ids
 from ..engine.plan import check_applies
 from ..passes.mask import CALIBRATION
@@ -291,7 +291,7 @@ def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
     ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a file to read.
     See the module docstring."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts, io = as_options(SqueezeOptions, options), as_options(Writing, io)
+    opts, io = options_of(SqueezeOptions, options), options_of(Writing, io)
     opts.structure = tuple(opts.structure)
     opts.check()
     opts.steps_per_cycle = opts.steps()  # the default's split, so the record and the card state it

@@ -165,12 +165,6 @@ def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
-def as_options(cls, given):
-    """``given`` as options dataclass ``cls`` (the API's argument): itself, built from a dict of its
-    fields, or (None) the defaults."""
-    return given if isinstance(given, cls) else cls(**(given or {}))
-
-
 #: the least value of each whole-number option, by name, for every command: ``check_values`` (heal, prune,
 #: squeeze's retraining) and the CLI's flags (``cli.app.at_least``) read it here
 AT_LEAST = {"samples": 1, "batch_size": 1, "eval_samples": 1, "steps": 1, "rank": 1, "grad_accum": 1,
@@ -438,10 +432,10 @@ class ExportOptions(Reading):
 
 
 def options_of(cls, options=None, keywords: dict | None = None):
-    """The API's options: ``options`` (default ``cls()``) with ``keywords`` set, so that
-    ``convert(src, out, passes, force=True)`` and ``convert(src, out, passes, ConvertOptions(force=True))``
-    are one call."""
-    base = cls() if options is None else options
+    """The API's options as options dataclass ``cls``: ``options`` itself, built from a dict of its
+    fields, or (None) the defaults, with ``keywords`` set, so that ``convert(src, out, passes,
+    force=True)`` and ``convert(src, out, passes, ConvertOptions(force=True))`` are one call."""
+    base = options if isinstance(options, cls) else cls(**(options or {}))
     return replace(base, **keywords) if keywords else base
 
 

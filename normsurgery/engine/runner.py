@@ -183,13 +183,13 @@ class Job:
         return {"version": __version__, "source": self.source.name, "device": devices.describe(self.device), **steps}
 
     def save(self, model, record: dict, ids: torch.Tensor, *, extra: Callable[[output.Staged], None] | None = None,
-             progress=None) -> dict | None:
+             progress: Progress = no_progress) -> dict | None:
         """``model`` written to the job's output and checked (``writer.save_model``) by the main
         process; every process waits for it. Returns what was written (None on the other processes)."""
         saved = None
         if self.main:
-            kw = {} if progress is None else {"progress": progress}
-            saved = save_model(model, self.claim, record=record, ids=ids, source=self.source, extra=extra, **kw)
+            saved = save_model(model, self.claim, record=record, ids=ids, source=self.source, extra=extra,
+                               progress=progress)
         self.wait()
         return saved
 

@@ -32,7 +32,7 @@ def state_dir(out, what: str = "train") -> Path:
 def fingerprint(config, ids: torch.Tensor, objective: str, processes: int) -> str:
     """What identifies a run (``config``: a ``TrainConfig``) on the tokens ``ids``."""
     text = repr(([getattr(config, k) for k in FINGERPRINT_KEYS], objective, processes, len(ids)))
-    return hashlib.sha256(text.encode() + ids.to(devices.HOST).numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(text.encode() + ids.to(devices.HOST).numpy().tobytes()).hexdigest()[:16]  # host
 
 
 def save_state(path: Path, state: dict) -> None:
