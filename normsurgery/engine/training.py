@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
 from ..core import devices
 from ..core.analysis import evaluating
@@ -47,6 +46,7 @@ from ..core.layout import LM_OBJECTIVES
 from ..core.options import SEQ_LEN, HealOptions, check_values
 from . import train_state
 from .processes import Shards
+from .teacher import EVAL, Distillation, Teacher, ce_sum, kd_sum, objective_sum, predicted, shifted
 
 MLM_FRACTION = 0.15
 
@@ -122,6 +122,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # mean training loss of each step
     curve: list[dict] = field(default_factory=list)  # one row per evaluation
     cap: int | None = None  # the steps allowed, when training stopped before them (held-out CE stopped improving)
+    kl_before: float | None = None  # held-out KL(teacher || model), where a teacher is given
+    kl_after: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -176,14 +178,17 @@ def _mlm_spec(objective: str, model, mask_token_id: int | None) -> tuple[int, in
     return mask_token_id, model.config.vocab_size
 
 
-def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token CEs in float32, number of predicted tokens). ``model`` may be wrapped."""
+def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, causal: bool,
+             distillation: Distillation | None = None, at: tuple[int, int] = (EVAL, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the objective summed over the predicted tokens in float32, their number): CE, or with a
+    distilling ``distillation`` its objective (``teacher.objective_sum``), the teacher asked for
+    micro-batch ``at`` = (step, micro). ``model`` may be wrapped."""
     logits = model(input_ids=inputs, **({"use_cache": False} if causal else {})).logits
-    if causal:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=-100, reduction="sum")
-    return loss, (labels != -100).sum()
+    targets = None
+    if distillation is not None and distillation.distils:
+        with torch.no_grad():
+            targets = distillation.teacher.targets(inputs, *at)
+    return objective_sum(logits, labels, causal, distillation, targets)
 
 
 def _batch(ids: torch.Tensor, config: TrainConfig, step: int, micro: int, rank: int, procs: int,
@@ -203,18 +208,31 @@ def heldout_ce(model, windows: torch.Tensor, batch_size: int = 8, objective: str
     """Mean CE (nats/token) on ``windows`` [n, T] in eval mode: next-token, or masked-token with
     masks fixed by seed (every model sees the same ones). ``objective`` defaults to the model's,
     ``device`` (where the model is now) to ``devices.of(model)``."""
+    return heldout(model, windows, batch_size, objective, mask_token_id=mask_token_id, autocast=autocast,
+                   device=device)["ce"]
+
+
+@torch.no_grad()
+def heldout(model, windows: torch.Tensor, batch_size: int = 8, objective: str | None = None, *,
+            mask_token_id: int | None = None, autocast=None, device=None, teacher: Teacher | None = None) -> dict:
+    """:func:`heldout_ce` as {"ce": ...}, and with a ``teacher`` "kl": the mean KL(teacher || model)
+    at temperature 1 over the same predicted tokens (``core.distillation.mean_kl``), from the same
+    forwards; absent where the teacher cannot answer held-out windows (a cache)."""
     objective = objective or objective_of(model)
     mlm = _mlm_spec(objective, model, mask_token_id)
     inputs, labels = mask_tokens(windows, *mlm, torch.Generator().manual_seed(0)) if mlm else (windows, windows)
-    total, count = 0.0, 0
+    ce, kl, count = 0.0, 0.0 if teacher is not None else None, 0
     device = device or devices.of(model)
     with evaluating(model):
-        for s in range(0, len(windows), batch_size):
+        for i, s in enumerate(range(0, len(windows), batch_size)):
+            x, y = inputs[s:s + batch_size].to(device), labels[s:s + batch_size].to(device)
             with autocast() if autocast else nullcontext():
-                loss, n = loss_sum(model, inputs[s:s + batch_size].to(device), labels[s:s + batch_size].to(device),
-                                   mlm is None)
-            total, count = total + loss.item(), count + n.item()
-    return total / count
+                logits = model(input_ids=x, **({} if mlm else {"use_cache": False})).logits
+                targets = teacher.targets(x, EVAL, i) if kl is not None else None
+            scored, y, mask = predicted(logits, y, mlm is None)
+            ce, count = ce + ce_sum(scored, y).item(), count + mask.sum().item()
+            kl = None if targets is None else kl + kd_sum(scored, shifted(targets, mlm is None), mask, 1.0).item()
+    return {"ce": ce / count, **({"kl": kl / count} if kl is not None else {})}
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -236,7 +254,11 @@ class Training:
     computed in that forward); the training losses reported stay the LM loss alone.
 
     ``accelerator``: where training runs (default: an accelerator where the model is, with
-    ``config.precision``)."""
+    ``config.precision``).
+
+    ``distillation`` (``teacher.Distillation``): the loss is its objective (KL to its teacher, or
+    KL plus weighted CE) instead of CE, and every evaluation measures the KL to the teacher beside
+    the held-out CE; None: CE alone."""
 
     objective: str = "causal-lm"
     mask_token_id: int | None = None
@@ -245,6 +267,7 @@ class Training:
     progress: StepProgress | None = None
     accelerator: Any = None
     extra_loss: Callable[[], "torch.Tensor | None"] | None = None
+    distillation: Distillation | None = None
 
 
 def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainConfig | dict, **given) -> TrainResult:
@@ -334,15 +357,19 @@ class _Loop:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: config.lr_at(s) / config.lr)
         self.wrapped, self.optimizer = (model, optimizer) if shards else acc.prepare(model, optimizer)
         self.procs, self.rank, self.main = acc.num_processes, acc.process_index, acc.is_main_process
-        self.fingerprint = train_state.fingerprint(config, self.train_ids, run.objective, self.procs)
+        self.fingerprint = train_state.fingerprint(config, self.train_ids, _objective_key(run), self.procs)
         self.tokens_per_step = config.batch_size * config.grad_accum * self.procs * config.seq_len
         self.eval_at = set(config.eval_steps) | (
             {s for s in range(config.eval_every, config.steps, config.eval_every)} if config.eval_every else set())
         self.losses, self.curve, self.resumed, self.kept = [], [], None, None
 
-    def evaluate(self) -> float:
-        return heldout_ce(self.model, self.heldout, self.config.eval_batch_size, self.training.objective,
-                          mask_token_id=self.training.mask_token_id, autocast=self.acc.autocast, device=self.acc.device)
+    def evaluate(self) -> dict:
+        """{"heldout_ce": ..., and "heldout_kl" with a teacher}: a curve row's measures."""
+        d = self.training.distillation
+        m = heldout(self.model, self.heldout, self.config.eval_batch_size, self.training.objective,
+                    mask_token_id=self.training.mask_token_id, autocast=self.acc.autocast, device=self.acc.device,
+                    teacher=d.teacher if d else None)
+        return {"heldout_" + k: v for k, v in m.items()}
 
     def begin(self) -> int:
         """The step to start at: a resumed run's, or 0 (the held-out CE before measured)."""
@@ -351,12 +378,10 @@ class _Loop:
                                         self.acc)
             self.scheduler.load_state_dict(state["scheduler"])
             self.resumed = self.kept = state["step"]
-            self.losses, self.curve, self.ce_before = state["losses"], state["curve"], state["ce_before"]
+            self.losses, self.curve = state["losses"], state["curve"]
             return state["step"]
         torch.manual_seed(self.config.seed)
-        self.ce_before = self.evaluate()
-        self.curve.append({"step": 0, "tokens": 0, "loss": None, "heldout_ce": self.ce_before,
-                           "lr": self.config.lr_at(0)})
+        self.curve.append({"step": 0, "tokens": 0, "loss": None, **self.evaluate(), "lr": self.config.lr_at(0)})
         return 0
 
     def step(self, step: int) -> None:
@@ -367,7 +392,8 @@ class _Loop:
             inputs, labels = _batch(self.train_ids, config, step, micro, self.rank, self.procs, self.mlm)
             sync = micro == config.grad_accum - 1
             with (nullcontext() if sync else acc.no_sync(self.wrapped)), acc.autocast():
-                s, n = loss_sum(self.wrapped, inputs.to(acc.device), labels.to(acc.device), self.mlm is None)
+                s, n = loss_sum(self.wrapped, inputs.to(acc.device), labels.to(acc.device), self.mlm is None,
+                                self.training.distillation, (step, micro))
                 loss = s / n.clamp_min(1) / config.grad_accum
                 extra = self.training.extra_loss() if self.training.extra_loss else None
                 acc.backward(loss if extra is None else loss + extra / config.grad_accum)
@@ -391,7 +417,7 @@ class _Loop:
             return False
         window = self.losses[self.curve[-1]["step"]:]
         self.curve.append({"step": done, "tokens": done * self.tokens_per_step,
-                           "loss": sum(window) / len(window) if window else None, "heldout_ce": self.evaluate(),
+                           "loss": sum(window) / len(window) if window else None, **self.evaluate(),
                            "lr": config.lr_at(step), **metrics})
         self.wrapped.train()
         return True
@@ -416,17 +442,24 @@ class _Loop:
                     break
             if config.save_every and done % config.save_every == 0 and done < config.steps:
                 common = {"fingerprint": self.fingerprint, "step": done, "scheduler": self.scheduler.state_dict(),
-                          "losses": self.losses, "curve": self.curve, "ce_before": self.ce_before}
+                          "losses": self.losses, "curve": self.curve}
                 self.kept = train_state.keep(config, common, self.model, self.optimizer, self.shards, self.acc,
                                              self.kept)
             if self.main and progress:
                 progress(done, config.steps, recent)
         seconds = time.perf_counter() - t0
         self.model.eval()
-        ran = len(self.losses)
+        ran, first, last = len(self.losses), self.curve[0], self.curve[-1]
         return TrainResult(ran, ran * self.tokens_per_step, seconds, self.procs, self.acc.mixed_precision,
-                           self.ce_before, self.curve[-1]["heldout_ce"], sum(p.numel() for p in self.params),
-                           self.resumed, self.losses, self.curve, cap=config.steps if ran < config.steps else None)
+                           first["heldout_ce"], last["heldout_ce"], sum(p.numel() for p in self.params),
+                           self.resumed, self.losses, self.curve, config.steps if ran < config.steps else None,
+                           first.get("heldout_kl"), last.get("heldout_kl"))
+
+
+def _objective_key(run: Training) -> str:
+    """What of the objective a resumed run must share: the LM objective, and what it distils with."""
+    d = run.distillation
+    return run.objective if d is None or not d.distils else f"{run.objective}/{d.objective}/{d.temperature!r}/{d.ce_weight!r}"
 
 
 def plateaued(curve: list[dict], settle: int, patience: int, min_delta: float) -> bool:
