@@ -316,7 +316,7 @@ def model_mismatches(name: str, command) -> list[str]:
             wrong.append(f"{name} --{p.name}: help {p.help!r}, the model's {group.prefix + flag.text(default)!r}")
         if flag.choices:
             shown = f"{p.help} {p.metavar or ''}"
-            listed = [set(re.split(r"\s*\|\s*", m)) for m in re.findall(r"[\w-]+(?:\s*\|\s*[\w-]+)+", shown)]
+            listed = [set(re.split(r"\s*\|\s*", m)) for m in re.findall(r"[\w+-]+(?:\s*\|\s*[\w+-]+)+", shown)]
             if not listed or any(c != set(flag.choices) for c in listed):
                 wrong.append(f"{name} --{p.name}: lists {listed}, the model's choices {flag.choices}")
     return wrong

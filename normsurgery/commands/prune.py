@@ -32,8 +32,11 @@ from ..core.analysis import blocks_of, forward_base, residual_capture
 from ..core.calibration import bundled_text, fit_seq_len, windows
 from ..core.errors import SurgeryError
 from ..core.families import family, layout
-from .heal import HealOptions, HealReport, eval_text_record, heldout_record, recovery, summary, take_adapter, write_adapter
+from .heal import (HealOptions, HealReport, eval_text_record, heldout_record, kl_record, kl_recovery, recovery,
+                   summary, take_adapter, write_adapter)
 from .heal import run as heal_run
+from .heal_teacher import cut_teacher
+from ..engine.teacher import cut_of, renumber
 from ..core.layout import LM_OBJECTIVES
 from ..core.options import PruneOptions, Writing, options_of  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import output_kind, probe_ids
@@ -220,10 +223,7 @@ def prune_model(model, layers: Iterable[int]) -> dict:
         if len(getattr(cfg, k)) != L:
             raise SurgeryError(f"config {k} has {len(getattr(cfg, k))} entries for {L} layers")
     new = nn.ModuleList([blocks[i] for i in keep])
-    for j, block in enumerate(new):
-        for mod in block.modules():
-            if isinstance(getattr(mod, "layer_idx", None), int):
-                mod.layer_idx = j
+    renumber(new)
     model.set_submodule(lay.layers_path, new)
     cfg.num_hidden_layers = len(keep)
     for k in per_layer:
@@ -295,6 +295,7 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     selection = select_layers(opts.method, n, scores, layers)
     ce = Measured(data if lm and not streaming else None, getattr(source.tokenizer, "mask_token_id", None))
     ce.measure("original", work.load_all() if ce.data is not None else None)
+    cut = cut_of(work.model, selection.layers) if hopts is not None else None  # the heal's teacher's blocks
     removed = prune_model(work.model, selection.layers)
     work.replan()
     ce.measure("pruned", work.model)
@@ -307,9 +308,10 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
     report = seconds = model = None
     if hopts is not None:
-        model, report, seconds = heal_run(work.load_all(), source.tokenizer, data.train_ids, data.held, hopts,
-                                          accelerator=acc, other=data.other,
-                                          progress=progress if acc.is_main_process else no_progress)
+        teaching, hopts, why = cut_teacher(job, hopts, cut)
+        model, report, seconds = heal_run(work.load_all(), source.tokenizer, data, hopts, accelerator=acc,
+                                          teacher=teaching, progress=progress if acc.is_main_process else no_progress)
+        report.why = why
         ce.healed(report, record)
     saved = _save_pruned(job, work, model, record, probe, hopts is not None and hopts.save_adapter, progress)
     return PruneResult(selection, scores, removed, ce.held, on, None if lm else source.class_name, report, seconds,
@@ -344,7 +346,8 @@ class Measured:
         if self.other is not None:
             self.other["healed"] = report.eval_text_ce_after
         record["heal"] = summary(report)
-        record["recovered"] = recovery(self.held, self.other, "pruned")
+        record.update(kl_record(report))
+        record["recovered"] = {**recovery(self.held, self.other, "pruned"), **kl_recovery(report)}
 
 
 def _scores(source, work: Work, cal: torch.Tensor | None, opts: PruneOptions,

@@ -18,7 +18,7 @@ from .devices import HELP as DEVICE_HELP, PRECISION_CHOICES, PRECISION_HELP, PRE
 from .errors import SurgeryError, UsageError
 
 __all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
-           "METHODS", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
+           "METHODS", "OBJECTIVES", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
            "PruneOptions", "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values",
            "flag"]
 
@@ -28,6 +28,9 @@ SEQ_LEN = 128
 METHODS = ("angular", "block-influence", "last")
 #: heal / squeeze --train, prune --heal --train: what trains
 TRAIN_MODES = ("lora", "norms", "full")
+#: heal --objective: ``kd`` the KL to the teacher alone; ``ce`` next-token (or masked-token) cross-entropy;
+#: ``kd+ce`` their weighted sum (``core.distillation``)
+OBJECTIVES = ("kd", "ce", "kd+ce")
 #: heal's --lr when none is given, by --train (``HealOptions.learning_rate``): the rates measured best of those
 #: tried on the demo llama-tiny pruned by 2 layers (benchmarks/bench_heal_modes.py, README "heal"); every
 #: parameter (full) takes a tenth of LoRA's rate (at LoRA's, held-out CE rose after a quarter epoch on
@@ -171,7 +174,7 @@ AT_LEAST = {"samples": 1, "batch_size": 1, "eval_samples": 1, "steps": 1, "rank"
             "layers": 1, "seq_len": 2, "seed": 0, "patience": 0, "eval_every": 1, "generate": 0, "threads": 1,
             "cycles": 1, "steps_per_cycle": 1, "target_bytes": 1, "save_every": 0}
 BETWEEN_0_1 = ("fraction", "eval_fraction")
-POSITIVE = ("lr", "alpha")
+POSITIVE = ("lr", "alpha", "temperature")
 
 
 def check_values(opts: dict) -> None:
@@ -214,6 +217,15 @@ class HealOptions:
     patience: int = option(0, "stop once held-out CE went N evaluations without improving, --steps the cap (default "
                            "{default}: every step)", metavar="N")
     eval_every: int = option(25, "with --patience: steps between evaluations (default {default})", metavar="S")
+    objective: str | None = option(None, "what healing minimises (kd: the KL to the teacher, the model before the cut, "
+                                   "per token; ce: cross-entropy on --text; kd+ce: KL + --ce-weight x CE): "
+                                   "{choices} (default kd where a teacher is known, else ce)", metavar="WHAT",
+                                   choices=OBJECTIVES)  # None: chosen by whether a teacher is known
+    temperature: float = option(1.0, "kd's temperature T, the loss scaled by T^2 (default {default})", metavar="T",
+                                check="positive")
+    ce_weight: float = option(1.0, "kd+ce: the weight of CE (default {default})", metavar="W", least=0.0)
+    teacher: str | None = option(None, "the model to distil from, a folder or hub id (default: the model the input "
+                                 "was pruned from, as its record says)", metavar="PATH")
     save_adapter: bool = False  # keep the adapter unmerged (--save-adapter: a flag of each command's own wording)
 
     @property
@@ -224,6 +236,10 @@ class HealOptions:
     def check(self) -> None:
         """The ranges the command line enforces, for values that came from a recipe or the API too."""
         check_values(asdict(self))
+        if self.objective is not None and self.objective not in OBJECTIVES:
+            raise UsageError(f"{flag('objective')} {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if self.ce_weight < 0:
+            raise SurgeryError(f"{flag('ce_weight')} must be at least 0, got {self.ce_weight!r}")
         if self.save_adapter and self.train != "lora":
             raise UsageError(f"--save-adapter needs {flag('train')} lora ({flag('train')} {self.train} trains "
                              "no adapter)")

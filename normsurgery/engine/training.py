@@ -183,11 +183,11 @@ def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, causal: bool,
     """(the objective summed over the predicted tokens in float32, their number): CE, or with a
     distilling ``distillation`` its objective (``teacher.objective_sum``), the teacher asked for
     micro-batch ``at`` = (step, micro). ``model`` may be wrapped."""
-    logits = model(input_ids=inputs, **({"use_cache": False} if causal else {})).logits
     targets = None
-    if distillation is not None and distillation.distils:
+    if distillation is not None and distillation.distils:  # first: a teacher may swap the student's tensors
         with torch.no_grad():
             targets = distillation.teacher.targets(inputs, *at)
+    logits = model(input_ids=inputs, **({"use_cache": False} if causal else {})).logits
     return objective_sum(logits, labels, causal, distillation, targets)
 
 
@@ -293,8 +293,12 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     policy = devices.shard_policy(acc.mixed_precision) if sharded else None
     chosen = {id(p) for p in ((p for p in model.parameters() if p.requires_grad) if run.params is None
                               else run.params)}
+    teacher = run.distillation.teacher if run.distillation else None
+    if sharded and teacher is not None:
+        raise SurgeryError("distillation (or KL to a teacher) with training sharded over processes (FSDP) is not "
+                           "supported: heal --objective ce without a teacher, or data-parallel processes")
     check_fits(model, [p for p in model.parameters() if id(p) in chosen], acc.device,
-               acc.num_processes if sharded else 1)
+               acc.num_processes if sharded else 1, getattr(teacher, "nbytes", 0))
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     names = {n for n, p in model.named_parameters() if id(p) in chosen}
     run.params = chosen = None  # the parameters sharding replaces: none kept here
@@ -315,27 +319,28 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
         model.to(home)
 
 
-def training_bytes(model, params: list, device) -> int:
+def training_bytes(model, params: list, device, teacher: int = 0) -> int:
     """Device memory training needs at least (activations aside): the model's weights where they
-    are not on ``device`` yet, and for every parameter that trains its gradient and AdamW's two
-    moments (each the parameter's size)."""
+    are not on ``device`` yet, for every parameter that trains its gradient and AdamW's two
+    moments (each the parameter's size), and ``teacher`` bytes a teacher holds beyond the model
+    (the blocks a cut removed; a frozen copy)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if not devices.same(p.device, device))
-    return weights + sum(3 * p.numel() * p.element_size() for p in params)
+    return weights + sum(3 * p.numel() * p.element_size() for p in params) + teacher
 
 
-def check_fits(model, params: list, device, shards: int = 1) -> None:
+def check_fits(model, params: list, device, shards: int = 1, teacher: int = 0) -> None:
     """Refuse, before anything moves, training that cannot fit a GPU's free memory, naming the
     limit and what would fit. Data parallel, each process holds all of it; sharded over
-    ``shards`` processes (FSDP), each holds 1/``shards`` of it."""
+    ``shards`` processes (FSDP), each holds 1/``shards`` of it. ``teacher``: bytes a teacher adds."""
     free = devices.free_bytes(device)
     if free is None:
         return
-    need = training_bytes(model, params, device) // shards
+    need = training_bytes(model, params, device, teacher) // shards
     if need > free:
         n = sum(p.numel() for p in params)
         where = f"{device}, sharded over {shards} processes," if shards > 1 else device
-        raise SurgeryError(f"training needs at least {need / 2**30:.1f} GiB on {where} (the weights, and the "
-                           f"gradients and AdamW moments of the {n / 1e9:.2f}B parameters that train), and "
+        raise SurgeryError(f"training needs at least {need / 2**30:.1f} GiB on {where} (the weights, "
+                           f"{'the teacher, ' if teacher else ''}and the gradients and AdamW moments of the {n / 1e9:.2f}B parameters that train), and "
                            f"{free / 2**30:.1f} GiB are free: train fewer parameters (heal --train lora or norms), "
                            "shard the training state over more GPUs (accelerate launch --use_fsdp --fsdp_version 2 "
                            "--num_processes N), or train on the CPU (--device cpu)")
