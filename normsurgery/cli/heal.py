@@ -64,7 +64,8 @@ def heal(
     from .report import ce_table, loads_with
 
     report, rec = result.report, result.record["recovered"]
-    show(ce_table("held-out cross-entropy", result.ce, rec, result.eval_text_ce))
+    show(ce_table("held-out cross-entropy" + (" and KL to the teacher" if "heldout_kl" in result.record else ""),
+                  result.ce, rec, result.eval_text_ce, result.record))
     say_heldout(result.heldout, result.record)
     if result.original is not None:
         say(f"original before pruning: {result.original}")

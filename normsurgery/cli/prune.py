@@ -106,7 +106,8 @@ def say_pruned(r, plot: Path | None, json: bool) -> None:
         f"({', '.join(map(str, r.selection.layers))}) by {r.selection.method}{how}; {r.removed['layers_after']} "
         "remain, renumbered")
     if r.ce:
-        show(ce_table("held-out cross-entropy", r.ce, r.record.get("recovered"), r.eval_text_ce))
+        show(ce_table("held-out cross-entropy" + (" and KL to the teacher" if "heldout_kl" in r.record else ""),
+                      r.ce, r.record.get("recovered"), r.eval_text_ce, r.record))
         say_heldout(r.ce_on, r.record)
     elif r.no_lm_head:
         say(f"no cross-entropy: {r.no_lm_head} has no language-modelling head")

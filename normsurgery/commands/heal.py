@@ -54,7 +54,7 @@ from ..io.texts import heldout_text, text_of
 from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
 from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_of, check_values  # noqa: F401
-from ..engine.teacher import Distillation
+from ..engine.teacher import Cut, Distillation
 from ..engine.training import TrainConfig, heldout, heldout_ce, make_accelerator, objective_of, train
 from .heal_teacher import Teaching, check_teacher, find_original, kl_closed, objective as choose_objective
 
@@ -312,12 +312,14 @@ def recovery(ce: dict, other: dict | None, before: str) -> dict:
     return out
 
 
-def kl_record(report: HealReport) -> dict:
-    """The record's KL(teacher || model) entries, where a teacher was measured against: the
-    input's (before) and the healed model's, on the held-out end and on --eval-text."""
-    kl = {"heldout_kl": {"input": report.kl_before, "healed": report.kl_after},
-          "eval_text_kl": {"input": report.eval_text_kl_before, "healed": report.eval_text_kl_after}}
-    return {k: v for k, v in kl.items() if v["input"] is not None}
+def kl_record(report: HealReport, before: str, original: bool) -> dict:
+    """The record's KL(teacher || model) entries, where a teacher was measured against, on the
+    held-out end and on --eval-text: the model before healing's (named ``before``), the healed
+    model's, and (``original``: the teacher is the model before the cut) the original's, 0."""
+    kl = {"heldout_kl": (report.kl_before, report.kl_after),
+          "eval_text_kl": (report.eval_text_kl_before, report.eval_text_kl_after)}
+    return {k: {**({"original": 0.0} if original else {}), before: a, "healed": b} for k, (a, b) in kl.items()
+            if a is not None}
 
 
 def kl_recovery(report: HealReport) -> dict:
@@ -438,8 +440,9 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     other = None if data.other is None else {**({"original": ce_original[1]} if ce_original else {}),
                                              "input": report.eval_text_ce_before, "healed": report.eval_text_ce_after}
     on = heldout_text(opts.eval_fraction)
+    cut = found.teaching is not None and isinstance(found.teaching.given, Cut)  # the teacher is the original
     record = job.record(heal=summary(report), heldout_ce=ce, heldout=heldout_record(on, data.heldout, original),
-                        **eval_text_record(other, data.other_record), **kl_record(report),
+                        **eval_text_record(other, data.other_record), **kl_record(report, "input", cut),
                         recovered={**recovery(ce, other, "input"), **kl_recovery(report)})
     if opts.save_adapter:
         saved = None

@@ -84,7 +84,8 @@ def objective(opts: HealOptions, teaching: Teaching | None, why_none: str) -> tu
 
 def same_model(a: str, b: str) -> bool:
     """Whether names ``a`` and ``b`` are the same model (the same hub id, or the same folder)."""
-    return a == b or (Path(a).expanduser().exists() and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
+    here = Path(a).expanduser()
+    return a == b or (here.exists() and here.resolve() == Path(b).expanduser().resolve())
 
 
 def find_original(job: Job, held: list, mask_token_id: int | None, opts: HealOptions) -> Original:

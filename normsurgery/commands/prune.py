@@ -346,7 +346,7 @@ class Measured:
         if self.other is not None:
             self.other["healed"] = report.eval_text_ce_after
         record["heal"] = summary(report)
-        record.update(kl_record(report))
+        record.update(kl_record(report, "pruned", report.teacher == record.get("source")))
         record["recovered"] = {**recovery(self.held, self.other, "pruned"), **kl_recovery(report)}
 
 

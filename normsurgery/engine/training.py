@@ -179,7 +179,8 @@ def _mlm_spec(objective: str, model, mask_token_id: int | None) -> tuple[int, in
 
 
 def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, causal: bool,
-             distillation: Distillation | None = None, at: tuple[int, int] = (EVAL, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+             distillation: Distillation | None = None,
+             at: tuple[int, int] = (EVAL, 0)) -> tuple[torch.Tensor, torch.Tensor]:
     """(the objective summed over the predicted tokens in float32, their number): CE, or with a
     distilling ``distillation`` its objective (``teacher.objective_sum``), the teacher asked for
     micro-batch ``at`` = (step, micro). ``model`` may be wrapped."""
@@ -340,7 +341,8 @@ def check_fits(model, params: list, device, shards: int = 1, teacher: int = 0) -
         n = sum(p.numel() for p in params)
         where = f"{device}, sharded over {shards} processes," if shards > 1 else device
         raise SurgeryError(f"training needs at least {need / 2**30:.1f} GiB on {where} (the weights, "
-                           f"{'the teacher, ' if teacher else ''}and the gradients and AdamW moments of the {n / 1e9:.2f}B parameters that train), and "
+                           f"{'the teacher, ' if teacher else ''}and the gradients and AdamW moments of the "
+                           f"{n / 1e9:.2f}B parameters that train), and "
                            f"{free / 2**30:.1f} GiB are free: train fewer parameters (heal --train lora or norms), "
                            "shard the training state over more GPUs (accelerate launch --use_fsdp --fsdp_version 2 "
                            "--num_processes N), or train on the CPU (--device cpu)")
@@ -464,7 +466,9 @@ class _Loop:
 def _objective_key(run: Training) -> str:
     """What of the objective a resumed run must share: the LM objective, and what it distils with."""
     d = run.distillation
-    return run.objective if d is None or not d.distils else f"{run.objective}/{d.objective}/{d.temperature!r}/{d.ce_weight!r}"
+    if d is None or not d.distils:
+        return run.objective
+    return f"{run.objective}/{d.objective}/{d.temperature!r}/{d.ce_weight!r}"
 
 
 def plateaued(curve: list[dict], settle: int, patience: int, min_delta: float) -> bool:
