@@ -430,7 +430,7 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     ce_original, original = found.ce, found.name
     model = job.load(trains=True)
     require_lm(model)
-    check_teacher(found, model)
+    check_teacher(found, model, opts)
     goal, why = choose_objective(opts, found.teaching, found.why)
     model, report, seconds = run(model, tok, data, replace(opts, objective=goal), accelerator=acc,
                                  progress=progress if job.main else no_progress, teacher=found.teaching)

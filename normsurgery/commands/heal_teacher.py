@@ -76,7 +76,7 @@ def objective(opts: HealOptions, teaching: Teaching | None, why_none: str) -> tu
         if opts.objective != "ce" and teaching is None:
             raise SurgeryError(f"--objective {opts.objective} distils from a teacher and none is known ({why_none}): "
                                "give --teacher PATH (the model before the cut), or --objective ce")
-        return opts.objective, "asked (--objective)"
+        return opts.objective, "asked (--objective)" + ("" if teaching else f"; no teacher to measure against: {why_none}")
     if teaching is None:
         return "ce", f"no teacher: {why_none}"
     return "kd", f"the default where a teacher is known ({teaching.name})"
@@ -150,9 +150,10 @@ def given_teacher(job: Job, opts: HealOptions) -> Teaching | None:
     return Teaching(Frozen(model), opts.teacher)
 
 
-def check_teacher(original: Original, model) -> None:
+def check_teacher(original: Original, model, opts: HealOptions) -> None:
     """Refuse, in one line, a teacher assembled from the student ``model`` that does not compute
-    what the original computed on the probe windows (to the rounding of the dtype)."""
+    what the original computed on the probe windows (to the rounding of the dtype); with
+    ``--objective ce`` (the teacher only measured against) it is dropped, and why said."""
     if original.reference is None or original.teaching is None:
         return
     probe, reference = original.reference
@@ -160,11 +161,15 @@ def check_teacher(original: Original, model) -> None:
     got = LayerCut(model, original.teaching.given).targets(probe.to(ref.device), EVAL, 0).float().cpu()
     scale = reference.abs().max().clamp_min(1.0).item()
     error = (got - reference).abs().max().item()
-    if not error <= 64 * torch.finfo(ref.dtype).eps * scale:
-        raise SurgeryError(f"the teacher assembled from this input and the blocks its record says were cut does not "
-                           f"compute what {original.name} computes (logits differ by up to {error:.3g}): the kept "
-                           "blocks changed since the cut (healed or edited?); give --teacher PATH, or --objective ce")
     original.reference = None
+    if error <= 64 * torch.finfo(ref.dtype).eps * scale:
+        return
+    why = (f"the teacher assembled from this input and the blocks its record says were cut does not compute what "
+           f"{original.name} computes (logits differ by up to {error:.3g}): the kept blocks changed since the cut "
+           "(healed or edited?)")
+    if opts.objective != "ce":
+        raise SurgeryError(f"{why}; give --teacher PATH, or --objective ce")
+    original.teaching, original.why = None, why
 
 
 def kl_closed(before: float | None, after: float | None) -> float | None:
