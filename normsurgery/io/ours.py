@@ -73,6 +73,10 @@ class FileKind:
     marked: Callable[[Path], bool]
     unmarked: str
 
+    def paths(self, out: Path) -> list[Path]:
+        """The files writing ``out`` puts in place: ``out`` and, with a card, its card."""
+        return [out, card_of(out)] if self.card else [out]
+
     def not_ours(self, out: Path) -> tuple[Path, str] | None:
         """The first file that writing ``out`` would replace (``out``, then its card) and that is not
         ours, with why; None when each is ours or absent."""

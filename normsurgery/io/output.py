@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import SurgeryError, SurgeryNote
-from .ours import FileKind, card_of, our_card
+from .ours import FileKind, our_card
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".onnx", ".onnx_data")
 #: folders a checkpoint may hold that ``--force`` may replace with it (ours: an unmerged adapter)
@@ -217,7 +217,7 @@ def check_file(out: Path, force: bool, source: Path | None, source_name: str, ki
     if foreign is not None:
         raise SurgeryError(f"{foreign[0]} exists and {foreign[1]}; normsurgery replaces only what it wrote, "
                            "even with --force: move it or choose another output")
-    if not force and any(p.exists() or p.is_symlink() for p in [out, card_of(out)][:1 + kind.card]):
+    if not force and any(p.exists() or p.is_symlink() for p in kind.paths(out)):
         raise SurgeryError(f"output {out} already exists; pass --force to replace it")
     _check_writable(out, out.resolve().parent)
     return stale
