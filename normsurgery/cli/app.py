@@ -75,15 +75,15 @@ def main() -> None:
         say_error(str(e))
         sys.exit(FAILED)
     command = modelcard.COMMAND.set(sys.argv[1:])  # for the cards of the folders written, this command's only
-    mark = len(output.REPLACED)
-    try:
-        app()
-    except KeyboardInterrupt as e:
-        say_error(interrupted(e, output.REPLACED[mark:]))
-        sys.exit(INTERRUPTED)
-    finally:
-        modelcard.COMMAND.reset(command)
-        _ignore_interrupts()
+    with output.recording() as saved:
+        try:
+            app()
+        except KeyboardInterrupt as e:
+            say_error(interrupted(e, saved))
+            sys.exit(INTERRUPTED)
+        finally:
+            modelcard.COMMAND.reset(command)
+            _ignore_interrupts()
 
 
 def _ignore_interrupts() -> None:
@@ -165,9 +165,9 @@ def command(fn=None, *, preload: bool = True):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         fail = functools.partial(failed, as_json=kwargs.get("json", False))
-        mark = len(output.REPLACED)
+        saved: list = []
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), output.recording() as saved:
                 warnings.simplefilter("default", SurgeryWarning)  # a warning repeated (two loads) is shown once
                 warnings.simplefilter("default", SurgeryNote)
                 shown = warnings.showwarning
@@ -178,7 +178,7 @@ def command(fn=None, *, preload: bool = True):
         except SurgeryError as e:
             fail(str(e), USAGE if isinstance(e, UsageError) else FAILED)
         except KeyboardInterrupt as e:
-            fail(interrupted(e, output.REPLACED[mark:]), INTERRUPTED)
+            fail(interrupted(e, saved), INTERRUPTED)
         except (typer.Exit, typer.Abort):
             raise
         except OSError as e:

@@ -353,8 +353,9 @@ class Reading:
 class Writing(Reading):
     """What every command that writes a checkpoint takes besides: whether OUT may be replaced."""
 
-    force: bool = option(False, "replace OUT if it is a checkpoint (never a folder of other files); a checkpoint "
-                         "written (not an ONNX export) is kept even if its reload check fails", given=False)
+    force: bool = option(False, "replace OUT if it is a checkpoint (never a folder of other files), and --plot's "
+                         "file if normsurgery drew it; a checkpoint written (not an ONNX export) is kept even if its "
+                         "reload check fails", given=False)
 
 
 #: convert --streaming/--in-memory (``convert.choose_plan``)
@@ -433,8 +434,9 @@ class ExportOptions(Reading):
     """export's options (``exporters.export.export``, and ``gguf``'s and ``nemotron``'s); the check's text is
     its argument."""
 
-    force: bool = option(False, "replace DEST if it exists: a GGUF file, or a folder holding only what an export or "
-                         "a convert writes (never a folder of other files)", given=False)
+    force: bool = option(False, "replace DEST if normsurgery wrote it: a GGUF file with its card beside it, or a "
+                         "folder holding only what an export or a convert writes (never a file or folder of other "
+                         "files)", given=False)
     to: str = option(FORMATS[0], "{choices}", names=("--to", "--format"), metavar="FORMAT", choices=FORMATS,
                      required=True)
     dtype: str | None = option(None, "GGUF: the matrices' type, {choices} (default {GGUF_DTYPE})", metavar="TYPE",

@@ -80,15 +80,29 @@ def process_state():
         yield
 
 
-def claim_output(out, force: bool, source: Source | None, file: str | None = None) -> output.Claim:
+def claim_output(out, force: bool, source: Source | None, file: output.FileKind | None = None) -> output.Claim:
     """The one place a command claims its output ``out`` (``output.claim``: locked, checked once;
-    ``file``: a file output, what it is), held until the command's :func:`job_scope` ends."""
+    ``file``: a file output of that kind), held until the command's :func:`job_scope` ends."""
     scope = _SCOPE.get()
     if scope is None:
         raise SurgeryError(f"internal: {out} claimed outside a command's job scope (runner.job_scope)")
     claim = scope.enter_context(output.claim(out, force, None if source is None else source.path, file=file,
                                              source_name=None if source is None else source.name))
     return claim
+
+
+@contextmanager
+def file_output(out, force: bool, kind: output.FileKind):
+    """A file written beside a command, by its caller once the command returned (the CLI's
+    ``--plot``): claimed as a command's output is (:func:`claim_output`), before the command's work,
+    and held for the block; yields the claim, which ``output.staged`` writes."""
+    with ExitStack() as scope:
+        token = _SCOPE.set(scope)
+        try:
+            claim = claim_output(out, force, None, kind)
+        finally:
+            _SCOPE.reset(token)
+        yield claim
 
 
 @dataclass
@@ -135,9 +149,9 @@ class Job:
 
     @classmethod
     def open(cls, src, out, *, force: bool = False, allow_pickle: bool = False, device: str = "auto",
-             file: str | None = None) -> Job:
-        """``src`` resolved, ``out`` claimed (:func:`claim_output`; ``file``: a file output, what it
-        is) and ``device`` chosen, before any work."""
+             file: output.FileKind | None = None) -> Job:
+        """``src`` resolved, ``out`` claimed (:func:`claim_output`; ``file``: a file output of that
+        kind) and ``device`` chosen, before any work."""
         source = Source.open(src, allow_pickle)
         return cls(source, claim_output(out, force, source, file), devices.choose(device))
 
