@@ -13,7 +13,8 @@ from .heal import print_heal_steps, say_heldout
 
 #: the heal flags prune takes, each help prefixed "heal: "; seq_len, batch_size and eval_samples are prune's
 #: own flags, which feed heal's options too (:data:`SHARED`)
-HEAL_FLAGS = ("steps", "rank", "lr", "target_modules", "grad_accum", "precision", "train")
+HEAL_FLAGS = ("steps", "rank", "lr", "target_modules", "grad_accum", "precision", "train", "objective", "temperature",
+              "ce_weight", "teacher")
 SHARED = ("seq_len", "batch_size", "eval_samples")
 HEALING = Flags(HealOptions, only=HEAL_FLAGS, prefix="heal: ")
 
