@@ -54,9 +54,10 @@ from ..io.texts import heldout_text, text_of
 from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
 from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_of, check_values  # noqa: F401
-from ..engine.teacher import Cut, Distillation
+from ..engine.teacher import Cut
 from ..engine.training import TrainConfig, heldout, heldout_ce, make_accelerator, objective_of, train
-from .heal_teacher import Teaching, check_teacher, find_original, kl_closed, objective as choose_objective
+from .heal_teacher import (Teaching, check_teacher, distill_with, find_original, kl_closed,
+                           objective as choose_objective)
 
 __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
            "make_accelerator", "require_lm", "target_pattern"]
@@ -214,9 +215,7 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts:
             model = get_peft_model(model, LoraConfig(r=opts.rank, lora_alpha=alpha, lora_dropout=0.0,
                                                      target_modules=pattern, fan_in_fan_out=conv1d))
         targets = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
-    goal = opts.objective or ("kd" if teacher is not None else "ce")
-    distillation = None if teacher is None else Distillation(teacher.over(model, params or ()), goal,
-                                                             opts.temperature, opts.ce_weight)
+    distillation, goal = distill_with(teacher, model, params or (), opts)
     result = train(model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
                    params=params, distillation=distillation, **training)
     report = HealReport(result.ce_before, result.ce_after, result.steps, result.tokens,

@@ -26,7 +26,7 @@ from ..core.errors import SurgeryError
 from ..core.options import HealOptions
 from ..engine.runner import Job
 from ..engine.sweep import CheckpointWork
-from ..engine.teacher import EVAL, Cut, Frozen, LayerCut, Teacher, cut_of
+from ..engine.teacher import EVAL, Cut, Distillation, Frozen, LayerCut, Teacher, cut_of
 from ..engine.training import heldout_ce
 from ..engine.writer import earlier_records
 from ..io.source import Source
@@ -62,6 +62,18 @@ class Original:
     teaching: Teaching | None = None
     reference: tuple | None = field(default=None, repr=False)  # (probe windows, the original's logits)
     why: str = "the input has no record of a prune"
+
+
+def distill_with(teacher: Teaching | None, model, trained, opts: HealOptions) -> tuple[Distillation | None, str]:
+    """(what the loop distils with, the objective): ``opts.objective``, default ``kd`` with a
+    ``teacher`` and ``ce`` without; the teacher made live over the student ``model`` whose
+    parameters ``trained`` train (None without one)."""
+    goal = opts.objective or ("kd" if teacher is not None else "ce")
+    if teacher is None:
+        if goal != "ce":
+            raise SurgeryError(f"objective {goal} distils from a teacher, and none was given")
+        return None, goal
+    return Distillation(teacher.over(model, trained), goal, opts.temperature, opts.ce_weight), goal
 
 
 def pruned_from(source: Source) -> dict | None:
