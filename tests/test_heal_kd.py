@@ -3,6 +3,7 @@ blocks kept, checked before training), given (--teacher), or none (ce); resume w
 the teacher's memory: only the cut blocks beside the student (LoRA), a frozen copy counted (full)."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -132,8 +133,10 @@ PEAK = textwrap.dedent("""
 
 
 def peak(objective: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", PEAK, objective], capture_output=True, text=True, timeout=600,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    # glibc's mmap threshold fixed: by default it rises as large blocks are freed, and what is freed
+    # below it stays resident, so the peak would depend on the order of the frees (noise of some MB)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    r = subprocess.run([sys.executable, "-c", PEAK, objective], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

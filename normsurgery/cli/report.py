@@ -285,11 +285,11 @@ def heal_line(report, seconds: float | None = None) -> str:
 
 def objective_words(report) -> str:
     """What healing minimised and why: "objective kd (KL to the teacher X at T 1): the default where ..."."""
-    o = getattr(report, "objective", "ce")
+    o, why = getattr(report, "objective", "ce"), getattr(report, "why", None)
     what = {"kd": "KL to the teacher", "ce": "cross-entropy on the text"}.get(o) or \
         f"KL to the teacher + {report.ce_weight:g} x cross-entropy"
     at = f" at T {report.temperature:g}" if o != "ce" else ""
-    return f"objective {o} ({what}{at})" + (f": {report.why}" if report.why else "")
+    return f"objective {o} ({what}{at})" + (f": {why}" if why else "")
 
 
 def how_trained(processes: int) -> str:
