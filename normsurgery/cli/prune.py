@@ -64,7 +64,7 @@ def built(options: Given, healing: Given, asked: PruneAsked) -> tuple[PruneOptio
     return opts, heal
 
 
-@command
+@command(preload=False)
 def prune(
     src: str = IN,
     out: Path = OUT,
@@ -75,13 +75,13 @@ def prune(
     json: bool = JSON,
 ):
     """Remove the layers that change the residual stream least; optionally heal; save."""
-    from ..commands.prune import prune as prune_checkpoint
-
     opts, heal = built(options, healing, asked)
     if asked.plot is not None and asked.plot.is_dir():
         raise SurgeryError(f"--plot {asked.plot} is a folder; give a .png file name")
     body, held_text = read_text(asked.text), read_text(asked.eval_text)
     with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
+        from ..commands.prune import prune as prune_checkpoint
+
         r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=heal, io=run, progress=progress)
     if r.saved is None:  # a secondary process of a distributed heal
         return

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from ..core import algebra, calibration, devices, memory
+from . import GGUF_FILE
 from ..io import modelcard
 from ..engine.check import source_reader
 from ..io.source import Source
@@ -79,8 +80,6 @@ LOG_FLOOR = -80.0
 #: llama.cpp gives float32's lowest for a probability that is zero: clamped to the log of its least subnormal
 LEAST = math.log(2.0 ** -149)
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
-#: what the output is, said where it names a folder (``output.check_file``)
-FILE = "GGUF is one file (name it OUT.gguf)"
 
 
 def require_gguf() -> None:
@@ -325,7 +324,7 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
     text = text_of(text)
     if dtype not in GGUF_DTYPES:
         raise SurgeryError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
-    job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device, file=FILE)
+    job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device, file=GGUF_FILE)
     source, dest = job.source, job.out
     p, model = gguf_plan(source)
     voc = vocab(source)
