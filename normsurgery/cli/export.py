@@ -105,7 +105,8 @@ def _gguf(a: Asked) -> None:
         + ("equal transformers'" if g["equal"] else f"equal transformers' up to the first difference: {g['agree']:.0%}")
         + f"; the text's {r.tokenizer['tokens']} tokens equal transformers'")
     say_device(p.device)
-    say(f"saved {r.saved['path']} ({r.saved['bytes']:,} bytes): llama.cpp architecture {r.arch}, {r.dtype.upper()}"
+    say(f"saved {r.saved['path']} ({r.saved['bytes']:,} bytes): llama.cpp architecture {r.arch}, matrices in "
+        f"{r.dtype.upper()}" + (" (--dtype auto: the checkpoint's type)" if dtype == "auto" else "")
         + (", norms removed (eps trick: eps 1e12, gains 1e6)" if r.eps_trick else "")
         + f"; card {r.saved['card']}")
 

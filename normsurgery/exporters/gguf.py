@@ -60,7 +60,7 @@ from ..io import modelcard
 from ..engine.check import source_reader
 from ..io.source import Source
 from ..core.errors import SurgeryError
-from .gguf_write import Plan, gguf_plan, qtype, rounded, vocab, write
+from .gguf_write import Plan, file_dtype, gguf_plan, qtype, rounded, vocab, write
 from ..core.options import GGUF_DTYPES, ExportOptions
 from ..engine.runner import Job, job_scope
 from ..core.parity import Comparison, HeadInput, probe_ids
@@ -311,7 +311,8 @@ class Exported:
 def export(src, dest, options: ExportOptions | None = None, *, text: str | None = None,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
     """``src`` written to the file ``dest`` in GGUF and checked in llama.cpp (module docstring),
-    with ``options`` (``ExportOptions``: ``dtype``, None: ``GGUF_DTYPES[0]``), transformers' side
+    with ``options`` (``ExportOptions``: ``dtype``, None: ``GGUF_DTYPES[0]``, auto: the checkpoint's
+    storage type, ``gguf_write.file_dtype``), transformers' side
     computed on its ``device`` (llama.cpp's on the CPU); raises SurgeryError,
     leaving nothing (no file, no folder), when the check fails. The output is claimed as a file by
     the one runner (``runner.Job``) and written into its stage: the file appears only once checked,
@@ -326,6 +327,7 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
         raise SurgeryError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
     job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device, file=GGUF_FILE)
     source, dest = job.source, job.out
+    dtype = file_dtype(dtype, source.storage)
     p, model = gguf_plan(source)
     voc = vocab(source)
     with job.staged() as stage:
