@@ -56,3 +56,27 @@ def test_an_output_inside_the_input_is_refused_before_torch_loads(tmp_path):
     assert "EXIT 1" in r.stdout and "is inside the input checkpoint" in r.stderr, r.stdout + r.stderr
     assert "IMPORTED []" in r.stdout, r.stdout
     assert not (Path(LLAMA) / "inside").exists()
+
+
+def test_the_runners_claim_within_the_clis_is_the_same_claim(tmp_path):
+    """The CLI's claim (``ahead``, before the input is resolved) is the claim the command's job
+    makes within it, not checked again but for the input the CLI could not resolve (a hub id): an
+    output inside the input's folder is still refused there; other terms are a bug of ours."""
+    from normsurgery.core.errors import SurgeryError
+    from normsurgery.io import output
+
+    src, out = tmp_path / "snapshot", tmp_path / "snapshot" / "out"
+    src.mkdir()
+    with output.claim(out, False, None, source_name="owner/model", ahead=True) as ahead:
+        with output.claim(out, False, None) as inner:
+            assert inner is ahead
+        with pytest.raises(SurgeryError, match="is inside the input checkpoint owner/model"):
+            with output.claim(out, False, src, source_name="owner/model"):
+                pass
+        with pytest.raises(SurgeryError, match="internal: .* claimed twice"):
+            with output.claim(out, True, None):
+                pass
+    with output.claim(out, False, None):  # not ahead: a second claim is a bug of ours
+        with pytest.raises(SurgeryError, match="internal: .* claimed twice"):
+            with output.claim(out, False, None):
+                pass
