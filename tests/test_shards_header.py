@@ -1,7 +1,8 @@
 """Safetensors headers are refused as the safetensors library refuses them (issue 54, item 2): each
 file here is built by hand (8-byte little-endian header length, the JSON header, the data), and
-``io.shards.read_header`` must refuse it in one line naming the file and the tensor exactly when
-``safetensors.safe_open`` refuses the same bytes; a good file is read alike by both."""
+``io.shards.read_header`` must refuse it in one line naming the file and the tensor wherever
+``safetensors.safe_open`` refuses the same bytes; a good file is read alike by both. One refusal
+is ours alone: a name given twice (the library keeps the last)."""
 
 import json
 import struct
@@ -87,6 +88,7 @@ BAD_FILE = {
     "NaN": ('{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 8]}}', bytes(8), "NaN"),
     "a UTF-8 byte-order mark": ("\ufeff" + json.dumps({"a": A}), bytes(8), "BOM"),
     "a list": ("[]", b"", "not a JSON object"),
+    "nested too deep": ('{"__metadata__": ' + "[" * 5000 + "]" * 5000 + "}", b"", "recursion"),
 }
 
 
@@ -94,6 +96,16 @@ BAD_FILE = {
 def test_a_file_the_library_refuses_is_refused(tmp_path, case):
     header, data, why = BAD_FILE[case]
     assert why in refused(write(tmp_path / "model.safetensors", header, data))
+
+
+def test_a_name_given_twice_is_refused_where_the_library_keeps_the_last(tmp_path):
+    """Two entries of one name: the library reads the last (and would refuse this one had the
+    ranges differed); we refuse it, as the ambiguity it is."""
+    path = write(tmp_path / "model.safetensors", '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                 '"a": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]}}', bytes(8))
+    assert not library_refuses(path)
+    with pytest.raises(SurgeryError, match=r"model.safetensors is not a valid safetensors file \('a' is given twice\)"):
+        read_header(path)
 
 
 def test_a_header_over_the_librarys_limit_is_refused(tmp_path):

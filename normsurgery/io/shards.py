@@ -72,7 +72,7 @@ def read_header(f: Path) -> tuple[dict, int]:
         for key, v in header.items():
             if v["dtype"] not in DTYPES:
                 raise ValueError(f"tensor {key!r} has dtype {v['dtype']}, which normsurgery cannot read")
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeError, RecursionError) as e:
         raise SurgeryError(f"{f} is not a valid safetensors file ({e})") from None
     return header, 8 + n
 
