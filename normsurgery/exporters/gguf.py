@@ -60,7 +60,7 @@ from ..io import modelcard
 from ..engine.check import source_reader
 from ..io.source import Source
 from ..core.errors import SurgeryError
-from .gguf_write import Plan, file_dtype, gguf_plan, qtype, rounded, vocab, write
+from .gguf_write import Plan, gguf_plan, qtype, rounded, vocab, write
 from ..core.options import GGUF_DTYPES, ExportOptions
 from ..engine.runner import Job, job_scope
 from ..core.parity import Comparison, HeadInput, probe_ids
@@ -307,12 +307,21 @@ class Exported:
                 "tokenizer": self.tokenizer, "llama_cpp": self.llama_cpp, "ok": self.parity.ok}
 
 
+#: --dtype auto: the type the checkpoint stores its weights in (float64, which no GGUF matrix type holds: F32)
+STORED = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f32"}
+
+
+def file_dtype(dtype: str, storage: torch.dtype) -> str:
+    """The matrices' type of ``--dtype dtype`` for a checkpoint stored in ``storage``: ``auto`` its own."""
+    return STORED[storage] if dtype == "auto" else dtype
+
+
 @job_scope
 def export(src, dest, options: ExportOptions | None = None, *, text: str | None = None,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
     """``src`` written to the file ``dest`` in GGUF and checked in llama.cpp (module docstring),
     with ``options`` (``ExportOptions``: ``dtype``, None: ``GGUF_DTYPES[0]``, auto: the checkpoint's
-    storage type, ``gguf_write.file_dtype``), transformers' side
+    storage type, :func:`file_dtype`), transformers' side
     computed on its ``device`` (llama.cpp's on the CPU); raises SurgeryError,
     leaving nothing (no file, no folder), when the check fails. The output is claimed as a file by
     the one runner (``runner.Job``) and written into its stage: the file appears only once checked,

@@ -299,15 +299,6 @@ def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- storage types
 
 
-#: --dtype auto: the type the checkpoint stores its weights in (float64, which no GGUF matrix type holds: F32)
-STORED = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f32"}
-
-
-def file_dtype(dtype: str, storage: torch.dtype) -> str:
-    """The matrices' type of ``--dtype dtype`` for a checkpoint stored in ``storage``: ``auto`` its own."""
-    return STORED[storage] if dtype == "auto" else dtype
-
-
 def qtype(dtype: str, shape: tuple[int, ...]):
     """The GGML type a tensor is stored in: 1-D tensors (norms, biases) F32; matrices in ``dtype``
     (Q8_0 needs rows of whole 32-value blocks: F16 otherwise)."""
