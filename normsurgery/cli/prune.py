@@ -64,7 +64,7 @@ def built(options: Given, healing: Given, asked: PruneAsked) -> tuple[PruneOptio
     return opts, heal
 
 
-@command
+@command(preload=False)
 def prune(
     src: str = IN,
     out: Path = OUT,
@@ -75,13 +75,13 @@ def prune(
     json: bool = JSON,
 ):
     """Remove the layers that change the residual stream least; optionally heal; save."""
-    from ..commands.prune import prune as prune_checkpoint
-    from .report import plot_scores, plotting
-
     opts, heal = built(options, healing, asked)
     body, held_text = read_text(asked.text), read_text(asked.eval_text)
-    with (claimed(src, out, run.force, run.allow_pickle) as source, plotting(asked.plot, run.force, out) as draw,
-          progress_bar(not json) as progress):
+    with claimed(src, out, run.force, run.allow_pickle) as source, plotting(asked.plot, run.force, out) as draw, \
+            progress_bar(not json) as progress:
+        from ..commands.prune import prune as prune_checkpoint
+        from .report import plot_scores
+
         r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=heal, io=run, progress=progress)
         if r.saved is None:  # a secondary process of a distributed heal
             return

@@ -82,7 +82,8 @@ def process_state():
 
 def claim_output(out, force: bool, source: Source | None, file: output.FileKind | None = None) -> output.Claim:
     """The one place a command claims its output ``out`` (``output.claim``: locked, checked once;
-    ``file``: a file output of that kind), held until the command's :func:`job_scope` ends."""
+    ``file``: a file output of that kind), held until the command's :func:`job_scope` ends. Under
+    the CLI, which claimed ``out`` before torch loaded (``cli.app.claimed``), it is that claim."""
     scope = _SCOPE.get()
     if scope is None:
         raise SurgeryError(f"internal: {out} claimed outside a command's job scope (runner.job_scope)")
