@@ -77,16 +77,17 @@ def prune(
     """Remove the layers that change the residual stream least; optionally heal; save."""
     opts, heal = built(options, healing, asked)
     body, held_text = read_text(asked.text), read_text(asked.eval_text)
-    with claimed(src, out, run.force, run.allow_pickle) as source, plotting(asked.plot, run.force, out) as draw, \
-            progress_bar(not json) as progress:
+    with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
         from ..commands.prune import prune as prune_checkpoint
-        from .report import plot_scores
+        from .report import plot_scores, plotting
 
-        r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=heal, io=run, progress=progress)
-        if r.saved is None:  # a secondary process of a distributed heal
-            return
-        if draw is not None and r.scores is not None:
-            draw(plot_scores(r.selection, r.scores))
+        with plotting(asked.plot, run.force, out) as draw:
+            r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=heal, io=run,
+                                 progress=progress)
+            if r.saved is None:  # a secondary process of a distributed heal
+                return
+            if draw is not None and r.scores is not None:
+                draw(plot_scores(r.selection, r.scores))
     say_pruned(r, asked.plot if r.scores is not None else None, json)
 
 
