@@ -54,6 +54,24 @@ def test_merged_adapters_are_a_plain_checkpoint_with_ties_kept(family, tmp_path)
     assert heldout_ce(plain, held, mask_token_id=mask_id) == pytest.approx(report.ce_after, abs=1e-4)
 
 
+def test_lora_is_drawn_from_its_seed_and_the_callers_generator_given_back():
+    """LoRA's A is drawn from torch's global generator, seeded by ``opts.seed``: the same adapter
+    whatever the caller drew before, and the caller's generator given back as it was (issue 54:
+    ``torch.manual_seed`` left it reset)."""
+    stream, held = token_ids(1, 2000, seed=1)[0], token_ids(4, 32, seed=2)
+    opts = HealOptions(steps=1, seq_len=32, batch_size=2, rank=2, lr=1e-3, save_adapter=True)
+    adapters = []
+    for seed in (1, 2):
+        model = tiny_model("llama", torch.float32)  # which seeds the generator itself
+        torch.manual_seed(seed)
+        before = torch.random.get_rng_state()
+        model, _ = heal_model(model, stream, held, opts)
+        assert torch.equal(torch.random.get_rng_state(), before)
+        adapters.append({n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n})
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
+
+
 def test_target_modules_by_name_stay_inside_the_blocks():
     model = tiny_model("llama", torch.float32)
     assert target_pattern(model, ["q_proj", "down_proj"]) == r"model\.layers\.\d+\.(mlp\.down_proj|self_attn\.q_proj)"

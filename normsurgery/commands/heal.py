@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ..core import algebra
+from ..core import algebra, devices
 from ..core.calibration import windows
 from ..core.errors import SurgeryError
 from ..io.source import Source
@@ -193,8 +193,10 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts:
     else:
         pattern = target_pattern(model, opts.target_modules)
         conv1d = any(isinstance(m, Conv1D) for n, m in model.named_modules() if re.fullmatch(pattern, n))
-        torch.manual_seed(opts.seed)
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        # LoRA's A is drawn from the global generator: seeded, then the caller's put back
+        with devices.rng_kept(devices.of(model)), warnings.catch_warnings():
+            torch.manual_seed(opts.seed)
+            # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             model = get_peft_model(model, LoraConfig(r=opts.rank, lora_alpha=alpha, lora_dropout=0.0,
                                                      target_modules=pattern, fan_in_fan_out=conv1d))

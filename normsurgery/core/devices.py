@@ -210,6 +210,17 @@ def rng_state() -> dict:
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
+def rng_kept(device):
+    """A block whose draws from torch's global generators (a seeded training's, LoRA's
+    initialisation) leave them as it found them: the CPU's, and ``device``'s where a GPU (only
+    that one: forking every GPU's would wake each of them in every process)."""
+    import torch
+
+    device = torch.device(device)
+    gpu = [device.index if device.index is not None else torch.cuda.current_device()] if is_gpu(device) else []
+    return torch.random.fork_rng(devices=gpu, device_type="cuda")
+
+
 def restore_rng(state: dict) -> None:
     """The generators as :func:`rng_state` kept them (the GPUs' where both runs have them)."""
     import torch

@@ -254,7 +254,9 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     :class:`Training` (objective, mask_token_id, on_step, params, progress, accelerator, extra_loss).
 
     Training runs on the accelerator's device, sharded over its processes where FSDP is asked
-    (``devices.sharding``); the model is given back whole, on the device it was found on.
+    (``devices.sharding``); the model is given back whole, on the device it was found on, and
+    torch's global generators, which the loop seeds (``config.seed``) or a resumed run restores,
+    as they were found.
     """
     run = Training(**given)
     config = TrainConfig(**config) if isinstance(config, dict) else config
@@ -282,7 +284,8 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     shards = Shards(model, policy) if sharded else None
     try:
         params = [p for n, p in model.named_parameters() if n in names]
-        return _Loop(model, acc, (train_ids, heldout), config, run, params, shards).run()
+        with devices.rng_kept(acc.device):  # the loop seeds them (dropout): the caller's put back
+            return _Loop(model, acc, (train_ids, heldout), config, run, params, shards).run()
     finally:
         acc.free_memory()  # its references to this training's optimizer (and moments) and wrapped model
         if shards:
