@@ -21,7 +21,7 @@ it (``devices.sharding``): then each block, and the whole model, are wrapped wit
 ``fully_shard`` for the steps (``processes.Shards``), each process holding 1/N of the weights,
 gradients and AdamW moments, and every process is given the whole model back after them. Only
 the main process writes the state (a sharded run: each process its shard) and reports progress.
-The model trains on the accelerator's device (the one ``devices.choose`` made current) and is
+The model trains on the accelerator's device (the one ``runner.choose_device`` made current) and is
 given back where it was found. Precision
 (``devices.PRECISIONS``): ``auto`` is bf16 autocast on a GPU that supports it, float32 elsewhere.
 """
