@@ -226,6 +226,37 @@ def test_train_full_changes_linears_and_counts_every_parameter():
     assert any(n.endswith("q_proj.weight") for n in changed) and any(n.endswith("down_proj.weight") for n in changed)
 
 
+@pytest.mark.parametrize("train", ["lora", "norms", "full"])
+def test_the_json_says_what_the_table_says(train, tmp_path):
+    """Issue 54.10: ``--json`` (the record's heal entry, ``summary``) carries every fact the table's
+    line (``heal_line``) prints, and no LoRA rank or alpha where no LoRA trained (``--train full``
+    reported rank 8 and alpha 16); how it trained over the processes (sharded, FSDP2) is checked
+    on a report of two processes, as a sharded run's would be."""
+    from normsurgery.cli.report import heal_line
+    from normsurgery.commands.heal import summary
+
+    text = open(SAMPLE).read()[:20000]
+    r = run("heal", LLAMA, tmp_path / "out", "--text", SAMPLE, "--train", train, "--steps", "1", "--batch-size", "2",
+            "--seq-len", "16", "--eval-samples", "2", "--json")
+    assert r.exit_code == 0, r.output
+    facts = json.loads(r.stdout)["heal"]
+    report = ns.heal(LLAMA, tmp_path / "api", text, options={"train": train, "steps": 1, "batch_size": 2,
+                                                             "seq_len": 16, "eval_samples": 2}).report
+    line = heal_line(report)
+    assert f"healed: {facts['steps']} steps, {facts['tokens']} tokens" in line
+    assert f"{facts['trainable_parameters']} trainable parameters" in line
+    assert f"1 process, precision {'fp32' if facts['mixed_precision'] == 'no' else facts['mixed_precision']}" in line
+    assert facts["train"] == train and facts["processes"] == 1 and facts["sharded"] is False
+    what = {"lora": f"LoRA rank {facts.get('rank')} on {facts.get('target_modules')} linears",
+            "norms": f"norms only ({facts.get('target_modules')} norms)", "full": "every parameter"}[train]
+    assert f"; {what}," in line
+    unused = {"lora": set(), "norms": {"rank", "alpha"}, "full": {"rank", "alpha", "target_modules"}}[train]
+    assert not unused & facts.keys() and not unused & summary(report).keys()
+    report.processes, report.sharded = 2, True
+    assert "sharded (FSDP2) over 2 processes" in heal_line(report)
+    assert summary(report)["processes"] == 2 and summary(report)["sharded"] is True
+
+
 def test_cli_train_choice(tmp_path):
     bad = run("heal", LLAMA, tmp_path / "a", "--text", SAMPLE, "--train", "bias")
     assert bad.exit_code == 2 and "--train 'bias'" in bad.output and not (tmp_path / "a").exists()

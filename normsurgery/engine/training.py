@@ -122,6 +122,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # mean training loss of each step
     curve: list[dict] = field(default_factory=list)  # one row per evaluation
     cap: int | None = None  # the steps allowed, when training stopped before them (held-out CE stopped improving)
+    sharded: bool = False  # the training state sharded over the processes (FSDP2), not data-parallel
 
     @property
     def tokens_per_second(self) -> float:
@@ -429,7 +430,8 @@ class _Loop:
         ran = len(self.losses)
         return TrainResult(ran, ran * self.tokens_per_step, seconds, self.procs, self.acc.mixed_precision,
                            self.ce_before, self.curve[-1]["heldout_ce"], sum(p.numel() for p in self.params),
-                           self.resumed, self.losses, self.curve, cap=config.steps if ran < config.steps else None)
+                           self.resumed, self.losses, self.curve, cap=config.steps if ran < config.steps else None,
+                           sharded=self.shards is not None)
 
 
 def plateaued(curve: list[dict], settle: int, patience: int, min_delta: float) -> bool:
