@@ -118,11 +118,12 @@ def calls(tmp: Path) -> dict:
         "lens": lambda: ns.lens(GPT2),
         "load": lambda: ns.load(LLAMA),
         "save": lambda model=ns.load(LLAMA): ns.save(model, tmp / "save"),
+        "apply_passes": lambda model=ns.load(LLAMA): ns.apply_passes(model, [("flashnorm", {})]),
     }
 
 
 ENTRY_POINTS = ["convert", "verify", "outliers", "prune", "heal", "squeeze", "export onnx", "export gguf", "lens",
-                "load", "save"]
+                "load", "save", "apply_passes"]
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
