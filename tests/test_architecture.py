@@ -145,9 +145,10 @@ def calls(name: str) -> list[str]:
 
 def test_one_way_out_every_output_claimed_and_carded_in_one_place():
     """Every writer goes through the runner: an output is claimed (locked and checked) at one call
-    site, ``runner.claim_output``; only ``output.claim`` checks it; the cards are written by
+    site, ``runner.claim_output`` (the CLI claims it ahead, before torch loads, and the runner's claim
+    is that one: ``cli.app.claimed``); only ``output.claim`` checks it; the cards are written by
     ``output.staged`` alone (a writer asks its stage for one); only ``output`` moves a stage into place."""
-    assert calls("claim") == ["normsurgery.engine.runner:claim_output"]
+    assert calls("claim") == ["normsurgery.cli.app:claimed", "normsurgery.engine.runner:claim_output"]
     assert calls("check_output") == ["normsurgery.io.output:claim"]
     assert calls("_write_cards") == ["normsurgery.io.output:staged"]
 

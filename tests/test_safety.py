@@ -193,6 +193,7 @@ def test_a_plot_is_claimed_and_replaced_as_any_output(tmp_path):
     r = prune_plot(tmp_path, png)
     assert r.exit_code == 0 and f"plot: {png}" in r.output and png_marked(png), r.output
     first = png.stat().st_ino
+    shutil.rmtree(pruned)  # the output is checked first (its refusal would come before the plot's)
     assert_refused(prune_plot(tmp_path, png), match=f"output {png} already exists; pass --force to replace it")
     assert png.stat().st_ino == first
     assert prune_plot(tmp_path, png, "--force").exit_code == 0

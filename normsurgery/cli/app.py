@@ -14,6 +14,7 @@ import signal
 import sys
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn, Optional
 
 import typer
@@ -22,6 +23,7 @@ from .. import __version__
 from ..core import threads
 from ..engine import launch
 from ..io import output
+from ..io.ours import FileKind
 from ..core.options import AT_LEAST
 from .flags import expand
 from ..core.errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryNote, SurgeryWarning, UsageError
@@ -212,13 +214,13 @@ def read_text(path) -> str | None:
 
 
 @contextmanager
-def claimed(src: str, out, force: bool, allow_pickle: bool = False):
-    """For the whole command: ``out`` locked before torch loads or anything is read, so a second
-    run stops at once; the API's job claims it within this lock (``runner.claim_output``: checked
-    once, what killed runs left cleared and noted). Yields ``src`` read (``source.Source``)."""
-    from ..io.output import output_lock
-
-    with output_lock(out):  # before loading torch or reading anything: a second run stops at once
+def claimed(src: str, out, force: bool, allow_pickle: bool = False, file: FileKind | None = None):
+    """For the whole command: ``out`` claimed (``output.claim``: locked and checked; ``file``: a
+    file output, what it is) before torch loads or anything is read, so a refused output or a
+    second run answers at once; the API's job claims it within this claim (``runner.claim_output``:
+    the same claim, not checked again). Yields ``src`` read (``source.Source``)."""
+    local = Path(src).expanduser()
+    with output.claim(out, force, local if local.is_dir() else None, file=file, source_name=str(src), ahead=True):
         load_transformers()
         from ..io.source import Source
 

@@ -65,7 +65,7 @@ def built(options: Given, healing: Given, asked: PruneAsked) -> tuple[PruneOptio
     return opts, heal
 
 
-@command
+@command(preload=False)
 def prune(
     src: str = IN,
     out: Path = OUT,
@@ -76,18 +76,19 @@ def prune(
     json: bool = JSON,
 ):
     """Remove the layers that change the residual stream least; optionally heal; save."""
-    from ..commands.prune import prune as prune_checkpoint
-    from .report import plot_scores, plotting
-
     opts, heal = built(options, healing, asked)
     body, held_text = read_text(asked.text), read_text(asked.eval_text)
-    with (claimed(src, out, run.force, run.allow_pickle) as source, plotting(asked.plot, run.force, out) as draw,
-          progress_bar(not json) as progress):
-        r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=heal, io=run, progress=progress)
-        if r.saved is None:  # a secondary process of a distributed heal
-            return
-        if draw is not None and r.scores is not None:
-            draw(plot_scores(r.selection, r.scores))
+    with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
+        from ..commands.prune import prune as prune_checkpoint
+        from .report import plot_scores, plotting
+
+        with plotting(asked.plot, run.force, out) as draw:
+            r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=heal, io=run,
+                                 progress=progress)
+            if r.saved is None:  # a secondary process of a distributed heal
+                return
+            if draw is not None and r.scores is not None:
+                draw(plot_scores(r.selection, r.scores))
     say_pruned(r, asked.plot if r.scores is not None else None, json)
 
 

@@ -278,7 +278,7 @@ def heal_line(report, seconds: float | None = None) -> str:
     what = {"lora": f"LoRA rank {report.rank} on {report.target_modules} linears",
             "norms": f"norms only ({report.target_modules} norms)", "full": "every parameter"}[report.train]
     return (f"healed: {report.steps} steps, {report.tokens} tokens in {report.seconds:.1f} s "
-            f"({report.tokens_per_second:.0f} tokens/s, {how_trained(report.processes)}, precision "
+            f"({report.tokens_per_second:.0f} tokens/s, {how_trained(report.processes, report.sharded)}, precision "
             f"{precision}); {what}, "
             f"{report.trainable_parameters} trainable parameters; {objective_words(report)}{share}")
 
@@ -292,14 +292,12 @@ def objective_words(report) -> str:
     return f"objective {o} ({what}{at})" + (f": {why}" if why else "")
 
 
-def how_trained(processes: int) -> str:
+def how_trained(processes: int, sharded: bool) -> str:
     """How the training ran: "1 process", "data-parallel over N processes" (each holding the whole
-    training state) or "sharded (FSDP2) over N processes" (``devices.sharding``: as it was asked)."""
-    from ..core.devices import sharding
-
+    training state) or "sharded (FSDP2) over N processes" (``sharded``: as the training reports it)."""
     if processes <= 1:
         return "1 process"
-    return f"{'sharded (FSDP2)' if sharding() else 'data-parallel'} over {processes} processes"
+    return f"{'sharded (FSDP2)' if sharded else 'data-parallel'} over {processes} processes"
 
 
 OVERFIT_EPOCHS = 4

@@ -59,8 +59,9 @@ PROBE_GENERATE = 16
 OUTLIER_SAMPLES = 8
 #: export --to (``export``)
 FORMATS = ("onnx", "gguf", "nemotron-nas")
-#: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32)
-GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+#: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32); auto: the
+#: checkpoint's own (bf16 stays BF16, f16 F16, f32 F32), as llama.cpp's converter keeps the input's precision
+GGUF_DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 #: export (ONNX): weights above this many bytes go to external data, model.onnx_data (protobuf caps a file at 2 GB)
 EXTERNAL_BYTES = 1 << 30
 #: export --with-past: greedy tokens generated through the key/value cache, compared with ``generate``'s
@@ -439,7 +440,8 @@ class ExportOptions(Reading):
                          "files)", given=False)
     to: str = option(FORMATS[0], "{choices}", names=("--to", "--format"), metavar="FORMAT", choices=FORMATS,
                      required=True)
-    dtype: str | None = option(None, "GGUF: the matrices' type, {choices} (default {GGUF_DTYPE})", metavar="TYPE",
+    dtype: str | None = option(None, "GGUF: the matrices' type, {choices} (default {GGUF_DTYPE}: the checkpoint's, bf16 as BF16, "
+                               "f16 as F16, f32 as F32)", metavar="TYPE",
                                choices=GGUF_DTYPES)  # None: GGUF_DTYPES[0] (a GGUF option only)
     external_data: bool | None = option(None, "weights beside the graph in model.onnx_data (default: when they "
                                         "exceed {EXTERNAL_SIZE})", names=("--external-data/--no-external-data",))

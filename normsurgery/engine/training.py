@@ -21,7 +21,7 @@ it (``devices.sharding``): then each block, and the whole model, are wrapped wit
 ``fully_shard`` for the steps (``processes.Shards``), each process holding 1/N of the weights,
 gradients and AdamW moments, and every process is given the whole model back after them. Only
 the main process writes the state (a sharded run: each process its shard) and reports progress.
-The model trains on the accelerator's device (the one ``devices.choose`` made current) and is
+The model trains on the accelerator's device (the one ``runner.choose_device`` made current) and is
 given back where it was found. Precision
 (``devices.PRECISIONS``): ``auto`` is bf16 autocast on a GPU that supports it, float32 elsewhere.
 """
@@ -122,6 +122,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # mean training loss of each step
     curve: list[dict] = field(default_factory=list)  # one row per evaluation
     cap: int | None = None  # the steps allowed, when training stopped before them (held-out CE stopped improving)
+    sharded: bool = False  # the training state sharded over the processes (FSDP2), not data-parallel
     kl_before: float | None = None  # held-out KL(teacher || model), where a teacher is given
     kl_after: float | None = None
 
@@ -278,7 +279,9 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     :class:`Training` (objective, mask_token_id, on_step, params, progress, accelerator, extra_loss).
 
     Training runs on the accelerator's device, sharded over its processes where FSDP is asked
-    (``devices.sharding``); the model is given back whole, on the device it was found on.
+    (``devices.sharding``); the model is given back whole, on the device it was found on, and
+    torch's global generators, which the loop seeds (``config.seed``) or a resumed run restores,
+    as they were found.
     """
     run = Training(**given)
     config = TrainConfig(**config) if isinstance(config, dict) else config
@@ -310,7 +313,8 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     shards = Shards(model, policy) if sharded else None
     try:
         params = [p for n, p in model.named_parameters() if n in names]
-        return _Loop(model, acc, (train_ids, heldout), config, run, params, shards).run()
+        with devices.rng_kept(acc.device):  # the loop seeds them (dropout): the caller's put back
+            return _Loop(model, acc, (train_ids, heldout), config, run, params, shards).run()
     finally:
         acc.free_memory()  # its references to this training's optimizer (and moments) and wrapped model
         if shards:
@@ -460,7 +464,7 @@ class _Loop:
         return TrainResult(ran, ran * self.tokens_per_step, seconds, self.procs, self.acc.mixed_precision,
                            first["heldout_ce"], last["heldout_ce"], sum(p.numel() for p in self.params),
                            self.resumed, self.losses, self.curve, config.steps if ran < config.steps else None,
-                           first.get("heldout_kl"), last.get("heldout_kl"))
+                           self.shards is not None, first.get("heldout_kl"), last.get("heldout_kl"))
 
 
 def _objective_key(run: Training) -> str:

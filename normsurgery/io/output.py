@@ -55,6 +55,8 @@ class Claim:
     force: bool
     file: FileKind | None = None  # a file output (``ours.GGUF``, ``ours.PLOT``), else a folder
     stale: list[str] = field(default_factory=list)  # leftovers of killed runs, removed
+    source: Path | None = None  # the input folder it was checked against
+    ahead: bool = False  # claimed by the CLI before torch loaded (:func:`claim`)
 
 
 @dataclass
@@ -79,21 +81,29 @@ _CLAIMS: dict[str, Claim] = {}
 
 @contextmanager
 def claim(out, force: bool = False, source: Path | None = None, *, file: FileKind | None = None,
-          source_name: str | None = None):
+          source_name: str | None = None, ahead: bool = False):
     """Yields the :class:`Claim` of ``out`` for the block: locked against a second run
     (:func:`output_lock`) and checked once, before any work (:func:`check_output`; ``file``: a file
-    output, :func:`check_file`); what killed runs left is removed and said (a ``SurgeryNote``). Within
-    the CLI's early lock of the same output (:func:`output_lock` is re-entrant)."""
+    output, :func:`check_file`); what killed runs left is removed and said (a ``SurgeryNote``).
+    ``ahead``: the CLI's claim, made before torch loads (``cli.app.claimed``: the checks answer at
+    once); the command's own claim of ``out`` within it is that claim, not checked again (only
+    its relation to the input, where the CLI could not resolve the input: a hub id)."""
     out = Path(out).expanduser()
     with output_lock(out):
         key = _key(out)
-        if key in _CLAIMS:
-            raise SurgeryError(f"internal: {out} is claimed twice by one process")
+        held = _CLAIMS.get(key)
+        if held is not None:
+            if not held.ahead or (held.force, held.file) != (force, file):
+                raise SurgeryError(f"internal: {out} is claimed twice by one process")
+            if source is not None and held.source is None:
+                _refuse_input(out, Path(source), source_name or str(source), file)
+            yield held
+            return
         stale = (check_file(out, force, source, source_name or str(source), file) if file
                  else check_output(out, force, source))
         for line in stale:
             warnings.warn(f"{line} (left by a run that was killed)", SurgeryNote, stacklevel=3)
-        _CLAIMS[key] = Claim(out, force, file, stale)
+        _CLAIMS[key] = Claim(out, force, file, stale, source, ahead)
         try:
             yield _CLAIMS[key]
         finally:
@@ -176,14 +186,7 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> list[str
     target = out.resolve()
     stale = remove_stale(out)
     if source is not None:
-        src = Path(source).resolve()
-        if target == src:
-            raise SurgeryError(f"output {out} is the input checkpoint; choose another folder")
-        if src in target.parents:
-            raise SurgeryError(f"output {out} is inside the input checkpoint {source}; choose a folder outside it")
-        if target in src.parents:
-            raise SurgeryError(f"output {out} holds the input checkpoint {source}: replacing it would delete "
-                               "the input; choose another folder")
+        _refuse_input(out, Path(source), str(source))
     cwd = Path.cwd().resolve()
     if target == cwd or target in cwd.parents:
         raise SurgeryError(f"output {out} is the current folder or holds it; run from elsewhere or name "
@@ -211,8 +214,8 @@ def check_file(out: Path, force: bool, source: Path | None, source_name: str, ki
     stale = remove_stale(out)
     if out.is_dir():
         raise SurgeryError(f"output {out} is a folder; {kind.what}")
-    if source is not None and Path(source).resolve() in out.resolve().parents:
-        raise SurgeryError(f"output {out} is inside the input checkpoint {source_name}; choose a file outside it")
+    if source is not None:
+        _refuse_input(out, Path(source), source_name, kind)
     foreign = kind.not_ours(out)
     if foreign is not None:
         raise SurgeryError(f"{foreign[0]} exists and {foreign[1]}; normsurgery replaces only what it wrote, "
@@ -221,6 +224,23 @@ def check_file(out: Path, force: bool, source: Path | None, source_name: str, ki
         raise SurgeryError(f"output {out} already exists; pass --force to replace it")
     _check_writable(out, out.resolve().parent)
     return stale
+
+
+def _refuse_input(out: Path, source: Path, name: str, file: FileKind | None = None) -> None:
+    """Refuse an output that would overwrite the input folder ``source`` (``name``, as the user gave
+    it): a folder (``file`` None) that is it, lies inside it or holds it; a file inside it."""
+    target, src = out.resolve(), source.resolve()
+    if file is not None:
+        if src in target.parents:
+            raise SurgeryError(f"output {out} is inside the input checkpoint {name}; choose a file outside it")
+        return
+    if target == src:
+        raise SurgeryError(f"output {out} is the input checkpoint; choose another folder")
+    if src in target.parents:
+        raise SurgeryError(f"output {out} is inside the input checkpoint {name}; choose a folder outside it")
+    if target in src.parents:
+        raise SurgeryError(f"output {out} holds the input checkpoint {name}: replacing it would delete "
+                           "the input; choose another folder")
 
 
 def _not_a_checkpoint(folder: Path, source: Path | None = None) -> str | None:
