@@ -57,7 +57,7 @@ from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_o
 from ..engine.teacher import Cut
 from ..engine.training import TrainConfig, heldout, heldout_ce, make_accelerator, objective_of, train
 from .heal_teacher import (Teaching, check_teacher, distill_with, find_original, kl_closed,
-                           objective as choose_objective)
+                           objective as choose_objective, taught)
 
 __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
            "make_accelerator", "require_lm", "target_pattern"]
@@ -230,10 +230,7 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts:
                         result.tokens / len(train_ids), result.seconds, opts.rank if lora else None,
                         alpha if lora else None, config.lr, result.trainable_parameters, targets, result.precision,
                         result.processes, result.losses, opts.train, merged=merge, sharded=result.sharded,
-                        objective=goal, teacher=teacher and teacher.name,
-                        temperature=opts.temperature if goal != "ce" else None,
-                        ce_weight=opts.ce_weight if goal == "kd+ce" else None, kl_before=result.kl_before,
-                        kl_after=result.kl_after)
+                        **taught(goal, teacher, opts, result))
     return (model.merge_and_unload() if merge else model), report
 
 

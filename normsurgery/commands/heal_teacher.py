@@ -76,6 +76,15 @@ def distill_with(teacher: Teaching | None, model, trained, opts: HealOptions) ->
     return Distillation(teacher.over(model, trained), goal, opts.temperature, opts.ce_weight), goal
 
 
+def taught(goal: str, teacher: Teaching | None, opts: HealOptions, result) -> dict:
+    """What a heal's report says of its objective: it, the teacher's name, T and the CE weight where
+    they apply, and the held-out KL before and after (``result``: the ``TrainResult``)."""
+    return {"objective": goal, "teacher": teacher and teacher.name,
+            "temperature": opts.temperature if goal != "ce" else None,
+            "ce_weight": opts.ce_weight if goal == "kd+ce" else None, "kl_before": result.kl_before,
+            "kl_after": result.kl_after}
+
+
 def pruned_from(source: Source) -> dict | None:
     """The latest prune step of ``source``'s record (its own or its history's), or None."""
     steps = earlier_records(getattr(source.config, "normsurgery", None))
