@@ -210,7 +210,7 @@ def test_train_full_changes_linears_and_counts_every_parameter():
 
 def test_cli_train_choice(tmp_path):
     bad = run("heal", LLAMA, tmp_path / "a", "--text", SAMPLE, "--train", "bias")
-    assert bad.exit_code == 2 and "--train 'bias'" in bad.output and not (tmp_path / "a").exists()
+    assert bad.exit_code == 2 and "'bias': choose one of lora, norms, full" in bad.output and not (tmp_path / "a").exists()
     both = run("heal", LLAMA, tmp_path / "b", "--text", SAMPLE, "--train", "norms", "--save-adapter")
     assert both.exit_code == 2 and "--save-adapter needs --train lora" in both.output
     ok = run("heal", LLAMA, tmp_path / "c", "--text", SAMPLE, "--train", "norms", "--steps", "2", "--batch-size", "2",
@@ -221,7 +221,7 @@ def test_cli_train_choice(tmp_path):
     saved = json.loads((tmp_path / "c" / "config.json").read_text())["normsurgery"]["heal"]
     assert saved["train"] == "norms"
     pruned = run("prune", LLAMA, tmp_path / "d", "--layers", "1", "--text", SAMPLE, "--heal", "--train", "wrong")
-    assert pruned.exit_code == 2 and "--train 'wrong'" in pruned.output
+    assert pruned.exit_code == 2 and "'wrong': choose one of lora, norms, full" in pruned.output
 
 
 def test_heal_stops_when_heldout_ce_stops_improving(tmp_path):

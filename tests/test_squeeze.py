@@ -280,7 +280,7 @@ def test_the_default_is_one_cycle_with_the_whole_budget_and_no_control(tmp_path,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--target", "1.5"], "not between 0 and 1"),
+    (["--target", "1.5"], "must be in (0, 1), got 1.5"),
     (["--target", "0.5", "--target-bytes", "100"], "not both"),
     (["--structure", "units,layers"], "choose among units, heads, channels"),
     (["--train", "adapters"], "choose one of lora, norms, full"),

@@ -145,8 +145,7 @@ def count_layers(num_layers: int, layers: int | None = None, fraction: float | N
     if (layers is None) == (fraction is None):
         raise SurgeryError("give exactly one of --layers N or --fraction F")
     if fraction is not None:
-        if not 0.0 < fraction < 1.0:
-            raise SurgeryError(f"--fraction must be between 0 and 1 (exclusive), got {fraction:g}")
+        PruneOptions(fraction=fraction).check()  # the one check of its range
         layers = round(fraction * num_layers)
         if layers == 0:
             raise SurgeryError(f"--fraction {fraction:g} of {num_layers} layers rounds to 0 layers")
@@ -271,12 +270,10 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     replaced, pickle read, and the device computed on (``devices``). ``text`` and ``eval_text``: a
     ``str`` is the text itself, a ``pathlib.Path`` a file to read."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts, io = options_of(PruneOptions, options), options_of(Writing, io)
-    opts.check()
+    opts, io = options_of(PruneOptions, options), options_of(Writing, io)  # checked
     hopts = None if heal is None else options_of(HealOptions, heal)
     streaming = opts.streaming
     if hopts is not None:
-        hopts.check()
         if streaming:
             raise SurgeryError("--heal trains the whole model in memory: prune with --streaming, then heal the result")
     force, allow_pickle, device = io.force, io.allow_pickle, io.device

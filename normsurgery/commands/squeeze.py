@@ -293,7 +293,6 @@ def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
     opts, io = options_of(SqueezeOptions, options), options_of(Writing, io)
     opts.structure = tuple(opts.structure)
-    opts.check()
     opts.steps_per_cycle = opts.steps()  # the default's split, so the record and the card state it
     force, allow_pickle, device = io.force, io.allow_pickle, io.device
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
