@@ -418,3 +418,35 @@ def test_a_flag_typed_by_hand_unlike_its_model_is_found():
     finally:
         samples.default, samples.help = samples_default, samples_help
     assert [w.split(":")[1].split()[0] for w in said] == ["default", "help"], said
+
+
+@pytest.mark.parametrize("size", ["lots", "500M", "0", "1.5XB"])
+def test_the_apis_shard_size_is_refused_before_anything_is_read(tmp_path, monkeypatch, size):
+    """A shard size that is not one is refused by the options' check (the one parse of it: ``limits.parse_size``)
+    before a checkpoint is opened or an output claimed: convert's and save's, as the CLI's flag refuses it."""
+    import normsurgery as ns
+    from normsurgery.io.source import Source
+
+    def opened(*args, **kwargs):
+        raise AssertionError("the checkpoint was opened before the shard size was checked")
+
+    monkeypatch.setattr(Source, "open", opened)
+    with pytest.raises(options.UsageError, match=f"--max-shard-size '{size}' is not a size"):
+        ns.convert(LLAMA, tmp_path / "out", [("flashnorm", {})], max_shard_size=size)
+    with pytest.raises(options.UsageError, match="is not a size"):
+        ns.save(None, tmp_path / "saved", {"max_shard_size": size}, source=LLAMA)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_shard_size_is_parsed_once_as_transformers_reads_it():
+    """``parse_size`` gives transformers' bytes for the sizes both read, and takes a decimal one
+    (``1.5GB``), which transformers' parse refused only once the work was done."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from normsurgery.core.limits import parse_size
+
+    for size in ("5GB", "5GiB", "500MB", "20KB", "3KiB", "2MiB", "8Gb", "500mb", 1234):
+        assert parse_size(size) == convert_file_size_to_int(size), size
+    assert parse_size("1.5GB") == 1_500_000_000 and ConvertOptions(max_shard_size="1.5GB").shard_bytes == 1_500_000_000
+    with pytest.raises(ValueError):
+        convert_file_size_to_int("1.5GB")

@@ -77,22 +77,24 @@ def matching(pattern: str, text: str, said: str, also: Callable[[Any], bool] = l
                  lambda x: said.format(value=x))
 
 
-#: the units of a shard size, as transformers' ``convert_file_size_to_int`` reads them (KB: 10^3, KiB: 2^10)
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-SIZE = r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*"
+#: the units of a shard size, as transformers' ``convert_file_size_to_int`` reads them (KB: 10^3, KiB: 2^10;
+#: a lower-case final b, as in Gb: bits)
+UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+SIZE = r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*"
 
 
 def parse_size(size: str | int) -> int:
-    """A size in bytes from ``500MB``, ``2GiB``, ``1.5GB`` or a whole number of bytes (ValueError: not a size,
-    or not a positive one)."""
+    """A size in bytes from ``500MB``, ``2GiB``, ``1.5GB`` or a whole number of bytes, units as transformers
+    reads them (``UNITS``) (ValueError: not a size, or not a positive one)."""
     if isinstance(size, int) and not isinstance(size, bool):
         bytes_ = size
     else:
         found = re.fullmatch(SIZE, size, re.IGNORECASE) if isinstance(size, str) else None
         if not found:
             raise ValueError(size)
-        bytes_ = int(float(found.group(1)) * UNITS[(found.group(2) or "").upper()])
+        unit = found.group(2) or ""
+        bits = unit.endswith("b") and not unit.upper().endswith("IB")
+        bytes_ = int(float(found.group(1)) * UNITS[unit.upper()]) // (8 if bits else 1)
     if bytes_ < 1:
         raise ValueError(size)
     return bytes_

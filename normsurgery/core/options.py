@@ -15,7 +15,8 @@ from typing import Any
 
 from .devices import HELP as DEVICE_HELP, PRECISION_CHOICES, PRECISION_HELP, PRECISIONS, SPEC
 from .errors import UsageError
-from .limits import SIZE_LIMIT, Limit, between, did_you_mean, matching, one_of as one_of_values, some_of, whole
+from .limits import (SIZE_LIMIT, Limit, between, did_you_mean, matching, one_of as one_of_values, parse_size, some_of,
+                     whole)
 
 __all__ = ["CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
            "METHODS", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
@@ -333,7 +334,27 @@ STREAMING_HELP = ("read and rewrite one block at a time (default: convert stream
 
 
 @dataclass
-class ConvertOptions(Writing):
+class Sharded(Checked):
+    """What a command or function that writes safetensors shards takes: the largest shard."""
+
+    max_shard_size: str = option(MAX_SHARD_SIZE, "largest safetensors shard, e.g. 500MB", metavar="SIZE",
+                                 check=SIZE_LIMIT, given=False)  # or a whole number of bytes
+
+    @property
+    def shard_bytes(self) -> int:
+        """``max_shard_size`` in bytes (``limits.parse_size``: the one parse of it, checked by ``check``)."""
+        return parse_size(self.max_shard_size)
+
+
+@dataclass
+class SaveOptions(Sharded):
+    """save's options (``runner.save``: a model held in memory written as a checkpoint)."""
+
+    force: bool = False  # replace ``out`` if it is a checkpoint (never a folder of other files)
+
+
+@dataclass
+class ConvertOptions(Writing, Sharded):
     """convert's options (``commands.convert.convert``); the passes, the checks' text and the
     progress are its arguments."""
 
@@ -342,8 +363,6 @@ class ConvertOptions(Writing):
                              check=DTYPE)  # or a torch.dtype; None: float32 (float64 for float64 weights)
     tolerance: float | None = option(None, "relative logit tolerance for exact passes (default by dtype)",
                                      metavar="X", check=POSITIVE, param="tol")
-    max_shard_size: str = option(MAX_SHARD_SIZE, "largest safetensors shard, e.g. 500MB", metavar="SIZE",
-                                 check=SIZE_LIMIT, given=False)
     streaming: bool | None = option(None, STREAMING_HELP, names=("--streaming/--in-memory",))
     on_overflow: str = option(ON_OVERFLOW[0], "a rewritten tensor that does not fit a float16/bfloat16 checkpoint "
                               "(overflow, or small values lost): refuse and write nothing, or keep that tensor in "
@@ -437,7 +456,7 @@ def options_of(cls, options=None, keywords: dict | None = None):
     return built
 
 
-__all__ += ["CACHE_TOKENS", "ConvertOptions", "EXTERNAL_BYTES", "ExportOptions", "InspectOptions", "PassFlags",
+__all__ += ["CACHE_TOKENS", "ConvertOptions", "SaveOptions", "Sharded", "EXTERNAL_BYTES", "ExportOptions", "InspectOptions", "PassFlags",
             "VerifyOptions", "options_of"]
 
 #: each command's options dataclass (prune's --heal flags are HealOptions' too)
