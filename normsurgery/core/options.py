@@ -10,6 +10,7 @@ A value out of range is named by its flag (:func:`flag`, the one place an option
 
 from __future__ import annotations
 
+from functools import cached_property
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
@@ -99,10 +100,14 @@ class Flag:
         listed = one_of(self.choices, None if self.required else default)
         return self.help.format(default=shown(default), choices=listed, **HELP_VALUES)
 
-    @property
+    @cached_property
     def limit(self) -> Limit | None:
         """The values the option takes: ``check``, else one of ``choices``."""
         return self.check or (one_of_values(*self.choices) if self.choices else None)
+
+    def spelled(self, field_name: str) -> str:
+        """The flag as the command line spells it: ``--tol`` for ``tolerance``, ``--no-verify``."""
+        return self.names[0].split("/")[0] if self.names else flag(self.name(field_name))
 
     def name(self, field_name: str) -> str:
         """The command-line parameter's name for field ``field_name``."""
@@ -178,18 +183,19 @@ DEVICE = matching(SPEC.pattern, "a device", "{value!r}: choose auto, cpu, cuda o
 PRECISION_FLAG = {"help": PRECISION_HELP, "metavar": "auto|fp32|bf16|fp16", "check": PRECISION}
 
 
-def check_values(opts) -> None:
+def check_values(opts, named=None) -> None:
     """Each value of options dataclass ``opts`` (or of a dict of option names: ``LIMITS``'s) within its
     option's limit (:attr:`Flag.limit`), the one check the CLI's flags run too (``cli.flags``); refused
-    as a :class:`UsageError` naming the flag."""
+    as a :class:`UsageError` naming the option as ``named(name)`` says (default: its flag as the
+    command line spells it, :meth:`Flag.spelled`)."""
     if is_dataclass(opts):
-        items = [(f.name, getattr(opts, f.name), f.metadata["flag"].limit) for f in flagged(type(opts))]
+        items = [(f.name, getattr(opts, f.name), f.metadata["flag"]) for f in flagged(type(opts))]
     else:
-        items = [(k, v, LIMITS.get(k)) for k, v in opts.items()]
-    for name, value, limit in items:
-        why = limit.refusal(value) if limit is not None else None
+        items = [(k, v, Flag("", check=LIMITS.get(k))) for k, v in opts.items()]
+    for name, value, spec in items:
+        why = spec.limit.refusal(value) if spec.limit is not None else None
         if why:
-            raise UsageError(f"{flag(name)} {why}")
+            raise UsageError(f"{named(name) if named else spec.spelled(name)} {why}")
 
 
 class Checked:
