@@ -248,7 +248,7 @@ def test_heal_alone_gives_the_original_before_pruning_on_held_out_text(tmp_path)
     original = tmp_path / "original"
     shutil.copytree(LLAMA, original)
     ns.prune(original, tmp_path / "pruned", {"layers": 2, "samples": 4, "seq_len": 64})
-    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", Path(SAMPLE), eval_text=Path(HELD),
+    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", text=Path(SAMPLE), eval_text=Path(HELD),
                 options={**SMALL, "eval_samples": 1})
     tok = T.AutoTokenizer.from_pretrained(LLAMA)
     other = tok(Path(HELD).read_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :64]
@@ -305,7 +305,7 @@ def test_heal_never_trains_on_the_held_out_end(tmp_path, monkeypatch):
     tok = T.AutoTokenizer.from_pretrained(LLAMA)
     text, ids, marks, first = marked_text(Path(SAMPLE).read_text(), tok)
     reads = record_reads(monkeypatch)
-    h = ns.heal(LLAMA, tmp_path / "out", text, options={"steps": 3, "seq_len": 64, "batch_size": 4,
+    h = ns.heal(LLAMA, tmp_path / "out", text=text, options={"steps": 3, "seq_len": 64, "batch_size": 4,
                                                          "eval_samples": 4})
     for reader in ("batches", "training CE"):
         assert reads[reader] and not any(t in marks for w in reads[reader] for t in w.flatten().tolist()), reader

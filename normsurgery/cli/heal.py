@@ -55,7 +55,7 @@ def heal(
     options.check()
     body, held_text = read_text(text), read_text(eval_text)
     with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
-        result = heal_checkpoint(source, out, body, eval_text=held_text, options=options, io=run, progress=progress)
+        result = heal_checkpoint(source, out, text=body, eval_text=held_text, options=options, io=run, progress=progress)
     if result.saved is None:  # a secondary process of a distributed run
         return
     if json:

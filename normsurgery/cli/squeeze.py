@@ -51,7 +51,7 @@ def squeeze(
         with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
             from ..commands.squeeze import squeeze as squeeze_checkpoint
 
-            result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=opts, resume=asked.resume,
+            result = squeeze_checkpoint(source, out, text=body, eval_text=held_text, options=opts, resume=asked.resume,
                                         io=run, progress=progress)
     except KeyboardInterrupt as e:
         from ..engine.train_state import state_dir

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .devices import PRECISION_CHOICES, PRECISIONS, SPEC
+
 __all__ = ["Limit", "between", "did_you_mean", "matching", "one_of", "parse_size", "some_of", "whole"]
 
 
@@ -111,3 +113,17 @@ def _is_size(x) -> bool:
 #: a shard size (``parse_size``)
 SIZE_LIMIT = Limit("a size (bytes, or e.g. 500MB, 2GB)", _is_size, lambda x: f"{x!r} is not a size; give bytes or "
                    "e.g. 500MB, 2GB")
+
+
+#: the limits options share (each declared on its options with ``check=``; one name, one limit)
+COUNT, COUNT0, WINDOW = whole(1), whole(0), whole(2)  # at least 1; at least 0; a window's tokens
+POSITIVE, FRACTION = between(0, open_low=True), between(0, 1, open_low=True)  # > 0; in (0, 1)
+#: --precision's values (an alias, ``no``, taken)
+PRECISION = one_of(*PRECISION_CHOICES, accepted=PRECISIONS)
+#: a compute dtype (or a ``torch.dtype``, from the API)
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+_NAMED = one_of(*DTYPES, accepted=DTYPES + tuple(f"torch.{d}" for d in DTYPES))
+DTYPE = Limit(_NAMED.text, lambda x: _NAMED.ok(str(x)), _NAMED.said)
+#: where to compute (or a ``torch.device``, from the API)
+DEVICE = matching(SPEC.pattern, "a device", "{value!r}: choose auto, cpu, cuda or cuda:N",
+                  also=lambda x: type(x).__name__ == "device")

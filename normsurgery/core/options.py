@@ -14,10 +14,10 @@ from functools import cached_property
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
-from .devices import HELP as DEVICE_HELP, PRECISION_CHOICES, PRECISION_HELP, PRECISIONS, SPEC
+from .devices import HELP as DEVICE_HELP, PRECISION_HELP
 from .errors import UsageError
-from .limits import (SIZE_LIMIT, Limit, between, did_you_mean, matching, one_of as one_of_values, parse_size, some_of,
-                     whole)
+from .limits import (COUNT, COUNT0, DEVICE, DTYPE, FRACTION, POSITIVE, PRECISION, SIZE_LIMIT, WINDOW, Limit,  # noqa: F401
+                     between, did_you_mean, one_of as one_of_values, parse_size, some_of)
 
 __all__ = ["CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
            "METHODS", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
@@ -167,18 +167,6 @@ def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
-#: the limits options share (declared on each option with ``check=``; one name, one limit: ``LIMITS``)
-COUNT, COUNT0, WINDOW = whole(1), whole(0), whole(2)  # at least 1; at least 0; a window's tokens
-POSITIVE, FRACTION = between(0, open_low=True), between(0, 1, open_low=True)  # > 0; in (0, 1)
-#: --precision's values (an alias, ``no``, taken)
-PRECISION = one_of_values(*PRECISION_CHOICES, accepted=PRECISIONS)
-#: a compute dtype (or a ``torch.dtype``, from the API)
-DTYPES = ("float64", "float32", "float16", "bfloat16")
-_NAMED = one_of_values(*DTYPES, accepted=DTYPES + tuple(f"torch.{d}" for d in DTYPES))
-DTYPE = Limit(_NAMED.text, lambda x: _NAMED.ok(str(x)), _NAMED.said)
-#: where to compute (or a ``torch.device``, from the API)
-DEVICE = matching(SPEC.pattern, "a device", "{value!r}: choose auto, cpu, cuda or cuda:N",
-                  also=lambda x: type(x).__name__ == "device")
 #: --precision, as every training command spells it
 PRECISION_FLAG = {"help": PRECISION_HELP, "metavar": "auto|fp32|bf16|fp16", "check": PRECISION}
 
@@ -462,8 +450,29 @@ def options_of(cls, options=None, keywords: dict | None = None):
     return built
 
 
-__all__ += ["CACHE_TOKENS", "ConvertOptions", "SaveOptions", "Sharded", "EXTERNAL_BYTES", "ExportOptions", "InspectOptions", "PassFlags",
-            "VerifyOptions", "options_of"]
+def options_and_io(cls, options=None, keywords: dict | None = None):
+    """The API's options as ``cls`` and how it reads and writes as :class:`Writing` (``keywords``' ``io``:
+    the object or a dict of its fields), each checked (:func:`options_of`): the other ``keywords`` are
+    fields of either (``force=True`` goes to ``io``, ``steps=3`` to the options), so ``heal(src, out,
+    steps=3, force=True)`` is ``heal(src, out, {"steps": 3}, io={"force": True})``."""
+    keywords, writing = dict(keywords or {}), {f.name for f in fields(Writing)}
+    io = keywords.pop("io", None)
+    return (options_of(cls, options, {k: v for k, v in keywords.items() if k not in writing}),
+            options_of(Writing, io, {k: v for k, v in keywords.items() if k in writing}))
+
+
+@dataclass
+class LoadOptions(Reading):
+    """load's options (``commands.load.load``): a checkpoint read whole into memory."""
+
+    dtype: str | None = option(None, "float64, float32, float16 or bfloat16 (default: the checkpoint's storage dtype)",
+                               check=DTYPE)  # or a torch.dtype
+    stock: bool = option(False, "with the plain stock class, as from_pretrained without normsurgery would")
+    device: str = option("cpu", DEVICE_HELP, check=DEVICE)  # host memory, as from_pretrained loads
+
+
+__all__ += ["CACHE_TOKENS", "ConvertOptions", "EXTERNAL_BYTES", "ExportOptions", "InspectOptions", "LoadOptions",
+            "PassFlags", "SaveOptions", "Sharded", "VerifyOptions", "options_and_io", "options_of"]
 
 #: each command's options dataclass (prune's --heal flags are HealOptions' too)
 COMMANDS = {"heal": HealOptions, "prune": PruneOptions, "squeeze": SqueezeOptions, "convert": ConvertOptions,
