@@ -55,7 +55,8 @@ def heal(
     with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
         from ..commands.heal import heal as heal_checkpoint
 
-        result = heal_checkpoint(source, out, body, eval_text=held_text, options=options, io=run, progress=progress)
+        result = heal_checkpoint(source, out, text=body, eval_text=held_text, options=options, io=run,
+                                 progress=progress)
     if result.saved is None:  # a secondary process of a distributed run
         return
     if json:

@@ -170,7 +170,7 @@ def passes_table(ps) -> Table:
     t.add_column("options", no_wrap=True)
     for p in ps:
         t.add_row(Text(p.name), Text(p.kind), Text(f"{p.description}. Applies to: {p.families}"),
-                  Text("\n".join(f"{k}={v}" for k, v in p.options.items()) or "-"))
+                  Text("\n".join(f"{k}={'auto' if v is None else v}" for k, v in p.options.items()) or "-"))
     return t
 
 

@@ -53,7 +53,8 @@ from ..engine.runner import Job, job_scope
 from ..io.texts import heldout_text, text_of
 from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
-from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_of, check_values  # noqa: F401
+from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_and_io, options_of,
+                           check_values  # noqa: F401
 from ..engine.teacher import Cut
 from ..engine.training import TrainConfig, heldout, heldout_ce, make_accelerator, objective_of, train
 from .heal_teacher import (Teaching, check_teacher, distill_with, find_original, kl_closed,
@@ -414,15 +415,16 @@ def adapter_base(source: Source) -> str:
 
 
 @job_scope
-def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: HealOptions | dict | None = None,
-         io: Writing | dict | None = None, progress=no_progress) -> HealResult:
+def heal(src, out, options: HealOptions | dict | None = None, *, text: str | Path, eval_text: str | Path | None = None,
+         progress=no_progress, **keywords) -> HealResult:
     """LoRA on the remaining linears of ``src`` (LM loss; MLM for BERT) on ``text`` (its end held
     out; ``eval_text``, a second text, measured beside), merged and saved to ``out`` as a plain checkpoint (or, with
-    ``options.save_adapter``, the adapter alone, base ``src``); ``io``: whether ``out`` may be replaced, pickle
-    read, and the device computed on (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a
-    ``pathlib.Path`` a file to read."""
+    ``options.save_adapter``, the adapter alone, base ``src``); ``io=`` (``Writing``): whether ``out`` may be
+    replaced, pickle read, and the device computed on (``devices``). ``text`` and ``eval_text``: a ``str`` is the
+    text itself, a ``pathlib.Path`` a file to read. ``keywords``: fields of the options or of ``io``
+    (``options_and_io``)."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts, io = options_of(HealOptions, options), options_of(Writing, io)
+    opts, io = options_and_io(HealOptions, options, keywords)
     opts.check()
     force, allow_pickle, device = io.force, io.allow_pickle, io.device
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)

@@ -38,7 +38,7 @@ from .heal import run as heal_run
 from .heal_teacher import cut_teacher
 from ..engine.teacher import cut_of, renumber
 from ..core.layout import LM_OBJECTIVES
-from ..core.options import PruneOptions, Writing, options_of  # noqa: F401  (re-exported: the API's names)
+from ..core.options import PruneOptions, Writing, options_and_io, options_of  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import output_kind, probe_ids
 from ..engine.check import CheckPlan, Tolerances
 from ..engine.sweep import CheckpointWork, Work
@@ -148,8 +148,7 @@ def count_layers(num_layers: int, layers: int | None = None, fraction: float | N
     if (layers is None) == (fraction is None):
         raise SurgeryError("give exactly one of --layers N or --fraction F")
     if fraction is not None:
-        if not 0.0 < fraction < 1.0:
-            raise SurgeryError(f"--fraction must be between 0 and 1 (exclusive), got {fraction:g}")
+        PruneOptions(fraction=fraction).check()  # the one check of its range
         layers = round(fraction * num_layers)
         if layers == 0:
             raise SurgeryError(f"--fraction {fraction:g} of {num_layers} layers rounds to 0 layers")
@@ -263,20 +262,19 @@ class PruneResult:
 @job_scope
 def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | Path | None = None,
           eval_text: str | Path | None = None, heal: HealOptions | dict | None = None,
-          io: Writing | dict | None = None, progress: Progress = no_progress) -> PruneResult:
+          progress: Progress = no_progress, **keywords) -> PruneResult:
     """Score the layers of ``src`` on ``text`` (default: the bundled sample) before its held-out
     end (where cross-entropy is measured, and on ``eval_text`` beside), remove the chosen
     ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``options.streaming``:
-    scored and copied one part at a time (no cross-entropy, no healing). ``io``: whether ``out`` may be
+    scored and copied one part at a time (no cross-entropy, no healing). ``io=`` (``Writing``): whether ``out`` may be
     replaced, pickle read, and the device computed on (``devices``). ``text`` and ``eval_text``: a
-    ``str`` is the text itself, a ``pathlib.Path`` a file to read."""
+    ``str`` is the text itself, a ``pathlib.Path`` a file to read. ``keywords``: fields of the options
+    or of ``io`` (``options_and_io``)."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts, io = options_of(PruneOptions, options), options_of(Writing, io)
-    opts.check()
+    opts, io = options_and_io(PruneOptions, options, keywords)  # checked
     hopts = None if heal is None else options_of(HealOptions, heal)
     streaming = opts.streaming
     if hopts is not None:
-        hopts.check()
         if streaming:
             raise SurgeryError("--heal trains the whole model in memory: prune with --streaming, then heal the result")
     force, allow_pickle, device = io.force, io.allow_pickle, io.device

@@ -23,7 +23,6 @@ from contextvars import ContextVar
 from pathlib import Path
 
 from ..core.options import CACHE_TOKENS
-from ..core.registry import AUTO
 from ..core.version import __version__
 
 CARD = "README.md"
@@ -258,8 +257,8 @@ def _device(device: dict | None) -> list[str]:
 def _done(record: dict) -> list[str]:
     rows = []
     for p in record.get("passes") or []:
-        opts = ", ".join(f"{k}={'auto' if k in AUTO and v == AUTO[k] and not isinstance(v, bool) else v}"
-                         for k, v in (p.get("options") or {}).items()) or "defaults"
+        opts = ", ".join(f"{k}={'auto' if v is None else v}"  # None: not given, chosen from the model and options
+                         for k, v in (p.get("options") or {}).items() if not (k == "mask" and v is None)) or "defaults"
         rows.append(f"- pass **{p['name']}** ({opts})")
         rows += [f"  - {n}" for n in p.get("notes") or []]
     if "prune" in record:
