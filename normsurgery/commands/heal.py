@@ -53,8 +53,8 @@ from ..engine.runner import Job, job_scope
 from ..io.texts import heldout_text, text_of
 from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
-from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_and_io, options_of,
-                           check_values  # noqa: F401
+from ..core.options import (SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_and_io, options_of,  # noqa: F401
+                            check_values)
 from ..engine.teacher import Cut
 from ..engine.training import TrainConfig, heldout, heldout_ce, make_accelerator, objective_of, train
 from .heal_teacher import (Teaching, check_teacher, distill_with, find_original, kl_closed,
