@@ -27,11 +27,14 @@ def export(
     (--to gguf) run in llama.cpp and compared with the checkpoint in transformers. Exit 1, writing
     nothing, when they differ beyond the tolerance. Or to a nemotron-nas (DeciLM) folder (--to
     nemotron-nas: per-layer widths as vLLM, SGLang, TensorRT-LLM and MLX-LM read them), checked in
-    MLX-LM. Needs pip install 'normsurgery[onnx]' (or [gguf], [mlx])."""
+    MLX-LM or vLLM (--check) and in transformers. Needs pip install 'normsurgery[onnx]' (or [gguf],
+    [mlx] or vLLM)."""
     o = options
     if o.to not in FORMATS:
         raise UsageError(f"--to {o.to!r}: choose one of {', '.join(FORMATS)}{did_you_mean(o.to, FORMATS)}")
     asked = Asked(src, dest, text, o, json)
+    if o.check is not None and o.to != "nemotron-nas":
+        raise UsageError("--check is a nemotron-nas option (--to nemotron-nas): the runtime its folder is checked in")
     if o.to == "gguf":
         if o.with_past or o.external_data is not None:
             raise UsageError("--with-past and --external-data are ONNX options; a GGUF file has neither")
@@ -121,10 +124,11 @@ def _gguf(a: Asked) -> None:
 
 
 def _nemotron(a: Asked) -> None:
-    """``export --to nemotron-nas``: the DeciLM folder written and checked in MLX-LM (``nemotron.export``)."""
-    from ..exporters.mlx_check import require_mlx
+    """``export --to nemotron-nas``: the DeciLM folder written and checked in MLX-LM or vLLM and in
+    transformers (``nemotron.export``)."""
+    from ..exporters.runtime_check import choose
 
-    require_mlx()
+    choose(a.options.check)
     from .app import load_transformers
 
     load_transformers()
@@ -138,11 +142,17 @@ def _nemotron(a: Asked) -> None:
         return
     from .report import fmt
 
-    p, g, plan = r.parity, r.greedy, r.plan
-    say(f"MLX-LM vs transformers (logits): relative error {fmt(p.relative)}, KL {fmt(p.kl)}, top-1 agreement "
+    p, g, plan, t, b = r.parity, r.greedy, r.plan, r.transformers, r.weight_bytes
+    say(f"{r.runtime} vs transformers (logits): relative error {fmt(p.relative)}, KL {fmt(p.kl)}, top-1 agreement "
         f"{p.top1:.4f}; tolerance {fmt(p.tolerance)}: {p.reason}")
     say(f"greedy: {g['agree']:.0%} of {g['new_tokens']} tokens after each of {g['prompts']} prompts equal transformers'")
+    say(f"the folder in transformers (AutoModelForCausalLM, its auto_map) vs the checkpoint: relative error "
+        f"{fmt(t.relative)}; tolerance {fmt(t.tolerance)}")
     from ..exporters.nemotron import runs
 
-    say(f"saved {r.saved['path']}: nemotron-nas ({r.dtype}), MLP widths {runs(plan.widths)} (units {runs(plan.units)}; "
-        f"the zero units padding them take {plan.padding_bytes:,} bytes), key/value heads {runs(plan.kv_heads)}")
+    written = plan.as_dict()["units_written"]
+    say(f"saved {r.saved['path']}: nemotron-nas ({r.dtype}), MLP widths {runs(plan.widths)}, key/value heads "
+        f"{runs(plan.kv_heads)}; checked in {r.runtime}")
+    say(f"padding: {plan.kept:,} MLP units kept, written as {written:,} ({plan.padding_bytes:,} bytes of zero units); "
+        f"weights {b['out'] / 1e6:.1f} MB for {b['in'] / 1e6:.1f} MB in"
+        + (": not smaller, the padding ate the saving" if written > plan.kept and b["out"] >= b["in"] else ""))

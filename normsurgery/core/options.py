@@ -17,7 +17,7 @@ from typing import Any
 from .devices import HELP as DEVICE_HELP, PRECISION_CHOICES, PRECISION_HELP, PRECISIONS
 from .errors import SurgeryError, UsageError
 
-__all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
+__all__ = ["AT_LEAST", "CHECKS", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
            "METHODS", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
            "PruneOptions", "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values",
            "flag"]
@@ -58,6 +58,8 @@ OUTLIER_SAMPLES = 8
 FORMATS = ("onnx", "gguf", "nemotron-nas")
 #: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32)
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+#: export --to nemotron-nas --check: the runtimes the folder is checked in (the default: the first installed)
+CHECKS = ("mlx", "vllm")
 #: export (ONNX): weights above this many bytes go to external data, model.onnx_data (protobuf caps a file at 2 GB)
 EXTERNAL_BYTES = 1 << 30
 #: export --with-past: greedy tokens generated through the key/value cache, compared with ``generate``'s
@@ -429,6 +431,8 @@ class ExportOptions(Reading):
                              "tokens against generate", given=False)
     tolerance: float | None = option(None, "relative tolerance (default: float32 rounding)", metavar="X",
                                      check="positive", param="tol")
+    check: str | None = option(None, "nemotron-nas: the runtime the folder is checked in, {choices} (default: the "
+                               "first installed)", metavar="RUNTIME", choices=CHECKS)
 
 
 def options_of(cls, options=None, keywords: dict | None = None):

@@ -122,7 +122,8 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | Path 
     ``text``: the check's text (default: the bundled sample), a ``str`` the text, a ``Path`` a file.
     ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``: llama.cpp
     runs on the CPU, transformers' side on ``device``; the ONNX options do not apply).
-    ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM (``nemotron.export``). Each writes
+    ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM or vLLM (``check``) and in transformers
+    (``nemotron.export``). Each writes
     through the one runner (``runner.Job``: the output claimed once, written into its stage)."""
     options = options_of(ExportOptions, options, keywords)
     text = text_of(text)
@@ -190,6 +191,8 @@ def check_format(options: ExportOptions) -> None:
     to = options.to
     if to not in FORMATS:
         raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
+    if to != "nemotron-nas" and options.check is not None:
+        raise SurgeryError("--check is a nemotron-nas option: the runtime its folder is checked in")
     if to == "gguf" and (options.with_past or options.external_data is not None):
         raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
     if to == "nemotron-nas" and (options.with_past or options.external_data is not None or options.dtype is not None):
