@@ -28,7 +28,8 @@ class DeciLMForCausalLM(LlamaForCausalLM):
         llama = copy.copy(config)
         llama.num_key_value_heads = config.num_attention_heads
         llama.intermediate_size = 256
-        llama.initializer_range = getattr(config, "initializer_range", 0.02)
+        for key, default in (("initializer_range", 0.02), ("pad_token_id", None)):
+            setattr(llama, key, getattr(config, key, default))
         super().__init__(llama)
         apply_structure(self, block_records(config, lambda mult: ffn_width(mult, config.hidden_size)))
         self.config = self.model.config = config

@@ -26,6 +26,7 @@ runtime refused the folder (why: the last line on stderr).
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def mlx_load(folder: str):
     if any(os.path.isfile(os.path.join(folder, f)) for f in tokenizer):
         model, _ = load(folder, tokenizer_config={"trust_remote_code": True})
     else:
-        model, _ = load_model(folder)
+        model, _ = load_model(Path(folder))
     model.set_dtype(mx.float32)
     return model
 
