@@ -85,17 +85,21 @@ def run(runtime: str, folder: Path, ids: torch.Tensor, vocab: int, new_tokens: i
     window's first :data:`PROMPT` (``runtime_worker``, a process group of its own: ended, all of
     it, before this returns or raises). A SurgeryError when the runtime refuses the folder."""
     with tempfile.TemporaryDirectory(prefix="normsurgery-check-") as tmp:
-        out = Path(tmp) / "run.npz"
+        out, log = Path(tmp) / "run.npz", Path(tmp) / "stderr"
         request = {"runtime": runtime, "folder": str(folder), "ids": ids.tolist(), "prompt": PROMPT,
                    "new_tokens": new_tokens, "vocab": vocab, "out": str(out)}
-        proc = subprocess.Popen([python_of(runtime), "-I", str(WORKER)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            _, err = proc.communicate(json.dumps(request))
-        finally:  # interrupted: the worker and what it started go too
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        with open(log, "w") as stderr:  # a file, not a pipe: vLLM's engine processes would hold a pipe open
+            proc = subprocess.Popen([python_of(runtime), "-I", str(WORKER)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True)
+            try:
+                proc.communicate(json.dumps(request))
+            finally:  # ended or interrupted: the worker and every process it started (its group) go
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 proc.wait()
+        err = log.read_text()
         why = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:300]
         if proc.returncode == 3:
             raise SurgeryError(f"{NAMES[runtime]} cannot load {folder}: {why}")
