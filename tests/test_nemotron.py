@@ -236,8 +236,9 @@ def test_padding_that_eats_the_saving_is_said(tmp_path):
 
 def test_check_in_a_runtime_not_installed_is_one_line_naming_it(tmp_path, monkeypatch):
     """--check picks the runtime; with neither MLX-LM nor vLLM installed one line names both."""
-    found = {"mlx": False, "mlx_lm": False, "vllm": False}
-    monkeypatch.setattr(runtime_check.importlib.util, "find_spec", lambda m: None if m in found else True)
+    find = runtime_check.importlib.util.find_spec
+    monkeypatch.setattr(runtime_check.importlib.util, "find_spec",
+                        lambda m, *a: None if m in ("mlx", "mlx_lm", "vllm") else find(m, *a))
     monkeypatch.delenv(runtime_check.SERVE_PYTHON, raising=False)
     r = run("export", LLAMA, tmp_path / "deci", "--to", "nemotron-nas")
     assert r.exit_code == 1 and r.output.count("error:") == 1, r.output
@@ -245,9 +246,10 @@ def test_check_in_a_runtime_not_installed_is_one_line_naming_it(tmp_path, monkey
     r = run("export", LLAMA, tmp_path / "deci", "--to", "nemotron-nas", "--check", "vllm")
     assert r.exit_code == 1 and "the vLLM check needs vllm, not installed" in r.output, r.output
     assert not (tmp_path / "deci").exists()
-    monkeypatch.setattr(runtime_check.importlib.util, "find_spec", lambda m: None if m == "vllm" else True)
+    monkeypatch.setattr(runtime_check.importlib.util, "find_spec", lambda m, *a: None if m == "vllm" else find(m, *a))
     assert runtime_check.choose() == "mlx"
-    monkeypatch.setattr(runtime_check.importlib.util, "find_spec", lambda m: None if m.startswith("mlx") else True)
+    monkeypatch.setattr(runtime_check.importlib.util, "find_spec",
+                        lambda m, *a: None if m.startswith("mlx") else True)  # as if vLLM were here
     assert runtime_check.choose() == "vllm"  # no MLX: vLLM, which a Linux server has
 
 
