@@ -211,7 +211,7 @@ def test_the_folder_loads_in_transformers_through_its_auto_map(tmp_path):
     assert layers[5].self_attn(torch.ones(1, 2, 128))[0].abs().sum() == 0
     ids = torch.tensor([[1, 17, 230, 5, 99, 412, 8, 3]])
     with torch.no_grad():
-        want = ns.load(src, torch.float32)(input_ids=ids).logits
+        want = ns.load(src, dtype=torch.float32)(input_ids=ids).logits
         got = loaded(input_ids=ids).logits
     assert torch.allclose(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
