@@ -9,6 +9,7 @@ import torch
 from models import tiny_model, token_ids
 from normsurgery.commands.convert import apply_passes
 from normsurgery.core import algebra
+from normsurgery.core.errors import SurgeryError
 from normsurgery.core.families import layout
 from normsurgery.engine.width_teacher import NotExact, width_cut
 
@@ -29,7 +30,7 @@ def _cut(family, dtype=torch.float64, within=False, **options):
                     w[:, h * attn.head_dim:(h + 1) * attn.head_dim] = 0
                 algebra.set_weight(o, w)
     apply_passes(student, [("minimize", {**CUT, **({"prune_heads": 0.0} if within else {}), **options})])
-    return original, student
+    return original, student.requires_grad_(False)  # as in training: only what trains requires grad
 
 
 @pytest.mark.parametrize("family,within", [("llama", False), ("llama", True), ("gpt2", False)])
@@ -81,6 +82,10 @@ def test_the_teacher_runs_with_the_adapters_off():
         want, adapted = original(input_ids=ids).logits, peft(input_ids=ids).logits
     assert (adapted - want).abs().max() / want.abs().max() > 1e-3
     assert (teacher.targets(ids, 0, 0) - want).abs().max() / want.abs().max() < 1e-12
+    # a shared weight that trains would make the teacher drift with the student: refused
+    next(p for n, p in peft.named_parameters() if "norm" in n).requires_grad_(True)
+    with pytest.raises(SurgeryError, match="trains, and the width-cut teacher shares it"):
+        teacher.targets(ids, 0, 0)
 
 
 def test_a_student_whose_kept_weights_changed_is_refused():

@@ -38,6 +38,10 @@ from ..core.layout import AttentionSite, MlpSite
 from ..passes import _shrink
 
 
+#: what names an adapter's parameters (peft's LoRA): the only ones the student may train
+ADAPTER = "lora_"
+
+
 class NotExact(SurgeryError):
     """The student is not the original less whole units and heads: the teacher cannot share it."""
 
@@ -74,6 +78,10 @@ class WidthTeacher:
 
     @torch.no_grad()
     def targets(self, inputs: torch.Tensor, step: int, micro: int) -> torch.Tensor:
+        trained = next((n for n, p in self.model.named_parameters() if p.requires_grad and ADAPTER not in n), None)
+        if trained:
+            raise SurgeryError(f"{trained} trains, and the width-cut teacher shares it with the student: train "
+                               "adapters only (--train lora) or distil from a frozen copy of the original")
         with self.active():
             return self.model(input_ids=inputs, use_cache=False).logits
 
