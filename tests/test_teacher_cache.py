@@ -58,7 +58,7 @@ def test_the_cache_at_k_vocabulary_gives_the_live_teachers_loss(tmp_path, temper
     # the held-out targets, at T = 1, give the held-out KL without the teacher
     with torch.no_grad():
         s, t = student(input_ids=held).logits, teacher.targets(held, -1, 0)
-    c, n = kd_top_k_loss_sum(s, cache.heldout(held))
+    c, n = kd_top_k_loss_sum(s, cache.targets(held, teacher_cache.EVAL, 0))  # one batch: 3 <= eval_batch_size
     assert abs(c.item() / n.item() - kd_loss_sum(s, t)[0].item() / n.item()) < 1e-3
 
 

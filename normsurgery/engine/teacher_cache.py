@@ -12,7 +12,8 @@ the teacher is reported without it). Each entry also keeps a hash of its input w
 back windows other than those cached is an error, never a silent misread.
 
 A cache is made for one configuration: the training tokens, the held-out windows, the options
-that decide the windows (``steps``, ``batch_size``, ``grad_accum``, ``seq_len``, ``seed``), the
+that decide the windows (``steps``, ``batch_size``, ``grad_accum``, ``seq_len``, ``seed``,
+``eval_batch_size``), the
 process count, masked-LM masking, k, T and the teacher (its identity as the caller names it:
 :func:`fingerprint`). A directory holding another configuration's cache is refused, naming what
 differs; the same configuration's partial cache (an interrupted build) is completed.
@@ -34,9 +35,11 @@ from . import training
 from .train_state import save_state
 
 MANIFEST = "teacher-cache.json"
+#: the step a teacher is asked at for held-out windows (``engine.teacher.EVAL``), ``micro`` the batch's index
+EVAL = -1
 HELDOUT = "heldout.pt"
 #: the training options that decide which windows a step reads
-WINDOW_KEYS = ("steps", "batch_size", "grad_accum", "seq_len", "seed")
+WINDOW_KEYS = ("steps", "batch_size", "grad_accum", "seq_len", "seed", "eval_batch_size")
 
 
 def bytes_per_token(k: int) -> int:
@@ -116,7 +119,7 @@ def _check_manifest(directory: Path, wanted: dict) -> dict | None:
 def build(directory, teacher, data: tuple[torch.Tensor, torch.Tensor], config, spec: Spec = Spec(),
           device=None) -> "TeacherCache":
     """The cache of ``teacher`` (anything with ``targets(inputs, step, micro)`` giving logits; the
-    held-out windows are asked for as step -1) in ``directory`` for a training run of ``config``
+    held-out batches are asked for at step :data:`EVAL`) in ``directory`` for a training run of ``config``
     on ``data`` (the training tokens, the held-out windows): built where missing, completed where
     interrupted, refused where made for another configuration. Runs on one process (the main
     one), over every process's windows, the teacher's forwards on ``device`` (default the host)."""
@@ -144,17 +147,16 @@ def build(directory, teacher, data: tuple[torch.Tensor, torch.Tensor], config, s
     return TeacherCache(directory, wanted)
 
 
-def heldout_inputs(heldout: torch.Tensor, mlm) -> torch.Tensor:
-    """The held-out windows as the model reads them (masked LMs: ``training.heldout_ce``'s masks)."""
-    return training.mask_tokens(heldout, *mlm, torch.Generator().manual_seed(0))[0] if mlm else heldout
-
-
 def _heldout_entries(teacher, heldout: torch.Tensor, spec: Spec, device, batch_size: int) -> dict:
-    inputs = heldout_inputs(heldout, spec.mlm)
-    parts = [top_k(teacher.targets(inputs[s:s + batch_size].to(device), -1, s), spec.k, 1.0).to(devices.HOST)
-             for s in range(0, len(inputs), batch_size)]
-    joined = TopK(*(torch.cat([getattr(p, f) for p in parts]) for f in ("logp", "ids", "tail")), 1.0)
-    return _entry("", joined, inputs)
+    """Per held-out batch ``i`` (``batch_size`` windows, as evaluations read them: masked LMs with
+    ``training.heldout_ce``'s masks), its targets at T = 1."""
+    mlm, entries = spec.mlm, {}
+    inputs = training.mask_tokens(heldout, *mlm, torch.Generator().manual_seed(0))[0] if mlm else heldout
+    for i, s in enumerate(range(0, len(inputs), batch_size)):
+        x = inputs[s:s + batch_size]
+        entries.update(_entry(f"h{i}.", top_k(teacher.targets(x.to(device), EVAL, i), spec.k, 1.0).to(devices.HOST),
+                              x))
+    return entries
 
 
 class TeacherCache:
@@ -162,7 +164,7 @@ class TeacherCache:
     process's (``rank``) :class:`TopK` of step ``step``'s micro-batch ``micro``, on the inputs'
     device. One step's file is held in memory at a time."""
 
-    def __init__(self, directory, wanted: dict, rank: int = 0):
+    def __init__(self, directory, wanted: dict, rank: int = 0):  # (rank: this process's windows)
         self.directory, self.fingerprint, self.rank = Path(directory), wanted, rank
         self.temperature, self.k = wanted["temperature"], wanted["k"]
         self._step, self._tensors = None, {}
@@ -180,15 +182,13 @@ class TeacherCache:
         return TeacherCache(self.directory, self.fingerprint, rank)
 
     def targets(self, inputs: torch.Tensor, step: int, micro: int) -> TopK:
+        """Step ``step``'s micro-batch ``micro`` (at :data:`EVAL`: held-out batch ``micro``, at T = 1)."""
         if step != self._step:
-            path = _step_file(self.directory, step)
+            path = self.directory / HELDOUT if step == EVAL else _step_file(self.directory, step)
             if not path.is_file():
                 raise SurgeryError(f"the teacher cache at {self.directory} has no step {step + 1}")
             self._step, self._tensors = step, _load(path)
+        if step == EVAL:
+            return _read(self._tensors, f"h{micro}.", inputs, 1.0, f"held-out batch {micro}").to(inputs.device)
         where = f"step {step + 1}, micro-batch {micro}, process {self.rank}"
         return _read(self._tensors, f"m{micro}.r{self.rank}.", inputs, self.temperature, where).to(inputs.device)
-
-    def heldout(self, windows: torch.Tensor, mlm=None) -> TopK:
-        """The teacher's targets at T = 1 on the held-out windows ``windows`` (as the model reads them)."""
-        inputs = heldout_inputs(windows, mlm)
-        return _read(_load(self.directory / HELDOUT), "", inputs, 1.0, "the held-out windows")
