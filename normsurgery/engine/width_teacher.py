@@ -38,10 +38,6 @@ from ..core.layout import AttentionSite, MlpSite
 from ..passes import _shrink
 
 
-#: what names an adapter's parameters (peft's LoRA): the only ones the student may train
-ADAPTER = "lora_"
-
-
 class NotExact(SurgeryError):
     """The student is not the original less whole units and heads: the teacher cannot share it."""
 
@@ -53,6 +49,17 @@ class WidthTeacher:
 
     def __init__(self, model, removed: dict[str, nn.Module]):
         self.model, self.removed = model, removed
+
+    def over(self, model, trained=()) -> "WidthTeacher":
+        """This teacher over the student as the loop trains it (``model``: with its adapters), whose
+        own parameters ``trained`` train: refused (they would drift the teacher with the student)."""
+        trained = list(trained)
+        if trained:
+            raise NotExact(f"{len(trained)} of the student's own weights train (--train norms or full), and the "
+                           "width-cut teacher shares them: train adapters only (--train lora) or distil from a "
+                           "frozen copy of the original")
+        self.model = model
+        return self
 
     def extra_bytes(self) -> int:
         """What the teacher holds beyond the student: the removed rows and columns."""
@@ -78,10 +85,6 @@ class WidthTeacher:
 
     @torch.no_grad()
     def targets(self, inputs: torch.Tensor, step: int, micro: int) -> torch.Tensor:
-        trained = next((n for n, p in self.model.named_parameters() if p.requires_grad and ADAPTER not in n), None)
-        if trained:
-            raise SurgeryError(f"{trained} trains, and the width-cut teacher shares it with the student: train "
-                               "adapters only (--train lora) or distil from a frozen copy of the original")
         with self.active():
             return self.model(input_ids=inputs, use_cache=False).logits
 
