@@ -208,8 +208,8 @@ def main() -> None:
         command = "python benchmarks/bench_heal_objective.py " + " ".join(sys.argv[1:])
         args.out.write_text(
             f"{HEADER}\n\nMeasured: `{command}` on {start['cpu']} ({start['threads']} threads), load "
-            f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. SmolLM2-135M-Instruct, healed on tinyshakespeare with LoRA r 16 on every linear, "
-            f"lr 1e-3, {args.steps} steps of 4 x {SEQ} tokens; judged on {args.windows} windows of {SEQ} tokens of "
+            f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}. SmolLM2-135M-Instruct, healed on tinyshakespeare with "
+            f"LoRA r 16 on every linear, lr 1e-3, {args.steps} steps of 4 x {SEQ} tokens; judged on {args.windows} windows of {SEQ} tokens of "
             "each of the three other texts. The teacher cache keeps k x (4 + 4) + 4 = 516 bytes per token "
             "(k 64).\n\n" + "\n".join(lines) + "\n")
 

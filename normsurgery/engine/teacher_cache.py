@@ -7,8 +7,8 @@ function of (seed, s, m, r) and the options, so they are known before training s
 (s, m, r) the cache holds ``distillation.top_k`` of the teacher's logits at temperature T: per
 window position the k largest log-probabilities (float32), their token ids (int32) and the log of
 the remaining mass (float32), **k x (4 + 4) + 4 bytes per token** (k 64: 516 bytes), one
-file of tensors per step (``torch.save``, read back with ``weights_only``), plus the held-out windows' targets at T = 1 (so the held-out KL to
-the teacher is reported without it). Each entry also keeps a hash of its input windows: reading
+file of tensors per step (``torch.save``, read back with ``weights_only``), plus the held-out
+batches' targets at T = 1 (so the held-out KL to the teacher is reported without it). Each entry also keeps a hash of its input windows: reading
 back windows other than those cached is an error, never a silent misread.
 
 A cache is made for one configuration: the training tokens, the held-out windows, the options
