@@ -60,6 +60,7 @@ def test_the_cache_at_k_vocabulary_gives_the_live_teachers_loss(tmp_path, temper
         s, t = student(input_ids=held).logits, teacher.targets(held, -1, 0)
     c, n = kd_top_k_loss_sum(s, cache.targets(held, teacher_cache.EVAL, 0))  # one batch: 3 <= eval_batch_size
     assert abs(c.item() / n.item() - kd_loss_sum(s, t)[0].item() / n.item()) < 1e-3
+    assert cache.targets(held.flip(0), teacher_cache.EVAL, 0) is None  # windows it does not hold: no KL there
 
 
 def test_the_gap_at_k_64_is_bounded(tmp_path):

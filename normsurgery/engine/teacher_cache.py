@@ -90,10 +90,14 @@ def _entry(prefix: str, targets: TopK, inputs: torch.Tensor) -> dict:
             f"{prefix}windows": torch.frombuffer(bytearray(bytes.fromhex(_digest(inputs))), dtype=torch.uint8)}
 
 
+def _holds(tensors: dict, prefix: str, inputs: torch.Tensor) -> bool:
+    return f"{prefix}logp" in tensors and bytes(tensors[f"{prefix}windows"].tolist()).hex() == _digest(inputs)
+
+
 def _read(tensors: dict, prefix: str, inputs: torch.Tensor, temperature: float, where: str) -> TopK:
     if f"{prefix}logp" not in tensors:
         raise SurgeryError(f"the teacher cache has no targets for {where}")
-    if bytes(tensors[f"{prefix}windows"].tolist()).hex() != _digest(inputs):
+    if not _holds(tensors, prefix, inputs):
         raise SurgeryError(f"the teacher cache holds other windows than those training reads at {where}: "
                            "it was made for another text or options; remove it to rebuild it")
     return TopK(tensors[f"{prefix}logp"], tensors[f"{prefix}ids"].long(), tensors[f"{prefix}tail"], temperature)
@@ -181,14 +185,17 @@ class TeacherCache:
     def for_rank(self, rank: int) -> "TeacherCache":
         return TeacherCache(self.directory, self.fingerprint, rank)
 
-    def targets(self, inputs: torch.Tensor, step: int, micro: int) -> TopK:
-        """Step ``step``'s micro-batch ``micro`` (at :data:`EVAL`: held-out batch ``micro``, at T = 1)."""
+    def targets(self, inputs: torch.Tensor, step: int, micro: int) -> TopK | None:
+        """Step ``step``'s micro-batch ``micro`` (at :data:`EVAL`: held-out batch ``micro``, at T = 1;
+        None for windows the cache does not hold, e.g. another text's: no KL is measured there)."""
         if step != self._step:
             path = self.directory / HELDOUT if step == EVAL else _step_file(self.directory, step)
             if not path.is_file():
                 raise SurgeryError(f"the teacher cache at {self.directory} has no step {step + 1}")
             self._step, self._tensors = step, _load(path)
         if step == EVAL:
+            if not _holds(self._tensors, f"h{micro}.", inputs):
+                return None
             return _read(self._tensors, f"h{micro}.", inputs, 1.0, f"held-out batch {micro}").to(inputs.device)
         where = f"step {step + 1}, micro-batch {micro}, process {self.rank}"
         return _read(self._tensors, f"m{micro}.r{self.rank}.", inputs, self.temperature, where).to(inputs.device)
