@@ -1,6 +1,7 @@
 """Where work runs (``devices``), checked where no GPU is: the choice, its refusals, where it is
 recorded, and the contracts the GPU path rests on (tests/test_gpu.py runs them on a GPU)."""
 
+import contextlib
 import json
 
 import pytest
@@ -132,34 +133,61 @@ def test_training_that_cannot_fit_the_gpu_is_refused_before_anything_moves(monke
     check_fits(model, params, torch.device("cpu"))  # host memory is not measured here
 
 
-def test_checks_turn_tf32_off(monkeypatch, tmp_path):
+class TwoGpus:
+    """Torch told it sees two GPUs (there are none): the current device kept here, set by
+    ``torch.cuda.set_device`` and by a ``torch.cuda.device`` block as torch's own is; the caller's
+    is the second."""
+
+    def __init__(self, monkeypatch):
+        self.current = 1
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "set_device", self.set)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "device", self.block)
+        monkeypatch.setattr(devices, "rng_kept", lambda device: contextlib.nullcontext())  # no generator to fork
+
+    def set(self, device) -> None:
+        self.current = device if isinstance(device, int) else torch.device(device).index
+
+    @contextlib.contextmanager
+    def block(self, device):
+        before = self.current
+        self.set(device)
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+def test_a_job_makes_its_gpu_current_and_turns_tf32_off_for_itself_alone(monkeypatch, tmp_path):
     """TF32 (10 mantissa bits) would round a float32 check far past its 1e-5: a job on a GPU
-    (``runner.Job``) computes with it off, and puts the caller's flags back when it ends (issue 49:
-    the library leaves its caller's process as it found it; ``choose`` no longer sets them). Torch
-    is told there is one GPU (there is none) and its own flags are read: with
-    ``exact_arithmetic()`` left out of the job's scope they stay on inside it, and with the flags
-    not put back they stay off after it; either way this fails."""
+    (``runner.Job``) computes with it off, its GPU the current CUDA device, and puts the caller's
+    flags and current device back when it ends (issues 49 and 54: the library leaves its caller's
+    process as it found it; ``choose`` sets nothing). Torch is told there are two GPUs: with
+    ``exact_arithmetic()`` left out of the job's scope the flags stay on inside it, with them not
+    put back they stay off after it, and with ``choose`` setting the device (the old code) the
+    caller's current device is left at the job's; each way this fails."""
     from normsurgery.engine import runner as job_runner
 
     cuda_matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     before = cuda_matmul.allow_tf32, cudnn.allow_tf32
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    gpus = TwoGpus(monkeypatch)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     inside = []
 
     @job_runner.job_scope
     def job():
-        inside.append((job_runner.Job.open(LLAMA, tmp_path / "o", device="cuda").device, cuda_matmul.allow_tf32,
-                       cudnn.allow_tf32))
+        inside.append((job_runner.Job.open(LLAMA, tmp_path / "o", device="cuda").device, gpus.current,
+                       cuda_matmul.allow_tf32, cudnn.allow_tf32))
 
     try:
         cuda_matmul.allow_tf32 = cudnn.allow_tf32 = True
         job()
-        assert inside == [(torch.device("cuda", 0), False, False)]
+        assert inside == [(torch.device("cuda", 0), 0, False, False)]
         assert cuda_matmul.allow_tf32 is True and cudnn.allow_tf32 is True  # the caller's, put back
-        devices.choose("cpu")  # choosing sets nothing
+        assert gpus.current == 1
+        assert devices.choose("cuda:0") == torch.device("cuda", 0) and gpus.current == 1  # choosing sets nothing
         assert cuda_matmul.allow_tf32 is True and cudnn.allow_tf32 is True
     finally:
         cuda_matmul.allow_tf32, cudnn.allow_tf32 = before

@@ -49,6 +49,7 @@ def test_heal_full_sharded_over_two_processes_matches_one(tmp_path):
         tmp_path, "heal", LLAMA, "{out}", "--text", SAMPLE, "--train", "full", "--steps", "6", "--seq-len", "32",
         "--batch-size", "{batch}", "--eval-samples", "4", "--lr", "1e-3", batch=2))
     assert two["processes"] == 2 and two["tokens"] == one["tokens"]
+    assert two["sharded"] is True and one["sharded"] is False and "rank" not in two  # the JSON says it (issue 54.10)
     assert abs(one["ce_before"] - two["ce_before"]) < 1e-5
     assert abs(one["ce_after"] - two["ce_after"]) < SAME_CE
     assert abs(one["ce_after"] - one["ce_before"]) > 10 * SAME_CE  # it trained

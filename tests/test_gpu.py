@@ -58,7 +58,7 @@ def on_the_gpu(at_least: int):
 
 
 def tf32_is_off() -> bool:
-    """torch's own flags, read here (not ``devices.tf32_off``, part of what is tested)."""
+    """torch's own flags, read here (not through ``devices``, part of what is tested)."""
     return not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
 

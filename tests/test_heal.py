@@ -54,6 +54,24 @@ def test_merged_adapters_are_a_plain_checkpoint_with_ties_kept(family, tmp_path)
     assert heldout_ce(plain, held, mask_token_id=mask_id) == pytest.approx(report.ce_after, abs=1e-4)
 
 
+def test_lora_is_drawn_from_its_seed_and_the_callers_generator_given_back():
+    """LoRA's A is drawn from torch's global generator, seeded by ``opts.seed``: the same adapter
+    whatever the caller drew before, and the caller's generator given back as it was (issue 54:
+    ``torch.manual_seed`` left it reset)."""
+    stream, held = token_ids(1, 2000, seed=1)[0], token_ids(4, 32, seed=2)
+    opts = HealOptions(steps=1, seq_len=32, batch_size=2, rank=2, lr=1e-3, save_adapter=True)
+    adapters = []
+    for seed in (1, 2):
+        model = tiny_model("llama", torch.float32)  # which seeds the generator itself
+        torch.manual_seed(seed)
+        before = torch.random.get_rng_state()
+        model, _ = heal_model(model, stream, held, opts)
+        assert torch.equal(torch.random.get_rng_state(), before)
+        adapters.append({n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n})
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
+
+
 def test_target_modules_by_name_stay_inside_the_blocks():
     model = tiny_model("llama", torch.float32)
     assert target_pattern(model, ["q_proj", "down_proj"]) == r"model\.layers\.\d+\.(mlp\.down_proj|self_attn\.q_proj)"
@@ -206,6 +224,37 @@ def test_train_full_changes_linears_and_counts_every_parameter():
     assert report.train == "full" and report.trainable_parameters == sum(p.numel() for p in model.parameters())
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert any(n.endswith("q_proj.weight") for n in changed) and any(n.endswith("down_proj.weight") for n in changed)
+
+
+@pytest.mark.parametrize("train", ["lora", "norms", "full"])
+def test_the_json_says_what_the_table_says(train, tmp_path):
+    """Issue 54.10: ``--json`` (the record's heal entry, ``summary``) carries every fact the table's
+    line (``heal_line``) prints, and no LoRA rank or alpha where no LoRA trained (``--train full``
+    reported rank 8 and alpha 16); how it trained over the processes (sharded, FSDP2) is checked
+    on a report of two processes, as a sharded run's would be."""
+    from normsurgery.cli.report import heal_line
+    from normsurgery.commands.heal import summary
+
+    text = open(SAMPLE).read()[:20000]
+    r = run("heal", LLAMA, tmp_path / "out", "--text", SAMPLE, "--train", train, "--steps", "1", "--batch-size", "2",
+            "--seq-len", "16", "--eval-samples", "2", "--json")
+    assert r.exit_code == 0, r.output
+    facts = json.loads(r.stdout)["heal"]
+    report = ns.heal(LLAMA, tmp_path / "api", text, options={"train": train, "steps": 1, "batch_size": 2,
+                                                             "seq_len": 16, "eval_samples": 2}).report
+    line = heal_line(report)
+    assert f"healed: {facts['steps']} steps, {facts['tokens']} tokens" in line
+    assert f"{facts['trainable_parameters']} trainable parameters" in line
+    assert f"1 process, precision {'fp32' if facts['mixed_precision'] == 'no' else facts['mixed_precision']}" in line
+    assert facts["train"] == train and facts["processes"] == 1 and facts["sharded"] is False
+    what = {"lora": f"LoRA rank {facts.get('rank')} on {facts.get('target_modules')} linears",
+            "norms": f"norms only ({facts.get('target_modules')} norms)", "full": "every parameter"}[train]
+    assert f"; {what}," in line
+    unused = {"lora": set(), "norms": {"rank", "alpha"}, "full": {"rank", "alpha", "target_modules"}}[train]
+    assert not unused & facts.keys() and not unused & summary(report).keys()
+    report.processes, report.sharded = 2, True
+    assert "sharded (FSDP2) over 2 processes" in heal_line(report)
+    assert summary(report)["processes"] == 2 and summary(report)["sharded"] is True
 
 
 def test_cli_train_choice(tmp_path):

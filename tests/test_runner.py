@@ -16,6 +16,7 @@ from normsurgery.core import memory
 from normsurgery.core.errors import SurgeryError
 from normsurgery.engine import runner as job_runner, writer
 from normsurgery.io import modelcard, output
+from normsurgery.io.ours import GGUF
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
 LLAMA = "normsurgery/demo/llama-tiny"
@@ -130,16 +131,16 @@ def test_a_refused_write_leaves_no_folder(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-FILE = "GGUF is one file (name it OUT.gguf)"
+CARD = "---\ntags:\n- normsurgery\n---\n# card\n"
 
 
 @job_runner.job_scope
 def write_file(out, *, force=False, fail=False):
-    """A file output, as GGUF writes one: the file and its card, through the runner's claim."""
-    claim = job_runner.claim_output(out, force, None, FILE)
+    """A file output, as GGUF writes one: the file and its card (ours), through the runner's claim."""
+    claim = job_runner.claim_output(out, force, None, GGUF)
     with output.staged(claim.path) as stage:
-        (stage.path / out.name).write_text("weights")
-        (stage.path / f"{out.name}.md").write_text("card")
+        (stage.path / out.name).write_bytes(b"GGUF weights")
+        (stage.path / f"{out.name}.md").write_text(CARD)
         if fail:
             raise SurgeryError("the check failed; nothing was written")
     return stage
@@ -153,10 +154,11 @@ def test_a_file_output_is_claimed_and_moved_as_a_folder_is(tmp_path):
     with pytest.raises(SurgeryError, match="the check failed"):
         write_file(out, fail=True)
     assert list(tmp_path.iterdir()) == []
-    write_file(out)
-    assert out.read_text() == "weights" and (out.parent / "x.gguf.md").read_text() == "card"
+    with output.recording() as saved:
+        write_file(out)
+    assert out.read_bytes() == b"GGUF weights" and (out.parent / "x.gguf.md").read_text() == CARD
     assert sorted(f.name for f in out.parent.iterdir()) == ["x.gguf", "x.gguf.md"]
-    assert output.REPLACED[-1] == out
+    assert saved == [out]
     with pytest.raises(SurgeryError, match=r"already exists; pass --force to replace it"):
         write_file(out)
     write_file(out, force=True)

@@ -3,6 +3,7 @@ leave the previous output or none, bad values are refused before any work, bad c
 one line each. Subprocess tests run the real entry point with ``save_pretrained`` made to wait,
 so a signal lands while the output is being written."""
 
+import copy
 import hashlib
 import json
 import os
@@ -21,7 +22,9 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+import normsurgery as ns
 from normsurgery.io import output
+from normsurgery.io.ours import png_marked
 from normsurgery.cli import app
 
 from conftest import assert_refused
@@ -117,6 +120,117 @@ def test_output_holding_the_current_folder_is_refused(tmp_path, monkeypatch):
     assert (out / "model.safetensors").is_file()
 
 
+# ---- issue 54: a file is replaced only when normsurgery wrote it (GGUF, its card, a plot) ----
+
+def test_force_never_replaces_a_file_that_is_not_a_gguf_file(tmp_path):
+    """Issue 54, item 1: ``export ... notes.txt --to gguf --force`` exited 0, "saved notes.txt": the
+    notes were gone (a text file named x.gguf too). Refused in one line, exit 1, untouched."""
+    for name in ("notes.txt", "x.gguf"):
+        out = tmp_path / name
+        out.write_text("my notes\n")
+        assert_refused(run("export", LLAMA, out, "--to", "gguf", "--force"), out, kept=True,
+                       match=f"{out} exists and is not a GGUF file; normsurgery replaces only what it wrote")
+        assert out.read_text() == "my notes\n" and not Path(f"{out}.md").exists()
+
+
+def test_force_replaces_a_gguf_file_and_card_only_when_ours(tmp_path):
+    """Issue 54, item 1: the card beside a GGUF file (``x.gguf.md``) was written with no check of its
+    own, and any GGUF file was replaced. A card not ours is refused, with or without --force; a GGUF
+    file is ours only with our card beside it; the file and card a run wrote are replaced."""
+    out, card = tmp_path / "x.gguf", tmp_path / "x.gguf.md"
+    card.write_text("# my notes on x\n")
+    for force in ((), ("--force",)):
+        assert_refused(run("export", LLAMA, out, "--to", "gguf", *force), out,
+                       match=f"{card} exists and is not a card normsurgery wrote")
+        assert card.read_text() == "# my notes on x\n"
+    card.unlink()
+    assert run("export", LLAMA, out, "--to", "gguf").exit_code == 0
+    ours, first = card.read_text(), out.stat().st_ino
+    for mine in ("# my notes on x\n", None):  # our GGUF file, its card replaced by the user's, or gone
+        card.unlink()
+        if mine:
+            card.write_text(mine)
+        before = digest(tmp_path)
+        assert_refused(run("export", LLAMA, out, "--to", "gguf", "--force"), out, kept=True,
+                       match=f"{out} exists and is a GGUF file normsurgery did not write (no card of normsurgery's")
+        assert digest(tmp_path) == before
+    card.write_text(ours)
+    kept = card.stat().st_ino
+    assert run("export", LLAMA, out, "--to", "gguf", "--force").exit_code == 0
+    assert out.stat().st_ino != first and card.stat().st_ino != kept and card.read_text() == ours  # replaced, each
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.gguf", "x.gguf.md"]
+
+
+PRUNE = ("--layers", 1, "--samples", 2, "--seq-len", 32, "--eval-samples", 1)
+
+
+def prune_plot(tmp_path, png, *flags):
+    return run("prune", LLAMA, tmp_path / "pruned", *PRUNE, "--plot", png, *flags)
+
+
+def test_a_plot_is_claimed_and_replaced_as_any_output(tmp_path):
+    """Issue 54, item 4: ``prune --plot FILE`` saved the PNG after the checkpoint, unlocked, over any
+    existing file without --force. The plot is claimed before any work: an existing file refused
+    without --force (nothing computed or written), a file not ours (not a PNG, or a PNG without our
+    Software text) even with --force; our earlier plot replaced with --force, in one rename."""
+    png, pruned = tmp_path / "scores.png", tmp_path / "pruned"
+    png.write_bytes(b"my picture")
+    for force in ((), ("--force",)):
+        assert_refused(prune_plot(tmp_path, png, *force), pruned, match=f"{png} exists and is not a PNG plot")
+        assert png.read_bytes() == b"my picture"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    fig = pyplot.figure()
+    fig.savefig(png, format="png")  # a PNG drawn elsewhere: matplotlib's own Software text
+    pyplot.close(fig)
+    before = png.read_bytes()
+    assert_refused(prune_plot(tmp_path, png, "--force"), pruned, match="is a PNG plot normsurgery did not write")
+    assert png.read_bytes() == before
+    png.unlink()
+    r = prune_plot(tmp_path, png)
+    assert r.exit_code == 0 and f"plot: {png}" in r.output and png_marked(png), r.output
+    first = png.stat().st_ino
+    shutil.rmtree(pruned)  # the output is checked first (its refusal would come before the plot's)
+    assert_refused(prune_plot(tmp_path, png), match=f"output {png} already exists; pass --force to replace it")
+    assert png.stat().st_ino == first
+    assert prune_plot(tmp_path, png, "--force").exit_code == 0
+    assert png.stat().st_ino != first and png_marked(png) and not leftovers(png)
+
+
+def test_a_plot_that_fails_leaves_no_file(tmp_path, monkeypatch):
+    """Issue 54, item 4: savefig wrote straight to FILE, so a failure left part of a PNG there. The
+    plot is drawn into the claim's stage: a failure leaves nothing, and says so in one line."""
+    from matplotlib.figure import Figure
+
+    def broken(self, fname, **kwargs):
+        Path(fname).write_bytes(b"\x89PNG\r\n\x1a\npart")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    png = tmp_path / "scores.png"
+    assert_refused(prune_plot(tmp_path, png), png, match="No space left on device")
+
+
+def module_state(module) -> dict:
+    """The module's own lists, dicts and sets (its state), copied."""
+    return {k: copy.deepcopy(v) for k, v in vars(module).items()
+            if not k.startswith("__") and isinstance(v, (list, dict, set))}
+
+
+def test_an_api_call_leaves_the_output_module_as_it_found_it(tmp_path):
+    """Issue 54, item 3: ``output.REPLACED`` grew by every output an API call moved into place, in its
+    caller's process. A call (here a convert with force over an existing output) leaves the module's
+    lists, dicts and sets as they were."""
+    out = tmp_path / "out"
+    ns.convert(GPT2, out, [("flashnorm", {})], verify=False)
+    before = module_state(output)
+    ns.convert(GPT2, out, [("flashnorm", {})], verify=False, force=True)
+    assert module_state(output) == before
+
+
 # ---- data safety 3 and hardening: signals, SIGKILL, stale folders, concurrent writers ----
 
 SLOW_SAVE = """import importlib, os, sys, time
@@ -203,14 +317,14 @@ def test_ctrl_c_during_the_swap_waits_for_the_whole_swap(tmp_path, monkeypatch):
     other = threading.Thread(target=idle.wait)  # a thread that does not block the signal
     other.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt), output.recording() as saved:
             output._replace(tmp, out)
     finally:
         idle.set()
         other.join()
         signal.signal(signal.SIGINT, handler)
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in out.iterdir()] == ["new"]
-    assert output.REPLACED[-1] == out
+    assert saved == [out]
 
 
 LATE_SIGNAL = """import os, signal, sys

@@ -52,6 +52,21 @@ def test_resume_reaches_the_uninterrupted_result(tmp_path):
         train(tiny_model("gpt2", torch.float32), ids, held, TrainConfig(**{**config, "lr": 2e-3}, resume=True))
 
 
+def test_training_gives_the_callers_generator_back():
+    """The loop seeds torch's global generator (dropout draws from it): a run is its
+    configuration's alone, whatever the caller drew before, and the caller's generator is given
+    back as it was (issue 54: it was left where the loop's draws took it)."""
+    ids, held = data()
+    runs = []
+    for seed in (1, 2):
+        model = tiny_model("gpt2", torch.float32, resid_pdrop=0.1)  # dropout: the loop draws from the generator
+        torch.manual_seed(seed)
+        before = torch.random.get_rng_state()
+        runs.append(train(model, ids, held, TrainConfig(steps=2, batch_size=2, seq_len=32, lr=1e-3)).losses)
+        assert torch.equal(torch.random.get_rng_state(), before)
+    assert runs[0] == runs[1]
+
+
 def test_on_step_metrics_and_params_subset():
     ids, held = data()
     model = tiny_model("llama", torch.float32)

@@ -14,6 +14,7 @@ import signal
 import sys
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn, Optional
 
 import typer
@@ -22,6 +23,7 @@ from .. import __version__
 from ..core import threads
 from ..engine import launch
 from ..io import output
+from ..io.ours import FileKind
 from ..core.options import AT_LEAST
 from .flags import expand
 from ..core.errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryNote, SurgeryWarning, UsageError
@@ -75,15 +77,15 @@ def main() -> None:
         say_error(str(e))
         sys.exit(FAILED)
     command = modelcard.COMMAND.set(sys.argv[1:])  # for the cards of the folders written, this command's only
-    mark = len(output.REPLACED)
-    try:
-        app()
-    except KeyboardInterrupt as e:
-        say_error(interrupted(e, output.REPLACED[mark:]))
-        sys.exit(INTERRUPTED)
-    finally:
-        modelcard.COMMAND.reset(command)
-        _ignore_interrupts()
+    with output.recording() as saved:
+        try:
+            app()
+        except KeyboardInterrupt as e:
+            say_error(interrupted(e, saved))
+            sys.exit(INTERRUPTED)
+        finally:
+            modelcard.COMMAND.reset(command)
+            _ignore_interrupts()
 
 
 def _ignore_interrupts() -> None:
@@ -165,9 +167,9 @@ def command(fn=None, *, preload: bool = True):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         fail = functools.partial(failed, as_json=kwargs.get("json", False))
-        mark = len(output.REPLACED)
+        saved: list = []
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), output.recording() as saved:
                 warnings.simplefilter("default", SurgeryWarning)  # a warning repeated (two loads) is shown once
                 warnings.simplefilter("default", SurgeryNote)
                 shown = warnings.showwarning
@@ -178,7 +180,7 @@ def command(fn=None, *, preload: bool = True):
         except SurgeryError as e:
             fail(str(e), USAGE if isinstance(e, UsageError) else FAILED)
         except KeyboardInterrupt as e:
-            fail(interrupted(e, output.REPLACED[mark:]), INTERRUPTED)
+            fail(interrupted(e, saved), INTERRUPTED)
         except (typer.Exit, typer.Abort):
             raise
         except OSError as e:
@@ -212,13 +214,13 @@ def read_text(path) -> str | None:
 
 
 @contextmanager
-def claimed(src: str, out, force: bool, allow_pickle: bool = False):
-    """For the whole command: ``out`` locked before torch loads or anything is read, so a second
-    run stops at once; the API's job claims it within this lock (``runner.claim_output``: checked
-    once, what killed runs left cleared and noted). Yields ``src`` read (``source.Source``)."""
-    from ..io.output import output_lock
-
-    with output_lock(out):  # before loading torch or reading anything: a second run stops at once
+def claimed(src: str, out, force: bool, allow_pickle: bool = False, file: FileKind | None = None):
+    """For the whole command: ``out`` claimed (``output.claim``: locked and checked; ``file``: a
+    file output, what it is) before torch loads or anything is read, so a refused output or a
+    second run answers at once; the API's job claims it within this claim (``runner.claim_output``:
+    the same claim, not checked again). Yields ``src`` read (``source.Source``)."""
+    local = Path(src).expanduser()
+    with output.claim(out, force, local if local.is_dir() else None, file=file, source_name=str(src), ahead=True):
         load_transformers()
         from ..io.source import Source
 

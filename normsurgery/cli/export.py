@@ -11,6 +11,7 @@ import typer
 
 from ..core.errors import UsageError
 from ..core.options import CACHE_TOKENS, FORMATS, GGUF_DTYPES, ExportOptions, did_you_mean
+from ..io.ours import GGUF
 from .app import JSON, claimed, command, emit_json, read_text, say, say_device
 
 
@@ -48,16 +49,10 @@ def export(
 
 def _onnx(a: Asked) -> None:
     """``export --to onnx``: the graph written and checked in ONNX Runtime (``export.export``)."""
-    from ..exporters.export import require_onnx
-
-    require_onnx()
-    from .app import load_transformers
-
-    load_transformers()
-    from ..exporters.export import export as export_api
-
     body = read_text(a.text)
     with claimed(a.src, a.dest, a.options.force, a.options.allow_pickle) as source:
+        from ..exporters.export import export as export_api  # each format's runtime required there
+
         r = export_api(source, a.dest, a.options, text=body)
     if a.json:
         emit_json(r.as_dict())
@@ -92,16 +87,11 @@ def _gguf(a: Asked) -> None:
     dtype = a.options.dtype or GGUF_DTYPES[0]
     if dtype not in GGUF_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}{did_you_mean(dtype, GGUF_DTYPES)}")
-    from ..exporters.gguf import require_gguf
+    body = read_text(a.text)
+    with claimed(a.src, a.dest, a.options.force, a.options.allow_pickle, file=GGUF) as source:
+        from ..exporters.export import export as export_api  # each format's runtime required there
 
-    require_gguf()
-    from .app import load_transformers
-
-    load_transformers()
-    from ..exporters.export import export as export_api
-
-    # the output is a file, which gguf.export checks and locks itself (``claimed`` takes folders)
-    r = export_api(a.src, a.dest, replace(a.options, dtype=dtype), text=read_text(a.text))
+        r = export_api(source, a.dest, replace(a.options, dtype=dtype), text=body)
     if a.json:
         emit_json(r.as_dict())
         return
@@ -115,23 +105,18 @@ def _gguf(a: Asked) -> None:
         + ("equal transformers'" if g["equal"] else f"equal transformers' up to the first difference: {g['agree']:.0%}")
         + f"; the text's {r.tokenizer['tokens']} tokens equal transformers'")
     say_device(p.device)
-    say(f"saved {r.saved['path']} ({r.saved['bytes']:,} bytes): llama.cpp architecture {r.arch}, {r.dtype.upper()}"
+    say(f"saved {r.saved['path']} ({r.saved['bytes']:,} bytes): llama.cpp architecture {r.arch}, matrices in "
+        f"{r.dtype.upper()}" + (" (--dtype auto: the checkpoint's type)" if dtype == "auto" else "")
         + (", norms removed (eps trick: eps 1e12, gains 1e6)" if r.eps_trick else "")
         + f"; card {r.saved['card']}")
 
 
 def _nemotron(a: Asked) -> None:
     """``export --to nemotron-nas``: the DeciLM folder written and checked in MLX-LM (``nemotron.export``)."""
-    from ..exporters.mlx_check import require_mlx
-
-    require_mlx()
-    from .app import load_transformers
-
-    load_transformers()
-    from ..exporters.export import export as export_api
-
     body = read_text(a.text)
     with claimed(a.src, a.dest, a.options.force, a.options.allow_pickle) as source:
+        from ..exporters.export import export as export_api  # each format's runtime required there
+
         r = export_api(source, a.dest, a.options, text=body)
     if a.json:
         emit_json(r.as_dict())

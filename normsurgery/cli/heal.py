@@ -35,7 +35,7 @@ def say_heldout(on: str, record: dict) -> None:
         stderr().print(f"note: {note}", markup=False, highlight=False)
 
 
-@command
+@command(preload=False)
 def heal(
     src: str = typer.Argument(..., metavar="IN", help="input checkpoint (a pruned one, typically)"),
     out: Path = OUT,
@@ -49,12 +49,12 @@ def heal(
     json: bool = JSON,
 ):
     """LoRA on the remaining linears (LM loss; MLM for BERT), merge, save a plain checkpoint."""
-    from ..commands.heal import heal as heal_checkpoint
-
     options.save_adapter = save_adapter_
     options.check()
     body, held_text = read_text(text), read_text(eval_text)
     with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
+        from ..commands.heal import heal as heal_checkpoint
+
         result = heal_checkpoint(source, out, body, eval_text=held_text, options=options, io=run, progress=progress)
     if result.saved is None:  # a secondary process of a distributed run
         return

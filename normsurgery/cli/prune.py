@@ -64,7 +64,7 @@ def built(options: Given, healing: Given, asked: PruneAsked) -> tuple[PruneOptio
     return opts, heal
 
 
-@command
+@command(preload=False)
 def prune(
     src: str = IN,
     out: Path = OUT,
@@ -75,26 +75,27 @@ def prune(
     json: bool = JSON,
 ):
     """Remove the layers that change the residual stream least; optionally heal; save."""
-    from ..commands.prune import prune as prune_checkpoint
-
     opts, heal = built(options, healing, asked)
-    if asked.plot is not None and asked.plot.is_dir():
-        raise SurgeryError(f"--plot {asked.plot} is a folder; give a .png file name")
     body, held_text = read_text(asked.text), read_text(asked.eval_text)
     with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
-        r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=heal, io=run, progress=progress)
-    if r.saved is None:  # a secondary process of a distributed heal
-        return
-    say_pruned(r, asked.plot, json)
+        from ..commands.prune import prune as prune_checkpoint
+        from .report import plot_scores, plotting
+
+        with plotting(asked.plot, run.force, out) as draw:
+            r = prune_checkpoint(source, out, opts, text=body, eval_text=held_text, heal=heal, io=run,
+                                 progress=progress)
+            if r.saved is None:  # a secondary process of a distributed heal
+                return
+            if draw is not None and r.scores is not None:
+                draw(plot_scores(r.selection, r.scores))
+    say_pruned(r, asked.plot if r.scores is not None else None, json)
 
 
 def say_pruned(r, plot: Path | None, json: bool) -> None:
-    """What prune did (``commands.prune.PruneResult`` ``r``): the plot drawn, then JSON, or the scores,
-    the layers removed, the cross-entropy table, the heal's steps and where it was saved."""
-    from .report import ce_table, loads_with, plot_scores, score_table
+    """What prune did (``commands.prune.PruneResult`` ``r``): JSON, or the scores, the layers removed,
+    the cross-entropy table, the heal's steps, where it was saved and the ``plot`` drawn."""
+    from .report import ce_table, loads_with, score_table
 
-    if plot is not None and r.scores is not None:
-        plot_scores(plot, r.selection, r.scores)
     if json:
         emit_json({**r.record, "ce": r.ce, "scores": r.scores.as_dict() if r.scores else None,
                    "saved": r.saved, "plot": str(plot) if plot else None})
@@ -116,5 +117,5 @@ def say_pruned(r, plot: Path | None, json: bool) -> None:
     tail = f" (the adapter unmerged in adapter/: {a['tensors']} LoRA tensors, read back and checked)" if a else ""
     say_device(r.record.get("device"))
     say(f"saved {r.saved['path']}{tail}; {loads_with(r.saved)}")
-    if plot is not None and r.scores is not None:
+    if plot is not None:
         say(f"plot: {plot}")

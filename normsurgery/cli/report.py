@@ -1,11 +1,13 @@
 """What the commands print for people: tables (fitting 80 columns: long cells wrap, names never
-cut), the prune score plot. ``--json`` output is the result's ``as_dict`` (see each command).
+cut), the prune and squeeze plots (written as any output is: :func:`plotting`). ``--json`` output is
+the result's ``as_dict`` (see each command).
 
 Cells are rich ``Text``, never markup, so ``[[pass]]`` or a path with brackets prints as is.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich import box
@@ -261,19 +263,17 @@ def heal_line(report, seconds: float | None = None) -> str:
     what = {"lora": f"LoRA rank {report.rank} on {report.target_modules} linears",
             "norms": f"norms only ({report.target_modules} norms)", "full": "every parameter"}[report.train]
     return (f"healed: {report.steps} steps, {report.tokens} tokens in {report.seconds:.1f} s "
-            f"({report.tokens_per_second:.0f} tokens/s, {how_trained(report.processes)}, precision "
+            f"({report.tokens_per_second:.0f} tokens/s, {how_trained(report.processes, report.sharded)}, precision "
             f"{precision}); {what}, "
             f"{report.trainable_parameters} trainable parameters{share}")
 
 
-def how_trained(processes: int) -> str:
+def how_trained(processes: int, sharded: bool) -> str:
     """How the training ran: "1 process", "data-parallel over N processes" (each holding the whole
-    training state) or "sharded (FSDP2) over N processes" (``devices.sharding``: as it was asked)."""
-    from ..core.devices import sharding
-
+    training state) or "sharded (FSDP2) over N processes" (``sharded``: as the training reports it)."""
     if processes <= 1:
         return "1 process"
-    return f"{'sharded (FSDP2)' if sharding() else 'data-parallel'} over {processes} processes"
+    return f"{'sharded (FSDP2)' if sharded else 'data-parallel'} over {processes} processes"
 
 
 OVERFIT_EPOCHS = 4
@@ -304,14 +304,49 @@ def overfit_note(report) -> str | None:
             "suffer from overfitting; give more text or fewer --steps")
 
 
-def plot_scores(path: Path, selection, scores) -> None:
-    """Left: the chosen method's candidate scores (removed in red). Right: d(l, n) for every
-    start l and block size n, the chosen block marked."""
+@contextmanager
+def plotting(path: Path | None, force: bool, out: Path):
+    """``--plot PATH`` claimed for the block as any output is (``runner.file_output``: locked; refused
+    before any work where it would replace a file normsurgery did not write, ``ours.PLOT``, or one it
+    did without ``force``); yields ``draw(figure)`` (None without ``path``): the figure saved into the
+    claim's stage with our mark (``ours.MARK``), then moved into place in one rename (``output.staged``:
+    nothing left on a failure)."""
+    if path is None:
+        yield None
+        return
+    from ..core.errors import SurgeryError
+    from ..engine.runner import file_output
+    from ..io import output
+    from ..io.ours import MARK, PLOT
+
+    if Path(path).expanduser().resolve() == Path(out).expanduser().resolve():
+        raise SurgeryError(f"--plot {path} is the output itself; name another file")
+    with file_output(path, force, PLOT) as claim:
+        def draw(fig) -> None:
+            import matplotlib.pyplot as plt
+
+            try:
+                with output.staged(claim.path) as stage:
+                    fig.savefig(stage.path / claim.path.name, dpi=120, format="png", metadata={"Software": MARK})
+            finally:
+                plt.close(fig)
+
+        yield draw
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_scores(selection, scores):
+    """The figure of prune's scores. Left: the chosen method's candidate scores (removed in red).
+    Right: d(l, n) for every start l and block size n, the chosen block marked."""
+    plt = _pyplot()
     L = scores.num_layers
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     colours = ["tab:red" if i in selection.chosen else "tab:blue" for i in range(len(selection.candidates))]
@@ -331,9 +366,7 @@ def plot_scores(path: Path, selection, scores) -> None:
     b.set_title("angular distance d(l, n)")
     fig.colorbar(im, ax=b)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 # ---- squeeze ----
@@ -364,14 +397,10 @@ def squeeze_table(result) -> Table:
     return t
 
 
-def plot_squeeze(path: Path, result) -> None:
-    """Held-out CE against parameters: each cycle's minimized model (before retraining) and
-    retrained model, the original marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_squeeze(result):
+    """The figure of squeeze's held-out CE against parameters: each cycle's minimized model (before
+    retraining) and retrained model, the original marked."""
+    plt = _pyplot()
     o = result.original
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [o["params"]] + [c.params for c in result.cycles]
@@ -387,6 +416,4 @@ def plot_squeeze(path: Path, result) -> None:
     ax.set_title("squeeze: size vs held-out CE per cycle")
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

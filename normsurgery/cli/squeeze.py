@@ -50,9 +50,13 @@ def squeeze(
     try:
         with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
             from ..commands.squeeze import squeeze as squeeze_checkpoint
+            from .report import plot_squeeze, plotting
 
-            result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=opts, resume=asked.resume,
-                                        io=run, progress=progress)
+            with plotting(asked.plot, run.force, out) as draw:
+                result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=opts,
+                                            resume=asked.resume, io=run, progress=progress)
+                if draw is not None and result.saved is not None:
+                    draw(plot_squeeze(result))
     except KeyboardInterrupt as e:
         from ..engine.train_state import state_dir
 
@@ -65,12 +69,8 @@ def squeeze(
 
 
 def say_squeezed(result, plot: Path | None, json: bool) -> None:
-    """What squeeze did (``commands.squeeze.SqueezeResult``): the plot drawn, then JSON, or the
-    cycles' table, the size and CE reached, the control beside, and where it was saved."""
-    if plot is not None:
-        from .report import plot_squeeze
-
-        plot_squeeze(plot, result)
+    """What squeeze did (``commands.squeeze.SqueezeResult``): JSON, or the cycles' table, the size
+    and CE reached, the control beside, and where it was saved (and the ``plot`` drawn)."""
     if json:
         emit_json(result.as_dict())
         return

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ..core import algebra
+from ..core import algebra, devices
 from ..core.calibration import windows
 from ..core.errors import SurgeryError
 from ..io.source import Source
@@ -67,8 +67,8 @@ class HealReport:
     tokens: int  # tokens trained on, all processes together
     epochs: float  # tokens / training-text tokens: how many times over the text was read
     seconds: float
-    rank: int
-    alpha: float
+    rank: int | None  # LoRA's (None: no LoRA trained, --train norms or full)
+    alpha: float | None
     lr: float
     trainable_parameters: int
     target_modules: int
@@ -81,6 +81,7 @@ class HealReport:
     merged: bool = False  # LoRA merged into the weights (False: kept as an adapter, or no adapter trained)
     eval_text_ce_before: float | None = None  # CE on --eval-text's windows (:func:`run` measures it when given)
     eval_text_ce_after: float | None = None
+    sharded: bool = False  # the training state sharded over the processes (FSDP2), not data-parallel
 
     @property
     def rose(self) -> tuple[str, float, float] | None:
@@ -108,7 +109,11 @@ class HealReport:
         return self.tokens / self.seconds if self.seconds else float("nan")
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second, "cause": self.cause}
+        """The facts of the report (what ``--json`` and the record carry, as the table says them): no
+        LoRA rank or alpha where no LoRA trained, no count of what trained where every parameter did."""
+        unused = {"lora": (), "norms": ("rank", "alpha"), "full": ("rank", "alpha", "target_modules")}[self.train]
+        facts = {k: v for k, v in asdict(self).items() if k not in unused}
+        return {**facts, "tokens_per_second": self.tokens_per_second, "cause": self.cause}
 
 
 def linear_targets(model) -> list[str]:
@@ -193,18 +198,21 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts:
     else:
         pattern = target_pattern(model, opts.target_modules)
         conv1d = any(isinstance(m, Conv1D) for n, m in model.named_modules() if re.fullmatch(pattern, n))
-        torch.manual_seed(opts.seed)
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        # LoRA's A is drawn from the global generator: seeded, then the caller's put back
+        with devices.rng_kept(devices.of(model)), warnings.catch_warnings():
+            torch.manual_seed(opts.seed)
+            # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             model = get_peft_model(model, LoraConfig(r=opts.rank, lora_alpha=alpha, lora_dropout=0.0,
                                                      target_modules=pattern, fan_in_fan_out=conv1d))
         targets = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
     result = train(model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
                    progress=progress, accelerator=accelerator, params=params)
+    lora = opts.train == "lora"
     report = HealReport(result.ce_before, result.ce_after, result.steps, result.tokens,
-                        result.tokens / len(train_ids), result.seconds, opts.rank, alpha, config.lr,
-                        result.trainable_parameters, targets, result.precision, result.processes, result.losses,
-                        opts.train, merged=merge)
+                        result.tokens / len(train_ids), result.seconds, opts.rank if lora else None,
+                        alpha if lora else None, config.lr, result.trainable_parameters, targets, result.precision,
+                        result.processes, result.losses, opts.train, merged=merge, sharded=result.sharded)
     return (model.merge_and_unload() if merge else model), report
 
 

@@ -30,7 +30,7 @@ from ..core.families import layout
 from ..core.parity import compare, outputs, probe_ids
 from ..engine.check import Tolerances, model_reader
 from ..core.runtime import NoNorm
-from ..engine.runner import job_scope
+from ..engine.runner import choose_device, job_scope
 
 INSTALL = "pip install 'normsurgery[lens]'"
 #: norm kinds TransformerLens has no component for, and why
@@ -51,7 +51,7 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False, device: st
     from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
 
     source = Source.open(src, allow_pickle)
-    where = devices.choose(device)
+    where = choose_device(device)
     model = load(source, torch.float32, device=where)
     if layout(model).objective != "causal-lm":
         raise SurgeryError(f"normsurgery.commands.lens: {source.name} is a {source.class_name}; TransformerLens models "

@@ -57,7 +57,7 @@ from ..engine.runner import Job, job_scope
 from ..io.stash import Stash
 from ..io.texts import text_of
 from ..engine.processes import is_main_process
-from ..engine.train_state import STATE_FILE, state_dir
+from ..engine.train_state import STATE_FILE, save_state, state_dir
 from ..engine.training import heldout_ce
 
 STATE = "squeeze.pt"
@@ -273,10 +273,7 @@ def one_shot(model, cycles: list[Cycle], train_ids: torch.Tensor, held: torch.Te
 
 def _keep(state: Path, data: dict) -> None:
     """The state after a completed cycle (atomically); the finished cycle's training state goes."""
-    state.mkdir(parents=True, exist_ok=True)
-    tmp = state / f".{STATE}.tmp"
-    torch.save(data, tmp)
-    tmp.replace(state / STATE)
+    save_state(state / STATE, data)
     shutil.rmtree(state / TRAIN_STATE, ignore_errors=True)
 
 

@@ -24,7 +24,7 @@ from ..core.parity import Comparison, coarsest, compare, greedy_agreement, layer
 from ..engine.check import Tolerances, model_reader, source_reader
 from ..engine.sweep import CheckpointWork
 from ..io.shards import differing
-from ..engine.runner import job_scope
+from ..engine.runner import choose_device, job_scope
 
 #: tokens per probe window when none is asked for (fewer when the model has fewer positions)
 LENGTH = PROBE_LENGTH
@@ -71,7 +71,7 @@ def verify(a, b, options: VerifyOptions | None = None, *, text: str | None = Non
         return compare_models(a, b, o, text=text)
     sa, sb = Source.open(a, o.allow_pickle, any_family=True), Source.open(b, o.allow_pickle, any_family=True)
     check_comparable(sa, sb)
-    where, dtype = devices.choose(o.device), as_dtype(o.dtype)
+    where, dtype = choose_device(o.device), as_dtype(o.dtype)
     why = _streaming(sa, sb, dtype, o.streaming, where)
     if sa.family not in FAMILIES:
         return _verify_stock(sa, sb, why, o, text, where)
@@ -190,7 +190,7 @@ def outliers(a, b=None, options: InspectOptions | None = None, *, text: str | No
     if sb is not None and sa.config.vocab_size != sb.config.vocab_size:
         raise SurgeryError(f"{sa.name} and {sb.name} have different vocabularies: no common text to compare on")
     ids = probe_ids(sa.tokenizer, sa.config.vocab_size, text, n, probe_length(sa.positions, length))
-    where = devices.choose(device)
+    where = choose_device(device)
     stats = [None if s is None else analysis.outliers(load(s, torch.float32, device=where), ids) for s in (sa, sb)]
     if stats[1] is not None and len(stats[0]["stream"]) != len(stats[1]["stream"]):
         raise SurgeryError(f"{sa.name} and {sb.name} have different numbers of blocks: their states do not pair up")

@@ -50,8 +50,8 @@ def check(spec: str) -> str:
 
 
 def choose(spec: str = "auto"):
-    """The device ``spec`` names (see the module docstring), made the current CUDA device when a
-    GPU (TF32: :func:`exact_arithmetic`)."""
+    """The device ``spec`` names (see the module docstring). Nothing is set: a command makes a GPU
+    current for its job alone (``runner.choose_device``), TF32 off too (:func:`exact_arithmetic`)."""
     import torch
 
     check(spec)
@@ -67,43 +67,71 @@ def choose(spec: str = "auto"):
     index = int(spec.partition(":")[2] or os.environ.get("LOCAL_RANK", 0))
     if index >= torch.cuda.device_count():
         raise SurgeryError(f"--device {spec}: torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
-    torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+#: torch's float32 precision settings of the newer API (``torch.backends.*.fp32_precision``), by
+#: (backend, op), each parent before its children
+FP32 = (("generic", "all"), *((b, o) for b in ("cuda", "mkldnn") for o in ("all", "matmul", "conv", "rnn")))
+
+
+def _legacy() -> tuple:
+    """(getter, setter) of each older setting: the float32 matmul precision (whose ``allow_tf32``
+    flag is its "high"), cuDNN's and oneDNN's ``allow_tf32``. A getter raises where the newer
+    settings were set against it."""
+    import torch
+
+    c = torch._C
+    return ((torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+            (c._get_cudnn_allow_tf32, c._set_cudnn_allow_tf32), (c._get_onednn_allow_tf32, c._set_onednn_allow_tf32))
+
+
+def _read(get):
+    try:
+        return get()
+    except RuntimeError:  # the newer settings were set against it: not readable, and not put back
+        return None
+
+
+@contextmanager
+def fp32_kept():
+    """The block's float32 arithmetic settings put back as it found them, older and newer alike (a
+    setting of one API rewrites the other's: ``allow_tf32 = False`` after
+    ``set_float32_matmul_precision("medium")`` leaves the precision unreadable; putting the flag
+    back would not give "medium" back)."""
+    import torch
+
+    legacy = [_read(get) for get, _ in _legacy()]
+    newer = {k: torch._C._get_fp32_precision_getter(*k) for k in FP32}
+    try:
+        yield
+    finally:
+        for (_, put), value in zip(_legacy(), legacy):
+            if value is not None:
+                put(value)
+        for k, value in newer.items():
+            torch._C._set_fp32_precision_setter(*k, value)
 
 
 @contextmanager
 def exact_arithmetic():
-    """For the block (a job: ``runner``): IEEE float32 matrix products and convolutions on CUDA
-    (TF32 off), through the ``allow_tf32`` flags: torch >= 2.9 also has ``fp32_precision``
-    settings, but once those are set, reading ``allow_tf32`` (as accelerate and transformers do)
-    raises, while these set both. Then each flag put back as it was, through the setting it was
-    read by (``fp32_precision`` where the caller set that one)."""
+    """For the block (a job: ``runner``): IEEE float32 matrix products (CUDA's and oneDNN's: no TF32,
+    no bf16), convolutions and RNNs (TF32 off), set through both of torch's APIs, so that either
+    reads it: the float32 matmul precision "highest" and cuDNN's ``allow_tf32`` flag (which
+    accelerate and transformers read; torch >= 2.9 raises on reading one set against the newer
+    settings) where it reads, and each CUDA op's ``fp32_precision`` "ieee" (a parent's, the
+    ``generic`` or ``cuda`` one, would otherwise still reach an op left at "none"). Then every
+    setting put back (:func:`fp32_kept`)."""
     import torch
 
-    backends = (torch.backends.cuda.matmul, torch.backends.cudnn)
-    before = [_tf32(b) for b in backends]
-    for b in backends:
-        b.allow_tf32 = False
-    try:
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    with fp32_kept():
+        torch.set_float32_matmul_precision("highest")  # matmul.allow_tf32 False, and oneDNN's matmul IEEE
+        if _read(lambda: cudnn.allow_tf32) is not None:
+            cudnn.allow_tf32 = False
+        for setting in (matmul, cudnn.conv, cudnn.rnn):  # each op's own: a parent's "tf32" no longer reaches it
+            setting.fp32_precision = "ieee"
         yield
-    finally:
-        for b, (name, value) in zip(backends, before):
-            setattr(b, name, value)
-
-
-def _tf32(backend) -> tuple[str, object]:
-    """(the setting, its value) that says whether ``backend`` computes float32 in TF32."""
-    try:
-        return "allow_tf32", backend.allow_tf32
-    except RuntimeError:  # its fp32_precision was set: reading the old flag raises
-        return "fp32_precision", backend.fp32_precision
-
-
-def tf32_off() -> bool:
-    """Whether CUDA's float32 matrix products and cuDNN compute in IEEE float32."""
-    import torch
-
-    return not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
 
 def is_gpu(device) -> bool:
@@ -178,12 +206,14 @@ def mean_over_processes(t):
 
 
 def make_accelerator(precision: str, device):
-    """The training processes' Accelerator on ``device`` (:func:`choose`: a GPU is the current CUDA
-    device; no default, which would silently train on the CPU) with ``precision``
+    """The training processes' Accelerator on ``device`` (:func:`choose`; a GPU is the current CUDA
+    device, ``runner.choose_device``; no default, which would silently train on the CPU) with ``precision``
     (:func:`mixed_precision`). On the CPU it asks for the CPU, so
     ``torchrun`` processes join one gloo group. A data-parallel accelerator even where FSDP is
     asked (:func:`sharding`): ``training`` shards the model itself, since accelerate's FSDP2 refuses
-    the CPU and keeps the model sharded (upcast, on the meta device) after training."""
+    the CPU and keeps the model sharded (upcast, on the meta device) after training. The float32
+    settings it finds (a job's: TF32 off, :func:`exact_arithmetic`) hold after it: accelerate turns
+    TF32 on where it has a dynamo backend."""
     import torch
     from accelerate import Accelerator
 
@@ -191,9 +221,8 @@ def make_accelerator(precision: str, device):
     mixed = mixed_precision(precision, device)
     asked = os.environ.pop(FSDP_ENV, None)  # training shards the model itself (training.Shards), not accelerate
     try:
-        acc = Accelerator(mixed_precision=mixed, cpu=not is_gpu(device))
-        exact_arithmetic()  # accelerate turns TF32 on with a dynamo backend: the checks that follow need it off
-        return acc
+        with fp32_kept():  # accelerate turns TF32 on (a dynamo backend): the job's settings (TF32 off) kept
+            return Accelerator(mixed_precision=mixed, cpu=not is_gpu(device))
     except ValueError as e:  # accelerate's state is per process: its precision is fixed once set
         raise SurgeryError(str(e)) from None
     finally:
@@ -208,6 +237,17 @@ def rng_state() -> dict:
 
     return {"rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def rng_kept(device):
+    """A block whose draws from torch's global generators (a seeded training's, LoRA's
+    initialisation) leave them as it found them: the CPU's, and ``device``'s where a GPU (only
+    that one: forking every GPU's would wake each of them in every process)."""
+    import torch
+
+    device = torch.device(device)
+    gpu = [device.index if device.index is not None else torch.cuda.current_device()] if is_gpu(device) else []
+    return torch.random.fork_rng(devices=gpu, device_type="cuda")
 
 
 def restore_rng(state: dict) -> None:

@@ -56,8 +56,9 @@ PROBE_GENERATE = 16
 OUTLIER_SAMPLES = 8
 #: export --to (``export``)
 FORMATS = ("onnx", "gguf", "nemotron-nas")
-#: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32)
-GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+#: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32); auto: the
+#: checkpoint's own (bf16 stays BF16, f16 F16, f32 F32), as llama.cpp's converter keeps the input's precision
+GGUF_DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 #: export (ONNX): weights above this many bytes go to external data, model.onnx_data (protobuf caps a file at 2 GB)
 EXTERNAL_BYTES = 1 << 30
 #: export --with-past: greedy tokens generated through the key/value cache, compared with ``generate``'s
@@ -337,8 +338,9 @@ class Reading:
 class Writing(Reading):
     """What every command that writes a checkpoint takes besides: whether OUT may be replaced."""
 
-    force: bool = option(False, "replace OUT if it is a checkpoint (never a folder of other files); a checkpoint "
-                         "written (not an ONNX export) is kept even if its reload check fails", given=False)
+    force: bool = option(False, "replace OUT if it is a checkpoint (never a folder of other files), and --plot's "
+                         "file if normsurgery drew it; a checkpoint written (not an ONNX export) is kept even if its "
+                         "reload check fails", given=False)
 
 
 #: convert --streaming/--in-memory (``convert.choose_plan``)
@@ -417,11 +419,13 @@ class ExportOptions(Reading):
     """export's options (``exporters.export.export``, and ``gguf``'s and ``nemotron``'s); the check's text is
     its argument."""
 
-    force: bool = option(False, "replace DEST if it exists: a GGUF file, or a folder holding only what an export or "
-                         "a convert writes (never a folder of other files)", given=False)
+    force: bool = option(False, "replace DEST if normsurgery wrote it: a GGUF file with its card beside it, or a "
+                         "folder holding only what an export or a convert writes (never a file or folder of other "
+                         "files)", given=False)
     to: str = option(FORMATS[0], "{choices}", names=("--to", "--format"), metavar="FORMAT", choices=FORMATS,
                      required=True)
-    dtype: str | None = option(None, "GGUF: the matrices' type, {choices} (default {GGUF_DTYPE})", metavar="TYPE",
+    dtype: str | None = option(None, "GGUF: the matrices' type, {choices} (default {GGUF_DTYPE}: the checkpoint's, bf16 as BF16, "
+                               "f16 as F16, f32 as F32)", metavar="TYPE",
                                choices=GGUF_DTYPES)  # None: GGUF_DTYPES[0] (a GGUF option only)
     external_data: bool | None = option(None, "weights beside the graph in model.onnx_data (default: when they "
                                         "exceed {EXTERNAL_SIZE})", names=("--external-data/--no-external-data",))

@@ -3,11 +3,11 @@
 format (an exporter is a writer into the job's stage plus a check in its runtime).
 
 A command runs in a job's scope (:func:`job_scope`): the process set for the work
-(:func:`process_state`: TF32 off, glibc's allocator kept) and what its :class:`Job` claims are
-put back and released when the command returns or raises. A :class:`Job` is opened once per
+(:func:`process_state`: TF32 off, glibc's allocator kept), the current CUDA device and what its
+:class:`Job` claims are put back and released when the command returns or raises. A :class:`Job` is opened once per
 command, before any work: the checkpoint resolved (``source.Source``), the output claimed
 (:func:`claim_output`, the one place: locked and checked once, ``output.claim``) and the device
-chosen (``devices.choose``). Then:
+chosen (:func:`choose_device`: current for the job alone). Then:
 
 - :meth:`Job.training_data`: the text split into training ids and held-out windows (and
   ``--eval-text``'s windows);
@@ -73,22 +73,56 @@ def job_scope(command):
 @contextmanager
 def process_state():
     """The process as a job computes in it, put back when the job ends: TF32 off
-    (``devices.exact_arithmetic``: a float32 check on a GPU) and glibc's mmap threshold, which a
-    streamed plan lowers (``memory.map_large_blocks``: freed parts go back to the system at once)
-    for the rest of its job (``memory.allocator_kept``)."""
-    with devices.exact_arithmetic(), memory.allocator_kept():
+    (``devices.exact_arithmetic``: a float32 check on a GPU), torch's global generator (what a
+    training seeds, what a model's initialisation draws: ``devices.rng_kept``; a GPU's is kept by
+    :func:`choose_device`) and glibc's mmap threshold, which a streamed plan lowers
+    (``memory.map_large_blocks``: freed parts go back to the system at once) for the rest of its
+    job (``memory.allocator_kept``)."""
+    with devices.exact_arithmetic(), devices.rng_kept(devices.HOST), memory.allocator_kept():
         yield
 
 
-def claim_output(out, force: bool, source: Source | None, file: str | None = None) -> output.Claim:
-    """The one place a command claims its output ``out`` (``output.claim``: locked, checked once;
-    ``file``: a file output, what it is), held until the command's :func:`job_scope` ends."""
+def _scope(what: str) -> ExitStack:
+    """The running command's scope (:func:`job_scope`), to hold ``what`` (in words) until it ends."""
     scope = _SCOPE.get()
     if scope is None:
-        raise SurgeryError(f"internal: {out} claimed outside a command's job scope (runner.job_scope)")
-    claim = scope.enter_context(output.claim(out, force, None if source is None else source.path, file=file,
-                                             source_name=None if source is None else source.name))
-    return claim
+        raise SurgeryError(f"internal: {what} outside a command's job scope (runner.job_scope)")
+    return scope
+
+
+def choose_device(spec: str) -> torch.device:
+    """``devices.choose(spec)``, a GPU made the current CUDA device (where accelerate and ``"cuda"``
+    compute) until the command's :func:`job_scope` ends; then the caller's is current again
+    (``torch.cuda.device``, which wakes no GPU to put it back)."""
+    where = devices.choose(spec)
+    if devices.is_gpu(where):
+        scope = _scope(f"{where} made current")
+        scope.enter_context(torch.cuda.device(where))
+        scope.enter_context(devices.rng_kept(where))  # its generator too, as process_state keeps the CPU's
+    return where
+
+
+def claim_output(out, force: bool, source: Source | None, file: output.FileKind | None = None) -> output.Claim:
+    """The one place a command claims its output ``out`` (``output.claim``: locked, checked once;
+    ``file``: a file output of that kind), held until the command's :func:`job_scope` ends. Under
+    the CLI, which claimed ``out`` before torch loaded (``cli.app.claimed``), it is that claim."""
+    held = output.claim(out, force, None if source is None else source.path, file=file,
+                        source_name=None if source is None else source.name)
+    return _scope(f"{out} claimed").enter_context(held)
+
+
+@contextmanager
+def file_output(out, force: bool, kind: output.FileKind):
+    """A file written beside a command, by its caller once the command returned (the CLI's
+    ``--plot``): claimed as a command's output is (:func:`claim_output`), before the command's work,
+    and held for the block; yields the claim, which ``output.staged`` writes."""
+    with ExitStack() as scope:
+        token = _SCOPE.set(scope)
+        try:
+            claim = claim_output(out, force, None, kind)
+        finally:
+            _SCOPE.reset(token)
+        yield claim
 
 
 @dataclass
@@ -135,11 +169,11 @@ class Job:
 
     @classmethod
     def open(cls, src, out, *, force: bool = False, allow_pickle: bool = False, device: str = "auto",
-             file: str | None = None) -> Job:
-        """``src`` resolved, ``out`` claimed (:func:`claim_output`; ``file``: a file output, what it
-        is) and ``device`` chosen, before any work."""
+             file: output.FileKind | None = None) -> Job:
+        """``src`` resolved, ``out`` claimed (:func:`claim_output`; ``file``: a file output of that
+        kind) and ``device`` chosen, before any work."""
         source = Source.open(src, allow_pickle)
-        return cls(source, claim_output(out, force, source, file), devices.choose(device))
+        return cls(source, claim_output(out, force, source, file), choose_device(device))
 
     @property
     def out(self) -> Path:

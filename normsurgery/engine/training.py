@@ -21,7 +21,7 @@ it (``devices.sharding``): then each block, and the whole model, are wrapped wit
 ``fully_shard`` for the steps (``processes.Shards``), each process holding 1/N of the weights,
 gradients and AdamW moments, and every process is given the whole model back after them. Only
 the main process writes the state (a sharded run: each process its shard) and reports progress.
-The model trains on the accelerator's device (the one ``devices.choose`` made current) and is
+The model trains on the accelerator's device (the one ``runner.choose_device`` made current) and is
 given back where it was found. Precision
 (``devices.PRECISIONS``): ``auto`` is bf16 autocast on a GPU that supports it, float32 elsewhere.
 """
@@ -122,6 +122,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # mean training loss of each step
     curve: list[dict] = field(default_factory=list)  # one row per evaluation
     cap: int | None = None  # the steps allowed, when training stopped before them (held-out CE stopped improving)
+    sharded: bool = False  # the training state sharded over the processes (FSDP2), not data-parallel
 
     @property
     def tokens_per_second(self) -> float:
@@ -254,7 +255,9 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     :class:`Training` (objective, mask_token_id, on_step, params, progress, accelerator, extra_loss).
 
     Training runs on the accelerator's device, sharded over its processes where FSDP is asked
-    (``devices.sharding``); the model is given back whole, on the device it was found on.
+    (``devices.sharding``); the model is given back whole, on the device it was found on, and
+    torch's global generators, which the loop seeds (``config.seed``) or a resumed run restores,
+    as they were found.
     """
     run = Training(**given)
     config = TrainConfig(**config) if isinstance(config, dict) else config
@@ -282,7 +285,8 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     shards = Shards(model, policy) if sharded else None
     try:
         params = [p for n, p in model.named_parameters() if n in names]
-        return _Loop(model, acc, (train_ids, heldout), config, run, params, shards).run()
+        with devices.rng_kept(acc.device):  # the loop seeds them (dropout): the caller's put back
+            return _Loop(model, acc, (train_ids, heldout), config, run, params, shards).run()
     finally:
         acc.free_memory()  # its references to this training's optimizer (and moments) and wrapped model
         if shards:
@@ -426,7 +430,8 @@ class _Loop:
         ran = len(self.losses)
         return TrainResult(ran, ran * self.tokens_per_step, seconds, self.procs, self.acc.mixed_precision,
                            self.ce_before, self.curve[-1]["heldout_ce"], sum(p.numel() for p in self.params),
-                           self.resumed, self.losses, self.curve, cap=config.steps if ran < config.steps else None)
+                           self.resumed, self.losses, self.curve, cap=config.steps if ran < config.steps else None,
+                           sharded=self.shards is not None)
 
 
 def plateaued(curve: list[dict], settle: int, patience: int, min_delta: float) -> bool:

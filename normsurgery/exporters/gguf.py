@@ -56,6 +56,7 @@ import torch
 
 from ..core import algebra, calibration, devices, memory
 from ..io import modelcard
+from ..io.ours import GGUF
 from ..engine.check import source_reader
 from ..io.source import Source
 from ..core.errors import SurgeryError
@@ -79,8 +80,6 @@ LOG_FLOOR = -80.0
 #: llama.cpp gives float32's lowest for a probability that is zero: clamped to the log of its least subnormal
 LEAST = math.log(2.0 ** -149)
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
-#: what the output is, said where it names a folder (``output.check_file``)
-FILE = "GGUF is one file (name it OUT.gguf)"
 
 
 def require_gguf() -> None:
@@ -308,11 +307,21 @@ class Exported:
                 "tokenizer": self.tokenizer, "llama_cpp": self.llama_cpp, "ok": self.parity.ok}
 
 
+#: --dtype auto: the type the checkpoint stores its weights in (float64, which no GGUF matrix type holds: F32)
+STORED = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f32"}
+
+
+def file_dtype(dtype: str, storage: torch.dtype) -> str:
+    """The matrices' type of ``--dtype dtype`` for a checkpoint stored in ``storage``: ``auto`` its own."""
+    return STORED[storage] if dtype == "auto" else dtype
+
+
 @job_scope
 def export(src, dest, options: ExportOptions | None = None, *, text: str | None = None,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
     """``src`` written to the file ``dest`` in GGUF and checked in llama.cpp (module docstring),
-    with ``options`` (``ExportOptions``: ``dtype``, None: ``GGUF_DTYPES[0]``), transformers' side
+    with ``options`` (``ExportOptions``: ``dtype``, None: ``GGUF_DTYPES[0]``, auto: the checkpoint's
+    storage type, :func:`file_dtype`), transformers' side
     computed on its ``device`` (llama.cpp's on the CPU); raises SurgeryError,
     leaving nothing (no file, no folder), when the check fails. The output is claimed as a file by
     the one runner (``runner.Job``) and written into its stage: the file appears only once checked,
@@ -325,8 +334,9 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
     text = text_of(text)
     if dtype not in GGUF_DTYPES:
         raise SurgeryError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
-    job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device, file=FILE)
+    job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device, file=GGUF)
     source, dest = job.source, job.out
+    dtype = file_dtype(dtype, source.storage)
     p, model = gguf_plan(source)
     voc = vocab(source)
     with job.staged() as stage:

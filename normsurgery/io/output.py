@@ -7,8 +7,9 @@ against a second run writing it (:func:`output_lock`), an output that would lose
 (:func:`remove_stale`). A run then fills a temporary sibling folder ``.OUT.tmp-PID``
 (:func:`staged`) that replaces ``OUT`` in one rename (a file output: its files, each in one
 rename) once everything is written and checked; on any error, Ctrl-C or SIGTERM it is removed
-and ``OUT`` is as it was. Every output moved into place is recorded (:data:`REPLACED`), so an
-interrupt after that is never reported as having written nothing.
+and ``OUT`` is as it was. ``--force`` replaces only what normsurgery wrote (``ours``). Each output
+moved into place is told to the :func:`recording` blocks open (the CLI's: an interrupt after that is
+never reported as having written nothing); nothing of it stays in the process after a call.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import SurgeryError, SurgeryNote
+from .ours import FileKind, our_card
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".onnx", ".onnx_data")
 #: folders a checkpoint may hold that ``--force`` may replace with it (ours: an unmerged adapter)
@@ -41,10 +43,8 @@ CHECKPOINT_FILES = {"config.json", "generation_config.json", "README.md", "READM
                     "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json"}
 #: the model card a run writes (``modelcard.py``): ``--force`` replaces it only when it is ours
 CARD = "README.md"
-#: the line in the YAML header of every card normsurgery writes (its tags)
-CARD_TAG = "- normsurgery"
-#: every output this process moved into place (:func:`_replace`), in order
-REPLACED: list[Path] = []
+#: the lists of the :func:`recording` blocks open, innermost last
+_RECORDING: list[list[Path]] = []
 
 
 @dataclass
@@ -53,8 +53,10 @@ class Claim:
 
     path: Path
     force: bool
-    file: str | None = None  # a file (what it is, for the refusal of a folder), else a folder
+    file: FileKind | None = None  # a file output (``ours.GGUF``, ``ours.PLOT``), else a folder
     stale: list[str] = field(default_factory=list)  # leftovers of killed runs, removed
+    source: Path | None = None  # the input folder it was checked against
+    ahead: bool = False  # claimed by the CLI before torch loaded (:func:`claim`)
 
 
 @dataclass
@@ -78,22 +80,30 @@ _CLAIMS: dict[str, Claim] = {}
 
 
 @contextmanager
-def claim(out, force: bool = False, source: Path | None = None, *, file: str | None = None,
-          source_name: str | None = None):
+def claim(out, force: bool = False, source: Path | None = None, *, file: FileKind | None = None,
+          source_name: str | None = None, ahead: bool = False):
     """Yields the :class:`Claim` of ``out`` for the block: locked against a second run
     (:func:`output_lock`) and checked once, before any work (:func:`check_output`; ``file``: a file
-    output, :func:`check_file`); what killed runs left is removed and said (a ``SurgeryNote``). Within
-    the CLI's early lock of the same output (:func:`output_lock` is re-entrant)."""
+    output, :func:`check_file`); what killed runs left is removed and said (a ``SurgeryNote``).
+    ``ahead``: the CLI's claim, made before torch loads (``cli.app.claimed``: the checks answer at
+    once); the command's own claim of ``out`` within it is that claim, not checked again (only
+    its relation to the input, where the CLI could not resolve the input: a hub id)."""
     out = Path(out).expanduser()
     with output_lock(out):
         key = _key(out)
-        if key in _CLAIMS:
-            raise SurgeryError(f"internal: {out} is claimed twice by one process")
+        held = _CLAIMS.get(key)
+        if held is not None:
+            if not held.ahead or (held.force, held.file) != (force, file):
+                raise SurgeryError(f"internal: {out} is claimed twice by one process")
+            if source is not None and held.source is None:
+                _refuse_input(out, Path(source), source_name or str(source), file)
+            yield held
+            return
         stale = (check_file(out, force, source, source_name or str(source), file) if file
                  else check_output(out, force, source))
         for line in stale:
             warnings.warn(f"{line} (left by a run that was killed)", SurgeryNote, stacklevel=3)
-        _CLAIMS[key] = Claim(out, force, file, stale)
+        _CLAIMS[key] = Claim(out, force, file, stale, source, ahead)
         try:
             yield _CLAIMS[key]
         finally:
@@ -176,14 +186,7 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> list[str
     target = out.resolve()
     stale = remove_stale(out)
     if source is not None:
-        src = Path(source).resolve()
-        if target == src:
-            raise SurgeryError(f"output {out} is the input checkpoint; choose another folder")
-        if src in target.parents:
-            raise SurgeryError(f"output {out} is inside the input checkpoint {source}; choose a folder outside it")
-        if target in src.parents:
-            raise SurgeryError(f"output {out} holds the input checkpoint {source}: replacing it would delete "
-                               "the input; choose another folder")
+        _refuse_input(out, Path(source), str(source))
     cwd = Path.cwd().resolve()
     if target == cwd or target in cwd.parents:
         raise SurgeryError(f"output {out} is the current folder or holds it; run from elsewhere or name "
@@ -201,28 +204,50 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> list[str
     return stale
 
 
-def check_file(out: Path, force: bool, source: Path | None, source_name: str, what: str) -> list[str]:
-    """:func:`check_output` for a file output (``what`` it is, said when ``out`` is a folder): never
-    a folder or inside the input folder ``source`` (``source_name``, as the user gave it), replaced
-    only with ``force``, in a location that takes the stage's folder. First clears what killed runs
-    left beside it (:func:`remove_stale`) and returns what that did."""
+def check_file(out: Path, force: bool, source: Path | None, source_name: str, kind: FileKind) -> list[str]:
+    """:func:`check_output` for a file output of ``kind``: never a folder (``kind.what`` said) or
+    inside the input folder ``source`` (``source_name``, as the user gave it); the files it replaces
+    (``out``, its card) only when normsurgery wrote each (``kind.not_ours``), even with ``force``,
+    and only with ``force``; in a location that takes the stage's folder. First clears what killed
+    runs left beside it (:func:`remove_stale`) and returns what that did."""
     out = Path(out).expanduser()
     stale = remove_stale(out)
     if out.is_dir():
-        raise SurgeryError(f"output {out} is a folder; {what}")
-    if source is not None and Path(source).resolve() in out.resolve().parents:
-        raise SurgeryError(f"output {out} is inside the input checkpoint {source_name}; choose a file outside it")
-    if out.exists() and not force:
+        raise SurgeryError(f"output {out} is a folder; {kind.what}")
+    if source is not None:
+        _refuse_input(out, Path(source), source_name, kind)
+    foreign = kind.not_ours(out)
+    if foreign is not None:
+        raise SurgeryError(f"{foreign[0]} exists and {foreign[1]}; normsurgery replaces only what it wrote, "
+                           "even with --force: move it or choose another output")
+    if not force and any(p.exists() or p.is_symlink() for p in kind.paths(out)):
         raise SurgeryError(f"output {out} already exists; pass --force to replace it")
     _check_writable(out, out.resolve().parent)
     return stale
+
+
+def _refuse_input(out: Path, source: Path, name: str, file: FileKind | None = None) -> None:
+    """Refuse an output that would overwrite the input folder ``source`` (``name``, as the user gave
+    it): a folder (``file`` None) that is it, lies inside it or holds it; a file inside it."""
+    target, src = out.resolve(), source.resolve()
+    if file is not None:
+        if src in target.parents:
+            raise SurgeryError(f"output {out} is inside the input checkpoint {name}; choose a file outside it")
+        return
+    if target == src:
+        raise SurgeryError(f"output {out} is the input checkpoint; choose another folder")
+    if src in target.parents:
+        raise SurgeryError(f"output {out} is inside the input checkpoint {name}; choose a folder outside it")
+    if target in src.parents:
+        raise SurgeryError(f"output {out} holds the input checkpoint {name}: replacing it would delete "
+                           "the input; choose another folder")
 
 
 def _not_a_checkpoint(folder: Path, source: Path | None = None) -> str | None:
     """Why ``--force`` may not replace ``folder`` (None: an empty folder, or a checkpoint holding
     only what a run writes: CHECKPOINT_FOLDERS and the input ``source``'s folders a run copies
     (:func:`copied_folders`), CHECKPOINT_FILES, weights, files ``source`` also holds, and a
-    README.md that is a card of ours (:func:`_our_card`))."""
+    README.md that is a card of ours (``ours.our_card``))."""
     entries = list(folder.iterdir())
     if not entries:
         return None
@@ -235,7 +260,7 @@ def _not_a_checkpoint(folder: Path, source: Path | None = None) -> str | None:
     other = sorted(f.name for f in entries if f.is_dir() and f.name not in CHECKPOINT_FOLDERS | folders)
     if other:
         return f"holds folders a checkpoint does not have ({', '.join(other[:3])})"
-    if (folder / CARD).exists() and not _our_card(folder / CARD):
+    if (folder / CARD).exists() and not our_card(folder / CARD):
         return f"holds a {CARD} normsurgery did not write, which it would delete"
     files = {f.name for f in source.iterdir() if f.is_file()} - {CARD} if source is not None else set()
     other = sorted(f.name for f in entries if not f.is_dir() and f.name not in CHECKPOINT_FILES | files
@@ -244,16 +269,6 @@ def _not_a_checkpoint(folder: Path, source: Path | None = None) -> str | None:
         more = f" and {len(other) - 5} more" if len(other) > 5 else ""
         return f"holds files normsurgery did not write, which it would delete ({', '.join(other[:5])}{more})"
     return None
-
-
-def _our_card(card: Path) -> bool:
-    """Whether ``card`` is a model card normsurgery wrote: its YAML header tags it ``normsurgery``."""
-    try:
-        text = card.read_text()
-    except (OSError, UnicodeDecodeError):
-        return False
-    head, sep, _ = text.removeprefix("---\n").partition("\n---\n")
-    return text.startswith("---\n") and bool(sep) and CARD_TAG in head.splitlines()
 
 
 def copied_folders(source: Path) -> list[Path]:
@@ -386,26 +401,45 @@ def _lock(path: Path, out) -> int:
 
 def _replace(tmp: Path, out: Path, file: bool = False) -> None:
     """Move ``tmp`` to ``out``; an old ``out`` is only removed once the new one is in place.
-    Ctrl-C and SIGTERM wait for the swap (the two renames, ``out`` recorded in :data:`REPLACED`,
-    the old one removed: :func:`_held`); a SIGKILL between the renames leaves the previous output
-    as ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`). ``file``: ``out`` is
-    the file of that name in ``tmp``, moved beside it with the files named after it (its card),
-    each replacing its own in one rename."""
+    Ctrl-C and SIGTERM wait for the swap (the two renames, ``out`` told to the :func:`recording`
+    blocks, the old one removed: :func:`_held`); a SIGKILL between the renames leaves the previous
+    output as ``.OUT.old-PID``, which the next run puts back (:func:`remove_stale`). ``file``:
+    ``out`` is the file of that name in ``tmp``, moved beside it with the files named after it (its
+    card), each replacing its own in one rename, ``out`` last: a file in place has its card of ours
+    beside it (``ours.GGUF``) even when a SIGKILL lands between."""
     with _held(signal.SIGINT, signal.SIGTERM):
         if file:
-            for f in sorted(tmp.iterdir(), key=lambda f: (f.name != out.name, f.name)):
+            for f in sorted(tmp.iterdir(), key=lambda f: (f.name == out.name, f.name)):
                 if not f.name.startswith(out.name):
                     raise SurgeryError(f"internal: {f.name} written beside the file {out}")
                 os.replace(f, out.parent / f.name)
-            REPLACED.append(out)
+            _recorded(out)
             return
         old = out.parent / f".{out.name}.old-{os.getpid()}" if out.exists() or out.is_symlink() else None
         if old is not None:
             out.rename(old)
         tmp.rename(out)
-        REPLACED.append(out)
+        _recorded(out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def recording():
+    """Yields the list of the outputs moved into place (:func:`_replace`) while the block runs, in
+    order; once it ends nothing of it stays in the process (a library call leaves the caller's
+    process as it found it)."""
+    saved: list[Path] = []
+    _RECORDING.append(saved)
+    try:
+        yield saved
+    finally:
+        _RECORDING[:] = [s for s in _RECORDING if s is not saved]
+
+
+def _recorded(out: Path) -> None:
+    for saved in _RECORDING:
+        saved.append(out)
 
 
 @contextmanager

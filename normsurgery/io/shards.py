@@ -32,6 +32,13 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 CODES = {v: k for k, v in DTYPES.items()}
+#: bits per value of every dtype the safetensors library knows (its ``Dtype::bitsize``): a file of
+#: one normsurgery does not read (DTYPES) is checked as the library checks it, then refused as such
+BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+        "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+        "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+#: the largest header the safetensors library reads (bytes: its ``MAX_HEADER_SIZE``)
+MAX_HEADER = 100_000_000
 #: bytes read at a time when a tensor is cast as it is read
 STAGE = 8 << 20
 
@@ -46,26 +53,91 @@ def inside(path: str, scope: tuple[str, ...]) -> bool:
 
 
 def read_header(f: Path) -> tuple[dict, int]:
-    """A safetensors file's header, checked: the data it describes must all be there.
+    """A safetensors file's header, refused as the safetensors library refuses it (its
+    ``read_metadata`` and ``Metadata::validate``: :func:`_layout`), and then any tensor of a dtype
+    normsurgery does not read.
 
     Returns (header without ``__metadata__``, offset of the data: where ``data_offsets`` count from)."""
     size = f.stat().st_size
     try:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
-            if n <= 0 or 8 + n > size:
-                raise ValueError("bad header length")
-            header = json.loads(fh.read(n))
-        header.pop("__metadata__", None)
-        end = max((v["data_offsets"][1] for v in header.values()), default=0)
-        if 8 + n + end > size:
-            raise ValueError(f"truncated: {size} bytes, header describes {8 + n + end}")
+            if n > MAX_HEADER:
+                raise ValueError(f"header length {n:,}: the safetensors library reads headers of at most "
+                                 f"{MAX_HEADER:,} bytes")
+            if size < 8 or n <= 0 or 8 + n > size:
+                raise ValueError(f"header length {n} in a file of {size} bytes")
+            header = json.loads(fh.read(n).decode("utf-8"), object_pairs_hook=_unique, parse_constant=_no_constant)
+        _layout(header, size - 8 - n)
         for key, v in header.items():
             if v["dtype"] not in DTYPES:
-                raise ValueError(f"tensor {key} has dtype {v['dtype']}, which normsurgery cannot read")
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+                raise ValueError(f"tensor {key!r} has dtype {v['dtype']}, which normsurgery cannot read")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeError, RecursionError) as e:
         raise SurgeryError(f"{f} is not a valid safetensors file ({e})") from None
     return header, 8 + n
+
+
+def _unique(pairs: list) -> dict:
+    """A JSON object whose keys are unique (Python's json keeps the last of a repeated key, as the
+    library's tensor map does: a name given twice is refused, whatever the library makes of it)."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"{k!r} is given twice")
+        k.encode()  # a lone surrogate (``\\ud800``): not UTF-8, which the library's strings are
+        d[k] = v
+    return d
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _count(value) -> bool:
+    """A JSON number the library reads as a ``usize``: an integer (not a boolean), 0 <= it < 2^64."""
+    return type(value) is int and 0 <= value < 1 << 64
+
+
+def _layout(header: dict, data: int) -> None:
+    """What the library checks of a parsed header (``header``, ``__metadata__`` removed here) against
+    ``data`` bytes of tensors: ``__metadata__`` null or strings by name; each tensor a dtype it knows
+    (:data:`BITS`), a shape of counts and two offsets; in offset order, each starting where the one
+    before ended (the first at 0), of exactly prod(shape) x bits / 8 bytes (no product over 2^64),
+    the last ending where the file does."""
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ValueError("__metadata__ is not a map of strings")
+    spans = []
+    for key, v in header.items():
+        if not isinstance(v, dict):
+            raise ValueError(f"tensor {key!r} is {v!r}, not an object")
+        if v.get("dtype") not in BITS:
+            raise ValueError(f"tensor {key!r} has dtype {v.get('dtype')!r}, which safetensors does not know")
+        shape, offsets = v.get("shape"), v.get("data_offsets")
+        if not (isinstance(shape, list) and all(map(_count, shape)) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(map(_count, offsets))):
+            raise ValueError(f"tensor {key!r}: shape {shape!r} and data_offsets {offsets!r} are not counts "
+                             "(a list of them; two)")
+        count = 1
+        for d in shape:
+            count *= d
+            if count >> 64:
+                raise ValueError(f"tensor {key!r}: shape {shape} overflows 64 bits")
+        bits = count * BITS[v["dtype"]]
+        if bits >> 64 or bits % 8 or offsets[1] - offsets[0] != bits // 8:
+            raise ValueError(f"tensor {key!r}: shape {shape} of {v['dtype']} is {bits / 8:g} bytes, its data_offsets "
+                             f"{offsets} span {offsets[1] - offsets[0]}")
+        spans.append((tuple(offsets), key))
+    end = 0
+    for (start, stop), key in sorted(spans):
+        if start != end:
+            raise ValueError(f"tensor {key!r}: data_offsets [{start}, {stop}] do not start where the tensors "
+                             f"before it end ({end}): tensors overlap or leave a gap")
+        end = stop
+    if end != data:
+        raise ValueError(f"the tensors end at byte {end} of the data, which holds {data} bytes")
 
 
 @dataclass(frozen=True)
