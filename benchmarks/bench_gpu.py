@@ -151,7 +151,7 @@ def op_measure(args) -> dict:
         info = {"ok": r.ok, "relative": r.relative, "tolerance": r.tolerance}
     elif args.action == "heal":
         train_text, held = texts()
-        r = ns.heal(src, out, train_text, eval_text=held, io={"device": args.device},
+        r = ns.heal(src, out, text=train_text, eval_text=held, io={"device": args.device},
                     options={"steps": args.steps, "seq_len": 128, "batch_size": 16})
         rep = r.report
         info = {"tokens_per_second": rep.tokens / rep.seconds, "tokens": rep.tokens, "train_seconds": rep.seconds,

@@ -55,7 +55,7 @@ def disk_bytes(model) -> int:
 
 
 def run(demo: str, path: Path, k: int, repeats: int, batch: int, seq: int) -> list[dict]:
-    original = ns.load(path, torch.float32)
+    original = ns.load(path, dtype=torch.float32)
     ids = torch.randint(0, original.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     models, rows = {}, []
     for name, mask, passes in variants(original.config.model_type, k):

@@ -61,7 +61,7 @@ def trained(original, path: Path, name: str):
 
 
 def run(demo: str, path: Path, repeats: int, batch: int, seq: int) -> list[dict]:
-    original = ns.load(path, torch.float32)
+    original = ns.load(path, dtype=torch.float32)
     models = {"original": original}
     for name in ("prepbn", "remove-ln"):
         if name in {p.name for p in registry.all_passes()}:

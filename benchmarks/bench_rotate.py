@@ -99,7 +99,7 @@ def measure(name: str, path: Path, samples: int, seq_len: int, seeds: int) -> di
     source = Source.open(path)
     ids = calibration.tokenize(source.tokenizer, calibration.bundled_text("heldout.txt"))
     windows = calibration.windows(ids, seq_len, samples)
-    model = ns.load(path, torch.float32)
+    model = ns.load(path, dtype=torch.float32)
     rows, t = [], time.perf_counter()
     for version, m in versions(model, seeds):
         stats = analysis.outliers(m, windows)

@@ -105,7 +105,7 @@ def main() -> None:
                     opts = {**common, "target": target, "cycles": cycles,
                             "steps_per_cycle": args.steps * args.cycles // cycles}
                     r = ns.squeeze(path, Path(tmp) / f"{model.replace('/', '-')}-{target}-{how}",
-                                   text, eval_text=HELD.read_text(), options=opts)
+                                   text=text, eval_text=HELD.read_text(), options=opts)
                     last = r.cycles[-1]
                     rows.append({"model": model, "family": family, "target": target, "how": how, "cycles": cycles,
                                  "params": last.params, "params_original": r.original["params"],

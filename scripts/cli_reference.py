@@ -12,6 +12,7 @@ Usage (from the repository root):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -70,14 +71,17 @@ def passes() -> str:
     out = [HEADER + "# Pass options", "",
            "Every pass and its options with their defaults, from the registry (`normsurgery passes` "
            "prints the same). Options are given as `--pass NAME:KEY=VALUE,KEY=VALUE` or as keys of a "
-           "recipe's `[[pass]]` table. A default shown as `auto` (`-1`, or `0` for lengths and gaps) is "
-           "chosen from the model or the other options.", ""]
+           "recipe's `[[pass]]` table. A default shown as `auto` (not given) is chosen from the model or the "
+           "other options; each value is checked as the commands' options are, before anything is loaded.", ""]
     for p in registry.all_passes():
         out += [f"## {p.name}", "", f"**{p.kind}**. {_cell(p.description)}.", "",
                 f"Applies to: {_cell(p.families)}.", ""]
         if p.options:
-            out += ["| option | default | values |", "|---|---|---|"]
-            out += [f"| `{k}` | `{v!r}` | {_cell(p.limits[k].text) if k in p.limits else ''} |"
+            helps = {f.name: f.metadata["flag"].text(p.options[f.name]) for f in dataclasses.fields(p.model)
+                     if "flag" in f.metadata}
+            out += ["| option | default | values | what |", "|---|---|---|---|"]
+            out += [f"| `{k}` | {'auto' if v is None else f'`{v!r}`'} | "
+                    f"{_cell(p.limits[k].text) if k in p.limits else ''} | {_cell(helps.get(k, ''))} |"
                     for k, v in p.options.items()]
         else:
             out += ["No options."]

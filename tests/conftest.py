@@ -71,8 +71,8 @@ def marked_text(body: str, tokenizer, fraction: float = 0.1):
 def record_reads(monkeypatch) -> dict:
     """What each reader of the text gets, recorded as [n, T] token windows: prune's layer scores
     ("scores"), the training batches ("batches"), CE on the training text's windows that heal
-    measures ("training CE", :func:`normsurgery.commands.heal.run`), and held-out CE ("held-out": prune's,
-    and the training loop's before and after)."""
+    measures ("training CE", :func:`normsurgery.commands.heal.run`: CE and KL, ``training.heldout``), and held-out
+    CE ("held-out": prune's, and the training loop's before and after)."""
     import importlib
 
     heal, prune, training = (importlib.import_module(f"normsurgery.{m}")
@@ -91,9 +91,8 @@ def record_reads(monkeypatch) -> dict:
 
     spy(prune, "score_layers", "scores", lambda args, out: args[1])
     spy(training, "_batch", "batches", lambda args, out: out[0])
-    spy(heal, "heldout_ce", "training CE", lambda args, out: args[1])
-    spy(prune, "heldout_ce", "held-out", lambda args, out: args[1])
-    spy(training, "heldout_ce", "held-out", lambda args, out: args[1])
+    spy(heal, "heldout", "training CE", lambda args, out: args[1])
+    spy(training, "heldout", "held-out", lambda args, out: args[1])  # prune's heldout_ce computes with it
     return reads
 
 

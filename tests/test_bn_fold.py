@@ -76,7 +76,7 @@ def test_saved_folded_model_round_trips(family, tmp_path):
     model = with_repbn(tiny_model(family))
     new, _ = folded(model)
     ns.save(new, tmp_path / "out")
-    loaded = ns.load(tmp_path / "out", torch.float64)
+    loaded = ns.load(tmp_path / "out", dtype=torch.float64)
     faithful_norms(loaded)
     ids = token_ids()
     assert compare(outputs(model, ids), outputs(loaded, ids)).relative <= 1e-10

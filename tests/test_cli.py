@@ -143,9 +143,9 @@ def test_refuses_corrupt_safetensors(tmp_path, damage):
 @pytest.mark.parametrize("args,match", [
     (["--pass", "nonsense"], "unknown pass 'nonsense'"),
     (["--pass", "pre-rmsnorm:fold=maybe"], "option fold='maybe' is not a bool"),
-    (["--pass", "minimize:sparsity=2"], "option sparsity=2.0 must be in [0, 1)"),
-    (["--pass", "minimize:by=random"], "option by='random' must be one of magnitude"),
-    (["--pass", "remove-ln:steps=0"], "option steps=0 must be >= 1"),
+    (["--pass", "minimize:sparsity=2"], "option sparsity must be in [0, 1), got 2.0"),
+    (["--pass", "minimize:by=random"], "option by 'random': choose one of magnitude, activation"),
+    (["--pass", "remove-ln:steps=0"], "option steps must be a whole number >= 1, got 0"),
     ([], "no passes given"),
 ])
 def test_usage_errors_exit_2_before_loading(tmp_path, args, match):

@@ -62,7 +62,7 @@ def test_rms_over_the_stored_coordinates_is_not_equivalent():
 
 
 def test_trained_demo_float64():
-    model = ns.load(GPT2, torch.float64)
+    model = ns.load(GPT2, dtype=torch.float64)
     new, step = crms(model)
     assert rel(model, new, token_ids(2, 32)) <= 1e-10
     assert any("untied" in n for n in step.notes)
@@ -87,7 +87,7 @@ def test_saved_output_loads_both_ways(tmp_path):
         new, _ = crms(model)
         saved = ns.save(new, tmp_path / family)
         assert "modeling_normsurgery.py" in saved["files"] and not saved["plain_transformers"]
-        back = ns.load(tmp_path / family, torch.float64)
+        back = ns.load(tmp_path / family, dtype=torch.float64)
         assert isinstance(back.get_submodule(layout(back).final_norm.path), CRMSNorm)
         assert back.config.hidden_size == 32  # the stock width; the module records carry d-1
         assert rel(model, back, ids) <= 1e-10

@@ -69,7 +69,7 @@ def test_float32_within_rounding(family, pass_name):
 
 @pytest.mark.parametrize("path", DEMOS)
 def test_trained_demo_models_float64(path):
-    model = ns.load(path, torch.float64)
+    model = ns.load(path, dtype=torch.float64)
     ids = token_ids(2, 32)
     passes = [("pre-rmsnorm", {"fold": True})] if "gpt2" in path else [("flashnorm", {})]
     new, _ = rewritten(model, passes)

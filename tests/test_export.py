@@ -51,7 +51,7 @@ def test_stock_output_flashnorm_llama(tmp_path):
     card = (tmp_path / "onnx" / "README.md").read_text()
     assert "base_model:" not in card and "library_name: onnx" in card  # a local folder is no hub id (issue 28)
     assert f"relative error {data['parity']['relative']:.2e}, top-1 agreement 1.0000; tolerance 1.0e-05" in card
-    assert ort_against(tmp_path / "onnx", ns.load(LLAMA, torch.float32)) <= 1e-5
+    assert ort_against(tmp_path / "onnx", ns.load(LLAMA, dtype=torch.float32)) <= 1e-5
 
 
 def test_remote_code_output_crmsnorm_gpt2(tmp_path):
@@ -61,7 +61,7 @@ def test_remote_code_output_crmsnorm_gpt2(tmp_path):
     assert r.parity.ok and r.external_data and "model.onnx_data" in r.saved["files"]
     modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "onnx").iterdir()}
     assert modes["model.onnx_data"] == modes["model.onnx"] == modes["config.json"], modes  # not 0600 (issue 28)
-    assert ort_against(tmp_path / "onnx", ns.load(GPT2, torch.float32)) <= 1e-5
+    assert ort_against(tmp_path / "onnx", ns.load(GPT2, dtype=torch.float32)) <= 1e-5
 
 
 def test_remove_ln_output_has_no_norm_in_the_graph(tmp_path):
@@ -74,7 +74,7 @@ def test_remove_ln_output_has_no_norm_in_the_graph(tmp_path):
 
     ops = {n.op_type for n in onnx.load(str(tmp_path / "onnx" / GRAPH)).graph.node}
     assert "LayerNormalization" not in ops and "ReduceMean" not in ops  # no statistic computed
-    assert ort_against(tmp_path / "onnx", ns.load(tmp_path / "noln", torch.float32)) <= 1e-5
+    assert ort_against(tmp_path / "onnx", ns.load(tmp_path / "noln", dtype=torch.float32)) <= 1e-5
 
 
 @pytest.mark.parametrize("family, cls", [("llama", "LlamaModel"), ("gpt2", "GPT2ForSequenceClassification")])

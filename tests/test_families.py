@@ -124,7 +124,7 @@ def test_a_checkpoint_stored_one_tensor_per_expert_reads_as_the_model(family, tm
     index = {"metadata": {}, "weight_map": {k: f for f, ks in files.items() for k in ks}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     model.config.save_pretrained(tmp_path)
-    loaded = ns.load(tmp_path, torch.float64)
+    loaded = ns.load(tmp_path, dtype=torch.float64)
     mine = loaded.state_dict()
     assert all(torch.equal(t, mine[k]) for k, t in model.state_dict().items())
     assert rel(model, loaded, token_ids()) == 0.0

@@ -97,7 +97,7 @@ def test_fewer_layers_keep_the_family_architecture(tmp_path):
 def uneven(tmp_path) -> Path:
     """llama-tiny with 16 i MLP units of layer i and layer 3's second key/value group zeroed,
     minimized: every layer has its own width."""
-    model = ns.load(LLAMA, torch.float32)
+    model = ns.load(LLAMA, dtype=torch.float32)
     with torch.no_grad():
         for i, block in enumerate(model.model.layers):
             block.mlp.down_proj.weight[:, :16 * i] = 0
@@ -123,7 +123,7 @@ def test_per_layer_widths_are_deci(tmp_path):
 def removed_ln(path: str, tmp_path: Path, stock_export: bool = False) -> tuple[Path, torch.nn.Module]:
     """``path`` with every norm removed by remove-ln's own fold (divisors calibrated and frozen, no
     training: the saved format is the trained one's), saved; and the frozen-norm model it must equal."""
-    model = ns.load(path, torch.float32)
+    model = ns.load(path, dtype=torch.float32)
     lay = layout(model)
     norms = R.install(model, lay, split=not stock_export)
     R.calibrate(model, norms, probe_ids(None, 1024, None, 4, 32, seed=3))
@@ -176,7 +176,7 @@ def one_line_refusal(args, match: str, out: Path) -> None:
 
 
 def test_a_live_norm_beside_removed_ones_is_refused(tmp_path):
-    model = ns.load(LLAMA, torch.float32)
+    model = ns.load(LLAMA, dtype=torch.float32)
     model.model.layers[0].input_layernorm = NoNorm(128)
     ns.save(model, tmp_path / "mixed", source=LLAMA)
     one_line_refusal([tmp_path / "mixed"], "GGUF has one norm epsilon", tmp_path / "mixed.gguf")
@@ -192,7 +192,7 @@ def test_removed_channels_and_unwritten_families_are_refused(tmp_path):
 
 
 def test_uneven_gpt2_widths_are_refused(tmp_path):
-    model = ns.load(GPT2, torch.float32)
+    model = ns.load(GPT2, dtype=torch.float32)
     with torch.no_grad():
         model.transformer.h[0].mlp.c_proj.weight[:64] = 0  # Conv1D [in, out]: 64 units write nothing
     ns.save(model, tmp_path / "zeroed", source=GPT2)

@@ -259,7 +259,7 @@ def test_the_json_says_what_the_table_says(train, tmp_path):
 
 def test_cli_train_choice(tmp_path):
     bad = run("heal", LLAMA, tmp_path / "a", "--text", SAMPLE, "--train", "bias")
-    assert bad.exit_code == 2 and "--train 'bias'" in bad.output and not (tmp_path / "a").exists()
+    assert bad.exit_code == 2 and "'bias': choose one of lora, norms, full" in bad.output and not (tmp_path / "a").exists()
     both = run("heal", LLAMA, tmp_path / "b", "--text", SAMPLE, "--train", "norms", "--save-adapter")
     assert both.exit_code == 2 and "--save-adapter needs --train lora" in both.output
     ok = run("heal", LLAMA, tmp_path / "c", "--text", SAMPLE, "--train", "norms", "--steps", "2", "--batch-size", "2",
@@ -270,7 +270,7 @@ def test_cli_train_choice(tmp_path):
     saved = json.loads((tmp_path / "c" / "config.json").read_text())["normsurgery"]["heal"]
     assert saved["train"] == "norms"
     pruned = run("prune", LLAMA, tmp_path / "d", "--layers", "1", "--text", SAMPLE, "--heal", "--train", "wrong")
-    assert pruned.exit_code == 2 and "--train 'wrong'" in pruned.output
+    assert pruned.exit_code == 2 and "'wrong': choose one of lora, norms, full" in pruned.output
 
 
 def test_heal_stops_when_heldout_ce_stops_improving(tmp_path):
@@ -297,7 +297,7 @@ def test_heal_alone_gives_the_original_before_pruning_on_held_out_text(tmp_path)
     original = tmp_path / "original"
     shutil.copytree(LLAMA, original)
     ns.prune(original, tmp_path / "pruned", {"layers": 2, "samples": 4, "seq_len": 64})
-    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", Path(SAMPLE), eval_text=Path(HELD),
+    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", text=Path(SAMPLE), eval_text=Path(HELD),
                 options={**SMALL, "eval_samples": 1})
     tok = T.AutoTokenizer.from_pretrained(LLAMA)
     other = tok(Path(HELD).read_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :64]
@@ -354,7 +354,7 @@ def test_heal_never_trains_on_the_held_out_end(tmp_path, monkeypatch):
     tok = T.AutoTokenizer.from_pretrained(LLAMA)
     text, ids, marks, first = marked_text(Path(SAMPLE).read_text(), tok)
     reads = record_reads(monkeypatch)
-    h = ns.heal(LLAMA, tmp_path / "out", text, options={"steps": 3, "seq_len": 64, "batch_size": 4,
+    h = ns.heal(LLAMA, tmp_path / "out", text=text, options={"steps": 3, "seq_len": 64, "batch_size": 4,
                                                          "eval_samples": 4})
     for reader in ("batches", "training CE"):
         assert reads[reader] and not any(t in marks for w in reads[reader] for t in w.flatten().tolist()), reader

@@ -23,7 +23,7 @@ LLAMA = "normsurgery/demo/llama-tiny"
 def ln_free_gpt2(out):
     """The demo GPT-2 with every norm removed by remove-ln's fold (divisors from a batch, no
     training), saved with its tokenizer: remove-ln's default export."""
-    model = ns.load(GPT2, torch.float32)
+    model = ns.load(GPT2, dtype=torch.float32)
     lay = layout(model)
     norms = R.install(model, lay, True)
     R.calibrate(model, norms, token_ids(4, 32, seed=3))
@@ -37,7 +37,7 @@ def ln_free_gpt2(out):
 def logits_equal(bridge, folder):
     ids = token_ids(2, 12, seed=7) + 100
     with torch.no_grad():
-        expected = ns.load(folder, torch.float32)(input_ids=ids).logits
+        expected = ns.load(folder, dtype=torch.float32)(input_ids=ids).logits
         got = bridge(ids, return_type="logits")
     assert compare(expected, got).relative <= 1e-5
     return ids

@@ -44,7 +44,7 @@ def test_prune_and_heal_cards_give_the_held_out_loss(tmp_path):
     assert f"removed layers {list(r.selection.layers)}" in body
     assert f"| prune | {r.ce['original']:.4f} | {r.ce['pruned']:.4f} | 0 |" in body
     assert "loaded back with plain transformers" in body
-    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", bundled_text()[:20000],
+    h = ns.heal(tmp_path / "pruned", tmp_path / "healed", text=bundled_text()[:20000],
                 options={"steps": 2, "seq_len": 32, "batch_size": 2, "rank": 2})
     header, body = card(tmp_path / "healed")
     assert "base_model" not in header and "heal" in header["tags"]
@@ -135,7 +135,7 @@ def test_an_adapter_card_names_its_base_by_hub_id_only(tmp_path):
     src = tmp_path / "mine"
     shutil.copytree("normsurgery/demo/llama-tiny", src)
     (src / "README.md").write_text("---\nlicense: mit\nbase_model: org/base\n---\n# mine\n")
-    ns.heal(src, tmp_path / "adapter", bundled_text()[:20000],
+    ns.heal(src, tmp_path / "adapter", text=bundled_text()[:20000],
             options={"steps": 1, "seq_len": 32, "batch_size": 2, "eval_samples": 1, "save_adapter": True})
     header, body = card(tmp_path / "adapter")
     assert header == {"base_model": "org/base", "license": "mit", "library_name": "peft",

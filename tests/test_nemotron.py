@@ -34,7 +34,7 @@ def stored(folder: Path) -> dict[str, torch.Tensor]:
 def zeroed(tmp_path: Path, change) -> Path:
     """The demo Llama with ``change(model)`` made (weights zeroed), saved, then minimized:
     per-layer widths that load only through normsurgery's runtime."""
-    model = ns.load(LLAMA, torch.float32)
+    model = ns.load(LLAMA, dtype=torch.float32)
     with torch.no_grad():
         change(model)
     ns.save(model, tmp_path / "zeroed", source=LLAMA)
@@ -146,7 +146,7 @@ def minimized(tmp_path: Path, **mask) -> Path:
 
 def head_bias(tmp_path: Path) -> Path:
     """The demo Llama with a bias on its head (recorded in the folder, as remove-ln's fold leaves it)."""
-    model = ns.load(LLAMA, torch.float32)
+    model = ns.load(LLAMA, dtype=torch.float32)
     head = torch.nn.Linear(128, 1024, bias=True)
     with torch.no_grad():
         head.weight.copy_(model.lm_head.weight)
@@ -158,7 +158,7 @@ def head_bias(tmp_path: Path) -> Path:
 
 def norm_bias(tmp_path: Path) -> Path:
     """The demo Llama with a bias on one norm (normsurgery's runtime RMSNorm, recorded in the folder)."""
-    model = ns.load(LLAMA, torch.float32)
+    model = ns.load(LLAMA, dtype=torch.float32)
     norm = RMSNorm(128, eps=1e-5, bias=True)
     with torch.no_grad():
         norm.weight.copy_(model.model.layers[0].input_layernorm.weight)

@@ -152,13 +152,69 @@ def test_a_flag_prune_shares_with_heal_feeds_both(tmp_path, stubbed):
     assert args[0] == PruneOptions(layers=1, **shared) and kw["heal"] == HealOptions(save_adapter=True, **shared)
 
 
-def test_prunes_method_is_checked_in_one_place_for_the_cli_and_the_api(tmp_path):
-    said = "unknown method 'angulr' (did you mean 'angular'?); choose one of angular, block-influence, last"
-    with pytest.raises(SurgeryError) as e:
-        PruneOptions(method="angulr").check()
-    assert str(e.value) == said
-    r = run("prune", LLAMA, tmp_path / "out", "--layers", 1, "--method", "angulr")
-    assert r.exit_code == 1 and r.output.strip() == f"error: {said}" and not (tmp_path / "out").exists()
+#: an out-of-range value of each kind of limit: command, what comes before the flag, the option, its value on the
+#: command line and in the API, the options model the API takes it in
+REFUSED = [
+    ("prune", ["--layers", 1], "method", "angulr", "angulr", PruneOptions),
+    ("prune", ["--layers", 1, "--heal"], "rank", "0", 0, HealOptions),
+    ("heal", ["--text", SAMPLE], "eval_fraction", "1", 1.0, HealOptions),
+    ("heal", ["--text", SAMPLE], "lr", "0", 0.0, HealOptions),
+    ("heal", ["--text", SAMPLE], "seq_len", "1", 1, HealOptions),
+    ("heal", ["--text", SAMPLE], "precision", "fp8", "fp8", HealOptions),
+    ("heal", ["--text", SAMPLE], "device", "tpu", "tpu", Writing),
+    ("squeeze", ["--text", SAMPLE], "target", "1.5", 1.5, SqueezeOptions),
+    ("squeeze", ["--text", SAMPLE], "structure", "units,layers", ("units", "layers"), SqueezeOptions),
+    ("squeeze", ["--text", SAMPLE], "sparsity", "1", 1.0, SqueezeOptions),
+    ("squeeze", ["--text", SAMPLE], "release_scale", "-1", -1.0, SqueezeOptions),
+    ("squeeze", ["--text", SAMPLE], "cycles", "0", 0, SqueezeOptions),
+    ("convert", ["--pass", "flashnorm"], "max_shard_size", "lots", "lots", ConvertOptions),
+    ("convert", ["--pass", "flashnorm"], "work_dtype", "float8", "float8", ConvertOptions),
+    ("verify", [], "samples", "0", 0, VerifyOptions),
+    ("export", ["--to", "gguf"], "dtype", "q4", "q4", ExportOptions),
+]
+MARK = "refused by Limit.refusal:"
+
+
+@pytest.mark.parametrize("command, before, name, typed, given, cls", REFUSED,
+                         ids=[f"{c}-{n}" for c, _, n, _, _, _ in REFUSED])
+def test_a_value_out_of_range_is_refused_by_one_check_in_the_same_words(tmp_path, stubbed, monkeypatch, command,
+                                                                        before, name, typed, given, cls):
+    """The option's declared limit (``option(check=...)`` or its choices) is checked by one function,
+    ``Limit.refusal``, for the API (``options_of``, which every entry point builds its options with)
+    and for the command line (the flag's callback: exit 2, before the API is called): the same words
+    from the same place. A second check (Typer's own ``min=``, a hand-written range) would answer
+    first, in other words; without the one check nothing would refuse the value."""
+    from normsurgery.core.limits import Limit
+
+    real = Limit.refusal
+    monkeypatch.setattr(Limit, "refusal", lambda self, v: None if real(self, v) is None else f"{MARK} {real(self, v)}")
+    with pytest.raises(options.UsageError) as e:
+        options.options_of(cls, {name: given, **({"to": "gguf"} if command == "export" else {})})
+    said = str(e.value)
+    assert said.startswith(f"{options.flag(name)} {MARK} "), said
+    words = said.split(MARK, 1)[1].split()
+    out = tmp_path / "out"
+    r = run(*([command, LLAMA, out] if command != "verify" else [command, LLAMA, LLAMA]), *before,
+            options.flag(name), typed)
+    shown = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 2 and STOP not in r.output and not stubbed, r.output
+    assert MARK in shown and " ".join(words) in shown, (shown, words)
+
+
+def test_no_flag_has_a_range_or_choice_of_its_own():
+    """The CLI's flags check no range themselves (Typer's ``min=``/``max=``): each
+    flag with a limit takes the options model's one check as its callback, which says the same as the API."""
+    from normsurgery.cli.flags import checking
+
+    checked = 0
+    for name, command in typer.main.get_command(app).commands.items():
+        for p in command.params:
+            assert getattr(p, "min", None) is None and getattr(p, "max", None) is None, (name, p.name)
+            flags, f = getattr(command.callback, "flags", {}).get(p.name, (None, None))
+            if f is not None and f.metadata["flag"].limit is not None:
+                assert p.callback is not None and p.callback.__qualname__ == checking(None).__qualname__, (name, p.name)
+                checked += 1
+    assert checked >= 40, checked
 
 
 def value(got, name, key):
@@ -253,21 +309,6 @@ def test_the_probe_length_is_options_and_stated_in_the_helps():
         assert f"(default: {options.PROBE_LENGTH}," in params(command)["seq_len"].help, command
 
 
-@pytest.mark.parametrize("command", ["convert", "verify", "inspect", "export", "heal", "prune", "squeeze"])
-def test_each_whole_number_flags_least_value_is_options(command):
-    """A flag's range is ``options.AT_LEAST``'s (the one the API's checks read), not one of its own."""
-    checked = 0
-    for name, p in params(command).items():
-        if isinstance(p.min, int):  # a whole number's range (float ranges are the options' own checks)
-            assert name in options.AT_LEAST and p.min == options.AT_LEAST[name], (command, name, p.min)
-            checked += 1
-        elif name in options.AT_LEAST and not p.is_flag:
-            raise AssertionError(f"{command} --{name}: no range (options.AT_LEAST has {options.AT_LEAST[name]})")
-    assert checked or command == "export", (command, checked)  # export has no whole-number flag
-    threads = next(p for p in typer.main.get_command(app).params if p.name == "threads")
-    assert threads.min == options.AT_LEAST["threads"]
-
-
 def test_no_flag_gives_the_apis_defaults_for_verify_inspect_and_export(tmp_path, stubbed):
     (o,), _ = called(stubbed, "verify", run("verify", LLAMA, LLAMA))
     assert o == VerifyOptions()
@@ -316,7 +357,7 @@ def model_mismatches(name: str, command) -> list[str]:
             wrong.append(f"{name} --{p.name}: help {p.help!r}, the model's {group.prefix + flag.text(default)!r}")
         if flag.choices:
             shown = f"{p.help} {p.metavar or ''}"
-            listed = [set(re.split(r"\s*\|\s*", m)) for m in re.findall(r"[\w-]+(?:\s*\|\s*[\w-]+)+", shown)]
+            listed = [set(re.split(r"\s*\|\s*", m)) for m in re.findall(r"[\w+-]+(?:\s*\|\s*[\w+-]+)+", shown)]
             if not listed or any(c != set(flag.choices) for c in listed):
                 wrong.append(f"{name} --{p.name}: lists {listed}, the model's choices {flag.choices}")
     return wrong
@@ -377,3 +418,35 @@ def test_a_flag_typed_by_hand_unlike_its_model_is_found():
     finally:
         samples.default, samples.help = samples_default, samples_help
     assert [w.split(":")[1].split()[0] for w in said] == ["default", "help"], said
+
+
+@pytest.mark.parametrize("size", ["lots", "500M", "0", "1.5XB"])
+def test_the_apis_shard_size_is_refused_before_anything_is_read(tmp_path, monkeypatch, size):
+    """A shard size that is not one is refused by the options' check (the one parse of it: ``limits.parse_size``)
+    before a checkpoint is opened or an output claimed: convert's and save's, as the CLI's flag refuses it."""
+    import normsurgery as ns
+    from normsurgery.io.source import Source
+
+    def opened(*args, **kwargs):
+        raise AssertionError("the checkpoint was opened before the shard size was checked")
+
+    monkeypatch.setattr(Source, "open", opened)
+    with pytest.raises(options.UsageError, match=f"--max-shard-size '{size}' is not a size"):
+        ns.convert(LLAMA, tmp_path / "out", [("flashnorm", {})], max_shard_size=size)
+    with pytest.raises(options.UsageError, match="is not a size"):
+        ns.save(None, tmp_path / "saved", {"max_shard_size": size}, source=LLAMA)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_shard_size_is_parsed_once_as_transformers_reads_it():
+    """``parse_size`` gives transformers' bytes for the sizes both read, and takes a decimal one
+    (``1.5GB``), which transformers' parse refused only once the work was done."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from normsurgery.core.limits import parse_size
+
+    for size in ("5GB", "5GiB", "500MB", "20KB", "3KiB", "2MiB", "8Gb", "500mb", 1234):
+        assert parse_size(size) == convert_file_size_to_int(size), size
+    assert parse_size("1.5GB") == 1_500_000_000 and ConvertOptions(max_shard_size="1.5GB").shard_bytes == 1_500_000_000
+    with pytest.raises(ValueError):
+        convert_file_size_to_int("1.5GB")

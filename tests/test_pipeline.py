@@ -126,7 +126,7 @@ def test_an_exact_step_after_a_pruning_step_is_judged_by_the_rounding_of_the_mod
         for c in (step.parity, res.parity):  # the removal, and the folder against the pruned model
             expected = max(floor, ROUNDING_FACTOR * own) if c.relative > floor else floor
             assert c.ok and c.tolerance == pytest.approx(expected, rel=1e-2), (streaming, c.relative, c.tolerance)
-    model = ns.load(src, torch.float32)
+    model = ns.load(src, dtype=torch.float32)
     steps = convert_mod.apply_passes(model, passes, ids=ids)
     assert all(s.parity.ok for s in steps if s.kind == "exact")
 

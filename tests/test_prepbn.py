@@ -60,7 +60,7 @@ def installed(family, dtype=torch.float32):
 
 
 def test_lam_schedule_and_budget_check():
-    warmup, decay = prepbn.schedule(100, -1, -1)
+    warmup, decay = prepbn.schedule(100, None, None)
     assert (warmup, decay) == (10, 80)
     lams = [prepbn.lam_at(s, warmup, decay) for s in range(100)]
     assert lams[:10] == [1.0] * 10 and lams[89] == 0.0 and lams[-1] == 0.0

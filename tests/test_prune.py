@@ -195,7 +195,7 @@ def test_selection_rules():
     assert count_layers(8, fraction=0.25) == 2
     for kwargs, match in [({"layers": 8}, "the model has 8"), ({"layers": 0}, "at least 1"),
                           ({"fraction": 0.01}, "rounds to 0"), ({}, "exactly one"),
-                          ({"layers": 2, "fraction": 0.5}, "exactly one"), ({"fraction": 1.0}, "between 0 and 1")]:
+                          ({"layers": 2, "fraction": 0.5}, "exactly one"), ({"fraction": 1.0}, r"--fraction must be in \(0, 1\), got 1.0")]:
         with pytest.raises(Exception, match=match):
             count_layers(8, **kwargs)
 
@@ -307,7 +307,6 @@ def test_prune_measures_eval_text_beside_the_held_out_end(tmp_path):
     (["--layers", 8], "the model has 8"),
     (["--fraction", 0.01], "rounds to 0"),
     ([], "exactly one of --layers"),
-    (["--layers", 2, "--method", "middle"], "unknown method"),
     (["--layers", 2, "--text", "MISSING"], "no text file"),
     (["--layers", 2, "--text", "EMPTY"], "is empty"),
     (["--layers", 2, "--text", "SHORT"], "fewer than one sequence of 128"),
@@ -331,6 +330,10 @@ def test_prune_refuses_an_existing_output_and_a_missing_input(tmp_path):
     assert_refused(run("prune", tmp_path / "no-model", missing, "--layers", 1), missing, "no checkpoint")
 
 
-def test_select_layers_refuses_an_unknown_method_instead_of_reading_it_as_last():
-    with pytest.raises(ns.SurgeryError, match=r"unknown method 'angualr' \(did you mean 'angular'\?\)"):
+def test_select_layers_refuses_an_unknown_method_instead_of_reading_it_as_last(tmp_path):
+    said = "'angualr': choose one of angular, block-influence, last (did you mean 'angular'?)"
+    with pytest.raises(ns.SurgeryError) as e:
         select_layers("angualr", 1, num_layers=4)
+    assert str(e.value) == f"--method {said}"
+    r = run("prune", LLAMA, tmp_path / "out", "--layers", 2, "--method", "angualr")  # a usage error, before loading
+    assert r.exit_code == 2 and said in " ".join(r.output.replace("│", " ").split()) and not (tmp_path / "out").exists()

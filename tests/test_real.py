@@ -109,7 +109,7 @@ def _mlx_greedy_equals_transformers(source: Path, folder: Path, n: int = 32) -> 
 
     tok = T.AutoTokenizer.from_pretrained(source)
     ids = tok(PROMPT, return_tensors="pt").input_ids
-    model = ns.load(source, torch.float32)
+    model = ns.load(source, dtype=torch.float32)
     with torch.no_grad():
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                   do_sample=False, pad_token_id=tok.eos_token_id, eos_token_id=None)[0, ids.shape[1]:]
@@ -133,7 +133,7 @@ def _uneven(real: Path, tmp_path: Path) -> Path:
     """SmolLM2 with 300 MLP units of layer 3 and 700 of layer 9 zeroed: minimize leaves uneven widths."""
     import normsurgery as ns
 
-    model = ns.load(real, torch.float32)
+    model = ns.load(real, dtype=torch.float32)
     with torch.no_grad():
         model.model.layers[3].mlp.down_proj.weight[:, :300] = 0
         model.model.layers[9].mlp.down_proj.weight[:, :700] = 0
@@ -185,7 +185,7 @@ def test_gguf_of_smollm2_runs_in_llama_cpp_as_in_transformers(real, tmp_path, ou
     assert data["ok"] and data["pre_tokenizer"] == "gpt-2" and data["tokenizer"]["equal"]
     assert data["parity"]["relative"] <= 1e-3 and data["greedy"]["equal"], data["parity"]
     g = data["greedy"]
-    model = ns.load(folder, torch.float32)
+    model = ns.load(folder, dtype=torch.float32)
     prompt = torch.tensor([g["prompt"]])
     with torch.no_grad():
         want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, min_new_tokens=32,

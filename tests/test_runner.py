@@ -114,7 +114,7 @@ def test_the_output_is_checked_once(tmp_path, monkeypatch, how):
         r = cli.invoke(app, ["prune", GPT2, str(out), "--layers", "1", "--method", "last"])
         assert r.exit_code == 0, r.output
     else:
-        ns.heal(GPT2, out, "the text of the test.\n" * 200, options={"steps": 1, "seq_len": 16, "eval_samples": 1,
+        ns.heal(GPT2, out, text="the text of the test.\n" * 200, options={"steps": 1, "seq_len": 16, "eval_samples": 1,
                                                                       "save_adapter": True})
     assert len(calls) == 1 and calls[0][0] == out
 

@@ -36,7 +36,7 @@ def vllm_greedy(python: str, folder: Path, prompts: torch.Tensor) -> torch.Tenso
 
 
 def transformers_greedy(source: Path, prompts: torch.Tensor) -> torch.Tensor:
-    model = ns.load(source, torch.float32)
+    model = ns.load(source, dtype=torch.float32)
     with torch.no_grad():
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -152,21 +152,21 @@ def _interrupt_at(note_part):
 def test_a_resumed_squeeze_equals_an_uninterrupted_one(tmp_path):
     text, held = open(SAMPLE).read()[:20000], open(HELD).read()[:4000]
     opts = {"target": 0.6, "cycles": 2, "steps_per_cycle": 4, "save_every": 2, **SMALL}
-    ns.squeeze(DEMO, tmp_path / "whole", text, eval_text=held, options=opts)
+    ns.squeeze(DEMO, tmp_path / "whole", text=text, eval_text=held, options=opts)
     for where in ("cycle 2: finding the mask", "cycle 2: retraining, step 3/4"):
         out = tmp_path / where.split(":")[1].strip().split(",")[0]
         with pytest.raises(KeyboardInterrupt):
-            ns.squeeze(DEMO, out, text, eval_text=held, options=opts, progress=_interrupt_at(where))
+            ns.squeeze(DEMO, out, text=text, eval_text=held, options=opts, progress=_interrupt_at(where))
         assert not out.exists()
         state = out.parent / f".{out.name}.squeeze-state"
         assert (state / "squeeze.pt").is_file()
         assert (state / "train" / "train-state.pt").is_file() == ("step" in where)
-        result = ns.squeeze(DEMO, out, text, eval_text=held, options=opts, resume=True)
+        result = ns.squeeze(DEMO, out, text=text, eval_text=held, options=opts, resume=True)
         assert result.resumed_at == 2 and not state.exists()
         a, b = load_file(tmp_path / "whole/model.safetensors"), load_file(out / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), where
     with pytest.raises(ns.SurgeryError, match="nothing to resume"):
-        ns.squeeze(DEMO, tmp_path / "never", text, eval_text=held, options=opts, resume=True)
+        ns.squeeze(DEMO, tmp_path / "never", text=text, eval_text=held, options=opts, resume=True)
 
 
 def test_squeeze_command(tmp_path):
@@ -237,11 +237,11 @@ def test_the_control_is_one_shot_at_the_same_target_and_steps(tmp_path, monkeypa
 
     monkeypatch.setattr(S, "one_shot", spy)
     monkeypatch.setattr(S, "Stash", Recorded)
-    squeezed = ns.squeeze(DEMO, tmp_path / "squeezed", text, eval_text=held, options=opts)
+    squeezed = ns.squeeze(DEMO, tmp_path / "squeezed", text=text, eval_text=held, options=opts)
     assert len(seen) == 1 and seen[0][0] == seen[0][1], seen
     written = load_file(tmp_path / "squeezed" / "model.safetensors")
     assert written and all(torch.equal(t, aside[k]) for k, t in written.items())
-    alone = ns.squeeze(DEMO, tmp_path / "alone", text, eval_text=held,
+    alone = ns.squeeze(DEMO, tmp_path / "alone", text=text, eval_text=held,
                        options={**opts, "cycles": 1, "steps_per_cycle": 6})
     assert alone.control is None and squeezed.control.steps == 6
     same = [{**dataclasses.asdict(c), "seconds": 0} for c in (squeezed.control, alone.cycles[0])]
@@ -275,13 +275,13 @@ def test_the_default_is_one_cycle_with_the_whole_budget_and_no_control(tmp_path,
     assert "**squeeze**: 1 cycle of mask" in card and "2 steps;" in card and "control" not in card
     monkeypatch.setattr("normsurgery.core.options.SQUEEZE_STEPS", 2)  # the budget, small: no steps given, all of it
     text, held = open(SAMPLE).read()[:20000], open(HELD).read()[:4000]
-    result = ns.squeeze(DEMO, tmp_path / "api", text, eval_text=held, options={"target": 0.7, **SMALL})
+    result = ns.squeeze(DEMO, tmp_path / "api", text=text, eval_text=held, options={"target": 0.7, **SMALL})
     assert len(result.cycles) == 1 and result.control is None
     assert result.cycles[0].steps == 2 and result.options["steps_per_cycle"] == 2  # the record states the split
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--target", "1.5"], "not between 0 and 1"),
+    (["--target", "1.5"], "must be in (0, 1), got 1.5"),
     (["--target", "0.5", "--target-bytes", "100"], "not both"),
     (["--structure", "units,layers"], "choose among units, heads, channels"),
     (["--train", "adapters"], "choose one of lora, norms, full"),

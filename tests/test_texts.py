@@ -45,7 +45,7 @@ def test_prune_and_heal_read_a_path_as_the_text_it_holds(tmp_path):
     by_text = ns.prune(LLAMA, tmp_path / "b", opts, text=Path(SAMPLE).read_text(), eval_text=Path(HELD).read_text())
     scores = [{k: v for k, v in r.scores.as_dict().items() if k != "seconds"} for r in (by_path, by_text)]
     assert scores[0] == scores[1] and by_path.ce == by_text.ce
-    healed = ns.heal(tmp_path / "a", tmp_path / "c", Path(SAMPLE), eval_text=Path(HELD),
+    healed = ns.heal(tmp_path / "a", tmp_path / "c", text=Path(SAMPLE), eval_text=Path(HELD),
                      options={"steps": 1, "batch_size": 2, "seq_len": 32})  # prune's held-out windows (64 at most)
     assert healed.saved is not None and healed.report.ce_before == pytest.approx(by_path.ce["pruned"], abs=1e-4)
     assert healed.eval_text_ce["input"] == pytest.approx(by_path.eval_text_ce["pruned"], abs=1e-4)

@@ -24,8 +24,8 @@ from ..core import threads
 from ..engine import launch
 from ..io import output
 from ..io.ours import FileKind
-from ..core.options import AT_LEAST
-from .flags import expand
+from ..core.options import COUNT
+from .flags import checking, expand
 from ..core.errors import BUG, FAILED, INTERRUPTED, REPORT_BUGS, USAGE, SurgeryError, SurgeryNote, SurgeryWarning, UsageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -47,7 +47,7 @@ THREADS: list[int | None] = [None]  # --threads, before the command
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="print the version and exit"),
-          threads: Optional[int] = typer.Option(None, "--threads", min=AT_LEAST["threads"], metavar="N",
+          threads: Optional[int] = typer.Option(None, "--threads", callback=checking(COUNT), metavar="N",
                                                 help="torch threads (default: OMP_NUM_THREADS, else the CPUs "
                                                      "not already busy: spinning threads collapse under load)")):
     """Model surgery on transformer checkpoints, with the logits re-verified."""

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ..core.errors import UsageError
-from ..core.options import CACHE_TOKENS, FORMATS, GGUF_DTYPES, ExportOptions, did_you_mean
+from ..core.options import CACHE_TOKENS, GGUF_DTYPES, ExportOptions
 from ..io.ours import GGUF
 from .app import JSON, claimed, command, emit_json, read_text, say, say_device
 
@@ -29,21 +29,12 @@ def export(
     nothing, when they differ beyond the tolerance. Or to a nemotron-nas (DeciLM) folder (--to
     nemotron-nas: per-layer widths as vLLM, SGLang, TensorRT-LLM and MLX-LM read them), checked in
     MLX-LM. Needs pip install 'normsurgery[onnx]' (or [gguf], [mlx])."""
-    o = options
-    if o.to not in FORMATS:
-        raise UsageError(f"--to {o.to!r}: choose one of {', '.join(FORMATS)}{did_you_mean(o.to, FORMATS)}")
-    asked = Asked(src, dest, text, o, json)
-    if o.to == "gguf":
-        if o.with_past or o.external_data is not None:
-            raise UsageError("--with-past and --external-data are ONNX options; a GGUF file has neither")
+    options.check()
+    asked = Asked(src, dest, text, options, json)
+    if options.to == "gguf":
         return _gguf(asked)
-    if o.to == "nemotron-nas":
-        if o.with_past or o.external_data is not None or o.dtype is not None:
-            raise UsageError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "
-                             "folder is stored in the checkpoint's dtype")
+    if options.to == "nemotron-nas":
         return _nemotron(asked)
-    if o.dtype is not None:
-        raise UsageError("--dtype is a GGUF option (--to gguf); an ONNX graph is float32")
     _onnx(asked)
 
 
@@ -85,8 +76,6 @@ class Asked:
 def _gguf(a: Asked) -> None:
     """``export --to gguf``: the file written and checked in llama.cpp (``gguf.export``)."""
     dtype = a.options.dtype or GGUF_DTYPES[0]
-    if dtype not in GGUF_DTYPES:
-        raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}{did_you_mean(dtype, GGUF_DTYPES)}")
     body = read_text(a.text)
     with claimed(a.src, a.dest, a.options.force, a.options.allow_pickle, file=GGUF) as source:
         from ..exporters.export import export as export_api  # each format's runtime required there

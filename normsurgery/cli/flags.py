@@ -15,8 +15,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from ..core import devices
-from ..core.options import AT_LEAST, ON_OVERFLOW, Flag, Writing, default_of, did_you_mean, flagged
+from ..core.options import Flag, Writing, default_of, flagged
 
 #: the options every command that reads (or writes) a checkpoint shares: listed after a command's own
 SHARED = frozenset(f.name for f in dataclasses.fields(Writing))
@@ -62,68 +61,10 @@ def _split_parts(value: str | None) -> tuple[str, ...] | None:
     return None if value is None else tuple(s.strip() for s in value.split(",") if s.strip())
 
 
-DTYPES = ("float64", "float32", "float16", "bfloat16")
-
-
-def dtype_option(value: str | None) -> str | None:
-    if value is not None and value not in DTYPES:
-        raise typer.BadParameter(f"{value!r} is not a dtype; choose one of {', '.join(DTYPES)}"
-                                 f"{did_you_mean(value, DTYPES)}")
-    return value
-
-
-def size_option(value: str) -> str:
-    """A shard size as transformers reads it: bytes, or a number with KB/MB/GB (KiB/MiB/GiB)."""
-    import re
-
-    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*([KMGT]i?B?)?\s*", value, re.IGNORECASE) or not \
-            re.search(r"[1-9]", value):
-        raise typer.BadParameter(f"{value!r} is not a size; give bytes or e.g. 500MB, 2GB")
-    return value.strip()
-
-
-def device_option(value: str) -> str:
-    if not devices.SPEC.fullmatch(value):
-        raise typer.BadParameter(f"{value!r}: choose auto, cpu, cuda or cuda:N")
-    return value
-
-
-def precision_option(value: str | None) -> str | None:
-    if value is not None and value not in devices.PRECISIONS:
-        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(devices.PRECISION_CHOICES)}"
-                                 f"{did_you_mean(value, devices.PRECISION_CHOICES)}")
-    return value
-
-
 def split_names(names: list[str] | None) -> list[str] | None:
     """``--target-modules q_proj,v_proj --target-modules o_proj`` -> [q_proj, v_proj, o_proj]."""
     out = [n.strip() for item in names or [] for n in item.split(",") if n.strip()]
     return out or None
-
-
-def positive(value: float | None) -> float | None:
-    if value is not None and not value > 0:
-        raise typer.BadParameter(f"{value:g} is not positive")
-    return value
-
-
-def open_unit(value: float | None) -> float | None:
-    if value is not None and not 0 < value < 1:
-        raise typer.BadParameter(f"{value:g} is not between 0 and 1 (exclusive)")
-    return value
-
-
-def unit_interval(value: float | None) -> float | None:
-    """A value in [0, 1)."""
-    if value is not None and not 0 <= value < 1:
-        raise typer.BadParameter(f"{value:g} is not in [0, 1)")
-    return value
-
-
-def overflow_option(value: str) -> str:
-    if value not in ON_OVERFLOW:
-        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(ON_OVERFLOW)}{did_you_mean(value, ON_OVERFLOW)}")
-    return value
 
 
 #: how a flag's value becomes the field's (:attr:`Flag.parse`): the type the flag takes, and the conversion
@@ -131,10 +72,16 @@ PARSERS: dict[str, tuple[Any, Callable]] = {"names": (Optional[list[str]], split
                                             "parts": (Optional[str], _split_parts)}
 
 
-#: the CLI's value checks by name (:attr:`Flag.check`), each a Typer callback
-CHECKS: dict[str, Callable] = {"positive": positive, "open_unit": open_unit, "unit_interval": unit_interval,
-                               "dtype": dtype_option, "size": size_option, "device": device_option,
-                               "precision": precision_option, "overflow": overflow_option}
+def checking(limit, parse: Callable | None = None) -> Callable:
+    """The Typer callback that refuses a value outside ``limit`` (``parse``: the value as the field takes
+    it, first) with the words the API's check uses (``Limit.refusal``): a usage error, exit 2."""
+    def callback(value):
+        why = limit.refusal(parse(value) if parse else value)
+        if why:
+            raise typer.BadParameter(why)
+        return value
+
+    return callback
 
 
 def _annotation(cls: type, f, flag: Flag):
@@ -164,12 +111,8 @@ def parameter(flags: Flags, f) -> inspect.Parameter:
     name = flag.name(f.name)
     names = flag.names or (f"--{name.replace('_', '-')}",)
     kw = {"metavar": flag.metavar, "help": flags.prefix + flag.text(default_of(f))}
-    if name in AT_LEAST and not isinstance(default_of(f), bool):
-        kw["min"] = AT_LEAST[name]
-    if flag.least is not None:
-        kw["min"] = flag.least
-    if flag.check:
-        kw["callback"] = CHECKS[flag.check]
+    if flag.limit is not None:
+        kw["callback"] = checking(flag.limit, PARSERS[flag.parse][1] if flag.parse else None)
     if flag.envvar:
         kw["envvar"] = flag.envvar
     if isinstance(default_of(f), bool) and not flag.names:

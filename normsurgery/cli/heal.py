@@ -55,7 +55,8 @@ def heal(
     with claimed(src, out, run.force, run.allow_pickle) as source, progress_bar(not json) as progress:
         from ..commands.heal import heal as heal_checkpoint
 
-        result = heal_checkpoint(source, out, body, eval_text=held_text, options=options, io=run, progress=progress)
+        result = heal_checkpoint(source, out, text=body, eval_text=held_text, options=options, io=run,
+                                 progress=progress)
     if result.saved is None:  # a secondary process of a distributed run
         return
     if json:
@@ -64,7 +65,8 @@ def heal(
     from .report import ce_table, loads_with
 
     report, rec = result.report, result.record["recovered"]
-    show(ce_table("held-out cross-entropy", result.ce, rec, result.eval_text_ce))
+    show(ce_table("held-out cross-entropy" + (" and KL to the teacher" if "heldout_kl" in result.record else ""),
+                  result.ce, rec, result.eval_text_ce, result.record))
     say_heldout(result.heldout, result.record)
     if result.original is not None:
         say(f"original before pruning: {result.original}")

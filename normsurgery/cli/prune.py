@@ -13,7 +13,8 @@ from .heal import print_heal_steps, say_heldout
 
 #: the heal flags prune takes, each help prefixed "heal: "; seq_len, batch_size and eval_samples are prune's
 #: own flags, which feed heal's options too (:data:`SHARED`)
-HEAL_FLAGS = ("steps", "rank", "lr", "target_modules", "grad_accum", "precision", "train")
+HEAL_FLAGS = ("steps", "rank", "lr", "target_modules", "grad_accum", "precision", "train", "objective", "temperature",
+              "ce_weight", "teacher")
 SHARED = ("seq_len", "batch_size", "eval_samples")
 HEALING = Flags(HealOptions, only=HEAL_FLAGS, prefix="heal: ")
 
@@ -107,7 +108,8 @@ def say_pruned(r, plot: Path | None, json: bool) -> None:
         f"({', '.join(map(str, r.selection.layers))}) by {r.selection.method}{how}; {r.removed['layers_after']} "
         "remain, renumbered")
     if r.ce:
-        show(ce_table("held-out cross-entropy", r.ce, r.record.get("recovered"), r.eval_text_ce))
+        show(ce_table("held-out cross-entropy" + (" and KL to the teacher" if "heldout_kl" in r.record else ""),
+                      r.ce, r.record.get("recovered"), r.eval_text_ce, r.record))
         say_heldout(r.ce_on, r.record)
     elif r.no_lm_head:
         say(f"no cross-entropy: {r.no_lm_head} has no language-modelling head")

@@ -170,7 +170,7 @@ def passes_table(ps) -> Table:
     t.add_column("options", no_wrap=True)
     for p in ps:
         t.add_row(Text(p.name), Text(p.kind), Text(f"{p.description}. Applies to: {p.families}"),
-                  Text("\n".join(f"{k}={v}" for k, v in p.options.items()) or "-"))
+                  Text("\n".join(f"{k}={'auto' if v is None else v}" for k, v in p.options.items()) or "-"))
     return t
 
 
@@ -230,22 +230,37 @@ def score_table(selection, scores) -> Table:
                  rows, right=(1,))
 
 
-def ce_table(title: str, ce: dict[str, float], recovered: dict | None = None, other: dict | None = None) -> Table:
+def ce_table(title: str, ce: dict[str, float], recovered: dict | None = None, other: dict | None = None,
+             record: dict | None = None) -> Table:
     """Cross-entropy of each model on the held-out end of the text (``ce``) and, given
     (``other``), on --eval-text; and the share of the gap healing closed on each
-    (``heal.recovery``), marked where it is adaptation to the text rather than recovery."""
-    rec = recovered or {}
+    (``heal.recovery``), marked where it is adaptation to the text rather than recovery. Where the
+    ``record`` holds KL(teacher || model) (a heal with a teacher), a KL column beside each CE, the
+    teacher (the original) at 0, and the share of the KL closed."""
+    rec, record = recovered or {}, record or {}
+    kls = [(k, record.get(k)) for k, ran in (("heldout_kl", True), ("eval_text_kl", other is not None)) if ran]
+    with_kl = any(kl for _, kl in kls)
 
     def share(key: str) -> str:
         x = rec.get(key)
         return "-" if x is None else f"{100 * x:.1f}%" + (" (adaptation)" if key == "heldout" and x > 1 else "")
 
-    columns = ("model", "CE (nats/token)") if other is None else ("model", "held-out end of the text", "--eval-text")
-    body = [(name, f"{v:.4f}", *([fmt_ce(other.get(name))] if other is not None else [])) for name, v in ce.items()]
-    if rec.get("heldout") is not None or rec.get("eval_text") is not None:
-        body.append(("gap recovered by healing", share("heldout"),
-                     *([share("eval_text")] if other is not None else [])))
+    def cells(name: str, values: list) -> list:
+        return [c for v, (_, kl) in zip(values, kls) for c in
+                [fmt_ce(v), *([fmt_ce((kl or {}).get(name))] if with_kl else [])]]
+
+    on = ["held-out end of the text"] + (["--eval-text"] if other is not None else [])
+    columns = ("model", *[c for w in on for c in ([f"{w.split(' end')[0]}\nCE", f"{w.split(' end')[0]}\nKL"]
+                                                  if with_kl else [w])])
+    if other is None and not with_kl:
+        columns = ("model", "CE (nats/token)")
+    body = [(name, *cells(name, [v, *([other.get(name)] if other is not None else [])])) for name, v in ce.items()]
+    if any(rec.get(k) is not None for k in ("heldout", "eval_text", "kl_heldout", "kl_eval_text")):
+        keys = [("heldout", "kl_heldout"), ("eval_text", "kl_eval_text")][:len(kls)]
+        body.append(("gap recovered by healing", *[c for ce_key, kl_key in keys for c in
+                                                   [share(ce_key), *([share(kl_key)] if with_kl else [])]]))
     return table(title, columns, body, right=tuple(range(1, len(columns))))
+
 
 
 def fmt_ce(x: float | None) -> str:
@@ -265,7 +280,16 @@ def heal_line(report, seconds: float | None = None) -> str:
     return (f"healed: {report.steps} steps, {report.tokens} tokens in {report.seconds:.1f} s "
             f"({report.tokens_per_second:.0f} tokens/s, {how_trained(report.processes, report.sharded)}, precision "
             f"{precision}); {what}, "
-            f"{report.trainable_parameters} trainable parameters{share}")
+            f"{report.trainable_parameters} trainable parameters; {objective_words(report)}{share}")
+
+
+def objective_words(report) -> str:
+    """What healing minimised and why: "objective kd (KL to the teacher X at T 1): the default where ..."."""
+    o, why = getattr(report, "objective", "ce"), getattr(report, "why", None)
+    what = {"kd": "KL to the teacher", "ce": "cross-entropy on the text"}.get(o) or \
+        f"KL to the teacher + {report.ce_weight:g} x cross-entropy"
+    at = f" at T {report.temperature:g}" if o != "ce" else ""
+    return f"objective {o} ({what}{at})" + (f": {why}" if why else "")
 
 
 def how_trained(processes: int, sharded: bool) -> str:

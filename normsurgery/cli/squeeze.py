@@ -53,7 +53,7 @@ def squeeze(
             from .report import plot_squeeze, plotting
 
             with plotting(asked.plot, run.force, out) as draw:
-                result = squeeze_checkpoint(source, out, body, eval_text=held_text, options=opts,
+                result = squeeze_checkpoint(source, out, text=body, eval_text=held_text, options=opts,
                                             resume=asked.resume, io=run, progress=progress)
                 if draw is not None and result.saved is not None:
                     draw(plot_squeeze(result))

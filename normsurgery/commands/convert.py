@@ -208,8 +208,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], options: Convert
     the text itself and a ``pathlib.Path`` a file to read."""
     o = options_of(ConvertOptions, options, keywords)
     force, verify, tolerance, streaming, on_overflow = o.force, o.verify, o.tolerance, o.streaming, o.on_overflow
-    work_dtype, max_shard_size, allow_pickle, device = as_dtype(o.work_dtype), o.max_shard_size, o.allow_pickle, \
-        o.device
+    work_dtype, shard_bytes, allow_pickle, device = as_dtype(o.work_dtype), o.shard_bytes, o.allow_pickle, o.device
     text = text_of(text)
     if not passes:
         raise SurgeryError("no passes given: use --pass NAME or --recipe FILE")
@@ -226,7 +225,7 @@ def convert(src, out, passes: list[tuple[str, dict[str, Any]]], options: Convert
     if not work.resident and checks.t is not None:
         _step_outputs(work, checks)  # streamed: read before anything is written
     result.warnings = _judge_steps(work, checks.parities, force) or None
-    saved = save_work(work, out, storage=Storage(job.source.storage, on_overflow, max_shard_size),
+    saved = save_work(work, out, storage=Storage(job.source.storage, on_overflow, shard_bytes),
                       record=_record(result, checks.parities), check=_check_plan(work, checks), force=force,
                       progress=progress)
     shutil.rmtree(state_dir(out), ignore_errors=True)

@@ -35,7 +35,7 @@ import re
 import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -53,8 +53,12 @@ from ..engine.runner import Job, job_scope
 from ..io.texts import heldout_text, text_of
 from ..core.devices import PRECISIONS  # noqa: F401  (re-exported)
 # the options, their defaults and checks live in options.py (no torch: the CLI reads them); re-exported here
-from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_of, check_values  # noqa: F401
-from ..engine.training import StepProgress, TrainConfig, heldout_ce, make_accelerator, objective_of, train
+from ..core.options import SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_and_io, options_of,
+                           check_values  # noqa: F401
+from ..engine.teacher import Cut
+from ..engine.training import TrainConfig, heldout, heldout_ce, make_accelerator, objective_of, train
+from .heal_teacher import (Teaching, check_teacher, distill_with, find_original, kl_closed,
+                           objective as choose_objective, taught)
 
 __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
            "make_accelerator", "require_lm", "target_pattern"]
@@ -81,6 +85,15 @@ class HealReport:
     merged: bool = False  # LoRA merged into the weights (False: kept as an adapter, or no adapter trained)
     eval_text_ce_before: float | None = None  # CE on --eval-text's windows (:func:`run` measures it when given)
     eval_text_ce_after: float | None = None
+    objective: str = "ce"  # what training minimised (options.OBJECTIVES)
+    why: str | None = None  # why that objective (the command's choice: asked, or by whether a teacher is known)
+    teacher: str | None = None  # the teacher's name, where one is known
+    temperature: float | None = None  # kd's T and kd+ce's CE weight, where they apply
+    ce_weight: float | None = None
+    kl_before: float | None = None  # held-out KL(teacher || model), nats per predicted token, where a teacher is known
+    kl_after: float | None = None
+    eval_text_kl_before: float | None = None  # the same on --eval-text's windows
+    eval_text_kl_after: float | None = None
     sharded: bool = False  # the training state sharded over the processes (FSDP2), not data-parallel
 
     @property
@@ -162,8 +175,8 @@ class Kept:
 
 
 def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts: HealOptions, *,
-               mask_token_id: int | None = None, accelerator=None,
-               progress: StepProgress = lambda step, total, loss: None, kept: Kept | None = None):
+               mask_token_id: int | None = None, kept: Kept | None = None, teacher: Teaching | None = None,
+               **training):
     """Train LoRA adapters (rank ``opts.rank``, scale ``alpha / rank``, alpha defaulting to 2 rank)
     on random ``opts.seq_len`` windows of ``train_ids`` (default :data:`options.SEQ_LEN`) for
     ``opts.steps`` optimizer steps of ``batch_size`` windows x ``grad_accum`` x processes. AdamW,
@@ -172,7 +185,10 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts:
     ``opts.train`` "norms" or "full" trains the model's own norm parameters or every parameter
     instead (rank, alpha, target_modules and save_adapter then play no part).
 
-    ``kept``: the training state, kept and continued as :func:`training.train` does.
+    ``kept``: the training state, kept and continued as :func:`training.train` does. ``teacher``:
+    what ``opts.objective`` distils from (default ``kd`` with one, ``ce`` without), measured
+    against (held-out KL) in either case. ``training``: :class:`training.Training`'s ``accelerator``
+    and ``progress``.
     ``opts.patience``: stop once held-out CE went that many evaluations (every ``eval_every``
     steps) without improving; ``steps`` is then the cap.
 
@@ -191,8 +207,9 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts:
     alpha, merge = float(2 * opts.rank if opts.alpha is None else opts.alpha), not opts.save_adapter
     targets, params = 0, None
     if opts.train != "lora":
-        # "full": a generator, so that no list here holds the weights a sharded run replaces
+        # "full": a generator, so that no list here holds the weights a sharded run replaces (no teacher then)
         params = norm_parameters(model) if opts.train == "norms" else model.parameters()
+        params = list(params) if teacher is not None else params
         targets = len(layout(model).norms) + len(layout(model).qk_norms) if opts.train == "norms" else 0
         merge = False
     else:
@@ -206,13 +223,15 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts:
             model = get_peft_model(model, LoraConfig(r=opts.rank, lora_alpha=alpha, lora_dropout=0.0,
                                                      target_modules=pattern, fan_in_fan_out=conv1d))
         targets = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
+    distillation, goal = distill_with(teacher, model, params or (), opts)
     result = train(model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
-                   progress=progress, accelerator=accelerator, params=params)
+                   params=params, distillation=distillation, **training)
     lora = opts.train == "lora"
     report = HealReport(result.ce_before, result.ce_after, result.steps, result.tokens,
                         result.tokens / len(train_ids), result.seconds, opts.rank if lora else None,
                         alpha if lora else None, config.lr, result.trainable_parameters, targets, result.precision,
-                        result.processes, result.losses, opts.train, merged=merge, sharded=result.sharded)
+                        result.processes, result.losses, opts.train, merged=merge, sharded=result.sharded,
+                        **taught(goal, teacher, opts, result))
     return (model.merge_and_unload() if merge else model), report
 
 
@@ -228,17 +247,19 @@ class HealResult:
     eval_text_ce: dict[str, float] | None = None  # the same three on --eval-text, when given
 
 
-def run(model, tokenizer, train_ids, held, opts: HealOptions, *, accelerator=None, progress=no_progress,
-        other: torch.Tensor | None = None):
-    """:func:`heal_model` with ``opts`` (merged unless ``opts.save_adapter``), reporting its steps to
-    ``progress`` (stage "heal", the running loss and when it evaluates as the note), and CE on as
-    many fixed windows of the training text as are held out, before and after (what
-    :attr:`HealReport.cause` compares), and on ``other`` (--eval-text's windows) when given;
-    returns (model, report, wall seconds)."""
+def run(model, tokenizer, data, opts: HealOptions, *, accelerator=None, progress=no_progress,
+        teacher: Teaching | None = None):
+    """:func:`heal_model` with ``opts`` (merged unless ``opts.save_adapter``) on ``data``
+    (``runner.Texts``: the training tokens, the held-out windows and --eval-text's), reporting its
+    steps to ``progress`` (stage "heal", the running loss and when it evaluates as the note), and CE
+    on as many fixed windows of the training text as are held out, before and after (what
+    :attr:`HealReport.cause` compares), and on --eval-text's windows when given, with the KL to
+    ``teacher`` there where one is known (measured before merging: a teacher sharing the
+    student's tensors is the base with the adapters off); returns (model, report, wall seconds)."""
     progress("heal", 0, opts.steps, "evaluating held-out CE")
     mask_id = getattr(tokenizer, "mask_token_id", None)
-    fit = windows(train_ids, opts.seq_len, len(held), "the training text")
-    train_ce = lambda m, w=fit: heldout_ce(m, w, opts.batch_size, mask_token_id=mask_id)  # noqa: E731
+    fit = windows(data.train_ids, opts.seq_len, len(data.held), "the training text")
+    measure = lambda m, w, t=None: heldout(m, w, opts.batch_size, mask_token_id=mask_id, teacher=t)  # noqa: E731
 
     def step(done, total, loss):
         progress("heal", done, total, f"loss {loss:.4f}" + ("; evaluating held-out CE" if done == total else ""))
@@ -247,13 +268,19 @@ def run(model, tokenizer, train_ids, held, opts: HealOptions, *, accelerator=Non
     # a sharded run's other processes hold the model on the meta device until training shards it:
     # only the main process (which reports) measures it before
     meta = any(p.is_meta for p in model.parameters())
-    before = None if meta else train_ce(model)
-    other_before = None if meta or other is None else train_ce(model, other)
-    model, report = heal_model(model, train_ids, held, opts, mask_token_id=mask_id, accelerator=accelerator,
-                               progress=step)
-    report.train_ce_before, report.train_ce_after = before, train_ce(model)
+    before = None if meta else measure(model, fit)["ce"]
+    other = data.other
+    other_before = None if meta or other is None else measure(model, other, teacher and teacher.over(model))
+    defer = teacher is not None and opts.train == "lora" and not opts.save_adapter  # merged after measuring
+    model, report = heal_model(model, data.train_ids, data.held, replace(opts, save_adapter=True) if defer else opts,
+                               mask_token_id=mask_id, accelerator=accelerator, progress=step, teacher=teacher)
+    report.train_ce_before, report.train_ce_after = before, measure(model, fit)["ce"]
     if other is not None:
-        report.eval_text_ce_before, report.eval_text_ce_after = other_before, train_ce(model, other)
+        after = measure(model, other, teacher and teacher.live)
+        report.eval_text_ce_before, report.eval_text_ce_after = other_before and other_before["ce"], after["ce"]
+        report.eval_text_kl_before, report.eval_text_kl_after = (other_before or {}).get("kl"), after.get("kl")
+    if defer:
+        model, report.merged = model.merge_and_unload(), True
     return model, report, time.perf_counter() - t0
 
 
@@ -291,29 +318,21 @@ def recovery(ce: dict, other: dict | None, before: str) -> dict:
     return out
 
 
-def pruned_from(source: Source) -> dict | None:
-    """The latest prune step of ``source``'s record (its own or its history's), or None."""
-    steps = earlier_records(getattr(source.config, "normsurgery", None))
-    return next((s for s in reversed(steps) if isinstance(s.get("prune"), dict)), None)
+def kl_record(report: HealReport, before: str, original: bool) -> dict:
+    """The record's KL(teacher || model) entries, where a teacher was measured against, on the
+    held-out end and on --eval-text: the model before healing's (named ``before``), the healed
+    model's, and (``original``: the teacher is the model before the cut) the original's, 0."""
+    kl = {"heldout_kl": (report.kl_before, report.kl_after),
+          "eval_text_kl": (report.eval_text_kl_before, report.eval_text_kl_after)}
+    return {k: {**({"original": 0.0} if original else {}), before: a, "healed": b} for k, (a, b) in kl.items()
+            if a is not None}
 
 
-def original_ce(job: Job, held: list, mask_token_id: int | None) -> tuple[list | None, str | None]:
-    """CE of the model the input was pruned from (its record's prune source) on each of ``held``
-    (window sets; None: not measured) where that opens here, and its name; else (None, why not).
-    (None, None) when the input was not pruned."""
-    step = pruned_from(job.source)
-    if step is None:
-        return None, None
-    name, before = step.get("source", "?"), step["prune"].get("layers_before")
-    try:
-        original = Source.open(name, job.source.allow_pickle)
-    except SurgeryError as e:
-        return None, f"not available: {e}"
-    if original.config.num_hidden_layers != before or original.config.vocab_size != job.source.config.vocab_size:
-        return None, (f"not available: {name} has {original.config.num_hidden_layers} layers and a vocabulary of "
-                      f"{original.config.vocab_size}; the record pruned {before} layers of this vocabulary")
-    model = CheckpointWork(original, original.storage, device=job.device).load_all()
-    return [None if w is None else heldout_ce(model, w, mask_token_id=mask_token_id) for w in held], name
+def kl_recovery(report: HealReport) -> dict:
+    """The share of the KL to the teacher healing closed, on the held-out end and on --eval-text."""
+    shares = {"kl_heldout": kl_closed(report.kl_before, report.kl_after),
+              "kl_eval_text": kl_closed(report.eval_text_kl_before, report.eval_text_kl_after)}
+    return {k: v for k, v in shares.items() if v is not None}
 
 
 def eval_text_record(ce: dict | None, windows: dict | None) -> dict:
@@ -396,15 +415,16 @@ def adapter_base(source: Source) -> str:
 
 
 @job_scope
-def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, options: HealOptions | dict | None = None,
-         io: Writing | dict | None = None, progress=no_progress) -> HealResult:
+def heal(src, out, options: HealOptions | dict | None = None, *, text: str | Path, eval_text: str | Path | None = None,
+         progress=no_progress, **keywords) -> HealResult:
     """LoRA on the remaining linears of ``src`` (LM loss; MLM for BERT) on ``text`` (its end held
     out; ``eval_text``, a second text, measured beside), merged and saved to ``out`` as a plain checkpoint (or, with
-    ``options.save_adapter``, the adapter alone, base ``src``); ``io``: whether ``out`` may be replaced, pickle
-    read, and the device computed on (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a
-    ``pathlib.Path`` a file to read."""
+    ``options.save_adapter``, the adapter alone, base ``src``); ``io=`` (``Writing``): whether ``out`` may be
+    replaced, pickle read, and the device computed on (``devices``). ``text`` and ``eval_text``: a ``str`` is the
+    text itself, a ``pathlib.Path`` a file to read. ``keywords``: fields of the options or of ``io``
+    (``options_and_io``)."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts, io = options_of(HealOptions, options), options_of(Writing, io)
+    opts, io = options_and_io(HealOptions, options, keywords)
     opts.check()
     force, allow_pickle, device = io.force, io.allow_pickle, io.device
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
@@ -412,19 +432,25 @@ def heal(src, out, text: str | Path, *, eval_text: str | Path | None = None, opt
     held = data.held
     acc = job.make_accelerator(opts.precision)
     tok = job.source.tokenizer
-    # then freed: one model at a time
-    ce_original, original = original_ce(job, [held, data.other], getattr(tok, "mask_token_id", None))
+    # then freed but for the blocks the cut removed (the teacher's): one model at a time
+    found = find_original(job, [held, data.other], getattr(tok, "mask_token_id", None), opts)
+    ce_original, original = found.ce, found.name
     model = job.load(trains=True)
     require_lm(model)
-    model, report, seconds = run(model, tok, data.train_ids, held, opts, other=data.other, accelerator=acc,
-                                 progress=progress if job.main else no_progress)
+    check_teacher(found, model, opts)
+    goal, why = choose_objective(opts, found.teaching, found.why)
+    model, report, seconds = run(model, tok, data, replace(opts, objective=goal), accelerator=acc,
+                                 progress=progress if job.main else no_progress, teacher=found.teaching)
+    report.why = why
     ce = {**({"original": ce_original[0]} if ce_original else {}), "input": report.ce_before,
           "healed": report.ce_after}
     other = None if data.other is None else {**({"original": ce_original[1]} if ce_original else {}),
                                              "input": report.eval_text_ce_before, "healed": report.eval_text_ce_after}
     on = heldout_text(opts.eval_fraction)
+    cut = found.teaching is not None and isinstance(found.teaching.given, Cut)  # the teacher is the original
     record = job.record(heal=summary(report), heldout_ce=ce, heldout=heldout_record(on, data.heldout, original),
-                        **eval_text_record(other, data.other_record), recovered=recovery(ce, other, "input"))
+                        **eval_text_record(other, data.other_record), **kl_record(report, "input", cut),
+                        recovered={**recovery(ce, other, "input"), **kl_recovery(report)})
     if opts.save_adapter:
         saved = None
         if job.main:

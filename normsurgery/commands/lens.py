@@ -29,6 +29,7 @@ from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.parity import compare, outputs, probe_ids
 from ..engine.check import Tolerances, model_reader
+from ..core.options import Reading, options_of
 from ..core.runtime import NoNorm
 from ..engine.runner import choose_device, job_scope
 
@@ -39,9 +40,12 @@ INEXPRESSIBLE = {"crmsnorm": "CRMSNorm keeps d-1 coordinates of a zero-mean stre
 
 
 @job_scope  # TF32 off while it computes, the caller's settings put back
-def lens(src, *, text: str | None = None, allow_pickle: bool = False, device: str = "auto"):
-    """A ``TransformerBridge`` of ``src`` (see the module docstring) on ``device`` (``devices``),
-    with ``parity`` (its logits against the checkpoint's, float32) set on it as ``normsurgery_parity``."""
+def lens(src, options: Reading | dict | None = None, *, text: str | None = None, **keywords):
+    """A ``TransformerBridge`` of ``src`` (see the module docstring) on ``options.device`` (``devices``;
+    ``options``: ``Reading``, a dict of its fields, or its fields as ``keywords``: ``allow_pickle``,
+    ``device``), with ``parity`` (its logits against the checkpoint's, float32) set on it as
+    ``normsurgery_parity``."""
+    o = options_of(Reading, options, keywords)
     if importlib.util.find_spec("transformer_lens") is None:
         raise SurgeryError(f"normsurgery.commands.lens needs transformer-lens, not installed: {INSTALL}")
     from transformer_lens.factories.architecture_adapter_factory import ArchitectureAdapterFactory
@@ -50,8 +54,8 @@ def lens(src, *, text: str | None = None, allow_pickle: bool = False, device: st
     from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_config_from_hf
     from transformer_lens.model_bridge.sources._hf_format import determine_architecture_from_hf_config
 
-    source = Source.open(src, allow_pickle)
-    where = choose_device(device)
+    source = Source.open(src, o.allow_pickle)
+    where = choose_device(o.device)
     model = load(source, torch.float32, device=where)
     if layout(model).objective != "causal-lm":
         raise SurgeryError(f"normsurgery.commands.lens: {source.name} is a {source.class_name}; TransformerLens models "

@@ -32,10 +32,13 @@ from ..core.analysis import blocks_of, forward_base, residual_capture
 from ..core.calibration import bundled_text, fit_seq_len, windows
 from ..core.errors import SurgeryError
 from ..core.families import family, layout
-from .heal import HealOptions, HealReport, eval_text_record, heldout_record, recovery, summary, take_adapter, write_adapter
+from .heal import (HealOptions, HealReport, eval_text_record, heldout_record, kl_record, kl_recovery, recovery,
+                   summary, take_adapter, write_adapter)
 from .heal import run as heal_run
+from .heal_teacher import cut_teacher
+from ..engine.teacher import cut_of, renumber
 from ..core.layout import LM_OBJECTIVES
-from ..core.options import PruneOptions, Writing, options_of  # noqa: F401  (re-exported: the API's names)
+from ..core.options import PruneOptions, Writing, options_and_io, options_of  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import output_kind, probe_ids
 from ..engine.check import CheckPlan, Tolerances
 from ..engine.sweep import CheckpointWork, Work
@@ -145,8 +148,7 @@ def count_layers(num_layers: int, layers: int | None = None, fraction: float | N
     if (layers is None) == (fraction is None):
         raise SurgeryError("give exactly one of --layers N or --fraction F")
     if fraction is not None:
-        if not 0.0 < fraction < 1.0:
-            raise SurgeryError(f"--fraction must be between 0 and 1 (exclusive), got {fraction:g}")
+        PruneOptions(fraction=fraction).check()  # the one check of its range
         layers = round(fraction * num_layers)
         if layers == 0:
             raise SurgeryError(f"--fraction {fraction:g} of {num_layers} layers rounds to 0 layers")
@@ -220,10 +222,7 @@ def prune_model(model, layers: Iterable[int]) -> dict:
         if len(getattr(cfg, k)) != L:
             raise SurgeryError(f"config {k} has {len(getattr(cfg, k))} entries for {L} layers")
     new = nn.ModuleList([blocks[i] for i in keep])
-    for j, block in enumerate(new):
-        for mod in block.modules():
-            if isinstance(getattr(mod, "layer_idx", None), int):
-                mod.layer_idx = j
+    renumber(new)
     model.set_submodule(lay.layers_path, new)
     cfg.num_hidden_layers = len(keep)
     for k in per_layer:
@@ -263,20 +262,19 @@ class PruneResult:
 @job_scope
 def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | Path | None = None,
           eval_text: str | Path | None = None, heal: HealOptions | dict | None = None,
-          io: Writing | dict | None = None, progress: Progress = no_progress) -> PruneResult:
+          progress: Progress = no_progress, **keywords) -> PruneResult:
     """Score the layers of ``src`` on ``text`` (default: the bundled sample) before its held-out
     end (where cross-entropy is measured, and on ``eval_text`` beside), remove the chosen
     ones, optionally heal (``heal``: LoRA options), and save to ``out``, checked. ``options.streaming``:
-    scored and copied one part at a time (no cross-entropy, no healing). ``io``: whether ``out`` may be
+    scored and copied one part at a time (no cross-entropy, no healing). ``io=`` (``Writing``): whether ``out`` may be
     replaced, pickle read, and the device computed on (``devices``). ``text`` and ``eval_text``: a
-    ``str`` is the text itself, a ``pathlib.Path`` a file to read."""
+    ``str`` is the text itself, a ``pathlib.Path`` a file to read. ``keywords``: fields of the options
+    or of ``io`` (``options_and_io``)."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts, io = options_of(PruneOptions, options), options_of(Writing, io)
-    opts.check()
+    opts, io = options_and_io(PruneOptions, options, keywords)  # checked
     hopts = None if heal is None else options_of(HealOptions, heal)
     streaming = opts.streaming
     if hopts is not None:
-        hopts.check()
         if streaming:
             raise SurgeryError("--heal trains the whole model in memory: prune with --streaming, then heal the result")
     force, allow_pickle, device = io.force, io.allow_pickle, io.device
@@ -295,6 +293,7 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     selection = select_layers(opts.method, n, scores, layers)
     ce = Measured(data if lm and not streaming else None, getattr(source.tokenizer, "mask_token_id", None))
     ce.measure("original", work.load_all() if ce.data is not None else None)
+    cut = cut_of(work.model, selection.layers) if hopts is not None else None  # the heal's teacher's blocks
     removed = prune_model(work.model, selection.layers)
     work.replan()
     ce.measure("pruned", work.model)
@@ -307,9 +306,10 @@ def prune(src, out, options: PruneOptions | dict | None = None, *, text: str | P
     probe = cal[:4] if cal is not None else probe_ids(None, source.config.vocab_size, None, 4, opts.seq_len)
     report = seconds = model = None
     if hopts is not None:
-        model, report, seconds = heal_run(work.load_all(), source.tokenizer, data.train_ids, data.held, hopts,
-                                          accelerator=acc, other=data.other,
-                                          progress=progress if acc.is_main_process else no_progress)
+        teaching, hopts, why = cut_teacher(job, hopts, cut)
+        model, report, seconds = heal_run(work.load_all(), source.tokenizer, data, hopts, accelerator=acc,
+                                          teacher=teaching, progress=progress if acc.is_main_process else no_progress)
+        report.why = why
         ce.healed(report, record)
     saved = _save_pruned(job, work, model, record, probe, hopts is not None and hopts.save_adapter, progress)
     return PruneResult(selection, scores, removed, ce.held, on, None if lm else source.class_name, report, seconds,
@@ -344,7 +344,8 @@ class Measured:
         if self.other is not None:
             self.other["healed"] = report.eval_text_ce_after
         record["heal"] = summary(report)
-        record["recovered"] = recovery(self.held, self.other, "pruned")
+        record.update(kl_record(report, "pruned", report.teacher == record.get("source")))
+        record["recovered"] = {**recovery(self.held, self.other, "pruned"), **kl_recovery(report)}
 
 
 def _scores(source, work: Work, cal: torch.Tensor | None, opts: PruneOptions,

@@ -47,7 +47,7 @@ from .convert import apply_passes
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from .heal import Kept, heal_model, require_lm
-from ..core.options import STRUCTURES, SqueezeOptions, Writing, options_of  # noqa: F401  (re-exported: the API's names)
+from ..core.options import STRUCTURES, SqueezeOptions, Writing, options_and_io, options_of  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import probe_ids
 from ..engine.plan import check_applies
 from ..passes.mask import CALIBRATION
@@ -278,19 +278,18 @@ def _keep(state: Path, data: dict) -> None:
 
 
 @job_scope
-def squeeze(src, out, text: str | Path, *, eval_text: str | Path | None = None,
-            options: SqueezeOptions | dict | None = None, resume: bool = False, io: Writing | dict | None = None,
-            progress: Progress = no_progress) -> SqueezeResult:
+def squeeze(src, out, options: SqueezeOptions | dict | None = None, *, text: str | Path,
+            eval_text: str | Path | None = None, resume: bool = False, progress: Progress = no_progress,
+            **keywords) -> SqueezeResult:
     """Squeeze ``src`` to ``options.target`` of its parameters (or ``target_bytes``) and save the
     last cycle's model to ``out`` (checked as every output is: read back and compared); training
     on ``text`` (its end held out unless ``eval_text``), through the one runner (``runner.Job``).
-    ``io``: whether ``out`` may be replaced, pickle read, and the device computed on (``devices``).
-    ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a file to read.
-    See the module docstring."""
+    ``io=`` (``Writing``): whether ``out`` may be replaced, pickle read, and the device computed on
+    (``devices``). ``text`` and ``eval_text``: a ``str`` is the text itself, a ``pathlib.Path`` a file to read.
+    ``keywords``: fields of the options or of ``io`` (``options_and_io``). See the module docstring."""
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
-    opts, io = options_of(SqueezeOptions, options), options_of(Writing, io)
+    opts, io = options_and_io(SqueezeOptions, options, keywords)
     opts.structure = tuple(opts.structure)
-    opts.check()
     opts.steps_per_cycle = opts.steps()  # the default's split, so the record and the card state it
     force, allow_pickle, device = io.force, io.allow_pickle, io.device
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-#: distillation objectives: ``ce`` next-token (or masked-token) cross-entropy; ``kd`` the KL to the
-#: teacher alone; ``kd+ce`` their weighted sum (``KD + ce_weight * CE``)
-OBJECTIVES = ("kd", "ce", "kd+ce")
+from .options import OBJECTIVES  # noqa: F401  (declared with heal's options: no torch there)
+
 #: log of the tail mass below which the tail bucket counts as empty (k = vocabulary)
 _EMPTY = -1e30
 

@@ -32,7 +32,6 @@ from torch import nn
 from . import algebra, analysis, devices
 from .errors import SurgeryError
 from .layout import Layout
-from .options import CRITERIA  # the ranking criteria (one list, options.py)
 
 CHANNELS = "residual_channels"
 
@@ -48,9 +47,8 @@ def block_weights(model, layout: Layout) -> dict[str, nn.Parameter]:
 
 
 def magnitude(model, layout: Layout, sparsity: float) -> dict[str, torch.Tensor]:
-    """Per matrix, zero the round(sparsity * numel) entries of smallest |w| (ties by position)."""
-    if not 0.0 <= sparsity < 1.0:
-        raise SurgeryError(f"sparsity must be in [0, 1), got {sparsity}")
+    """Per matrix, zero the round(sparsity * numel) entries of smallest |w| (ties by position); ``sparsity``
+    in [0, 1), checked with the options that give it (``MaskOptions``, ``SqueezeOptions``)."""
     masks = {}
     for name, w in block_weights(model, layout).items():
         masks[name] = drop_smallest(w, round(sparsity * w.numel()))
@@ -205,11 +203,6 @@ def prune_heads(model, layout: Layout, fraction: float,
         if cols:
             _zero_inputs(masks, o, site.o, torch.cat(cols))
     return masks
-
-
-def check_criterion(by: str) -> None:
-    if by not in CRITERIA:
-        raise SurgeryError(f"unknown pruning criterion {by!r}; known: {', '.join(CRITERIA)}")
 
 
 @torch.no_grad()

@@ -10,16 +10,18 @@ A value out of range is named by its flag (:func:`flag`, the one place an option
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from functools import cached_property
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
-from .devices import HELP as DEVICE_HELP, PRECISION_CHOICES, PRECISION_HELP, PRECISIONS
-from .errors import SurgeryError, UsageError
+from .devices import HELP as DEVICE_HELP, PRECISION_HELP
+from .errors import UsageError
+from .limits import (COUNT, COUNT0, DEVICE, DTYPE, FRACTION, POSITIVE, PRECISION, SIZE_LIMIT, WINDOW, Limit,  # noqa: F401
+                     between, did_you_mean, one_of as one_of_values, parse_size, some_of)
 
-__all__ = ["AT_LEAST", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
-           "METHODS", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
-           "PruneOptions", "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values",
+__all__ = ["CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
+           "METHODS", "OBJECTIVES", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
+           "PruneOptions", "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values", "Checked",
            "flag"]
 
 #: tokens per window when none is given (or the model's positions when fewer: ``calibration.fit_seq_len``)
@@ -28,6 +30,9 @@ SEQ_LEN = 128
 METHODS = ("angular", "block-influence", "last")
 #: heal / squeeze --train, prune --heal --train: what trains
 TRAIN_MODES = ("lora", "norms", "full")
+#: heal --objective: ``kd`` the KL to the teacher alone; ``ce`` next-token (or masked-token) cross-entropy;
+#: ``kd+ce`` their weighted sum (``core.distillation``)
+OBJECTIVES = ("kd", "ce", "kd+ce")
 #: heal's --lr when none is given, by --train (``HealOptions.learning_rate``): the rates measured best of those
 #: tried on the demo llama-tiny pruned by 2 layers (benchmarks/bench_heal_modes.py, README "heal"); every
 #: parameter (full) takes a tenth of LoRA's rate (at LoRA's, held-out CE rose after a quarter epoch on
@@ -74,9 +79,10 @@ class Flag:
 
     ``names``: spellings other than ``--field-name`` (``("--layers", "-n")``, ``("--streaming/--in-memory",)``);
     ``given``: the flag defaults to None (not given: the dataclass's default applies, or a
-    recipe's), else to the field's default, shown by --help; ``check``: the CLI's value check, by name
-    (``cli.flags.CHECKS``); ``parse``: how the CLI's value becomes the field's (``cli.flags.PARSERS``);
-    the least whole number allowed is :data:`AT_LEAST`'s. ``param``: the command-line parameter's name
+    recipe's), else to the field's default, shown by --help; ``check``: the values it takes (a
+    :class:`~.limits.Limit`; ``choices`` alone: one of them), refused by :func:`check_values` for the
+    API and recipes and by the CLI's flag (``cli.flags``) with the same words; ``parse``: how the CLI's
+    value becomes the field's (``cli.flags.PARSERS``). ``param``: the command-line parameter's name
     where it is not the field's (``tolerance`` is ``--tol``); ``negate``: the flag is ``--no-FIELD``,
     its value the field's negation (``verify`` is ``--no-verify``); ``required``: the command line
     must give it (the API has the field's default)."""
@@ -85,19 +91,27 @@ class Flag:
     metavar: str | None = None
     names: tuple[str, ...] = ()
     choices: tuple[str, ...] = ()
-    check: str | None = None
+    check: Limit | None = None
     parse: str | None = None
     given: bool = True
     envvar: str | None = None
     param: str | None = None
     negate: bool = False
     required: bool = False
-    least: float | None = None  # a real number's least value (a whole number's: AT_LEAST's)
 
     def text(self, default: Any) -> str:
         """The help, its ``{default}``, ``{choices}`` and constants filled in."""
         listed = one_of(self.choices, None if self.required else default)
         return self.help.format(default=shown(default), choices=listed, **HELP_VALUES)
+
+    @cached_property
+    def limit(self) -> Limit | None:
+        """The values the option takes: ``check``, else one of ``choices``."""
+        return self.check or (one_of_values(*self.choices) if self.choices else None)
+
+    def spelled(self, field_name: str) -> str:
+        """The flag as the command line spells it: ``--tol`` for ``tolerance``, ``--no-verify``."""
+        return self.names[0].split("/")[0] if self.names else flag(self.name(field_name))
 
     def name(self, field_name: str) -> str:
         """The command-line parameter's name for field ``field_name``."""
@@ -138,20 +152,11 @@ def one_of(choices, default=None) -> str:
     return " | ".join(choices) + ("" if default is None else f" (default {default})")
 
 
-def did_you_mean(name: str, choices) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices`` (case, - and _ ignored), or ''."""
-    choices = list(choices)
-    key = name.lower().replace("_", "-")
-    close = [c for c in choices if c.lower().replace("_", "-") == key]
-    close = close or difflib.get_close_matches(key, choices, 1, 0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
 #: the share of the text held out when no held-out text is given (heal, prune --heal, squeeze)
 EVAL_FRACTION = 0.1
 #: tokens per window, as --help says it
 SEQ_LEN_HELP = f"tokens per window (default: {SEQ_LEN}, or the model's positions when fewer)"
 #: --precision, as every training command spells it
-PRECISION_FLAG = {"help": PRECISION_HELP, "metavar": "auto|fp32|bf16|fp16", "check": "precision"}
 
 #: the constants a help text may name (:meth:`Flag.text`): numbers stated where they are defined
 HELP_VALUES = {"SEQ_LEN": SEQ_LEN, "SQUEEZE_STEPS": SQUEEZE_STEPS, "SQUEEZE_THIRD": SQUEEZE_STEPS // 3,
@@ -166,55 +171,65 @@ def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
-#: the least value of each whole-number option, by name, for every command: ``check_values`` (heal, prune,
-#: squeeze's retraining) and the CLI's flags (``cli.app.at_least``) read it here
-AT_LEAST = {"samples": 1, "batch_size": 1, "eval_samples": 1, "steps": 1, "rank": 1, "grad_accum": 1,
-            "layers": 1, "seq_len": 2, "seed": 0, "patience": 0, "eval_every": 1, "generate": 0, "threads": 1,
-            "cycles": 1, "steps_per_cycle": 1, "target_bytes": 1, "save_every": 0}
-BETWEEN_0_1 = ("fraction", "eval_fraction")
-POSITIVE = ("lr", "alpha")
+#: --precision, as every training command spells it
+PRECISION_FLAG = {"help": PRECISION_HELP, "metavar": "auto|fp32|bf16|fp16", "check": PRECISION}
 
 
-def check_values(opts: dict) -> None:
-    """Each option's range (a whole number of at least N, a fraction, a positive number) and choice."""
-    for k, v in opts.items():
-        if v is None:
-            continue
-        if k in AT_LEAST and (not isinstance(v, int) or isinstance(v, bool) or v < AT_LEAST[k]):
-            raise SurgeryError(f"{flag(k)} must be a whole number of at least {AT_LEAST[k]}, got {v!r}")
-        if k in BETWEEN_0_1 and (not isinstance(v, (int, float)) or not 0 < v < 1):
-            raise SurgeryError(f"{flag(k)} must be between 0 and 1 (exclusive), got {v!r}")
-        if k in POSITIVE and (not isinstance(v, (int, float)) or v <= 0):
-            raise SurgeryError(f"{flag(k)} must be positive, got {v!r}")
-    if opts.get("train") is not None and opts["train"] not in TRAIN_MODES:
-        raise UsageError(f"{flag('train')} {opts['train']!r}: choose one of {', '.join(TRAIN_MODES)}")
-    if opts.get("precision") is not None and opts["precision"] not in PRECISIONS:
-        raise SurgeryError(f"{flag('precision')} {opts['precision']!r}: choose one of {', '.join(PRECISION_CHOICES)}")
+def check_values(opts, named=None) -> None:
+    """Each value of options dataclass ``opts`` (or of a dict of option names: ``LIMITS``'s) within its
+    option's limit (:attr:`Flag.limit`), the one check the CLI's flags run too (``cli.flags``); refused
+    as a :class:`UsageError` naming the option as ``named(name)`` says (default: its flag as the
+    command line spells it, :meth:`Flag.spelled`)."""
+    if is_dataclass(opts):
+        items = [(f.name, getattr(opts, f.name), f.metadata["flag"]) for f in flagged(type(opts))]
+    else:
+        items = [(k, v, Flag("", check=LIMITS.get(k))) for k, v in opts.items()]
+    for name, value, spec in items:
+        why = spec.limit.refusal(value) if spec.limit is not None else None
+        if why:
+            raise UsageError(f"{named(name) if named else spec.spelled(name)} {why}")
+
+
+class Checked:
+    """An options dataclass whose values are checked, for the API and recipes as for the CLI."""
+
+    def check(self) -> None:
+        """Every value within its option's limit (:func:`check_values`)."""
+        check_values(self)
 
 
 @dataclass
-class HealOptions:
-    steps: int = option(200, "optimizer steps (default {default})", metavar="N")
-    rank: int = option(8, "LoRA rank (default {default})", metavar="R")
-    alpha: float | None = option(None, "LoRA alpha (default 2 x rank)", metavar="X", check="positive")
+class HealOptions(Checked):
+    steps: int = option(200, "optimizer steps (default {default})", metavar="N", check=COUNT)
+    rank: int = option(8, "LoRA rank (default {default})", metavar="R", check=COUNT)
+    alpha: float | None = option(None, "LoRA alpha (default 2 x rank)", metavar="X", check=POSITIVE)
     lr: float | None = option(None, "learning rate (default by --train: {LR_BY_TRAIN})", metavar="X",
-                              check="positive")  # None: LEARNING_RATES[train] (:meth:`learning_rate`)
+                              check=POSITIVE)  # None: LEARNING_RATES[train] (:meth:`learning_rate`)
     target_modules: list[str] | None = option(None, "linears to adapt, by name, e.g. q_proj,v_proj (default: every "
                                               "linear in the blocks)", metavar="NAMES", parse="names")
-    batch_size: int = option(8, "windows per micro-batch and process (default {default})", metavar="B")
-    seq_len: int | None = option(None, SEQ_LEN_HELP, metavar="L")  # None: SEQ_LEN, or the model's positions when fewer
-    grad_accum: int = option(1, "gradient-accumulation steps (default {default})", metavar="K")
+    batch_size: int = option(8, "windows per micro-batch and process (default {default})", metavar="B", check=COUNT)
+    seq_len: int | None = option(None, SEQ_LEN_HELP, metavar="L", check=WINDOW)  # None: SEQ_LEN, or the model's positions when fewer
+    grad_accum: int = option(1, "gradient-accumulation steps (default {default})", metavar="K", check=COUNT)
     precision: str = option("auto", **PRECISION_FLAG)  # devices.PRECISIONS
     eval_fraction: float = option(EVAL_FRACTION, "share of --text held out (default {default})", metavar="F",
-                                  check="open_unit")
+                                  check=FRACTION)
     eval_samples: int = option(64, "held-out windows at most, evaluated before and after (default {default}; fewer "
-                               "is faster)", metavar="K")
-    seed: int = option(0, "random seed (default {default})", metavar="N")
+                               "is faster)", metavar="K", check=COUNT)
+    seed: int = option(0, "random seed (default {default})", metavar="N", check=COUNT0)
     train: str = option("lora", "what trains (lora: adapters, merged; norms: only the norms' gains and biases; full: "
                         "every parameter): {choices}", metavar="WHAT", choices=TRAIN_MODES)
     patience: int = option(0, "stop once held-out CE went N evaluations without improving, --steps the cap (default "
-                           "{default}: every step)", metavar="N")
-    eval_every: int = option(25, "with --patience: steps between evaluations (default {default})", metavar="S")
+                           "{default}: every step)", metavar="N", check=COUNT0)
+    eval_every: int = option(25, "with --patience: steps between evaluations (default {default})", metavar="S", check=COUNT)
+    objective: str | None = option(None, "what healing minimises (kd: the KL to the teacher, the model before the cut, "
+                                   "per token; ce: cross-entropy on --text; kd+ce: KL + --ce-weight x CE): "
+                                   "{choices} (default kd where a teacher is known, else ce)", metavar="WHAT",
+                                   choices=OBJECTIVES)  # None: chosen by whether a teacher is known
+    temperature: float = option(1.0, "kd's temperature T, the loss scaled by T^2 (default {default})", metavar="T",
+                                check=POSITIVE)
+    ce_weight: float = option(1.0, "kd+ce: the weight of CE (default {default})", metavar="W", check=between(0))
+    teacher: str | None = option(None, "the model to distil from, a folder or hub id (default: the model the input "
+                                 "was pruned from, as its record says)", metavar="PATH")
     save_adapter: bool = False  # keep the adapter unmerged (--save-adapter: a flag of each command's own wording)
 
     @property
@@ -223,93 +238,70 @@ class HealOptions:
         return self.lr if self.lr is not None else LEARNING_RATES[self.train]
 
     def check(self) -> None:
-        """The ranges the command line enforces, for values that came from a recipe or the API too."""
-        check_values(asdict(self))
+        """Every value within its option's limit (:func:`check_values`), and an adapter only with LoRA."""
+        super().check()
         if self.save_adapter and self.train != "lora":
             raise UsageError(f"--save-adapter needs {flag('train')} lora ({flag('train')} {self.train} trains "
                              "no adapter)")
 
 
 @dataclass
-class PruneOptions:
-    layers: int | None = option(None, "how many layers to remove", metavar="N", names=("--layers", "-n"))
+class PruneOptions(Checked):
+    layers: int | None = option(None, "how many layers to remove", metavar="N", names=("--layers", "-n"), check=COUNT)
     fraction: float | None = option(None, "or: the fraction of layers to remove (rounded)", metavar="F",
-                                    check="open_unit")
+                                    check=FRACTION)
     method: str = option("angular", "{choices}", metavar="METHOD", choices=METHODS)
-    samples: int = option(32, "calibration windows (default {default})", metavar="K")
-    seq_len: int | None = option(None, SEQ_LEN_HELP, metavar="L")  # None: SEQ_LEN, or the model's positions when fewer
-    batch_size: int = option(8, "windows per forward pass and per heal micro-batch (default {default})", metavar="B")
-    eval_samples: int = option(64, "held-out windows at most (default {default})", metavar="K")
+    samples: int = option(32, "calibration windows (default {default})", metavar="K", check=COUNT)
+    seq_len: int | None = option(None, SEQ_LEN_HELP, metavar="L", check=WINDOW)  # None: SEQ_LEN, or the model's positions when fewer
+    batch_size: int = option(8, "windows per forward pass and per heal micro-batch (default {default})", metavar="B", check=COUNT)
+    eval_samples: int = option(64, "held-out windows at most (default {default})", metavar="K", check=COUNT)
     streaming: bool = False  # scored and copied one part at a time (no cross-entropy, no healing): a flag of its own
-
-    def check(self) -> None:
-        """The method (the one check of it) and every range, for values from a recipe or the API too."""
-        if self.method not in METHODS:
-            raise SurgeryError(f"unknown method {self.method!r}{did_you_mean(self.method, METHODS)}; "
-                               f"choose one of {', '.join(METHODS)}")
-        check_values(asdict(self))
 
 
 @dataclass
-class SqueezeOptions:
+class SqueezeOptions(Checked):
     target: float | None = option(0.5, "fraction of the parameters to keep (default {default})", metavar="F",
-                                  check="open_unit")  # unless target_bytes
-    target_bytes: int | None = option(None, "or: the output's size in bytes (storage dtype)", metavar="N")
+                                  check=FRACTION)  # unless target_bytes
+    target_bytes: int | None = option(None, "or: the output's size in bytes (storage dtype)", metavar="N", check=COUNT)
     cycles: int = option(1, "mask -> minimize -> release -> retrain cycles (default {default}: one-shot, measured "
                          "better than 3 at the same size and tokens; N > 1: Squeeze-Release, with its one-shot "
-                         "control)", metavar="N")
+                         "control)", metavar="N", check=COUNT)
     steps_per_cycle: int | None = option(None, "retraining steps per cycle (default: {SQUEEZE_STEPS} in all, split "
                                          "evenly over the cycles; {SQUEEZE_STEPS} with one, {SQUEEZE_THIRD} each "
-                                         "with 3)", metavar="S")  # None: SQUEEZE_STEPS split (:meth:`steps`)
+                                         "with 3)", metavar="S", check=COUNT)  # None: SQUEEZE_STEPS split (:meth:`steps`)
     structure: tuple[str, ...] = option(STRUCTURES, f"what the masks remove: some of {', '.join(STRUCTURES)} "
-                                        "(default {default})", metavar="LIST", parse="parts")
+                                        "(default {default})", metavar="LIST", parse="parts",
+                                        check=some_of(*STRUCTURES))
     by: str = option("activation", "how units and heads are ranked (activation: by the energy they write on "
                      "calibration windows of --text; magnitude: by their weights; channels by the energy written "
                      "into them): {choices}", metavar="HOW", choices=CRITERIA)
     sparsity: float = option(0.0, "unstructured magnitude sparsity added to each cycle's mask, released after "
-                             "minimize (default {default})", metavar="X", check="unit_interval")
+                             "minimize (default {default})", metavar="X", check=between(0, 1))
     release_scale: float = option(0.1, "released noise's std, in units of the RMS of the tensor's surviving weights "
-                                  "(default {default})", metavar="X", least=0.0)
+                                  "(default {default})", metavar="X", check=between(0))
     train: str = option("full", "what retrains (lora: merged): {choices}", metavar="WHAT", choices=TRAIN_MODES)
-    lr: float = option(1e-3, "learning rate (default {default})", metavar="X", check="positive")
-    batch_size: int = option(8, "windows per step (default {default})", metavar="B")
-    seq_len: int | None = option(None, SEQ_LEN_HELP, metavar="L")
+    lr: float = option(1e-3, "learning rate (default {default})", metavar="X", check=POSITIVE)
+    batch_size: int = option(8, "windows per step (default {default})", metavar="B", check=COUNT)
+    seq_len: int | None = option(None, SEQ_LEN_HELP, metavar="L", check=WINDOW)
     eval_fraction: float = option(EVAL_FRACTION, "share of --text held out (default {default})", metavar="F",
-                                  check="open_unit")
-    eval_samples: int = option(64, "held-out windows at most (default {default})", metavar="K")
+                                  check=FRACTION)
+    eval_samples: int = option(64, "held-out windows at most (default {default})", metavar="K", check=COUNT)
     precision: str = option("auto", **PRECISION_FLAG)
-    seed: int = option(0, "seed of the release noise and the training batches (default {default})", metavar="N")
+    seed: int = option(0, "seed of the release noise and the training batches (default {default})", metavar="N", check=COUNT0)
     save_every: int = option(0, "keep the training state every N steps within a cycle (default {default}: none; "
-                             "the state after each cycle is always kept)", metavar="N")
+                             "the state after each cycle is always kept)", metavar="N", check=COUNT0)
     patience: int = option(0, "a cycle's retraining stops once held-out CE went N evaluations without improving "
-                           "(default {default}: every step)", metavar="N")
-    eval_every: int = option(25, "with --patience: steps between evaluations (default {default})", metavar="S")
+                           "(default {default}: every step)", metavar="N", check=COUNT0)
+    eval_every: int = option(25, "with --patience: steps between evaluations (default {default})", metavar="S", check=COUNT)
     control: bool = option(True, "also one-shot from the input at the same target and training steps, reported "
                            "beside (default {default}; only with --cycles above 1: one cycle is its own)",
                            names=("--control/--no-control",))
 
     def check(self) -> None:
-        if self.target_bytes is not None:
-            if not isinstance(self.target_bytes, int) or self.target_bytes < 1:
-                raise UsageError(f"{flag('target_bytes')} must be a positive whole number, got {self.target_bytes!r}")
-        elif self.target is None or not 0 < self.target < 1:
-            raise UsageError(f"{flag('target')} must be a fraction of the parameters between 0 and 1, "
-                             f"got {self.target!r}")
-        for k in ("cycles", "steps_per_cycle"):
-            if k == "steps_per_cycle" and self.steps_per_cycle is None:
-                continue
-            if not isinstance(getattr(self, k), int) or getattr(self, k) < 1:
-                raise UsageError(f"{flag(k)} must be a whole number of at least 1, got {getattr(self, k)!r}")
-        unknown = [s for s in self.structure if s not in STRUCTURES]
-        if unknown or not self.structure:
-            raise UsageError(f"{flag('structure')} {','.join(self.structure)!r}: choose among "
-                             f"{', '.join(STRUCTURES)}")
-        if self.by not in CRITERIA:
-            raise UsageError(f"{flag('by')} {self.by!r}: choose one of {', '.join(CRITERIA)}")
-        if not 0 <= self.sparsity < 1:
-            raise UsageError(f"{flag('sparsity')} must be in [0, 1), got {self.sparsity!r}")
-        if not self.release_scale >= 0:
-            raise UsageError(f"{flag('release_scale')} must be at least 0, got {self.release_scale!r}")
+        """Every value within its option's limit, a target (a fraction, or bytes) and the retraining's."""
+        super().check()
+        if self.target is None and self.target_bytes is None:
+            raise UsageError(f"give {flag('target')} or {flag('target_bytes')}")
         self.heal_options().check()
 
     def steps(self) -> int:
@@ -326,12 +318,12 @@ class SqueezeOptions:
 
 
 @dataclass
-class Reading:
+class Reading(Checked):
     """What every command that reads a checkpoint takes: pickle allowed, where to compute."""
 
     allow_pickle: bool = option(False, "read pickle (.bin) weights, with torch.load(weights_only=True); refused "
                                 "otherwise", given=False, envvar="NORMSURGERY_ALLOW_PICKLE")
-    device: str = option("auto", DEVICE_HELP, metavar="auto|cpu|cuda|cuda:N", check="device", given=False)
+    device: str = option("auto", DEVICE_HELP, metavar="auto|cpu|cuda|cuda:N", check=DEVICE, given=False)
 
 
 @dataclass
@@ -350,34 +342,51 @@ STREAMING_HELP = ("read and rewrite one block at a time (default: convert stream
 
 
 @dataclass
-class ConvertOptions(Writing):
+class Sharded(Checked):
+    """What a command or function that writes safetensors shards takes: the largest shard."""
+
+    max_shard_size: str = option(MAX_SHARD_SIZE, "largest safetensors shard, e.g. 500MB", metavar="SIZE",
+                                 check=SIZE_LIMIT, given=False)  # or a whole number of bytes
+
+    @property
+    def shard_bytes(self) -> int:
+        """``max_shard_size`` in bytes (``limits.parse_size``: the one parse of it, checked by ``check``)."""
+        return parse_size(self.max_shard_size)
+
+
+@dataclass
+class SaveOptions(Sharded):
+    """save's options (``runner.save``: a model held in memory written as a checkpoint)."""
+
+    force: bool = False  # replace ``out`` if it is a checkpoint (never a folder of other files)
+
+
+@dataclass
+class ConvertOptions(Writing, Sharded):
     """convert's options (``commands.convert.convert``); the passes, the checks' text and the
     progress are its arguments."""
 
     verify: bool = option(True, "skip the logit checks", negate=True, given=False)
     work_dtype: str | None = option(None, "float32 (default) or float64 for the rewrite (not half)", metavar="DTYPE",
-                             check="dtype")  # or a torch.dtype; None: float32 (float64 for float64 weights)
+                             check=DTYPE)  # or a torch.dtype; None: float32 (float64 for float64 weights)
     tolerance: float | None = option(None, "relative logit tolerance for exact passes (default by dtype)",
-                                     metavar="X", check="positive", param="tol")
-    max_shard_size: str = option(MAX_SHARD_SIZE, "largest safetensors shard, e.g. 500MB", metavar="SIZE",
-                                 check="size", given=False)
+                                     metavar="X", check=POSITIVE, param="tol")
     streaming: bool | None = option(None, STREAMING_HELP, names=("--streaming/--in-memory",))
     on_overflow: str = option(ON_OVERFLOW[0], "a rewritten tensor that does not fit a float16/bfloat16 checkpoint "
                               "(overflow, or small values lost): refuse and write nothing, or keep that tensor in "
-                              "float32 with a warning", metavar="|".join(ON_OVERFLOW), choices=ON_OVERFLOW,
-                              check="overflow", given=False)
+                              "float32 with a warning", metavar="|".join(ON_OVERFLOW), choices=ON_OVERFLOW, given=False)
 
 
 @dataclass
-class PassFlags:
+class PassFlags(Checked):
     """What convert gives every pass of its recipe that has the option (``registry``: each pass's
     own options and limits); those not given are left to the recipe and the pass."""
 
     fold: bool = option(False, "set fold=true on every pass that has the option", given=False)
-    steps: int | None = option(None, "trained passes: optimizer steps", metavar="N")
-    batch_size: int | None = option(None, "trained passes: windows per micro-batch and process", metavar="B")
-    seq_len: int | None = option(None, "trained passes: tokens per window", metavar="L")
-    lr: float | None = option(None, "trained passes: peak learning rate", metavar="X", check="positive")
+    steps: int | None = option(None, "trained passes: optimizer steps", metavar="N", check=COUNT)
+    batch_size: int | None = option(None, "trained passes: windows per micro-batch and process", metavar="B", check=COUNT)
+    seq_len: int | None = option(None, "trained passes: tokens per window", metavar="L", check=WINDOW)
+    lr: float | None = option(None, "trained passes: peak learning rate", metavar="X", check=POSITIVE)
     resume: bool = option(False, "trained passes: continue an interrupted run", given=False)
     precision: str | None = option(None, **PRECISION_FLAG)
 
@@ -391,13 +400,13 @@ class VerifyOptions(Reading):
     """verify's options (``commands.verify.verify``); the probe text is its argument."""
 
     dtype: str = option("float32", "compute dtype: float64 checks the algebra; float32, float16, bfloat16",
-                        metavar="DTYPE", check="dtype", given=False)  # or a torch.dtype
+                        metavar="DTYPE", check=DTYPE, given=False)  # or a torch.dtype
     tolerance: float | None = option(None, "relative tolerance (default: from the compute and storage dtypes)",
-                                     metavar="X", check="positive", param="tol")
-    samples: int = option(PROBE_SAMPLES, "number of token windows", metavar="K", given=False)
+                                     metavar="X", check=POSITIVE, param="tol")
+    samples: int = option(PROBE_SAMPLES, "number of token windows", metavar="K", given=False, check=COUNT)
     seq_len: int | None = option(None, "tokens per window (default: {PROBE_LENGTH}, or the model's positions when "
-                                 "fewer)", metavar="L")
-    generate: int = option(PROBE_GENERATE, "greedy tokens to compare (0: skip)", metavar="N", given=False)
+                                 "fewer)", metavar="L", check=WINDOW)
+    generate: int = option(PROBE_GENERATE, "greedy tokens to compare (0: skip)", metavar="N", given=False, check=COUNT0)
     per_layer: bool = option(False, "also compare every hidden state", names=("--layers",), param="layers",
                              given=False)
     streaming: bool | None = option(None, "read the checkpoints one block at a time, comparing only their outputs "
@@ -409,9 +418,9 @@ class VerifyOptions(Reading):
 class InspectOptions(Reading):
     """inspect --outliers' options (``commands.verify.outliers``)."""
 
-    samples: int = option(OUTLIER_SAMPLES, "--outliers: token windows", metavar="K", given=False)
+    samples: int = option(OUTLIER_SAMPLES, "--outliers: token windows", metavar="K", given=False, check=COUNT)
     seq_len: int | None = option(None, "--outliers: tokens per window (default: {PROBE_LENGTH}, or the model's "
-                                 "positions when fewer)", metavar="L")
+                                 "positions when fewer)", metavar="L", check=WINDOW)
 
 
 @dataclass
@@ -432,21 +441,58 @@ class ExportOptions(Reading):
     with_past: bool = option(False, "decoders: key/value cache inputs and outputs, checked by {CACHE_TOKENS} greedy "
                              "tokens against generate", given=False)
     tolerance: float | None = option(None, "relative tolerance (default: float32 rounding)", metavar="X",
-                                     check="positive", param="tol")
+                                     check=POSITIVE, param="tol")
+
+    def check(self) -> None:
+        """Every value within its option's limit, and only the options of the format chosen."""
+        super().check()
+        if self.to == "gguf" and (self.with_past or self.external_data is not None):
+            raise UsageError("--with-past and --external-data are ONNX options; a GGUF file has neither")
+        if self.to == "nemotron-nas" and (self.with_past or self.external_data is not None or self.dtype is not None):
+            raise UsageError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "
+                             "folder is stored in the checkpoint's dtype")
+        if self.to == "onnx" and self.dtype is not None:
+            raise UsageError("--dtype is a GGUF option (--to gguf); an ONNX graph is float32")
 
 
 def options_of(cls, options=None, keywords: dict | None = None):
-    """The API's options as options dataclass ``cls``: ``options`` itself, built from a dict of its
-    fields, or (None) the defaults, with ``keywords`` set, so that ``convert(src, out, passes,
-    force=True)`` and ``convert(src, out, passes, ConvertOptions(force=True))`` are one call."""
+    """The API's options as options dataclass ``cls``, checked (``check``: every value within its
+    option's limit, refused before any work): ``options`` itself, built from a dict of its fields, or
+    (None) the defaults, with ``keywords`` set, so that ``convert(src, out, passes, force=True)`` and
+    ``convert(src, out, passes, ConvertOptions(force=True))`` are one call."""
     base = options if isinstance(options, cls) else cls(**(options or {}))
-    return replace(base, **keywords) if keywords else base
+    built = replace(base, **keywords) if keywords else base
+    built.check()
+    return built
 
 
-__all__ += ["CACHE_TOKENS", "ConvertOptions", "EXTERNAL_BYTES", "ExportOptions", "InspectOptions", "PassFlags",
-            "VerifyOptions", "options_of"]
+def options_and_io(cls, options=None, keywords: dict | None = None):
+    """The API's options as ``cls`` and how it reads and writes as :class:`Writing` (``keywords``' ``io``:
+    the object or a dict of its fields), each checked (:func:`options_of`): the other ``keywords`` are
+    fields of either (``force=True`` goes to ``io``, ``steps=3`` to the options), so ``heal(src, out,
+    steps=3, force=True)`` is ``heal(src, out, {"steps": 3}, io={"force": True})``."""
+    keywords, writing = dict(keywords or {}), {f.name for f in fields(Writing)}
+    io = keywords.pop("io", None)
+    return (options_of(cls, options, {k: v for k, v in keywords.items() if k not in writing}),
+            options_of(Writing, io, {k: v for k, v in keywords.items() if k in writing}))
+
+
+@dataclass
+class LoadOptions(Reading):
+    """load's options (``commands.load.load``): a checkpoint read whole into memory."""
+
+    dtype: str | None = option(None, "float64, float32, float16 or bfloat16 (default: the checkpoint's storage dtype)",
+                               check=DTYPE)  # or a torch.dtype
+    stock: bool = option(False, "with the plain stock class, as from_pretrained without normsurgery would")
+    device: str = option("cpu", DEVICE_HELP, check=DEVICE)  # host memory, as from_pretrained loads
+
+
+__all__ += ["CACHE_TOKENS", "ConvertOptions", "EXTERNAL_BYTES", "ExportOptions", "InspectOptions", "LoadOptions",
+            "PassFlags", "SaveOptions", "Sharded", "VerifyOptions", "options_and_io", "options_of"]
 
 #: each command's options dataclass (prune's --heal flags are HealOptions' too)
 COMMANDS = {"heal": HealOptions, "prune": PruneOptions, "squeeze": SqueezeOptions, "convert": ConvertOptions,
             "verify": VerifyOptions, "inspect": InspectOptions, "export": ExportOptions}
 
+#: the limits of options given as a dict by name (``check_values``: the training loop's, ``training.TrainConfig``): heal's
+LIMITS = {f.name: f.metadata["flag"].limit for f in flagged(HealOptions)}

@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import importlib
 import tomllib
-from dataclasses import dataclass, field
+import typing
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from .errors import SurgeryError, UsageError
+from .limits import Limit, did_you_mean
+from .options import Checked, check_values, default_of, option
 
 
 @dataclass(frozen=True)
@@ -137,10 +140,10 @@ class Pass:
     families: str  # human-readable: where it applies
     applies: Callable[..., str | None]
     apply: Callable[..., PassReport] | None  # None: the pass is its ``stages``
-    options: dict[str, Any] = field(default_factory=dict)  # option name -> default
+    options: dict[str, Any] = field(default_factory=dict)  # option name -> default (``model``'s)
     reference: Callable[..., PassReport | None] | None = None  # changes the function first, on purpose
     blockwise: bool = False  # may run one part of the model at a time (see the module docstring)
-    limits: dict[str, Limit] = field(default_factory=dict)  # option name -> the values it takes
+    limits: dict[str, Limit] = field(default_factory=dict)  # option name -> the values it takes (``model``'s)
     # (model, layout, options) -> why not, before any weight is read (the model may be on the meta device)
     check: Callable[..., str | None] | None = None
     # (options, layout) -> [Stage]: a blockwise pass that needs whole-model facts, in place of ``apply``
@@ -160,6 +163,13 @@ class Pass:
     # (options) -> why these options read text (a usage fact: without text the command stops before
     # anything is loaded, :func:`check_text`); None: it reads none
     text: Callable[[dict], str | None] | None = None
+    # the options dataclass (``options.option`` fields: defaults, limits, help; ``Declared.options``);
+    # None: one made from ``options`` (:func:`options_model`)
+    model: type | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            object.__setattr__(self, "model", options_model(self.options))
 
 
 def trains_on_text(options: dict) -> str:
@@ -167,51 +177,49 @@ def trains_on_text(options: dict) -> str:
     return "trains on text"
 
 
-@dataclass(frozen=True)
-class Limit:
-    """The values an option takes, checked before any work: ``text`` says which."""
-
-    text: str
-    ok: Callable[[Any], bool]
-
-
-def between(low: float, high: float | None = None, *, open_low: bool = False, open_high: bool = True) -> Limit:
-    """low <= x < high (by default); ``high`` None: no upper bound."""
-    text = (f"{'>' if open_low else '>='} {low:g}" if high is None else
-            f"in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}")
-    return Limit(text, lambda x: (x > low if open_low else x >= low)
-                 and (high is None or (x < high if open_high else x <= high)))
-
-
-def one_of(*values: str) -> Limit:
-    return Limit(f"one of {', '.join(values)}", lambda x: x in values)
-
-
 KINDS = ("exact", "reference", "trained")
-#: option values that mean "chosen from the model and the other options" (seq_len 0: min(128, the
-#: model's positions); warmup, start, min_lr -1 and gap, final_gap 0: from the steps; block_aux -1: from the
-#: layout's MLPs): "auto" in a card
-AUTO = {"seq_len": 0, "min_lr": -1, "warmup": -1, "decay": -1, "start": -1, "gap": 0, "final_gap": 0,
-        "block_aux": -1}
 PASSES: dict[str, Pass] = {}
 
 
 @dataclass(frozen=True)
 class Declared:
     """What a pass declares about itself beside its name and functions: a one-line ``description``,
-    its ``kind`` (one of :data:`KINDS`), where it applies (``families``, in words), its options by
-    name with their defaults (a given value is coerced to its default's type), and whether it may
-    run one part of the model at a time (``blockwise``: see the module docstring)."""
+    its ``kind`` (one of :data:`KINDS`), where it applies (``families``, in words), its options (an
+    options dataclass of ``options.option`` fields: default, limit and help each, as the commands'; or,
+    for a pass of one's own, a dict of defaults, a given value coerced to its default's type), and
+    whether it may run one part of the model at a time (``blockwise``: see the module docstring)."""
 
     description: str
     kind: str
     families: str
-    options: dict[str, Any] = field(default_factory=dict)
+    options: type | dict[str, Any] = field(default_factory=dict)
     blockwise: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(self.kind)
+
+    def model(self) -> type:
+        """The options dataclass: ``options``, or one made from its dict of defaults."""
+        return self.options if isinstance(self.options, type) else options_model(self.options)
+
+
+def options_model(defaults: dict[str, Any]) -> type:
+    """An options dataclass of ``defaults``' options (a pass of one's own: each value coerced to its
+    default's type, no limit)."""
+    return make_dataclass("Options", [(k, Any if v is None else type(v), option(v)) for k, v in defaults.items()],
+                          bases=(Checked,))
+
+
+def _described(name: str, d: Declared, **functions) -> Pass:
+    """The pass ``name`` as ``d`` declares it, with ``functions`` (``applies``, ``apply``, ...; one that is
+    its ``stages`` runs part by part, as a blockwise pass)."""
+    model = d.model()
+    named = [f for f in fields(model) if f.init]
+    return Pass(name, d.description, d.kind, d.families, options={f.name: default_of(f) for f in named},
+                blockwise=d.blockwise or functions.get("stages") is not None, limits={f.name: f.metadata["flag"].limit for f in named
+                                               if "flag" in f.metadata and f.metadata["flag"].limit is not None},
+                model=model, **functions)
 
 
 def register(name: str, declared: Declared, applies, reference=None, tracked: bool = False):
@@ -220,9 +228,7 @@ def register(name: str, declared: Declared, applies, reference=None, tracked: bo
     ``.data`` (``Pass.tracked``)."""
 
     def wrap(apply):
-        d = declared
-        PASSES[name] = Pass(name, d.description, d.kind, d.families, applies, apply, dict(d.options), reference,
-                            d.blockwise, tracked=tracked)
+        PASSES[name] = _described(name, declared, applies=applies, apply=apply, reference=reference, tracked=tracked)
         return apply
 
     return wrap
@@ -243,26 +249,25 @@ class Lazy:
 FUNCTIONS = ("reference", "check", "stages", "reads")
 
 
-def declare(name: str, module: str, declared: Declared, limits: dict[str, Limit] | None = None,
-            has: tuple[str, ...] = (), text: Callable[[dict], str | None] | None = None) -> None:
+def declare(name: str, module: str, declared: Declared, has: tuple[str, ...] = (),
+            text: Callable[[dict], str | None] | None = None) -> None:
     """Register the pass ``name``, as ``declared``, whose ``applies`` and ``apply`` (and those of
     :data:`FUNCTIONS` it ``has``: ``reference``, ``check``, ``reads``; ``stages``: ``stages``,
     ``whole`` and with a reference ``reference_stages``, in place of ``apply``) are functions of
-    ``module``, imported on first use. ``limits``: the values options take (those of its options
-    kept). ``text``: why its options read text (``Pass.text``; a trained pass: it trains on it)."""
+    ``module``, imported on first use. ``text``: why its options read text (``Pass.text``; a trained
+    pass: it trains on it)."""
     unknown = set(has) - set(FUNCTIONS)
     if unknown:
         raise ValueError(f"{name}: no such functions {sorted(unknown)}; a pass may have {', '.join(FUNCTIONS)}")
-    d, stages, reference = declared, "stages" in has, "reference" in has
-    PASSES[name] = Pass(name, d.description, d.kind, d.families, Lazy(module, "applies"),
-                        None if stages else Lazy(module, "apply"), dict(d.options),
-                        Lazy(module, "reference") if reference and not stages else None, d.blockwise or stages,
-                        {k: v for k, v in (limits or {}).items() if k in d.options},
-                        Lazy(module, "check") if "check" in has else None, Lazy(module, "stages") if stages else None,
-                        Lazy(module, "reference_stages") if stages and reference else None,
-                        Lazy(module, "whole") if stages else None, tracked=True,
-                        reads=Lazy(module, "reads") if "reads" in has else None,
-                        text=text or (trains_on_text if d.kind == "trained" else None))
+    stages, reference = "stages" in has, "reference" in has
+    PASSES[name] = _described(
+        name, declared, applies=Lazy(module, "applies"), apply=None if stages else Lazy(module, "apply"),
+        reference=Lazy(module, "reference") if reference and not stages else None,
+        check=Lazy(module, "check") if "check" in has else None, stages=Lazy(module, "stages") if stages else None,
+        reference_stages=Lazy(module, "reference_stages") if stages and reference else None,
+        whole=Lazy(module, "whole") if stages else None, tracked=True,
+        reads=Lazy(module, "reads") if "reads" in has else None,
+        text=text or (trains_on_text if declared.kind == "trained" else None))
 
 
 def get(name: str) -> Pass:
@@ -275,19 +280,24 @@ def all_passes() -> list[Pass]:
     return [PASSES[n] for n in sorted(PASSES)]
 
 
+#: pass options renamed, by their old name: refused, the new one named
+RENAMED = {"heldout": "eval_fraction"}
+
+
 def check_options(p: Pass, options: dict[str, Any]) -> dict[str, Any]:
-    """The pass's defaults overridden by ``options``, each of the type of its default and within
-    its limits; unknown names are an error (:class:`UsageError`)."""
-    unknown = set(options) - set(p.options)
-    if unknown:
-        known = ", ".join(sorted(p.options)) or "none"
-        raise UsageError(f"pass {p.name!r} has no option {', '.join(sorted(unknown))}; options: {known}")
-    given = {k: _coerce(p.name, k, v, p.options[k]) for k, v in options.items()}
-    for k, v in given.items():
-        limit = p.limits.get(k)
-        if limit is not None and not limit.ok(v):
-            raise UsageError(f"pass {p.name!r}: option {k}={v!r} must be {limit.text}")
-    return {**p.options, **given}
+    """The pass's options (its ``model``, an options dataclass) from ``options``: each given value of
+    its field's type (a string from the command line converted) and within its limit (``Limit.refusal``,
+    the one check of the commands' options too); the rest their defaults. An unknown name is a
+    :class:`UsageError` naming the closest (or the name it was renamed to: :data:`RENAMED`)."""
+    for key in set(options) - set(p.options):
+        known = ", ".join(p.options) or "none"
+        hint = (f" (renamed {RENAMED[key]!r}, as the commands' --{RENAMED[key].replace('_', '-')})"
+                if RENAMED.get(key) in p.options else did_you_mean(key, p.options))
+        raise UsageError(f"pass {p.name!r} has no option {key}{hint}; options: {known}")
+    hints = typing.get_type_hints(p.model)
+    built = p.model(**{k: _coerce(p.name, k, v, hints[k]) for k, v in options.items()})
+    check_values(built, lambda k: f"pass {p.name!r}: option {k}")
+    return asdict(built)
 
 
 def check_text(passes: list[tuple[str, dict[str, Any]]], given: bool) -> None:
@@ -302,12 +312,13 @@ def check_text(passes: list[tuple[str, dict[str, Any]]], given: bool) -> None:
             raise UsageError(f"pass {name} {why}: give it text (--text FILE)")
 
 
-def _coerce(name: str, key: str, value, default):
-    """An option's value of the type of its default: from a string (the CLI), or a TOML value (a
-    whole number where a float is expected is one)."""
-    if default is None or isinstance(default, str):
+def _coerce(name: str, key: str, value, hint):
+    """An option's value of its field's type ``hint`` (``X | None``: X): from a string (the command line),
+    or a TOML value (a whole number where a float is expected is one)."""
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
+    kind = kinds[0]
+    if kind not in (bool, int, float):
         return value
-    kind = type(default)
     if isinstance(value, str):
         text = value.strip().lower()
         if kind is bool:

@@ -40,7 +40,7 @@ import torch
 from ..core import devices, memory
 from ..core.calibration import fit_seq_len, split_heldout, tokenize, windows
 from ..core.errors import SurgeryError
-from ..core.options import MAX_SHARD_SIZE
+from ..core.options import SaveOptions, options_of
 from ..core.progress import Progress, no_progress
 from ..core.version import __version__
 from ..io import output
@@ -241,14 +241,17 @@ class Job:
 
 
 @job_scope
-def save(model, out, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
-         force: bool = False, max_shard_size: str | int = MAX_SHARD_SIZE, progress: Progress = no_progress) -> dict:
-    """Save a model held in memory (rewritten, pruned, healed) to ``out``, claimed as a job's
+def save(model, out, options: SaveOptions | dict | None = None, *, record: dict | None = None,
+         ids: torch.Tensor | None = None, source=None, progress: Progress = no_progress, **keywords) -> dict:
+    """Save a model held in memory (rewritten, pruned, healed) to ``out`` with ``options``
+    (``SaveOptions``, a dict of its fields, or its fields as ``keywords``: ``force``, ``max_shard_size``;
+    checked before anything is claimed), claimed as a job's
     output is (:func:`claim_output`), with ``writer.save_model``: checked, the folder read back,
     on the model's device, against the model's outputs on ``ids`` (default: random tokens);
     ``source`` (a checkpoint): where it came from, whose side files are copied. The model is
     spent. Returns what was written (the folder, its files, how it loads)."""
+    o = options_of(SaveOptions, options, keywords)
     source = None if source is None else Source.open(source)
-    claim = claim_output(out, force, source)
-    return save_model(model, claim, record=record, ids=ids, source=source, max_shard_size=max_shard_size,
+    claim = claim_output(out, o.force, source)
+    return save_model(model, claim, record=record, ids=ids, source=source, shard_bytes=o.shard_bytes,
                       progress=progress)

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
 from ..core import devices
 from ..core.analysis import evaluating
@@ -47,6 +46,7 @@ from ..core.layout import LM_OBJECTIVES
 from ..core.options import SEQ_LEN, HealOptions, check_values
 from . import train_state
 from .processes import Shards
+from .teacher import EVAL, Distillation, Teacher, ce_sum, kd_sum, objective_sum, predicted, shifted
 
 MLM_FRACTION = 0.15
 
@@ -123,6 +123,8 @@ class TrainResult:
     curve: list[dict] = field(default_factory=list)  # one row per evaluation
     cap: int | None = None  # the steps allowed, when training stopped before them (held-out CE stopped improving)
     sharded: bool = False  # the training state sharded over the processes (FSDP2), not data-parallel
+    kl_before: float | None = None  # held-out KL(teacher || model), where a teacher is given
+    kl_after: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -177,14 +179,18 @@ def _mlm_spec(objective: str, model, mask_token_id: int | None) -> tuple[int, in
     return mask_token_id, model.config.vocab_size
 
 
-def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token CEs in float32, number of predicted tokens). ``model`` may be wrapped."""
+def loss_sum(model, inputs: torch.Tensor, labels: torch.Tensor, causal: bool,
+             distillation: Distillation | None = None,
+             at: tuple[int, int] = (EVAL, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the objective summed over the predicted tokens in float32, their number): CE, or with a
+    distilling ``distillation`` its objective (``teacher.objective_sum``), the teacher asked for
+    micro-batch ``at`` = (step, micro). ``model`` may be wrapped."""
+    targets = None
+    if distillation is not None and distillation.distils:  # first: a teacher may swap the student's tensors
+        with torch.no_grad():
+            targets = distillation.teacher.targets(inputs, *at)
     logits = model(input_ids=inputs, **({"use_cache": False} if causal else {})).logits
-    if causal:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=-100, reduction="sum")
-    return loss, (labels != -100).sum()
+    return objective_sum(logits, labels, causal, distillation, targets)
 
 
 def _batch(ids: torch.Tensor, config: TrainConfig, step: int, micro: int, rank: int, procs: int,
@@ -204,18 +210,31 @@ def heldout_ce(model, windows: torch.Tensor, batch_size: int = 8, objective: str
     """Mean CE (nats/token) on ``windows`` [n, T] in eval mode: next-token, or masked-token with
     masks fixed by seed (every model sees the same ones). ``objective`` defaults to the model's,
     ``device`` (where the model is now) to ``devices.of(model)``."""
+    return heldout(model, windows, batch_size, objective, mask_token_id=mask_token_id, autocast=autocast,
+                   device=device)["ce"]
+
+
+@torch.no_grad()
+def heldout(model, windows: torch.Tensor, batch_size: int = 8, objective: str | None = None, *,
+            mask_token_id: int | None = None, autocast=None, device=None, teacher: Teacher | None = None) -> dict:
+    """:func:`heldout_ce` as {"ce": ...}, and with a ``teacher`` "kl": the mean KL(teacher || model)
+    at temperature 1 over the same predicted tokens (``core.distillation.mean_kl``), from the same
+    forwards; absent where the teacher cannot answer held-out windows (a cache)."""
     objective = objective or objective_of(model)
     mlm = _mlm_spec(objective, model, mask_token_id)
     inputs, labels = mask_tokens(windows, *mlm, torch.Generator().manual_seed(0)) if mlm else (windows, windows)
-    total, count = 0.0, 0
+    ce, kl, count = 0.0, 0.0 if teacher is not None else None, 0
     device = device or devices.of(model)
     with evaluating(model):
-        for s in range(0, len(windows), batch_size):
+        for i, s in enumerate(range(0, len(windows), batch_size)):
+            x, y = inputs[s:s + batch_size].to(device), labels[s:s + batch_size].to(device)
             with autocast() if autocast else nullcontext():
-                loss, n = loss_sum(model, inputs[s:s + batch_size].to(device), labels[s:s + batch_size].to(device),
-                                   mlm is None)
-            total, count = total + loss.item(), count + n.item()
-    return total / count
+                logits = model(input_ids=x, **({} if mlm else {"use_cache": False})).logits
+                targets = teacher.targets(x, EVAL, i) if kl is not None else None
+            scored, y, mask = predicted(logits, y, mlm is None)
+            ce, count = ce + ce_sum(scored, y).item(), count + mask.sum().item()
+            kl = None if targets is None else kl + kd_sum(scored, shifted(targets, mlm is None), mask, 1.0).item()
+    return {"ce": ce / count, **({"kl": kl / count} if kl is not None else {})}
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -237,7 +256,11 @@ class Training:
     computed in that forward); the training losses reported stay the LM loss alone.
 
     ``accelerator``: where training runs (default: an accelerator where the model is, with
-    ``config.precision``)."""
+    ``config.precision``).
+
+    ``distillation`` (``teacher.Distillation``): the loss is its objective (KL to its teacher, or
+    KL plus weighted CE) instead of CE, and every evaluation measures the KL to the teacher beside
+    the held-out CE; None: CE alone."""
 
     objective: str = "causal-lm"
     mask_token_id: int | None = None
@@ -246,6 +269,7 @@ class Training:
     progress: StepProgress | None = None
     accelerator: Any = None
     extra_loss: Callable[[], "torch.Tensor | None"] | None = None
+    distillation: Distillation | None = None
 
 
 def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainConfig | dict, **given) -> TrainResult:
@@ -273,8 +297,12 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
     policy = devices.shard_policy(acc.mixed_precision) if sharded else None
     chosen = {id(p) for p in ((p for p in model.parameters() if p.requires_grad) if run.params is None
                               else run.params)}
+    teacher = run.distillation.teacher if run.distillation else None
+    if sharded and teacher is not None:
+        raise SurgeryError("distillation (or KL to a teacher) with training sharded over processes (FSDP) is not "
+                           "supported: heal --objective ce without a teacher, or data-parallel processes")
     check_fits(model, [p for p in model.parameters() if id(p) in chosen], acc.device,
-               acc.num_processes if sharded else 1)
+               acc.num_processes if sharded else 1, getattr(teacher, "nbytes", 0))
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     names = {n for n, p in model.named_parameters() if id(p) in chosen}
     run.params = chosen = None  # the parameters sharding replaces: none kept here
@@ -296,27 +324,29 @@ def train(model, train_ids: torch.Tensor, heldout: torch.Tensor, config: TrainCo
         model.to(home)
 
 
-def training_bytes(model, params: list, device) -> int:
+def training_bytes(model, params: list, device, teacher: int = 0) -> int:
     """Device memory training needs at least (activations aside): the model's weights where they
-    are not on ``device`` yet, and for every parameter that trains its gradient and AdamW's two
-    moments (each the parameter's size)."""
+    are not on ``device`` yet, for every parameter that trains its gradient and AdamW's two
+    moments (each the parameter's size), and ``teacher`` bytes a teacher holds beyond the model
+    (the blocks a cut removed; a frozen copy)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if not devices.same(p.device, device))
-    return weights + sum(3 * p.numel() * p.element_size() for p in params)
+    return weights + sum(3 * p.numel() * p.element_size() for p in params) + teacher
 
 
-def check_fits(model, params: list, device, shards: int = 1) -> None:
+def check_fits(model, params: list, device, shards: int = 1, teacher: int = 0) -> None:
     """Refuse, before anything moves, training that cannot fit a GPU's free memory, naming the
     limit and what would fit. Data parallel, each process holds all of it; sharded over
-    ``shards`` processes (FSDP), each holds 1/``shards`` of it."""
+    ``shards`` processes (FSDP), each holds 1/``shards`` of it. ``teacher``: bytes a teacher adds."""
     free = devices.free_bytes(device)
     if free is None:
         return
-    need = training_bytes(model, params, device) // shards
+    need = training_bytes(model, params, device, teacher) // shards
     if need > free:
         n = sum(p.numel() for p in params)
         where = f"{device}, sharded over {shards} processes," if shards > 1 else device
-        raise SurgeryError(f"training needs at least {need / 2**30:.1f} GiB on {where} (the weights, and the "
-                           f"gradients and AdamW moments of the {n / 1e9:.2f}B parameters that train), and "
+        raise SurgeryError(f"training needs at least {need / 2**30:.1f} GiB on {where} (the weights, "
+                           f"{'the teacher, ' if teacher else ''}and the gradients and AdamW moments of the "
+                           f"{n / 1e9:.2f}B parameters that train), and "
                            f"{free / 2**30:.1f} GiB are free: train fewer parameters (heal --train lora or norms), "
                            "shard the training state over more GPUs (accelerate launch --use_fsdp --fsdp_version 2 "
                            "--num_processes N), or train on the CPU (--device cpu)")
@@ -338,15 +368,19 @@ class _Loop:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: config.lr_at(s) / config.lr)
         self.wrapped, self.optimizer = (model, optimizer) if shards else acc.prepare(model, optimizer)
         self.procs, self.rank, self.main = acc.num_processes, acc.process_index, acc.is_main_process
-        self.fingerprint = train_state.fingerprint(config, self.train_ids, run.objective, self.procs)
+        self.fingerprint = train_state.fingerprint(config, self.train_ids, _objective_key(run), self.procs)
         self.tokens_per_step = config.batch_size * config.grad_accum * self.procs * config.seq_len
         self.eval_at = set(config.eval_steps) | (
             {s for s in range(config.eval_every, config.steps, config.eval_every)} if config.eval_every else set())
         self.losses, self.curve, self.resumed, self.kept = [], [], None, None
 
-    def evaluate(self) -> float:
-        return heldout_ce(self.model, self.heldout, self.config.eval_batch_size, self.training.objective,
-                          mask_token_id=self.training.mask_token_id, autocast=self.acc.autocast, device=self.acc.device)
+    def evaluate(self) -> dict:
+        """{"heldout_ce": ..., and "heldout_kl" with a teacher}: a curve row's measures."""
+        d = self.training.distillation
+        m = heldout(self.model, self.heldout, self.config.eval_batch_size, self.training.objective,
+                    mask_token_id=self.training.mask_token_id, autocast=self.acc.autocast, device=self.acc.device,
+                    teacher=d.teacher if d else None)
+        return {"heldout_" + k: v for k, v in m.items()}
 
     def begin(self) -> int:
         """The step to start at: a resumed run's, or 0 (the held-out CE before measured)."""
@@ -355,12 +389,10 @@ class _Loop:
                                         self.acc)
             self.scheduler.load_state_dict(state["scheduler"])
             self.resumed = self.kept = state["step"]
-            self.losses, self.curve, self.ce_before = state["losses"], state["curve"], state["ce_before"]
+            self.losses, self.curve = state["losses"], state["curve"]
             return state["step"]
         torch.manual_seed(self.config.seed)
-        self.ce_before = self.evaluate()
-        self.curve.append({"step": 0, "tokens": 0, "loss": None, "heldout_ce": self.ce_before,
-                           "lr": self.config.lr_at(0)})
+        self.curve.append({"step": 0, "tokens": 0, "loss": None, **self.evaluate(), "lr": self.config.lr_at(0)})
         return 0
 
     def step(self, step: int) -> None:
@@ -371,7 +403,8 @@ class _Loop:
             inputs, labels = _batch(self.train_ids, config, step, micro, self.rank, self.procs, self.mlm)
             sync = micro == config.grad_accum - 1
             with (nullcontext() if sync else acc.no_sync(self.wrapped)), acc.autocast():
-                s, n = loss_sum(self.wrapped, inputs.to(acc.device), labels.to(acc.device), self.mlm is None)
+                s, n = loss_sum(self.wrapped, inputs.to(acc.device), labels.to(acc.device), self.mlm is None,
+                                self.training.distillation, (step, micro))
                 loss = s / n.clamp_min(1) / config.grad_accum
                 extra = self.training.extra_loss() if self.training.extra_loss else None
                 acc.backward(loss if extra is None else loss + extra / config.grad_accum)
@@ -395,7 +428,7 @@ class _Loop:
             return False
         window = self.losses[self.curve[-1]["step"]:]
         self.curve.append({"step": done, "tokens": done * self.tokens_per_step,
-                           "loss": sum(window) / len(window) if window else None, "heldout_ce": self.evaluate(),
+                           "loss": sum(window) / len(window) if window else None, **self.evaluate(),
                            "lr": config.lr_at(step), **metrics})
         self.wrapped.train()
         return True
@@ -420,18 +453,26 @@ class _Loop:
                     break
             if config.save_every and done % config.save_every == 0 and done < config.steps:
                 common = {"fingerprint": self.fingerprint, "step": done, "scheduler": self.scheduler.state_dict(),
-                          "losses": self.losses, "curve": self.curve, "ce_before": self.ce_before}
+                          "losses": self.losses, "curve": self.curve}
                 self.kept = train_state.keep(config, common, self.model, self.optimizer, self.shards, self.acc,
                                              self.kept)
             if self.main and progress:
                 progress(done, config.steps, recent)
         seconds = time.perf_counter() - t0
         self.model.eval()
-        ran = len(self.losses)
+        ran, first, last = len(self.losses), self.curve[0], self.curve[-1]
         return TrainResult(ran, ran * self.tokens_per_step, seconds, self.procs, self.acc.mixed_precision,
-                           self.ce_before, self.curve[-1]["heldout_ce"], sum(p.numel() for p in self.params),
-                           self.resumed, self.losses, self.curve, cap=config.steps if ran < config.steps else None,
-                           sharded=self.shards is not None)
+                           first["heldout_ce"], last["heldout_ce"], sum(p.numel() for p in self.params),
+                           self.resumed, self.losses, self.curve, config.steps if ran < config.steps else None,
+                           self.shards is not None, first.get("heldout_kl"), last.get("heldout_kl"))
+
+
+def _objective_key(run: Training) -> str:
+    """What of the objective a resumed run must share: the LM objective, and what it distils with."""
+    d = run.distillation
+    if d is None or not d.distils:
+        return run.objective
+    return f"{run.objective}/{d.objective}/{d.temperature!r}/{d.ce_weight!r}"
 
 
 def plateaued(curve: list[dict], settle: int, patience: int, min_delta: float) -> bool:

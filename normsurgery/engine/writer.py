@@ -22,6 +22,7 @@ from ..io.source import Source
 from ..core.errors import SurgeryError
 from ..core.families import positions
 from ..core.norms import faithful_norms
+from ..core.limits import parse_size
 from ..core.options import MAX_SHARD_SIZE
 from ..io.output import Claim, Staged, staged, written
 from ..core.parity import Comparison, output_kind, outputs, probe_ids
@@ -126,11 +127,12 @@ def _copy_untouched(work: Work, part: Part, level: int, shards: ShardWriter, sto
 @dataclass
 class Storage:
     """How the weights are stored: in ``dtype``, a tensor that does not fit it refused or kept in
-    float32 (``on_overflow``: ``precision.check_policy``), in shards of at most ``max_shard_size``."""
+    float32 (``on_overflow``: ``precision.check_policy``), in shards of at most ``shard_bytes`` bytes
+    (``options.Sharded.shard_bytes``: parsed and checked with the options, before any work)."""
 
     dtype: torch.dtype
     on_overflow: str = "refuse"
-    max_shard_size: str | int = MAX_SHARD_SIZE
+    shard_bytes: int = parse_size(MAX_SHARD_SIZE)
 
 
 @dataclass
@@ -171,12 +173,10 @@ def save_work(work: Work, out, *, storage: Storage, record: Record, check: Check
     runtime where modules were rebuilt, the source's side files (``extra(folder)`` adds more); then
     the folder read back and checked as ``check`` says (:class:`check.CheckPlan`: its outputs and
     tolerances measured before anything was written; None: not read back). The work is spent."""
-    from transformers.utils.hub import convert_file_size_to_int
-
     history = earlier_records(getattr(work.model.config, "normsurgery", None))  # before stamp replaces it
     with staged(out) as stage:  # the output its job claimed (``runner.claim_output``)
         lost = []
-        shards = ShardWriter(stage.path, convert_file_size_to_int(storage.max_shard_size),
+        shards = ShardWriter(stage.path, storage.shard_bytes,
                              header_room(saved_tensors(work.model, meta=True)))
         rounded = write_parts(work, shards, storage.dtype, len(work.steps), lost, progress)
         files = shards.close()
@@ -227,7 +227,7 @@ def earlier_records(record: dict | None) -> list[dict]:
 
 
 def save_model(model, claim: Claim, *, record: dict | None = None, ids: torch.Tensor | None = None, source=None,
-               max_shard_size: str | int = MAX_SHARD_SIZE, extra: Callable[[Staged], None] | None = None,
+               shard_bytes: int = Storage.shard_bytes, extra: Callable[[Staged], None] | None = None,
                progress: Progress = no_progress) -> dict:
     """Save a model held in memory (rewritten, pruned, healed) to the output ``claim`` (a job's:
     ``runner``) with :func:`save_work`, checked: the folder read back, on the model's device,
@@ -244,5 +244,5 @@ def save_model(model, claim: Claim, *, record: dict | None = None, ids: torch.Te
         restore()
     tolerances = Tolerances(model_reader(model, ids), ids, dtype, reference, output=output_kind(model))
     return save_work(ModelWork(model, source), claim.path,
-                     storage=Storage(load_dtype(model), max_shard_size=max_shard_size), record=Record(record or {}),
+                     storage=Storage(load_dtype(model), shard_bytes=shard_bytes), record=Record(record or {}),
                      check=CheckPlan(tolerances, reference), force=claim.force, progress=progress, extra=extra).info

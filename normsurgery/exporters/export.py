@@ -126,7 +126,7 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | Path 
     through the one runner (``runner.Job``: the output claimed once, written into its stage)."""
     options = options_of(ExportOptions, options, keywords)
     text = text_of(text)
-    check_format(options)
+    options.check()  # its values and the options of its format, before anything is read
     if options.to == "gguf":
         return gguf.export(src, dest, options, text=text)
     if options.to == "nemotron-nas":
@@ -183,20 +183,6 @@ def check_graph(model, path: Path, ids: torch.Tensor, past: list[tuple] | None, 
             raise SurgeryError(f"ONNX Runtime's greedy tokens (with the cache) differ from generate's: "
                                f"{c.generation:.1%} agree; nothing was written")
     return c
-
-
-def check_format(options: ExportOptions) -> None:
-    """Refuse a format not known, or options its format does not have."""
-    to = options.to
-    if to not in FORMATS:
-        raise SurgeryError(f"cannot export to {to!r}; formats: {', '.join(FORMATS)}")
-    if to == "gguf" and (options.with_past or options.external_data is not None):
-        raise SurgeryError("--with-past and --external-data are ONNX options; a GGUF file has neither")
-    if to == "nemotron-nas" and (options.with_past or options.external_data is not None or options.dtype is not None):
-        raise SurgeryError("--with-past, --external-data and --dtype are ONNX and GGUF options; a nemotron-nas "
-                           "folder is stored in the checkpoint's dtype")
-    if to == "onnx" and options.dtype is not None:
-        raise SurgeryError("--dtype is a GGUF option; an ONNX export is float32")
 
 
 def write_graph(model, folder: Path, external: bool, past: list[tuple] | None = None) -> None:

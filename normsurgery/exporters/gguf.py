@@ -332,8 +332,7 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
     allow_pickle, device = options.allow_pickle, options.device
     require_gguf()
     text = text_of(text)
-    if dtype not in GGUF_DTYPES:
-        raise SurgeryError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)}")
+    options.check()
     job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device, file=GGUF)
     source, dest = job.source, job.out
     dtype = file_dtype(dtype, source.storage)

@@ -23,7 +23,6 @@ from contextvars import ContextVar
 from pathlib import Path
 
 from ..core.options import CACHE_TOKENS
-from ..core.registry import AUTO
 from ..core.version import __version__
 
 CARD = "README.md"
@@ -258,8 +257,8 @@ def _device(device: dict | None) -> list[str]:
 def _done(record: dict) -> list[str]:
     rows = []
     for p in record.get("passes") or []:
-        opts = ", ".join(f"{k}={'auto' if k in AUTO and v == AUTO[k] and not isinstance(v, bool) else v}"
-                         for k, v in (p.get("options") or {}).items()) or "defaults"
+        opts = ", ".join(f"{k}={'auto' if v is None else v}"  # None: not given, chosen from the model and options
+                         for k, v in (p.get("options") or {}).items() if not (k == "mask" and v is None)) or "defaults"
         rows.append(f"- pass **{p['name']}** ({opts})")
         rows += [f"  - {n}" for n in p.get("notes") or []]
     if "prune" in record:
@@ -272,7 +271,8 @@ def _done(record: dict) -> list[str]:
             h.get("merged"), "")
         what = {"norms": "the norms' gains and biases", "full": "every parameter"}.get(h.get("train"), lora)
         precision = {"no": "fp32"}.get(h.get("mixed_precision"), h.get("mixed_precision"))
-        rows.append(f"- **heal**: {what}, {h.get('steps')} steps, {h.get('tokens')} tokens, precision {precision}")
+        rows.append(f"- **heal**: {what}, {h.get('steps')} steps, {h.get('tokens')} tokens, precision {precision}, "
+                    f"objective {_objective(h)}")
     if "squeeze" in record:
         sq = record["squeeze"]
         o, opts, cycles = sq["original"], sq["options"], sq["cycles"]
@@ -293,6 +293,15 @@ def _done(record: dict) -> list[str]:
     if record.get("kept_float32"):
         rows.append(f"- {len(record['kept_float32'])} tensors kept in float32 (they overflow the storage dtype)")
     return rows or ["- saved as it was (no pass)"]
+
+
+def _objective(h: dict) -> str:
+    """heal's objective in words: ``kd`` (T 1, from `teacher`; why) or ``ce`` (why)."""
+    o = h.get("objective", "ce")
+    how = [f"T {h['temperature']:g}" if h.get("temperature") is not None else "",
+           f"CE weight {h['ce_weight']:g}" if h.get("ce_weight") is not None else "",
+           f"from `{h['teacher']}`" if o != "ce" and h.get("teacher") else "", h.get("why") or ""]
+    return f"{o}" + (f" ({'; '.join(x for x in how if x)})" if any(how) else "")
 
 
 def _parity(record: dict, reload: dict | None) -> list[str]:
@@ -371,8 +380,27 @@ def _heldout(record: dict) -> list[str]:
                                                        ("eval_text", "--eval-text")) if rec.get(k) is not None]
     if shares:
         rows.append(f"Share of the gap pruning opened that healing closed: {', '.join(shares)}.")
+    rows += _kl(record)
     if rec.get("note"):
         rows.append(f"**Note**: {rec['note']}.")
+    return rows
+
+
+def _kl(record: dict) -> list[str]:
+    """KL(teacher || model) before and after healing, and the share of it closed, where measured."""
+    rec, rows = record.get("recovered") or {}, []
+    for key, on, share in (("heldout_kl", "the held-out end of the text", "kl_heldout"),
+                           ("eval_text_kl", "--eval-text", "kl_eval_text")):
+        kl = record.get(key)
+        if kl:
+            closed = f" ({rec[share]:.1%} of it closed)" if rec.get(share) is not None else ""
+            rows.append(f"KL(teacher || model) on {on}, nats per token: {kl.get('input', kl.get('pruned')):.4f} "
+                        "before healing, "
+                        f"{kl['healed']:.4f} after{closed}.")
+    if rows:
+        teacher = (record.get("heal") or {}).get("teacher")
+        rows.insert(0, f"The teacher: `{teacher}`, the model before the cut." if teacher else
+                    "The teacher: the model before the cut.")
     return rows
 
 

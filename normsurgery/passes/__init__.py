@@ -2,14 +2,25 @@
 importing torch; its ``applies``, ``apply`` (and ``reference``) live in the module named and are
 imported on first use (``registry.declare``)."""
 
-from ..core.devices import PRECISIONS
-from ..core.registry import Declared, Limit, all_passes, between, declare, one_of
+from dataclasses import dataclass
 
-#: options of mask and of the passes that can mask first (minimize, compensated-ln)
-#: (prune_units / prune_heads: the fraction of each MLP's units / each attention's KV heads to zero; by:
-#: magnitude, or activation (units and heads scored on calibration text; sparsity and channels by magnitude))
-MASK_OPTIONS = {"mask": "", "sparsity": 0.0, "by": "magnitude", "prune_channels": 0, "prune_units": 0.0,
-                "prune_heads": 0.0}
+from ..core.options import (COUNT, COUNT0, CRITERIA, EVAL_FRACTION, FRACTION, POSITIVE, PRECISION_FLAG, SEQ_LEN_HELP,
+                            WINDOW, Checked, option)
+from ..core.limits import between
+from ..core.registry import Declared, all_passes, declare
+
+@dataclass
+class MaskOptions(Checked):
+    """mask's options, and those of the passes that can mask first (minimize, compensated-ln)."""
+
+    mask: str | None = option(None, "a mask file (safetensors of 0/1 tensors by parameter name)")
+    sparsity: float = option(0.0, "unstructured magnitude sparsity in every linear inside the blocks",
+                             check=between(0, 1))
+    by: str = option("magnitude", "how units and heads are ranked: by their weights, or by the energy they write on "
+                     "calibration text", choices=CRITERIA)
+    prune_channels: int = option(0, "residual channels to remove, the least written", check=COUNT0)
+    prune_units: float = option(0.0, "the fraction of each MLP's units to zero", check=between(0, 1))
+    prune_heads: float = option(0.0, "the fraction of each attention's KV heads to zero", check=between(0, 1))
 
 
 def scored_on_text(options: dict) -> str | None:
@@ -19,47 +30,98 @@ def scored_on_text(options: dict) -> str | None:
     return None
 
 
-#: both trained norm passes: control (the vanilla fine-tune at the same budget, reported beside),
-#: patience (stop once held-out CE went that many evaluations, every eval_every steps, without improving)
-TRAINED_OPTIONS = {"control": True, "patience": 0, "eval_every": 25}
-PREPBN_OPTIONS = {"steps": 300, "warmup": -1, "decay": -1, "lr": 3e-4, "batch_size": 16, "seq_len": 0,
-                  "eval_fraction": 0.1, "eval_samples": 32, "calib_samples": 64, "momentum": 0.1, "seed": 0,
-                  "fold": True, "save_every": 0, "resume": False, "precision": "auto", "final_aux": 0.0,
-                  **TRAINED_OPTIONS}
-#: remove-ln: up to 900 steps, stopping once held-out CE has gone 4 evaluations (100 steps) without improving
-#: after the last removal (measured on the demo models against the control: README, remove-ln); final_aux 3:
-#: the auxiliary loss on the final norm's input (measured on 4 Llamas and 4 GPT-2s against their controls);
-#: block_aux -1: 1 where the MLPs are gated (measured on 7 Llamas, GQA ones included), else 0 (``remove_ln.block_aux``)
-REMOVE_LN_OPTIONS = {"steps": 900, "batch_size": 16, "seq_len": 0, "lr": 1e-4, "min_lr": -1.0, "warmup": -1,
-                     "weight_decay": 0.0, "grad_accum": 1, "precision": "auto", "seed": 0, "start": -1, "gap": 0,
-                     "final_gap": 0, "heldout": 0.1, "eval_samples": 32, "save_every": 50, "resume": False,
-                     "export": "self", "keep": "", "final_divisor": "ema", "final_aux": 3.0, "final_blend": 0,
-                     "wait": 0.0, "untie": False, "divisor": "mean", "block_aux": -1.0,
-                     **TRAINED_OPTIONS, "patience": 4}
+@dataclass
+class Trained(Checked):
+    """What both trained norm passes take: the control (the vanilla fine-tune at the same budget, reported
+    beside), the held-out share and how long to go on without improving."""
+
+    steps: int = option(300, "optimizer steps", check=COUNT)
+    batch_size: int = option(16, "windows per micro-batch and process", check=COUNT)
+    seq_len: int | None = option(None, SEQ_LEN_HELP, check=WINDOW)
+    lr: float = option(3e-4, "peak learning rate", check=POSITIVE)
+    warmup: int | None = option(None, "warm-up steps (default: steps / 10)", check=COUNT0)
+    eval_fraction: float = option(EVAL_FRACTION, "share of the text held out, never trained on", check=FRACTION)
+    eval_samples: int = option(32, "held-out windows at most", check=COUNT)
+    seed: int = option(0, "random seed", check=COUNT0)
+    save_every: int = option(0, "keep the training state every N steps (0: none), for --resume", check=COUNT0)
+    resume: bool = option(False, "continue an interrupted run")
+    precision: str = option("auto", **PRECISION_FLAG)
+    final_aux: float = option(0.0, "weight of the auxiliary loss on the final norm's input", check=between(0))
+    control: bool = option(True, "also the vanilla fine-tune at the same budget, reported beside")
+    patience: int = option(0, "stop once held-out CE went N evaluations without improving (0: every step)",
+                           check=COUNT0)
+    eval_every: int = option(25, "with patience: steps between evaluations", check=COUNT)
+
+
+@dataclass
+class PrepbnOptions(Trained):
+    decay: int | None = option(None, "steps over which lambda decays to 0 (default: 4/5 of steps)", check=COUNT0)
+    calib_samples: int = option(64, "calibration windows of the frozen statistics", check=COUNT)
+    momentum: float = option(0.1, "the BatchNorms' running-statistics momentum",
+                             check=between(0, 1, open_low=True, open_high=False))
+    fold: bool = option(True, "fold the RepBNs into their readers at the end (bn-fold)")
+
+
+@dataclass
+class RemoveLnOptions(Trained):
+    """remove-ln: up to 900 steps, stopping once held-out CE has gone 4 evaluations (100 steps) without improving
+    after the last removal (measured on the demo models against the control: README, remove-ln); final_aux 3:
+    the auxiliary loss on the final norm's input (measured on 4 Llamas and 4 GPT-2s against their controls);
+    block_aux None: 1 where the MLPs are gated (measured on 7 Llamas, GQA ones included), else 0
+    (``remove_ln.block_aux``)."""
+
+    steps: int = option(900, "optimizer steps", check=COUNT)
+    lr: float = option(1e-4, "peak learning rate", check=POSITIVE)
+    min_lr: float | None = option(None, "the cosine's end (default: lr / 10)", check=between(0))
+    weight_decay: float = option(0.0, "AdamW weight decay", check=between(0))
+    grad_accum: int = option(1, "gradient-accumulation steps", check=COUNT)
+    start: int | None = option(None, "the first removal's step (default: steps / 10)", check=COUNT0)
+    gap: int | None = option(None, "steps between removals (default: spread over the first half)", check=COUNT)
+    final_gap: int | None = option(None, "steps around the final norm's removal (default: twice the gap)", check=COUNT)
+    save_every: int = option(50, "keep the training state every N steps (0: none), for --resume", check=COUNT0)
+    export: str = option("self", "frozen norms folded into the weights (self) or kept as stock norms",
+                         choices=("self", "stock"))
+    keep: str = option("none", "final: the final norm stays the model's own, computing; none: every norm removed",
+                       choices=("none", "final"))
+    final_divisor: str = option("ema", "the final norm's frozen divisor: the moving average, or measured again",
+                                choices=("ema", "remeasure"))
+    final_aux: float = option(3.0, "weight of the auxiliary loss on the final norm's input", check=between(0))
+    final_blend: int = option(0, "steps over which the final norm's divisor is blended in", check=COUNT0)
+    wait: float = option(0.0, "each removal once held-out CE recovered to within this many nats (0: fixed gaps)",
+                         check=between(0))
+    untie: bool = option(False, "untie the head from the embeddings")
+    divisor: str = option("mean", "how each frozen divisor averages the tokens", choices=("mean", "median"))
+    block_aux: float | None = option(None, "weight of the auxiliary loss on each block norm's input (default: 1 "
+                                     "where the MLPs are gated, else 0)", check=between(0))
+    patience: int = option(4, "stop once held-out CE went N evaluations without improving after the last "
+                           "removal (0: every step)", check=COUNT0)
+
+
+@dataclass
+class PreRmsnormOptions(Checked):
+    fold: bool = option(False, "fold the gains and biases into the readers")
+
+
+@dataclass
+class FlashnormOptions(Checked):
+    keep_tied: bool = option(False, "keep the embedding and head tied (the final norm's gain stays)")
+
+
+@dataclass
+class RotateOptions(Checked):
+    kind: str = option("hadamard", "the orthogonal Q: a randomised Hadamard, or random", choices=("hadamard", "random"))
+    seed: int = option(0, "random seed of Q", check=COUNT0)
+
+
 PRE_LN = "Pre-LN and parallel models of every supported family"
-#: the values options take, checked before anything is loaded (options not listed: any of their type);
-#: seq_len 0: min(128, the model's positions)
-LIMITS = {"sparsity": between(0, 1), "prune_units": between(0, 1), "prune_heads": between(0, 1),
-          "by": one_of("magnitude", "activation"), "prune_channels": between(0),
-          "steps": between(1), "batch_size": between(1), "seq_len": between(0), "lr": between(0, open_low=True),
-          "min_lr": between(-1), "weight_decay": between(0), "grad_accum": between(1), "save_every": between(0),
-          "eval_fraction": between(0, 1, open_low=True), "heldout": between(0, 1, open_low=True),
-          "eval_samples": between(1), "calib_samples": between(1), "momentum": between(0, 1, open_low=True,
-                                                                                         open_high=False),
-          "warmup": between(-1), "decay": between(-1), "start": between(-1), "gap": between(0),
-          "final_gap": between(0), "precision": one_of(*PRECISIONS),
-          "export": one_of("self", "stock"), "keep": Limit("one of none (the default), final", lambda x: x in ("", "none", "final")), "final_divisor": one_of("ema", "remeasure"), "final_aux": between(0), "final_blend": between(0), "wait": between(0),
-          "divisor": one_of("mean", "median"), "block_aux": Limit("-1 (1 where the MLPs are gated, else 0) or >= 0", lambda x: x == -1 or x >= 0),
-          "patience": between(0), "eval_every": between(1),
-          "kind": one_of("hadamard", "random"), "seed": between(0)}
 
 for name, module, declared, extra in [
     ("pre-rmsnorm", "pre_rmsnorm", Declared(
         "Pre-LN to Pre-RMSNorm: centre the writers, swap LayerNorm for RMSNorm", "exact",
-        "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi)", {"fold": False}, blockwise=True), {}),
+        "Pre-LN and parallel LayerNorm models (GPT-2, GPT-NeoX, OPT, Phi)", PreRmsnormOptions, blockwise=True), {}),
     ("flashnorm", "flashnorm", Declared(
         "FlashNorm: fold every norm's gain (and bias) into the linears that read it", "exact",
-        "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", {"keep_tied": False},
+        "every Pre-LN or parallel model (LayerNorm or RMSNorm, Gemma's 1 + w)", FlashnormOptions,
         blockwise=True), {"has": ("reads",)}),
     ("crmsnorm", "crmsnorm", Declared(
         "Pre-CRMSNorm: after pre-rmsnorm, store the zero-mean stream in d-1 dimensions", "exact",
@@ -67,17 +129,17 @@ for name, module, declared, extra in [
         blockwise=True), {}),
     ("mask", "mask", Declared(
         "Zero weights by a mask file or criterion (changes the function; minimize then shrinks)", "reference",
-        PRE_LN, MASK_OPTIONS), {"has": ("stages",), "text": scored_on_text}),
+        PRE_LN, MaskOptions), {"has": ("stages",), "text": scored_on_text}),
     ("minimize", "minimize", Declared(
         "Remove dead MLP units, attention heads and residual channels (exact; optional mask first)", "exact",
-        PRE_LN, MASK_OPTIONS), {"has": ("reference", "stages"), "text": scored_on_text}),
+        PRE_LN, MaskOptions), {"has": ("reference", "stages"), "text": scored_on_text}),
     ("compensated-ln", "compensated_ln", Declared(
         "Remove dead residual channels, norms keeping the full width's statistics (exact)", "exact", PRE_LN,
-        MASK_OPTIONS), {"has": ("reference", "stages"), "text": scored_on_text}),
+        MaskOptions), {"has": ("reference", "stages"), "text": scored_on_text}),
     ("remove-ln", "remove_ln", Declared(
         "remove every norm by staged fine-tuning, then fold the frozen divisors: no normalization left", "trained",
         "Pre-LN and parallel models with LayerNorm or RMSNorm (GPT-2, GPT-NeoX, OPT, Phi, Llama-like)",
-        REMOVE_LN_OPTIONS), {"has": ("check",)}),
+        RemoveLnOptions), {"has": ("check",)}),
     ("bn-fold", "bn_fold", Declared(
         "fold inference-time BatchNorm / RepBN / per-channel affine norms into their readers", "exact",
         "any model whose stream norms are RepBN, BatchNorm or ChannelAffine (after prepbn); Post-LN norms stay as "
@@ -85,14 +147,14 @@ for name, module, declared, extra in [
     ("prepbn", "prepbn", Declared(
         "PRepBN: LayerNorm/RMSNorm to re-parameterised BatchNorm by progressive fine-tuning, then folded "
         "(bn-fold): no normalisation statistics at run time", "trained",
-        "Pre-LN and parallel decoders with LayerNorm or RMSNorm", PREPBN_OPTIONS), {"has": ("check",)}),
+        "Pre-LN and parallel decoders with LayerNorm or RMSNorm", PrepbnOptions), {"has": ("check",)}),
     ("rotate", "rotate", Declared(
         "rotate the residual stream by an orthogonal Q (randomised Hadamard or random), folded into the writers "
         "and readers", "exact", "models whose stream norms are gain-free RMSNorms: Pre-LN and parallel models "
-        "after pre-rmsnorm with fold=true, RMSNorm models after flashnorm", {"kind": "hadamard", "seed": 0},
+        "after pre-rmsnorm with fold=true, RMSNorm models after flashnorm", RotateOptions,
         blockwise=True), {}),
 ]:
-    declare(name, f"{__name__}.{module}", declared, LIMITS, **extra)
+    declare(name, f"{__name__}.{module}", declared, **extra)
 
 
 def passes():

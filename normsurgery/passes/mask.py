@@ -6,6 +6,8 @@ The masked model is the reference a following exact pass must reproduce: ``minim
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from ..core import calibration, masks
@@ -13,11 +15,13 @@ from ..core.errors import SurgeryError
 from ..core.families import positions
 from ..core.layout import Layout
 from ..core.registry import PassContext, PassReport, Scan, Stage
-from . import MASK_OPTIONS as OPTIONS
+from . import MaskOptions
 from .norms import refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln
 
 #: calibration windows for by=activation
 CALIBRATION = 32
+#: the options' defaults (``MaskOptions``): minimize and compensated-ln give theirs, which are the same
+OPTIONS = asdict(MaskOptions())
 
 
 def applies(model, layout: Layout) -> str | None:
@@ -68,7 +72,6 @@ def _least_written(collected: list, layout: Layout, ctx: PassContext) -> dict:
 def _mask(model, layout: Layout, ctx: PassContext, report: PassReport) -> None:
     """Zero, in the part ``layout`` holds, what the mask file and criteria say (see the module doc)."""
     options = {**OPTIONS, **ctx.options}
-    masks.check_criterion(options["by"])
     structured = options["prune_units"] or options["prune_heads"]
     rms = (masks.activations(model, layout, calibration_windows(model, ctx))
            if structured and options["by"] == "activation" else None)

@@ -21,6 +21,7 @@ model fine-tunes on its language-modelling loss (:func:`normsurgery.engine.train
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from ..core.layout import Layout
 from ..core.errors import SurgeryError
 from ..core.registry import PassContext, PassReport
 from ..core.runtime import RepBN
-from . import PREPBN_OPTIONS as OPTIONS, bn_fold
+from . import PrepbnOptions, bn_fold
 from .norms import Control, adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln, token_divisors
 
 
@@ -64,10 +65,10 @@ def lam_at(step: int, warmup: int, decay: int) -> float:
     return max(0.0, 1.0 - (step - warmup + 1) / max(1, decay))
 
 
-def schedule(steps: int, warmup: int, decay: int) -> tuple[int, int]:
-    """(warmup, decay) with the defaults (-1): 1/10 and 4/5 of ``steps``."""
-    warmup = steps // 10 if warmup < 0 else warmup
-    decay = (4 * steps) // 5 if decay < 0 else decay
+def schedule(steps: int, warmup: int | None, decay: int | None) -> tuple[int, int]:
+    """(warmup, decay) with the defaults (None, not given): 1/10 and 4/5 of ``steps``."""
+    warmup = steps // 10 if warmup is None else warmup
+    decay = (4 * steps) // 5 if decay is None else decay
     if warmup + decay > steps:
         raise SurgeryError(f"prepbn: warm-up {warmup} + decay {decay} steps exceed the budget of {steps}: "
                            "lam would not reach 0")
@@ -279,7 +280,7 @@ def _trained(model, layout: Layout, ctx: PassContext, opts: dict, progs: list, d
 
 
 def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
-    opts = {**OPTIONS, **ctx.options}
+    opts = {**asdict(PrepbnOptions()), **ctx.options}
     if ctx.train is None or ctx.heldout_ce is None:
         raise SurgeryError("prepbn needs the training loop: run it through convert or apply_passes")
     if devices.sharding():

@@ -26,14 +26,14 @@ from ..core.errors import SurgeryError
 STAGES = ("mlp", "qk", "v")  # the block stages, in order; then "final", then "position 0"
 
 
-def auto(n_removals: int, steps: int, start: int, gap: int, final_gap: int,
+def auto(n_removals: int, steps: int, start: int | None, gap: int | None, final_gap: int | None,
          wait: float = 0.0) -> tuple[int, int, int]:
-    """(start, gap, final_gap) with the defaults filled in where start < 0, gap <= 0, final_gap <= 0."""
-    start = steps // 10 if start < 0 else start
-    if gap <= 0:
+    """(start, gap, final_gap) with the defaults filled in where not given (None)."""
+    start = steps // 10 if start is None else start
+    if gap is None:
         gap = max(1, (steps // 2 - start) // (n_removals + 2))
         gap = max(1, gap // 2) if wait > 0 else gap
-    final_gap = 2 * gap if final_gap <= 0 else final_gap
+    final_gap = 2 * gap if final_gap is None else final_gap
     return start, gap, final_gap
 
 
@@ -74,7 +74,7 @@ def plan(paths: list[list[str]], options: dict) -> tuple[int, int, int, list]:
     """(start, gap, final_gap, events) for ``options`` (the pass's), refused in one line when the
     steps are too few; the smallest budget that fits is named."""
     wait = float(options.get("wait", 0.0))
-    if wait > 0 and options["final_gap"] > 0:
+    if wait > 0 and options["final_gap"] is not None:
         raise SurgeryError("remove-ln: final_gap spaces the fixed schedule; with wait the final norm waits for "
                            "recovery like every removal (gap: how often it checks)")
     n = sum(len(p) for p in paths) + 1
@@ -87,7 +87,7 @@ def plan(paths: list[list[str]], options: dict) -> tuple[int, int, int, list]:
 
 def too_few(evts: list, options: dict, paths: list[list[str]]) -> str:
     """Why ``options["steps"]`` are too few, with the smallest number of steps that fits (start,
-    gap and final_gap as given, chosen from the steps where they are -1 or 0)."""
+    gap and final_gap as given, chosen from the steps where not given)."""
     steps, wait, o = options["steps"], float(options.get("wait", 0.0)), options
     start, gap, final_gap = evts[0][0], *auto(len(evts), steps, o["start"], o["gap"], o["final_gap"], wait)[1:]
     least = evts[0][0] + (len(evts) - 1) * gap
@@ -98,7 +98,7 @@ def too_few(evts: list, options: dict, paths: list[list[str]]) -> str:
     for more in range(steps + 1, 100 * (max(least, evts[-1][0]) + 2)):
         s, g, f = auto(len(evts), more, o["start"], o["gap"], o["final_gap"], wait)
         if fits(events(paths, s, g, f), more, wait, g):
-            fixed = [k for k in ("start", "gap", "final_gap") if (o[k] >= 0 if k == "start" else o[k] > 0)]
+            fixed = [k for k in ("start", "gap", "final_gap") if o[k] is not None]
             above = [k for k in fixed if o[k] > (0 if k == "start" else 1)]
             return (text + f"; the smallest budget that fits is steps={more}"
                     + (f" with {', '.join(f'{k}={o[k]}' for k in fixed)} as given" if fixed else

@@ -125,11 +125,11 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     kept = ["final"] if keep_final(o) else []
     full, layout = layout, removed_layout(layout, o)
     ids = tokenize(ctx.tokenizer, ctx.text)
-    train_ids, held_ids = split_heldout(ids, o["heldout"], o["seq_len"])
+    train_ids, held_ids = split_heldout(ids, o["eval_fraction"], o["seq_len"])
     held = windows(held_ids, o["seq_len"], o["eval_samples"], "the held-out part of the text")
     workdir = ctx.workdir / "remove-ln" if ctx.workdir else None
     config = {"steps": o["steps"], "batch_size": o["batch_size"], "seq_len": o["seq_len"], "lr": o["lr"],
-              "min_lr": None if o["min_lr"] < 0 else o["min_lr"], "warmup": None if o["warmup"] < 0 else o["warmup"],
+              "min_lr": o["min_lr"], "warmup": o["warmup"],
               "weight_decay": o["weight_decay"], "grad_accum": o["grad_accum"], "precision": o["precision"],
               "seed": o["seed"], "eval_batch_size": o["batch_size"], "resume": o["resume"],
               "save_every": o["save_every"] if workdir else 0, "state_dir": workdir}
@@ -157,7 +157,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     report.metrics["block_aux"] = o["block_aux"]
     if o["block_aux"] > 0:
         report.notes.append(f"block norms: auxiliary loss on each one's input, weight {o['block_aux']:g}, from its "
-                            "first removal" + (" (the default for gated MLPs)" if ctx.options["block_aux"] == -1
+                            "first removal" + (" (the default for gated MLPs)" if ctx.options["block_aux"] is None
                                                else ""))
     _fold_or_export(model, layout, norms, held[: min(4, len(held))], o["export"], report,
                     kept and next((("LayerNorm" if s.kind == "layernorm" else "RMSNorm") for s in full.norms
@@ -185,8 +185,6 @@ def _options(model, layout: Layout, ctx: PassContext) -> dict:
     """The pass's options, refused in one line where they cannot run here; seq_len fitted to the
     model's positions."""
     o = ctx.options
-    if o["export"] not in ("self", "stock"):
-        raise SurgeryError(f"remove-ln: export={o['export']!r}; choose self or stock")
     dtype = next(model.parameters()).dtype
     if o["export"] == "stock" and dtype in (torch.float16, torch.bfloat16):
         raise SurgeryError(f"remove-ln: export=stock stores gains near {math.sqrt(STOCK_EPS):.0e}, which {dtype} "
@@ -206,10 +204,10 @@ def _options(model, layout: Layout, ctx: PassContext) -> dict:
 GATED_BLOCK_AUX = 1.0
 
 
-def block_aux(value: float, layout: Layout) -> float:
-    """The block norms' auxiliary weight: ``value``, or where it is -1 (the default)
+def block_aux(value: float | None, layout: Layout) -> float:
+    """The block norms' auxiliary weight: ``value``, or where it is None (not given, the default)
     GATED_BLOCK_AUX for gated MLPs and 0 for plain ones."""
-    if value != -1:
+    if value is not None:
         return float(value)
     return GATED_BLOCK_AUX if layout.gated_mlp else 0.0
 

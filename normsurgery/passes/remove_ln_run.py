@@ -14,19 +14,13 @@ from ..core.analysis import evaluating
 from ..core.errors import SurgeryError
 from ..core.parity import outputs
 from ..core.registry import PassReport
-from . import REMOVE_LN_OPTIONS
+from . import RemoveLnOptions
 from . import removal_schedule as schedule
 from .removable_norm import RemovableNorm, freeze_until, made, remeasure, wait_for_recovery
 
-KEEP = ("", "none", "final")  # keep=final: the final norm stays the model's own, computing
-
-
 def keep_final(options: dict) -> bool:
-    """Whether ``keep=final``; any other value than KEEP's is refused in one line."""
-    keep = options.get("keep", "")
-    if keep not in KEEP:
-        raise SurgeryError(f"remove-ln: keep={keep!r}; choose none (the default: every norm removed) or final")
-    return keep == "final"
+    """Whether ``keep=final``: the final norm stays the model's own, computing."""
+    return options.get("keep") == "final"
 
 
 
@@ -134,7 +128,7 @@ def final_variants(options: dict, events) -> dict:
     names = ("final_divisor", "final_aux", "final_blend")
     chosen = {k: options[k] for k in names}
     if keep_final(options):
-        if chosen != {k: REMOVE_LN_OPTIONS[k] for k in names}:
+        if chosen != {k: getattr(RemoveLnOptions, k) for k in names}:
             raise SurgeryError("remove-ln: final_divisor, final_aux and final_blend change the final norm's removal, "
                                "and keep=final keeps it")
         chosen = {"final_divisor": "ema", "final_aux": 0.0, "final_blend": 0}
