@@ -125,7 +125,7 @@ def work_heal(args) -> None:
 
     options = json.loads(args.options)
     t = time.perf_counter()
-    ns.heal(args.src, args.dest, Path(shared() / TEXT), options=options)
+    ns.heal(args.src, args.dest, options, text=Path(shared() / TEXT))
     seconds, peak = time.perf_counter() - t, peak_rss_mb()
     result({"seconds": seconds, "peak_rss_mb": peak, "judged": _judge(args.dest, args.real, args.windows)})
 
