@@ -240,7 +240,7 @@ def test_the_json_says_what_the_table_says(train, tmp_path):
             "--seq-len", "16", "--eval-samples", "2", "--json")
     assert r.exit_code == 0, r.output
     facts = json.loads(r.stdout)["heal"]
-    report = ns.heal(LLAMA, tmp_path / "api", text, options={"train": train, "steps": 1, "batch_size": 2,
+    report = ns.heal(LLAMA, tmp_path / "api", text=text, options={"train": train, "steps": 1, "batch_size": 2,
                                                              "seq_len": 16, "eval_samples": 2}).report
     line = heal_line(report)
     assert f"healed: {facts['steps']} steps, {facts['tokens']} tokens" in line

@@ -41,7 +41,7 @@ def SAMPLE_TEXT():
 
 
 def test_heal_of_a_pruned_checkpoint_distils_from_the_original_its_record_names(pruned, tmp_path):
-    r = ns.heal(pruned, tmp_path / "h", SAMPLE_TEXT(), eval_text=SAMPLE_TEXT()[:3000], options=SMALL)
+    r = ns.heal(pruned, tmp_path / "h", text=SAMPLE_TEXT(), eval_text=SAMPLE_TEXT()[:3000], options=SMALL)
     h = r.record["heal"]
     assert h["objective"] == "kd" and h["teacher"] == LLAMA and "teacher is known" in h["why"]
     kl = r.record["heldout_kl"]
@@ -49,23 +49,23 @@ def test_heal_of_a_pruned_checkpoint_distils_from_the_original_its_record_names(
     assert r.record["eval_text_kl"]["input"] > 0.01 and "kl_heldout" in r.record["recovered"]
     # a healed input's kept blocks changed: the teacher assembled from it is not the original, refused
     with pytest.raises(SurgeryError, match="does not compute what"):
-        ns.heal(tmp_path / "h", tmp_path / "again", SAMPLE_TEXT(), options=SMALL)
-    ce = ns.heal(tmp_path / "h", tmp_path / "ce", SAMPLE_TEXT(), options={**SMALL, "objective": "ce"})
+        ns.heal(tmp_path / "h", tmp_path / "again", text=SAMPLE_TEXT(), options=SMALL)
+    ce = ns.heal(tmp_path / "h", tmp_path / "ce", text=SAMPLE_TEXT(), options={**SMALL, "objective": "ce"})
     assert ce.report.objective == "ce" and "does not compute what" in ce.report.why
     assert "heldout_kl" not in ce.record
 
 
 def test_without_a_record_or_teacher_heal_is_ce_and_says_why(tmp_path):
-    r = ns.heal(LLAMA, tmp_path / "h", SAMPLE_TEXT(), options=SMALL)
+    r = ns.heal(LLAMA, tmp_path / "h", text=SAMPLE_TEXT(), options=SMALL)
     assert r.report.objective == "ce" and r.report.why == "no teacher: the input has no record of a prune"
     with pytest.raises(SurgeryError, match="distils from a teacher and none is known"):
-        ns.heal(LLAMA, tmp_path / "kd", SAMPLE_TEXT(), options={**SMALL, "objective": "kd"})
+        ns.heal(LLAMA, tmp_path / "kd", text=SAMPLE_TEXT(), options={**SMALL, "objective": "kd"})
 
 
 def test_a_teacher_given_of_its_own_is_a_frozen_full_model(pruned, tmp_path):
     """--teacher naming a model that is not the student's: read whole, frozen; here the input itself,
     so the KL before healing is 0 (the teacher computes what the student computes)."""
-    r = ns.heal(pruned, tmp_path / "h", SAMPLE_TEXT(), options={**SMALL, "teacher": str(pruned)})
+    r = ns.heal(pruned, tmp_path / "h", text=SAMPLE_TEXT(), options={**SMALL, "teacher": str(pruned)})
     assert r.report.objective == "kd" and r.report.teacher == str(pruned)
     assert r.report.kl_before == pytest.approx(0.0, abs=1e-6) and "original" not in r.record["heldout_kl"]
 

@@ -11,7 +11,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 import normsurgery as ns
-from normsurgery.exporters import mlx_check
+from normsurgery.exporters import runtime_check
 
 LLAMA = "normsurgery/demo/llama-tiny"
 #: RoPE of the inputs: a base other than MLX-LM's default 10000, and llama3's scaling
@@ -47,7 +47,7 @@ def test_outputs_run_in_mlx_as_in_transformers(tmp_path, how, rope):
     out = written(tmp_path, how, ROPES[rope])
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["rope_theta"] == ROPES[rope]["rope_theta"]  # for runtimes reading the older keys
-    r = mlx_check.check(out)
+    r = runtime_check.check(out, runtime="mlx")
     assert r.ok, r.failure()
     assert r.parity.generation == 1 and r.greedy["mlx"] == r.greedy["transformers"]
     assert r.parity.relative <= r.parity.tolerance == 1e-5 and r.parity.top1 == 1.0
@@ -64,7 +64,7 @@ def test_without_top_level_rope_theta_mlx_runs_another_model(tmp_path):
     cfg = json.loads((trap / "config.json").read_text())
     del cfg["rope_theta"]
     (trap / "config.json").write_text(json.dumps(cfg))
-    r = mlx_check.check(trap, out)
+    r = runtime_check.check(trap, out, runtime="mlx")
     assert not r.ok and not r.parity.ok and r.parity.relative > 100 * r.parity.tolerance
     assert r.parity.generation < 1
     assert "MLX-LM's logits differ" in r.failure()
@@ -78,6 +78,6 @@ def test_a_perturbed_weight_fails_the_mlx_check(tmp_path):
     w = weights["model.layers.3.mlp.up_proj.weight"]
     w[7, 11] += 0.05 * w.abs().max()  # one entry of one matrix
     save_file(weights, wrong / "model.safetensors", metadata={"format": "pt"})
-    r = mlx_check.check(wrong, out)
+    r = runtime_check.check(wrong, out, runtime="mlx")
     assert not r.parity.ok, r.parity.as_dict()
 

@@ -110,8 +110,8 @@ def calls(tmp: Path) -> dict:
         "verify": lambda: ns.verify(LLAMA, LLAMA, streaming=True),
         "outliers": lambda: ns.outliers(GPT2, samples=2),
         "prune": lambda: ns.prune(GPT2, tmp / "prune", {"layers": 1, "method": "last"}),
-        "heal": lambda: ns.heal(LLAMA, tmp / "heal", text, options=TRAINING),
-        "squeeze": lambda: ns.squeeze(LLAMA, tmp / "squeeze", text, options={"target": 0.7, "steps_per_cycle": 2,
+        "heal": lambda: ns.heal(LLAMA, tmp / "heal", text=text, options=TRAINING),
+        "squeeze": lambda: ns.squeeze(LLAMA, tmp / "squeeze", text=text, options={"target": 0.7, "steps_per_cycle": 2,
                                                                             **SMALL}),
         "export onnx": lambda: ns.export(GPT2, tmp / "onnx"),
         "export gguf": lambda: ns.export(GPT2, tmp / "model.gguf", to="gguf"),
@@ -175,6 +175,6 @@ def test_training_leaves_tf32_off_for_the_checks_after_it(tmp_path, caller, monk
     assert inside["matmul.allow_tf32"] is False, "accelerate's TF32 left on"
     assert inside.items() >= off.items()
     assert arithmetic() == before
-    ns.heal(LLAMA, tmp_path / "heal", Path(SAMPLE).read_text()[:20000], options=TRAINING)
+    ns.heal(LLAMA, tmp_path / "heal", text=Path(SAMPLE).read_text()[:20000], options=TRAINING)
     assert len(seen) == 1 and seen[0]["matmul.allow_tf32"] is False and seen[0].items() >= off.items()
     assert arithmetic() == before

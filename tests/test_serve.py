@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import normsurgery as ns
+from normsurgery.exporters import runtime_check
 from test_nemotron import LLAMA, uneven, zeroed
 
 pytestmark = pytest.mark.serve
@@ -50,3 +51,16 @@ def test_vllm_serves_a_nemotron_nas_folder_with_transformers_greedy_tokens(tmp_p
     prompts = torch.tensor([[1, 17, 230, 5, 99, 412, 8, 3], [300, 2, 41, 41, 7, 900, 12, 64]])
     got = vllm_greedy(serve_python, tmp_path / "deci", prompts)
     assert got.tolist() == transformers_greedy(src, prompts).tolist()
+
+
+def test_the_nemotron_nas_export_is_checked_in_vllm_without_mlx(tmp_path, serve_python, monkeypatch):
+    """Where vLLM is the runtime and MLX is not installed, the check runs in vLLM (its raw logits on
+    the probe, its greedy tokens) and says so."""
+    find = runtime_check.importlib.util.find_spec
+    monkeypatch.setattr(runtime_check.importlib.util, "find_spec",  # neither mlx nor vllm in this python
+                        lambda m, *a: None if m in ("mlx", "mlx_lm", "vllm") else find(m, *a))
+    monkeypatch.setenv("NORMSURGERY_SERVE_PYTHON", serve_python)  # vLLM: that python's
+    src = zeroed(tmp_path, uneven)
+    r = ns.export(src, tmp_path / "deci", to="nemotron-nas")
+    assert r.runtime == "vLLM" and r.as_dict()["check"] == "vLLM"
+    assert r.parity.ok and r.parity.relative <= r.parity.tolerance == 1e-5 and r.parity.generation == 1

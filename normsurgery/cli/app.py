@@ -82,10 +82,23 @@ def main() -> None:
             app()
         except KeyboardInterrupt as e:
             say_error(interrupted(e, saved))
-            sys.exit(INTERRUPTED)
+            _exit_now(INTERRUPTED)
+        except SystemExit as e:
+            if e.code == INTERRUPTED:
+                _exit_now(INTERRUPTED)
+            raise
         finally:
             modelcard.COMMAND.reset(command)
             _ignore_interrupts()
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End an interrupted command at once: its stage, lock and worker processes went as the stack
+    unwound and it has said so; Python's teardown (a model's tensors freed, torch's and MLX's
+    destructors: seconds on a busy machine) would only hold the exit Ctrl-C asked for."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _ignore_interrupts() -> None:

@@ -9,7 +9,6 @@ from typing import Optional
 
 import typer
 
-from ..core.errors import UsageError
 from ..core.options import CACHE_TOKENS, GGUF_DTYPES, ExportOptions
 from ..io.ours import GGUF
 from .app import JSON, claimed, command, emit_json, read_text, say, say_device
@@ -28,7 +27,8 @@ def export(
     (--to gguf) run in llama.cpp and compared with the checkpoint in transformers. Exit 1, writing
     nothing, when they differ beyond the tolerance. Or to a nemotron-nas (DeciLM) folder (--to
     nemotron-nas: per-layer widths as vLLM, SGLang, TensorRT-LLM and MLX-LM read them), checked in
-    MLX-LM. Needs pip install 'normsurgery[onnx]' (or [gguf], [mlx])."""
+    MLX-LM or vLLM (--check) and in transformers. Needs pip install 'normsurgery[onnx]' (or [gguf],
+    [mlx] or vLLM)."""
     options.check()
     asked = Asked(src, dest, text, options, json)
     if options.to == "gguf":
@@ -101,7 +101,11 @@ def _gguf(a: Asked) -> None:
 
 
 def _nemotron(a: Asked) -> None:
-    """``export --to nemotron-nas``: the DeciLM folder written and checked in MLX-LM (``nemotron.export``)."""
+    """``export --to nemotron-nas``: the DeciLM folder written and checked in MLX-LM or vLLM and in
+    transformers (``nemotron.export``)."""
+    from ..exporters.runtime_check import choose
+
+    choose(a.options.runtime)  # the runtime installed, before anything is read
     body = read_text(a.text)
     with claimed(a.src, a.dest, a.options.force, a.options.allow_pickle) as source:
         from ..exporters.export import export as export_api  # each format's runtime required there
@@ -112,11 +116,17 @@ def _nemotron(a: Asked) -> None:
         return
     from .report import fmt
 
-    p, g, plan = r.parity, r.greedy, r.plan
-    say(f"MLX-LM vs transformers (logits): relative error {fmt(p.relative)}, KL {fmt(p.kl)}, top-1 agreement "
+    p, g, plan, t, b = r.parity, r.greedy, r.plan, r.transformers, r.weight_bytes
+    say(f"{r.runtime} vs transformers (logits): relative error {fmt(p.relative)}, KL {fmt(p.kl)}, top-1 agreement "
         f"{p.top1:.4f}; tolerance {fmt(p.tolerance)}: {p.reason}")
     say(f"greedy: {g['agree']:.0%} of {g['new_tokens']} tokens after each of {g['prompts']} prompts equal transformers'")
+    say(f"the folder in transformers (AutoModelForCausalLM, its auto_map) vs the checkpoint: relative error "
+        f"{fmt(t.relative)}; tolerance {fmt(t.tolerance)}")
     from ..exporters.nemotron import runs
 
-    say(f"saved {r.saved['path']}: nemotron-nas ({r.dtype}), MLP widths {runs(plan.widths)} (units {runs(plan.units)}; "
-        f"the zero units padding them take {plan.padding_bytes:,} bytes), key/value heads {runs(plan.kv_heads)}")
+    written = plan.as_dict()["units_written"]
+    say(f"saved {r.saved['path']}: nemotron-nas ({r.dtype}), MLP widths {runs(plan.widths)}, key/value heads "
+        f"{runs(plan.kv_heads)}; checked in {r.runtime}")
+    say(f"padding: {plan.kept:,} MLP units kept, written as {written:,} ({plan.padding_bytes:,} bytes of zero units); "
+        f"weights {b['out'] / 1e6:.1f} MB for {b['in'] / 1e6:.1f} MB in"
+        + (": not smaller, the padding ate the saving" if written > plan.kept and b["out"] >= b["in"] else ""))

@@ -19,7 +19,7 @@ from .errors import UsageError
 from .limits import (COUNT, COUNT0, DEVICE, DTYPE, FRACTION, POSITIVE, PRECISION, SIZE_LIMIT, WINDOW, Limit,  # noqa: F401
                      between, did_you_mean, one_of as one_of_values, parse_size, some_of)
 
-__all__ = ["CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE", "METHODS",
+__all__ = ["CHECKS", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE", "METHODS",
            "OBJECTIVES", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES", "PruneOptions",
            "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values", "Checked", "flag"]
 
@@ -63,6 +63,8 @@ FORMATS = ("onnx", "gguf", "nemotron-nas")
 #: export --to gguf --dtype: the matrices' storage type in the GGUF file (1-D tensors stay F32); auto: the
 #: checkpoint's own (bf16 stays BF16, f16 F16, f32 F32), as llama.cpp's converter keeps the input's precision
 GGUF_DTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+#: export --to nemotron-nas --check: the runtimes the folder is checked in (the default: the first installed)
+CHECKS = ("mlx", "vllm")
 #: export (ONNX): weights above this many bytes go to external data, model.onnx_data (protobuf caps a file at 2 GB)
 EXTERNAL_BYTES = 1 << 30
 #: export --with-past: greedy tokens generated through the key/value cache, compared with ``generate``'s
@@ -444,10 +446,15 @@ class ExportOptions(Reading):
                              "tokens against generate", given=False)
     tolerance: float | None = option(None, "relative tolerance (default: float32 rounding)", metavar="X",
                                      check=POSITIVE, param="tol")
+    runtime: str | None = option(None, "nemotron-nas: the runtime the folder is checked in, {choices} (default: the "
+                                 "first installed)", metavar="RUNTIME", choices=CHECKS, param="check")
 
     def check(self) -> None:
         """Every value within its option's limit, and only the options of the format chosen."""
         super().check()
+        if self.to != "nemotron-nas" and self.runtime is not None:
+            raise UsageError("--check is a nemotron-nas option (--to nemotron-nas): the runtime its folder is "
+                             "checked in")
         if self.to == "gguf" and (self.with_past or self.external_data is not None):
             raise UsageError("--with-past and --external-data are ONNX options; a GGUF file has neither")
         if self.to == "nemotron-nas" and (self.with_past or self.external_data is not None or self.dtype is not None):

@@ -169,8 +169,24 @@ class ChannelAffine(nn.Module):
         return x * self.weight + self.bias
 
 
+class NoOp(nn.Module):
+    """A sublayer that computes nothing: y = 0 (DeciLM's ``no_op`` attention or MLP, whose tensors
+    are not stored). ``pair``: returned as attention returns, (y, no weights)."""
+
+    def __init__(self, pair=False):
+        super().__init__()
+        self.pair = pair
+
+    def spec(self):
+        return {"pair": self.pair}
+
+    def forward(self, hidden_states, *args, **kwargs):
+        y = torch.zeros_like(hidden_states)
+        return (y, None) if self.pair else y
+
+
 MODULES = {"RMSNorm": RMSNorm, "CRMSNorm": CRMSNorm, "CompensatedLayerNorm": CompensatedLayerNorm, "NoNorm": NoNorm,
-           "RepBN": RepBN, "ChannelAffine": ChannelAffine}
+           "RepBN": RepBN, "ChannelAffine": ChannelAffine, "NoOp": NoOp}
 
 #: size attributes that must follow a resized parameter, by module class
 SIZE_ATTRS = {
@@ -215,6 +231,38 @@ def apply_structure(model, records):
                 setattr(module, name, value)
             module._normsurgery_attrs = dict(rec["attrs"])  # so a re-save records them again
     return model
+
+
+def block_records(config, mlp_width):
+    """The records (:func:`apply_structure`) that turn Llama's layers into those of DeciLM's
+    ``config.block_configs``: a no-op sublayer a :class:`NoOp` without its norm, a live one's key
+    and value projections ``hidden / n_heads_in_group`` heads wide and its MLP
+    ``mlp_width(ffn_mult)`` units wide."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = hidden // heads
+    out = []
+    for i, block in enumerate(config.block_configs):
+        layer = f"model.layers.{i}"
+        a, f = block.attention, block.ffn
+        if a.no_op:
+            out += [{"path": f"{layer}.self_attn", "class": "NoOp", "kwargs": {"pair": True}},
+                    {"path": f"{layer}.input_layernorm", "class": "NoNorm", "kwargs": {"dim": hidden}}]
+        else:
+            kv = heads // a.n_heads_in_group
+            bias = [kv * head_dim] if config.attention_bias else None
+            out += [{"path": f"{layer}.self_attn.{p}", "params": {"weight": [kv * head_dim, hidden], "bias": bias}}
+                    for p in ("k_proj", "v_proj")]
+            out.append({"path": f"{layer}.self_attn", "attrs": {"num_key_value_groups": a.n_heads_in_group}})
+        if f.no_op:
+            out += [{"path": f"{layer}.mlp", "class": "NoOp", "kwargs": {}},
+                    {"path": f"{layer}.post_attention_layernorm", "class": "NoNorm", "kwargs": {"dim": hidden}}]
+            continue
+        width, bias = mlp_width(f.ffn_mult), config.mlp_bias
+        out += [{"path": f"{layer}.mlp.{p}", "params": {"weight": [width, hidden], "bias": [width] if bias else None}}
+                for p in ("gate_proj", "up_proj")]
+        out.append({"path": f"{layer}.mlp.down_proj", "params": {"weight": [hidden, width],
+                                                                 "bias": [hidden] if bias else None}})
+    return out
 
 
 def surgery_class(base):
@@ -281,5 +329,5 @@ def __getattr__(name):
     cls = globals()[name] = surgery_class(stock)
     return cls
 
-__all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "NoNorm", "RepBN", "ChannelAffine", "apply_structure",
-           "resize", "surgery_class"]
+__all__ = ["RMSNorm", "CRMSNorm", "CompensatedLayerNorm", "NoNorm", "RepBN", "ChannelAffine", "NoOp", "apply_structure",
+           "block_records", "resize", "surgery_class"]

@@ -122,7 +122,8 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | Path 
     ``text``: the check's text (default: the bundled sample), a ``str`` the text, a ``Path`` a file.
     ``to="gguf"``: ``dest`` is a file, ``dtype`` its matrices' type (``gguf.export``: llama.cpp
     runs on the CPU, transformers' side on ``device``; the ONNX options do not apply).
-    ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM (``nemotron.export``). Each writes
+    ``to="nemotron-nas"``: a DeciLM folder checked in MLX-LM or vLLM (``check``) and in transformers
+    (``nemotron.export``). Each writes
     through the one runner (``runner.Job``: the output claimed once, written into its stage)."""
     options = options_of(ExportOptions, options, keywords)
     text = text_of(text)

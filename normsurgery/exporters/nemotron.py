@@ -2,15 +2,18 @@
 with per-layer widths (minimize, squeeze, mask: MLP units or key/value heads removed unevenly,
 which otherwise load only through normsurgery's runtime), as NVIDIA's DeciLM ("nemotron-nas")
 checkpoint: the one format in which vLLM, SGLang, TensorRT-LLM, MLX-LM and ExLlamaV3 read per-layer
-widths. Checked in MLX-LM (``mlx_check``) against the checkpoint in torch before anything is left.
+widths. Checked in MLX-LM or vLLM (``runtime_check``) and in transformers against the checkpoint in
+torch before anything is left.
 
 What is written:
 - config.json: ``DeciLMForCausalLM`` / ``nemotron-nas``, Llama's keys (``rope_theta`` at the top
   level, ``rope_scaling`` for scaled RoPE), and one ``block_configs[i]`` per layer:
   ``attention`` {``no_op``, ``n_heads_in_group``: query heads per key/value head} and ``ffn``
-  {``no_op``, ``ffn_mult``}; ``auto_map`` to ``configuration_decilm.py``, copied beside it, so
+  {``no_op``, ``ffn_mult``}; ``auto_map`` to ``configuration_decilm.py`` and ``modeling_decilm.py``,
+  copied beside it with normsurgery's runtime (``modeling_normsurgery.py``), so
   ``AutoConfig.from_pretrained(folder, trust_remote_code=True)`` reads it (vLLM and TensorRT-LLM
-  call it so);
+  call it so) and ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` runs
+  it in transformers (Llama's modules at each layer's widths, as NVIDIA's checkpoints ship theirs);
 - Llama's tensor names. Each MLP's width is ``int(2 * ffn_mult * hidden / 3)`` rounded up to a
   multiple of 256 (``configuration_decilm.ffn_width``): its units padded with zero units to that
   multiple (zero gate, up and down entries: silu(0) * 0 = 0, exactly nothing added; the bytes
@@ -28,11 +31,13 @@ gguf``), norms other than plain RMSNorm with one epsilon (removed, compensated, 
 head with a bias, removed residual channels, scaled or soft-capped logits, a sliding window,
 partial RoPE, another MLP than SwiGLU.
 
-The check (``mlx_check.compare_runtime``): the folder loaded by ``mlx_lm.load`` in float32
-against the checkpoint in torch float32 (``loader.load``: our runtime for rewritten ones):
-logits on the probe (relative error, KL, top-1 within float32 rounding) and greedy tokens. The
-weights are written in the checkpoint's storage dtype, which holds them exactly (the padding is
-zeros): the two compute the same function.
+The checks: the folder in MLX-LM or vLLM (``runtime_check.compare_runtime``, ``--check``; the
+default: the first installed) in float32 against the checkpoint in torch float32 (``loader.load``:
+our runtime for rewritten ones): logits on the probe (relative error, KL, top-1 within float32
+rounding) and greedy tokens; then the folder in transformers (``AutoModelForCausalLM``, its
+``auto_map``): logits on the probe. The weights are written in the checkpoint's storage dtype,
+which holds them exactly (the padding is zeros): they compute the same function. What the
+padding costs is said: the MLP units kept and written, the weight files' bytes in and out.
 """
 
 from __future__ import annotations
@@ -45,17 +50,17 @@ from typing import Callable
 
 import torch
 
-from ..core import algebra, devices
-from . import configuration_decilm
-from ..io.checkpoint import finish
+from ..core import algebra, devices, runtime
+from . import configuration_decilm, runtime_check
+from ..io.checkpoint import RUNTIME_FILE, finish
 from ..io.loader import load
-from ..io.source import Source
+from ..io.source import Source, weight_files
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from ..core.layout import Layout
 from ..core.options import MAX_SHARD_SIZE, ExportOptions
 from ..io.output import written
-from ..core.parity import Comparison, probe_ids
+from ..core.parity import Comparison, compare
 from ..engine.runner import Job, job_scope
 from ..io.shards import ShardWriter, header_room
 from ..io.texts import text_of
@@ -63,6 +68,7 @@ from ..io.texts import text_of
 #: the families whose blocks DeciLM computes (Llama's: pre-norm RMSNorm, rotary attention, SwiGLU)
 FAMILIES = ("llama", "mistral", "qwen2")
 CONFIG_FILE = "configuration_decilm.py"
+MODEL_FILE = "modeling_decilm.py"
 ACTIVATIONS = ("silu",)
 
 
@@ -83,7 +89,13 @@ class Plan:
                 "no_op_attention": [i for i, k in enumerate(self.kv_heads) if k is None],
                 "no_op_mlp": [i for i, u in enumerate(self.units) if u is None],
                 "attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias,
+                "units_kept": self.kept, "units_written": sum(w for w in self.widths if w is not None),
                 "padding_bytes": self.padding_bytes}
+
+    @property
+    def kept(self) -> int:
+        """The MLP units of the source the folder holds (its other units are zero padding)."""
+        return sum(u for u in self.units if u is not None)
 
 
 def ffn_mult(width: int, hidden: int) -> float:
@@ -241,7 +253,8 @@ def config(source: Source, lay: Layout, p: Plan, storage: torch.dtype, record: d
     c = source.config
     rope = dict(c.rope_parameters)
     cfg = {"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas",
-           "auto_map": {"AutoConfig": f"{CONFIG_FILE[:-3]}.DeciLMConfig"},
+           "auto_map": {"AutoConfig": f"{CONFIG_FILE[:-3]}.DeciLMConfig",
+                        "AutoModelForCausalLM": f"{MODEL_FILE[:-3]}.DeciLMForCausalLM"},
            "vocab_size": c.vocab_size, "hidden_size": lay.hidden_size, "num_hidden_layers": len(p.blocks),
            "num_attention_heads": c.num_attention_heads, "hidden_act": c.hidden_act,
            "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": lay.norms[0].eps,
@@ -261,12 +274,17 @@ class Exported:
     saved: dict
     plan: Plan
     dtype: str
-    parity: Comparison  # MLX-LM against torch; ``generation``: greedy tokens agreeing
+    parity: Comparison  # the runtime against torch; ``generation``: greedy tokens agreeing
     greedy: dict
+    runtime: str  # the check's runtime, in words (MLX-LM, vLLM)
+    transformers: Comparison  # the folder in transformers (its auto_map's model) against the checkpoint
+    weight_bytes: dict  # {"in": the checkpoint's weight files, "out": the folder's}
 
     def as_dict(self) -> dict:
         return {"saved": self.saved, "format": "nemotron-nas", "dtype": self.dtype, **self.plan.as_dict(),
-                "parity": self.parity.as_dict(), "greedy": self.greedy, "ok": self.parity.ok}
+                "weight_bytes": {**self.weight_bytes, "smaller": self.weight_bytes["out"] < self.weight_bytes["in"]},
+                "check": self.runtime, "parity": self.parity.as_dict(), "greedy": self.greedy,
+                "transformers": self.transformers.as_dict(), "ok": self.parity.ok and self.transformers.ok}
 
 
 @job_scope
@@ -274,20 +292,15 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
            max_shard_size: str | int = MAX_SHARD_SIZE,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
     """``src`` written to the folder ``dest`` as a nemotron-nas checkpoint (module docstring) with
-    ``options`` (``ExportOptions``: ``tolerance``, ``force``, ``allow_pickle``, ``device``) and
-    checked in MLX-LM; raises SurgeryError, leaving nothing, where the format cannot say the
-    model or the check fails. Written through the one runner (``runner.Job``: the output claimed
-    once, the folder filled in its stage). ``change(name, tensor)``: a last change to each tensor written
-    (tests: a wrong weight)."""
+    ``options`` (``ExportOptions``: ``check``, ``tolerance``, ``force``, ``allow_pickle``,
+    ``device``), checked in MLX-LM or vLLM and in transformers; raises SurgeryError, leaving
+    nothing, where the format cannot say the model or a check fails. Written through the one
+    runner (``runner.Job``: the output claimed once, the folder filled in its stage).
+    ``change(name, tensor)``: a last change to each tensor written (tests: a wrong weight)."""
     options = options or ExportOptions(to="nemotron-nas")
-    tolerance, force, allow_pickle, device = options.tolerance, options.force, options.allow_pickle, options.device
-    from transformers.utils.hub import convert_file_size_to_int
-
-    from . import mlx_check
-
-    mlx_check.require_mlx()
+    runtime = runtime_check.choose(options.runtime)
     text = text_of(text)
-    job = Job.open(src, dest, force=force, allow_pickle=allow_pickle, device=device)
+    job = Job.open(src, dest, force=options.force, allow_pickle=options.allow_pickle, device=options.device)
     source = job.source
     if source.family not in FAMILIES:  # before loading anything
         raise SurgeryError(f"nemotron-nas cannot express {source.name}: it is a {source.family} model; nemotron-nas "
@@ -296,27 +309,64 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
     lay = layout(model)
     storage = source.storage
     p = deci_plan(source, model, lay, storage)
-    n = max(mlx_check.PROMPT + 1, min(64, (source.positions or 64) - mlx_check.NEW_TOKENS - mlx_check.PROMPT))
-    ids = probe_ids(source.tokenizer, source.config.vocab_size, text, 4, n)
+    tol = runtime_check.probe(model, runtime_check.probe_for(source, text), options.tolerance)
     with job.staged() as stage:
-        items = tensors(model, lay, p, storage)
-        shards = ShardWriter(stage.path, convert_file_size_to_int(max_shard_size), header_room(n for n, _ in items))
-        for name, make in items:
-            shards.add(name, change(name, make()) if change else make())
-        files = shards.close()
-        finish(stage.path, [], source)
-        shutil.copyfile(configuration_decilm.__file__, stage.path / CONFIG_FILE)
         record = {"export": "nemotron-nas", "source": source.name, **p.as_dict()}
-        (stage.path / "config.json").write_text(json.dumps(config(source, lay, p, storage, record), indent=2) + "\n")
-        checked = mlx_check.compare_runtime(stage.path, model, ids, tolerance)
+        files = write(stage.path, source, model, lay, p, record, max_shard_size, change)
+        checked = runtime_check.compare_runtime(runtime, stage.path, model, tol)
         if not checked.ok:
             raise SurgeryError(f"{checked.failure()}; nothing was written")
-        record["parity"] = {**checked.parity.as_dict(), "runtime": "mlx-lm"}
+        loaded = transformers_check(stage.path, tol)
+        record["parity"] = {**checked.parity.as_dict(), "runtime": runtime_check.NAMES[runtime]}
+        record["transformers"] = loaded.as_dict()
         (stage.path / "config.json").write_text(json.dumps(config(source, lay, p, storage, record), indent=2) + "\n")
         stage.card("text", stage.path, text=card(Path(dest).name, source.name, p, checked))
+        sizes = {"in": sum(f.stat().st_size for f in weight_files(source.path, options.allow_pickle)),
+                 "out": sum((stage.path / f).stat().st_size for f in files)}
     checked.parity.device = devices.describe(job.device)
     saved = written(dest, stage, {"shards": len(files)})
-    return Exported(saved, p, str(storage).removeprefix("torch."), checked.parity, checked.greedy)
+    return Exported(saved, p, str(storage).removeprefix("torch."), checked.parity, checked.greedy,
+                    runtime_check.NAMES[runtime], loaded, sizes)
+
+
+def write(folder: Path, source: Source, model, lay: Layout, p: Plan, record: dict, max_shard_size,
+          change: Callable | None) -> list[str]:
+    """The DeciLM folder: the weights (shards of at most ``max_shard_size``; their names returned),
+    the source's side files, the config (``record`` under ``normsurgery``) and the code its
+    ``auto_map`` names."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    items = tensors(model, lay, p, source.storage)
+    shards = ShardWriter(folder, convert_file_size_to_int(max_shard_size), header_room(n for n, _ in items))
+    for name, make in items:
+        shards.add(name, change(name, make()) if change else make())
+    files = shards.close()
+    finish(folder, [], source)
+    shutil.copyfile(configuration_decilm.__file__, folder / CONFIG_FILE)
+    shutil.copyfile(Path(configuration_decilm.__file__).with_name(MODEL_FILE), folder / MODEL_FILE)
+    shutil.copyfile(runtime.__file__, folder / RUNTIME_FILE)
+    (folder / "config.json").write_text(json.dumps(config(source, lay, p, source.storage, record), indent=2) + "\n")
+    return files
+
+
+def transformers_check(folder: Path, tol) -> Comparison:
+    """``folder`` loaded as a user loads it, ``AutoModelForCausalLM.from_pretrained(folder,
+    trust_remote_code=True)`` (its ``auto_map``: ``modeling_decilm.py``), float32, on the host, its
+    logits on ``tol``'s probe judged against the checkpoint's; a SurgeryError when they differ."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    except Exception as e:  # transformers' own refusals
+        raise SurgeryError(f"transformers cannot load the nemotron-nas folder: {' '.join(str(e).split())[:300]}; "
+                           "nothing was written") from None
+    with torch.no_grad():  # not ``parity.outputs``: normsurgery's family table does not know the class, by design
+        got = loaded(input_ids=tol.ids, use_cache=False).logits.float()
+    c = tol.judge(compare(tol.reference, got.to(tol.reference.device), "logits"))
+    if not c.ok:
+        raise SurgeryError(f"the folder in transformers (its auto_map) differs from the checkpoint: {c.failed} "
+                           f"({c.reason}); nothing was written")
+    return c
 
 
 def runs(values: list) -> str:
@@ -334,22 +384,24 @@ def runs(values: list) -> str:
 
 def card(name: str, source: str, p: Plan, checked) -> str:
     """The folder's README: what it is, how each runtime loads it, what was checked."""
-    c = checked.parity
+    c, runtime = checked.parity, runtime_check.NAMES[checked.runtime]
     return f"""# {name}
 
 {source} as a DeciLM ("nemotron-nas") checkpoint, written by normsurgery `export --to nemotron-nas`:
 per-layer MLP widths {runs(p.widths)}; key/value heads {runs(p.kv_heads)}. Each MLP is padded with zero units to a
-multiple of 256 ({p.padding_bytes:,} bytes of zeros), which add nothing.
+multiple of 256 ({p.kept:,} units kept, written as {p.as_dict()["units_written"]:,}: {p.padding_bytes:,} bytes of
+zeros), which add nothing.
 
-Checked in MLX-LM against the checkpoint in transformers (float32, probe windows): relative error
+Checked in {runtime} against the checkpoint in transformers (float32, probe windows): relative error
 {c.relative:.2e}, KL {c.kl:.2e}, top-1 agreement {c.top1:.4f} (tolerance {c.tolerance:.1e}: {c.reason});
-greedy tokens {c.generation:.0%} equal.
+greedy tokens {c.generation:.0%} equal. Loaded in transformers through its `auto_map`, it computes the
+checkpoint's logits within the same tolerance.
 
 - MLX-LM: `mlx_lm.generate --model {name} --trust-remote-code --prompt "..."`, or
   `mlx_lm.load("{name}", tokenizer_config={{"trust_remote_code": True}})`
 - vLLM: `vllm serve {name} --trust-remote-code` (`LLM("{name}", trust_remote_code=True)`)
 - SGLang: `python -m sglang.launch_server --model-path {name} --trust-remote-code`
 - TensorRT-LLM: `trtllm-serve {name} --trust_remote_code`
-- transformers: `AutoConfig.from_pretrained("{name}", trust_remote_code=True)` reads the block configs
-  (the weights run through the runtimes above; the checkpoint this came from runs in transformers)
+- transformers: `AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)` (the code beside
+  the weights: `modeling_decilm.py`, Llama's modules at each layer's widths)
 """
