@@ -57,8 +57,8 @@ from ..core.options import (SEQ_LEN, TRAIN_MODES, HealOptions, Writing, options_
                             check_values)
 from ..engine.teacher import Cut
 from ..engine.training import TrainConfig, heldout, heldout_ce, make_accelerator, objective_of, train
-from .heal_teacher import (Teaching, check_teacher, distill_with, find_original, kl_closed,
-                           objective as choose_objective, taught)
+from .heal_distill import check_distilling, prepared, width_teaching
+from .heal_teacher import Teaching, check_teacher, find_original, kl_closed, objective as choose_objective, taught
 
 __all__ = ["HealOptions", "HealReport", "HealResult", "heal", "heal_model", "heldout_ce", "linear_targets",
            "make_accelerator", "require_lm", "target_pattern"]
@@ -95,6 +95,7 @@ class HealReport:
     eval_text_kl_before: float | None = None  # the same on --eval-text's windows
     eval_text_kl_after: float | None = None
     sharded: bool = False  # the training state sharded over the processes (FSDP2), not data-parallel
+    local: list | None = None  # --local-steps: per changed block its nMSE to the teacher's block, before and after
 
     @property
     def rose(self) -> tuple[str, float, float] | None:
@@ -223,7 +224,8 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts:
             model = get_peft_model(model, LoraConfig(r=opts.rank, lora_alpha=alpha, lora_dropout=0.0,
                                                      target_modules=pattern, fan_in_fan_out=conv1d))
         targets = sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
-    distillation, goal = distill_with(teacher, model, params or (), opts)
+    distillation, goal, local = prepared(teacher, model, params or (), (train_ids, eval_windows), config, opts,
+                                         (objective, mask_token_id))
     result = train(model, train_ids, eval_windows, config, objective=objective, mask_token_id=mask_token_id,
                    params=params, distillation=distillation, **training)
     lora = opts.train == "lora"
@@ -231,7 +233,7 @@ def heal_model(model, train_ids: torch.Tensor, eval_windows: torch.Tensor, opts:
                         result.tokens / len(train_ids), result.seconds, opts.rank if lora else None,
                         alpha if lora else None, config.lr, result.trainable_parameters, targets, result.precision,
                         result.processes, result.losses, opts.train, merged=merge, sharded=result.sharded,
-                        **taught(goal, teacher, opts, result))
+                        **taught(goal, teacher, opts, result), local=local)
     return (model.merge_and_unload() if merge else model), report
 
 
@@ -426,6 +428,7 @@ def heal(src, out, options: HealOptions | dict | None = None, *, text: str | Pat
     text, eval_text = text_of(text), text_of(eval_text, "eval_text")
     opts, io = options_and_io(HealOptions, options, keywords)
     opts.check()
+    check_distilling(opts)
     force, allow_pickle, device = io.force, io.allow_pickle, io.device
     job = Job.open(src, out, force=force, allow_pickle=allow_pickle, device=device)
     data = job.training_data(text, eval_text, opts)
@@ -438,10 +441,11 @@ def heal(src, out, options: HealOptions | dict | None = None, *, text: str | Pat
     model = job.load(trains=True)
     require_lm(model)
     check_teacher(found, model, opts)
+    found.teaching, copied = width_teaching(found.teaching, model, opts)
     goal, why = choose_objective(opts, found.teaching, found.why)
     model, report, seconds = run(model, tok, data, replace(opts, objective=goal), accelerator=acc,
                                  progress=progress if job.main else no_progress, teacher=found.teaching)
-    report.why = why
+    report.why = why + (f"; the teacher is a frozen copy: {copied}" if copied and goal != "ce" else "")
     ce = {**({"original": ce_original[0]} if ce_original else {}), "input": report.ce_before,
           "healed": report.ce_after}
     other = None if data.other is None else {**({"original": ce_original[1]} if ce_original else {}),

@@ -47,7 +47,8 @@ class Teaching:
 
     def over(self, model, trained=()) -> Teacher:
         """The live teacher for the student ``model`` whose parameters ``trained`` train."""
-        self.live = LayerCut(model, self.given, trained) if isinstance(self.given, Cut) else self.given
+        self.live = (LayerCut(model, self.given, trained) if isinstance(self.given, Cut) else
+                     self.given.over(model, trained) if hasattr(self.given, "over") else self.given)
         return self.live
 
 

@@ -19,10 +19,9 @@ from .errors import UsageError
 from .limits import (COUNT, COUNT0, DEVICE, DTYPE, FRACTION, POSITIVE, PRECISION, SIZE_LIMIT, WINDOW, Limit,  # noqa: F401
                      between, did_you_mean, one_of as one_of_values, parse_size, some_of)
 
-__all__ = ["CHECKS", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE",
-           "METHODS", "OBJECTIVES", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES",
-           "PruneOptions", "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values", "Checked",
-           "flag"]
+__all__ = ["CHECKS", "CRITERIA", "FORMATS", "GGUF_DTYPES", "HealOptions", "LEARNING_RATES", "MAX_SHARD_SIZE", "METHODS",
+           "OBJECTIVES", "ON_OVERFLOW", "OUTLIER_SAMPLES", "PROBE_GENERATE", "PROBE_LENGTH", "PROBE_SAMPLES", "PruneOptions",
+           "STRUCTURES", "SEQ_LEN", "SQUEEZE_STEPS", "SqueezeOptions", "TRAIN_MODES", "check_values", "Checked", "flag"]
 
 #: tokens per window when none is given (or the model's positions when fewer: ``calibration.fit_seq_len``)
 SEQ_LEN = 128
@@ -232,6 +231,9 @@ class HealOptions(Checked):
     ce_weight: float = option(1.0, "kd+ce: the weight of CE (default {default})", metavar="W", check=between(0))
     teacher: str | None = option(None, "the model to distil from, a folder or hub id (default: the model the input "
                                  "was pruned from, as its record says)", metavar="PATH")
+    teacher_cache: str | None = option(None, "distil from the teacher's top --teacher-k tokens of each training window, kept in DIR (built once)", metavar="DIR")
+    teacher_k: int = option(64, "tokens a position --teacher-cache keeps, the rest one bucket: K x 8 + 4 bytes a token (default {default})", metavar="K", check=COUNT)
+    local_steps: int = option(0, "blockwise local distillation steps for each block a width cut changed, before the global steps (default {default})", metavar="N", check=COUNT0)
     save_adapter: bool = False  # keep the adapter unmerged (--save-adapter: a flag of each command's own wording)
 
     @property
