@@ -397,6 +397,19 @@ def rounding_tolerance(reference: torch.Tensor, jitter: torch.Tensor, dtype: tor
             f"every linear output jittered by one ulp), at least {TOLERANCE[dtype]:.0e}")
 
 
+def runtime_tolerance(c: Comparison, noise: float, runtime: str) -> tuple[float, str]:
+    """(tolerance, why) of ``c``, a runtime's float32 outputs against torch's float32 ones
+    already judged on torch's own rounding (``c.tolerance``), given the runtime's own rounding
+    ``noise`` (its float32 outputs against its float64 ones, same weights): both sides round, so
+    ``ROUNDING_FACTOR`` x the larger of the two (at least 2 x their sum)."""
+    if not ROUNDING_FACTOR * noise > c.tolerance:  # NaN: the torch side's tolerance stands
+        return c.tolerance, f"{c.reason}; {runtime}'s own float32 rounding {noise:.1e}, within it"
+    return (ROUNDING_FACTOR * noise,
+            f"float32 arithmetic in two runtimes: {ROUNDING_FACTOR} x the larger rounding, {runtime}'s own "
+            f"({noise:.1e}: its float32 outputs against its float64 ones of the same weights; torch's "
+            f"tolerance {c.tolerance:.1e}: {c.reason})")
+
+
 def needs_rounding_tolerance(comparisons, dtype: torch.dtype, given: float | None) -> bool:
     """True when a float32 check with the fixed tolerance failed and none was given: the model
     may round more than that on its own (deep models), so measure it."""

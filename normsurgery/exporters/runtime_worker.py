@@ -5,10 +5,11 @@ the runtime computed to the file it names (numpy ``.npz``).
 It imports numpy and the runtime, nothing of normsurgery or torch: vLLM's python may be another
 environment's (``NORMSURGERY_SERVE_PYTHON``). The request: ``runtime`` (``mlx`` or ``vllm``),
 ``folder``, ``ids`` (the probe windows: lists of token ids), ``prompt`` (tokens of each window a
-greedy continuation starts from), ``new_tokens``, ``vocab``, ``out``. Written: ``logits``
-[windows, tokens, vocab] float32, the runtime's logits on each window, and ``tokens`` [windows,
-new_tokens], its greedy continuation (argmax, end-of-text ignored) of each window's first
-``prompt`` tokens through its key/value cache.
+greedy continuation starts from), ``new_tokens`` (0: none), ``vocab``, ``out``, ``dtype``
+(``float32``, or ``float64``: MLX-LM only, on its CPU, the runtime's own exact reference of the
+folder). Written: ``logits`` [windows, tokens, vocab] in ``dtype``, the runtime's logits on each
+window, and ``tokens`` [windows, new_tokens], its greedy continuation (argmax, end-of-text
+ignored) of each window's first ``prompt`` tokens through its key/value cache.
 
 - MLX-LM: ``mlx_lm.load`` (the tokenizer with ``trust_remote_code``: config.json has an
   ``auto_map``; a folder without one: ``load_model``), parameters cast to float32; the logits of
@@ -31,26 +32,29 @@ from pathlib import Path
 import numpy as np
 
 
-def mlx_load(folder: str):
-    """``folder`` in MLX-LM, its parameters cast to float32."""
+def mlx_load(folder: str, dtype: str = "float32"):
+    """``folder`` in MLX-LM, its parameters cast to ``dtype`` (float64: on the CPU, MLX has no
+    float64 on a GPU)."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.utils import load_model
 
+    if dtype == "float64":
+        mx.set_default_device(mx.cpu)
     tokenizer = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
     if any(os.path.isfile(os.path.join(folder, f)) for f in tokenizer):
         model, _ = load(folder, tokenizer_config={"trust_remote_code": True})
     else:
         model, _ = load_model(Path(folder))
-    model.set_dtype(mx.float32)
+    model.set_dtype(getattr(mx, dtype))
     return model
 
 
 def mlx_logits(model, ids: np.ndarray) -> np.ndarray:
-    """MLX-LM's logits of ``ids`` [windows, tokens] (no cache), float32."""
+    """MLX-LM's logits of ``ids`` [windows, tokens] (no cache), in the model's dtype (float32 or float64)."""
     import mlx.core as mx
 
-    return np.array(model(mx.array(ids)).astype(mx.float32))
+    return np.array(model(mx.array(ids)))
 
 
 def mlx_greedy(model, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
@@ -64,10 +68,12 @@ def mlx_greedy(model, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
 
 def mlx_run(req: dict, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     try:
-        model = mlx_load(req["folder"])
+        model = mlx_load(req["folder"], req.get("dtype", "float32"))
     except Exception as e:  # MLX-LM's own refusals (a model type or key it does not know, a missing weight)
         refuse(e)
-    return mlx_logits(model, ids), mlx_greedy(model, ids[:, :req["prompt"]], req["new_tokens"])
+    prompts = ids[:, :req["prompt"]]
+    tokens = mlx_greedy(model, prompts, req["new_tokens"]) if req["new_tokens"] else prompts[:, :0]
+    return mlx_logits(model, ids), tokens
 
 
 def vllm_run(req: dict, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -104,7 +110,7 @@ def main() -> None:
     req = json.loads(sys.stdin.read())
     ids = np.array(req["ids"], dtype=np.int64)
     logits, tokens = (mlx_run if req["runtime"] == "mlx" else vllm_run)(req, ids)
-    np.savez(req["out"], logits=logits.astype(np.float32), tokens=tokens.astype(np.int64))
+    np.savez(req["out"], logits=logits.astype(req.get("dtype", "float32")), tokens=tokens.astype(np.int64))
     sys.stdout.flush()
     os._exit(0)  # vLLM's engine and its threads end with the process
 
