@@ -163,3 +163,18 @@ def torchrun(*args, processes: int = 2, timeout: int = 300, env: dict | None = N
 def torchrun_cli(*args: str, processes: int = 2, timeout: int = 300, env: dict | None = None):
     """``normsurgery ARGS`` under :func:`torchrun`."""
     return torchrun("-m", "normsurgery", *args, processes=processes, timeout=timeout, env=env)
+
+
+def wrong_weight(folder, dest, key: str = "model.layers.3.mlp.up_proj.weight"):
+    """A copy of the checkpoint ``folder`` at ``dest`` with one entry of one matrix (``key``, in
+    model.safetensors) moved by 5% of its largest magnitude: a wrong export a check must refuse."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    weights = load_file(dest / "model.safetensors")
+    w = weights[key]
+    w[7, 11] += 0.05 * w.abs().max()
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest

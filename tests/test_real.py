@@ -12,7 +12,9 @@ import torch
 import transformers as T
 from typer.testing import CliRunner
 
+from models import wrong_weight
 from normsurgery.cli import app
+from normsurgery.exporters import runtime_check
 
 pytestmark = pytest.mark.real
 PROMPT = "The three primary colours are"
@@ -161,6 +163,9 @@ def test_nemotron_nas_export_runs_in_mlx(real, tmp_path, case):
     # the float32 tolerance with margin on a real checkpoint (not at its bound, which another machine's rounding crosses)
     for check in (data["parity"], data["transformers"]):
         assert check["relative"] <= check["tolerance"] / MARGIN, check
+    if case == "mask-minimize":  # its tolerance, the widest (MLX-LM's own rounding, 1.5e-4), still refuses a wrong weight
+        wrong = runtime_check.check(wrong_weight(tmp_path / "deci", tmp_path / "wrong"), tmp_path / "out", runtime="mlx")
+        assert not wrong.parity.ok and "MLX-LM's own" in wrong.parity.reason, wrong.parity.as_dict()
     assert all(w % 256 == 0 and w >= u for w, u in zip(data["mlp_widths"], data["mlp_units"]))
     expected = {"stock": {1536}, "mask-minimize": {1280}, "uneven": {1536, 1280, 1024}}[case]
     assert set(data["mlp_widths"]) == expected

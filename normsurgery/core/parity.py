@@ -402,12 +402,11 @@ def runtime_tolerance(c: Comparison, noise: float, runtime: str) -> tuple[float,
     already judged on torch's own rounding (``c.tolerance``), given the runtime's own rounding
     ``noise`` (its float32 outputs against its float64 ones, same weights): both sides round, so
     ``ROUNDING_FACTOR`` x the larger of the two (at least 2 x their sum)."""
+    own = f"{runtime}'s own float32 rounding ({noise:.1e}: its float32 outputs against its float64 ones, same weights)"
     if not ROUNDING_FACTOR * noise > c.tolerance:  # NaN: the torch side's tolerance stands
-        return c.tolerance, f"{c.reason}; {runtime}'s own float32 rounding {noise:.1e}, within it"
-    return (ROUNDING_FACTOR * noise,
-            f"float32 arithmetic in two runtimes: {ROUNDING_FACTOR} x the larger rounding, {runtime}'s own "
-            f"({noise:.1e}: its float32 outputs against its float64 ones of the same weights; torch's "
-            f"tolerance {c.tolerance:.1e}: {c.reason})")
+        return c.tolerance, f"{c.reason}; {own} within it"
+    return (ROUNDING_FACTOR * noise, f"float32 arithmetic in two runtimes: {ROUNDING_FACTOR} x the larger rounding, "
+                                     f"{own}; torch's tolerance {c.tolerance:.1e}: {c.reason}")
 
 
 def needs_rounding_tolerance(comparisons, dtype: torch.dtype, given: float | None) -> bool:
