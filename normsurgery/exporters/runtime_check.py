@@ -8,7 +8,8 @@ the torch model, as the ONNX export is compared (``export``):
   ``ROUNDING_FACTOR`` x the larger of torch's own rounding (jittered) and the runtime's own,
   measured where the runtime computes in float64 (``FLOAT64``: its float32 logits against its
   float64 logits of the same folder, ``parity.runtime_tolerance``). MLX-LM rounds more than torch
-  on some models (SmolLM2-135M masked and minimized: 1.5e-4 from its float64 logits, torch 3.8e-5);
+  on some models, in its float32 matrix products (SmolLM2-135M masked and minimized: 1.5e-4 from
+  its float64 logits, torch 3.8e-5);
 - a greedy continuation of each window's first tokens through the runtime's key/value cache,
   which must equal transformers' ``generate``.
 
