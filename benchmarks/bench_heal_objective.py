@@ -196,7 +196,8 @@ def main() -> None:
                 if options.get("teacher_cache") == "CACHE":
                     options["teacher_cache"] = str(Path(tmp) / f"cache-{cut}")
                 dest = Path(tmp) / f"healed-{cut}-{len(rows)}"  # one folder per heal: none replaces another's
-                out = spawn(__file__, "heal", args.threads, real=real, src=src, dest=dest, windows=args.windows, options=json.dumps(options))
+                out = spawn(__file__, "heal", args.threads, real=real, src=src, dest=dest, windows=args.windows,
+                            options=json.dumps(options))
                 rows.append({"cut": cut, "label": label, "options": options, **out})
                 print(f"({cut}) {label}: {out['seconds']:.0f} s, peak {out['peak_rss_mb']:.0f} MB", flush=True)
     load = os.getloadavg()
