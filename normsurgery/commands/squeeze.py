@@ -202,9 +202,7 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
     t0 = time.perf_counter()
     heal = opts.heal_options()
     heal.seq_len = held.shape[1]
-    unsharded = None
-    if heal.objective != "ce" and devices.sharding():
-        heal.objective, unsharded = "ce", "none: training sharded over processes (FSDP) distils from no teacher"
+    unsharded = _unsharded(heal)
     fingerprint = _fingerprint(opts, train_ids, held)
     p0, mask_id = parameters(model), setup.mask_token_id
     original = {"params": p0, "bytes": p0 * setup.storage_bytes, "ce": heldout_ce(model, held, mask_token_id=mask_id)}
@@ -250,6 +248,14 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
                           "cycles": [asdict(x) for x in cycles]})
     progress("squeeze", opts.cycles, opts.cycles, "done")
     return model, SqueezeResult(original, cycles, asdict(opts), time.perf_counter() - t0, resumed_at=resumed)
+
+
+def _unsharded(heal) -> str | None:
+    """Where training is sharded over processes (FSDP), ``heal``'s objective made ``ce`` and why; else None."""
+    if heal.objective == "ce" or not devices.sharding():
+        return None
+    heal.objective = "ce"
+    return "none: training sharded over processes (FSDP) distils from no teacher"
 
 
 def cycle_teacher(teaching: Teaching | None, model, heal) -> tuple[Teaching | None, str | None]:
