@@ -19,7 +19,11 @@ section); with ``cycles`` N, Squeeze-Release: N cycles, each on the model the pr
   that minimize could not remove) stay zero. ``masks.release``. Only ``train="full"`` trains
   the released entries, so with norms or lora nothing is released (the count says 0).
 - retrain: heal's loop (``train``: full | norms | lora, merged) for ``steps_per_cycle`` steps
-  (default: ``options.SQUEEZE_STEPS``, 900, in all, split evenly over the cycles: ``SqueezeOptions.steps``).
+  (default: ``options.SQUEEZE_STEPS``, 900, in all, split evenly over the cycles: ``SqueezeOptions.steps``),
+  minimising ``objective`` (default kd, as heal's where a teacher is known: the KL to the cycle's input
+  model per token, ``engine.teacher``), the teacher a frozen copy of that input, or with ``train="lora"``
+  and a cut of whole units and heads, the student's own tensors plus the removed rows and columns
+  (:func:`cycle_teacher`; each cycle records which, and why).
 
 ``cycles=1`` is one-shot: mask to the target, minimize, release, retrain with all the steps.
 With ``control`` (the default) and more than one cycle, one-shot also runs from the input after
