@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""remove-ln's objective: cross-entropy on the text or distillation from the input model (issue 55, 4).
+"""remove-ln's objective: cross-entropy on the text or distillation from the input model.
 
 The demo llama-tiny (a Llama: RMSNorm, gated MLP, GQA), remove-ln at equal steps under each
 objective (``objective=ce|kd|kd+ce``: kd the KL to a frozen copy of the pass's input, per token),
