@@ -721,3 +721,22 @@ def test_the_objective_reaches_the_loop_from_a_frozen_copy_of_the_input(objectiv
     assert d.objective == objective and d.temperature == 2.0
     assert torch.equal(d.teacher.targets(ids, -1, 0), want)
     assert report.metrics["kl_before"] < 1e-6 < report.metrics["kl_after"]  # the norms still live at first
+
+
+def test_convert_and_apply_passes_give_the_pass_its_teacher(tmp_path):
+    """convert and apply_passes supply the engine's distillation (passes import no engine): objective
+    kd runs through it and reports the held-out KL to the input."""
+    from normsurgery.commands.convert import apply_passes
+
+    opts = {"steps": 12, "batch_size": 2, "seq_len": 32, "eval_samples": 2, "control": False, "save_every": 0,
+            "objective": "kd"}
+    ctx = PassContext(tokenizer=Source.open(GPT2).tokenizer, text=SAMPLE.read_text())
+    m = apply_passes(small_gpt2(), [("remove-ln", opts)], context=ctx)[-1].metrics
+    assert m["objective"] == "kd" and m["kl_before"] < 1e-6 < m["kl_after"]
+    small_gpt2(tmp_path / "in")
+    r = cli("convert", tmp_path / "in", tmp_path / "out", "--pass",
+            "remove-ln:eval_samples=2,control=false,objective=kd",
+            "--text", SAMPLE, "--steps", 12, "--batch-size", 2, "--seq-len", 32, "--json")
+    assert r.exit_code == 0, r.output
+    m = json.loads(r.stdout)["steps"][0]["metrics"]
+    assert m["objective"] == "kd" and m["kl_before"] < 1e-6 < m["kl_after"]

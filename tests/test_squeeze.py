@@ -328,7 +328,8 @@ def test_two_cpu_processes_squeeze_once(tmp_path):
 
 
 @pytest.mark.parametrize("train, structure, held_as", [
-    ("full", ("units", "heads"), "a frozen copy: --train full"), ("lora", ("units", "heads"), "shared with the student"),
+    ("full", ("units", "heads"), "a frozen copy: --train full"),
+    ("lora", ("units", "heads"), "shared with the student"),
     ("lora", ("units", "channels"), "a frozen copy: the student is not the original less MLP units")])
 def test_each_cycle_distils_from_its_own_input(monkeypatch, train, structure, held_as):
     """kd (the default) reaches the loop, from a teacher computing the cycle's input model (its logits

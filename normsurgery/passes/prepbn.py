@@ -244,8 +244,8 @@ def _trained(model, layout: Layout, ctx: PassContext, opts: dict, progs: list, d
     """The training with lam on its schedule (``phases``: the warm-up's and the decay's steps), the
     RepBNs initialised from the norms at the warm-up's end, and (final_aux) the auxiliary loss on
     the final norm's input from the decay's start. ``data``: (training tokens, held-out windows,
-    calibration windows, sequence length); ``distilled``: the objective's ``Distillation`` (None: ce). Returns (the training's result, its config, the
-    auxiliary loss's weight)."""
+    calibration windows, sequence length); ``distilled``: the objective's ``Distillation`` (None:
+    ce). Returns (the training's result, its config, the auxiliary loss's weight)."""
     train_ids, held, calib, seq = data
     warmup, decay = phases
     repbns = [p.repbn for p in progs]
@@ -273,7 +273,8 @@ def _trained(model, layout: Layout, ctx: PassContext, opts: dict, progs: list, d
     hook = attach_token_mask(model, repbns)
     try:
         result = ctx.train(model, train_ids, held, config, objective=layout.objective, on_step=on_step,
-                           progress=ctx.train_progress, distillation=distilled, **({"extra_loss": lambda: final.aux} if weight > 0 else {}))
+                           progress=ctx.train_progress, distillation=distilled,
+                           **({"extra_loss": lambda: final.aux} if weight > 0 else {}))
     finally:
         hook.remove()
         if final is not None:
