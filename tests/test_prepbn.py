@@ -17,6 +17,7 @@ from normsurgery.core.families import layout
 from normsurgery.core.errors import SurgeryError
 from normsurgery.passes import prepbn
 from normsurgery.core.registry import PassContext, get
+from normsurgery.engine.teacher import frozen_distillation
 from normsurgery.engine.training import heldout_ce, train
 from normsurgery.core.runtime import NoNorm, RepBN
 
@@ -167,7 +168,8 @@ def run_pass(model, workdir=None, interrupt_at=None, train=train, **options):
             raise KeyboardInterrupt
 
     ctx = PassContext(options=opts, tokenizer=Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
-                      train=train, heldout_ce=heldout_ce, workdir=workdir, train_progress=progress)
+                      train=train, heldout_ce=heldout_ce, workdir=workdir, train_progress=progress,
+                      distillation=frozen_distillation)
     return get("prepbn").apply(model, layout(model), ctx)
 
 
@@ -244,3 +246,21 @@ def test_final_aux_pulls_only_from_the_decay_and_changes_the_run():
     assert c.metrics["final_aux"] == 1.0 and any("auxiliary loss on its input, weight 1, from step 4" in n
                                                  for n in c.notes)
     assert not all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), aux.state_dict().values()))
+
+
+def test_objective_kd_reaches_the_loop_from_a_frozen_copy_of_the_input():
+    """objective kd reaches the loop, its teacher computing the pass's input (its logits equal the
+    input's, after training); the default ce holds none."""
+    model, ids = small_gpt2(), token_ids(2, 16, seed=3)
+    want = model.eval()(input_ids=ids).logits.detach()  # (no dropout)
+    seen = []
+
+    def spy(m, *args, distillation=None, **kwargs):
+        seen.append(distillation)
+        return train(m, *args, distillation=distillation, **kwargs)
+
+    report = run_pass(model, train=spy, objective="kd", control=False)
+    assert len(seen) == 1 and seen[0].objective == "kd" and report.metrics["objective"] == "kd"
+    assert torch.equal(seen[0].teacher.targets(ids, -1, 0), want) and report.metrics["kl_after"] is not None
+    run_pass(small_gpt2(), train=spy, control=False)
+    assert seen[1] is None

@@ -22,6 +22,7 @@ from normsurgery.passes import removable_norm as RN
 from normsurgery.passes import remove_ln_run as RR
 from normsurgery.passes import removal_schedule as S
 from normsurgery.core.registry import PassContext, get
+from normsurgery.engine.teacher import frozen_distillation
 from normsurgery.engine.training import heldout_ce, train
 
 from conftest import assert_refused
@@ -171,7 +172,8 @@ def run_pass(tmp_path, model=None, interrupt_at=None, heldout_ce=heldout_ce, tra
             raise KeyboardInterrupt
 
     ctx = PassContext(options=opts, tokenizer=Source.open(GPT2).tokenizer, text=SAMPLE.read_text(),
-                      train=train_fn, heldout_ce=heldout_ce, workdir=tmp_path, train_progress=progress)
+                      train=train_fn, heldout_ce=heldout_ce, workdir=tmp_path, train_progress=progress,
+                      distillation=frozen_distillation)
     report = get("remove-ln").apply(model, layout(model), ctx)
     return model, report
 
@@ -695,3 +697,46 @@ def test_block_aux_defaults_to_the_gated_value_on_gated_mlps_only(tmp_path):
     assert got == {"llama": (R.GATED_BLOCK_AUX, True), "gpt2": (0.0, False), "llama 0": (0.0, False),
                    "gpt2 2": (2.0, False)}
     assert R.GATED_BLOCK_AUX == 1.0
+
+
+@pytest.mark.parametrize("objective", ["kd", "kd+ce", "ce"])
+def test_the_objective_reaches_the_loop_from_a_frozen_copy_of_the_input(objective):
+    """objective kd (kd+ce) reaches the loop, its teacher computing the pass's input model (its logits
+    equal the input's, after training: a copy, not the student); ce (the default) trains as before,
+    no teacher held. The control stays the vanilla CE fine-tune."""
+    model, ids = small_gpt2(), token_ids(2, 16, seed=3)
+    want = model.eval()(input_ids=ids).logits.detach()  # (no dropout)
+    seen = []
+
+    def spy(m, *args, distillation=None, **kwargs):
+        seen.append(distillation)
+        return train(m, *args, distillation=distillation, **kwargs)
+
+    _, report = run_pass(None, model, train_fn=spy, steps=8, save_every=0, objective=objective, temperature=2.0)
+    d = seen[0]
+    assert len(seen) == 2 and seen[1] is None and report.metrics["objective"] == objective
+    if objective == "ce":
+        assert d is None and "kl_after" not in report.metrics
+        return
+    assert d.objective == objective and d.temperature == 2.0
+    assert torch.equal(d.teacher.targets(ids, -1, 0), want)
+    assert report.metrics["kl_before"] < 1e-6 < report.metrics["kl_after"]  # the norms still live at first
+
+
+def test_convert_and_apply_passes_give_the_pass_its_teacher(tmp_path):
+    """convert and apply_passes supply the engine's distillation (passes import no engine): objective
+    kd runs through it and reports the held-out KL to the input."""
+    from normsurgery.commands.convert import apply_passes
+
+    opts = {"steps": 12, "batch_size": 2, "seq_len": 32, "eval_samples": 2, "control": False, "save_every": 0,
+            "objective": "kd"}
+    ctx = PassContext(tokenizer=Source.open(GPT2).tokenizer, text=SAMPLE.read_text())
+    m = apply_passes(small_gpt2(), [("remove-ln", opts)], context=ctx)[-1].metrics
+    assert m["objective"] == "kd" and m["kl_before"] < 1e-6 < m["kl_after"]
+    small_gpt2(tmp_path / "in")
+    r = cli("convert", tmp_path / "in", tmp_path / "out", "--pass",
+            "remove-ln:eval_samples=2,control=false,objective=kd",
+            "--text", SAMPLE, "--steps", 12, "--batch-size", 2, "--seq-len", 32, "--json")
+    assert r.exit_code == 0, r.output
+    m = json.loads(r.stdout)["steps"][0]["metrics"]
+    assert m["objective"] == "kd" and m["kl_before"] < 1e-6 < m["kl_after"]

@@ -325,3 +325,40 @@ def test_two_cpu_processes_squeeze_once(tmp_path):
     report = json.loads(r.stdout)  # one JSON document: only the main process printed
     assert [c["tokens"] for c in report["cycles"]] == [2 * 2 * 2 * 16] * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("train, structure, held_as", [
+    ("full", ("units", "heads"), "a frozen copy: --train full"),
+    ("lora", ("units", "heads"), "shared with the student"),
+    ("lora", ("units", "channels"), "a frozen copy: the student is not the original less MLP units")])
+def test_each_cycle_distils_from_its_own_input(monkeypatch, train, structure, held_as):
+    """kd (the default) reaches the loop, from a teacher computing the cycle's input model (its logits
+    equal the input's: the original for cycle 1, cycle 1's output for cycle 2); --train full holds a
+    frozen copy, lora shares the student's tensors plus what the cut removed (units and heads; with
+    residual channels cut, a copy); ce has no teacher."""
+    from normsurgery.commands import squeeze as module
+
+    model, ids = tiny_model("llama", torch.float32), token_ids(2, 16, seed=3)
+    inputs, seen = [], []
+    heal = module.heal_model
+
+    def spy(student, *args, teacher=None, **kw):
+        opts = args[2]
+        seen.append((opts.objective, None if teacher is None else teacher.given.targets(ids, -1, 0)))
+        student, report = heal(student, *args, teacher=teacher, **kw)
+        inputs.append(student(input_ids=ids).logits.detach())
+        return student, report
+
+    monkeypatch.setattr(module, "heal_model", spy)
+    first = model(input_ids=ids).logits.detach()
+    opts = SqueezeOptions(target=0.6, cycles=2, steps_per_cycle=1, train=train, structure=structure, **SMALL)
+    _, result = squeeze_model(model, token_ids(1, 3000, seed=1)[0], token_ids(4, 16, seed=2), opts, Setup(4))
+    assert [goal for goal, _ in seen] == ["kd", "kd"]
+    for want, (_, got) in zip([first, inputs[0]], seen):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert all(c.objective == "kd" and c.teacher.startswith(held_as) and c.kl_after is not None
+               for c in result.cycles)
+    seen.clear()
+    _, result = squeeze_model(tiny_model("llama", torch.float32), token_ids(1, 3000, seed=1)[0],
+                              token_ids(4, 16, seed=2), dataclasses.replace(opts, cycles=1, objective="ce"), Setup(4))
+    assert seen[0][0] == "ce" and seen[0][1] is None and result.cycles[0].teacher is None

@@ -56,6 +56,7 @@ from ..io.texts import text_of
 from ..core.registry import Later, PassContext, check_text, load_recipe, parse_pass  # noqa: F401  (API)
 from ..engine.processes import is_main_process
 from ..engine.train_state import state_dir
+from ..engine.teacher import frozen_distillation
 from ..engine.training import heldout_ce, train
 from ..engine.writer import Record, Saved, Storage, save_work
 from .verify import as_dtype
@@ -249,6 +250,7 @@ def _planned(job: Job, steps: list[StepSpec], work_dtype: torch.dtype | None, st
                 f"about {_size(needs['in_memory'], 1)})")
     work.steps, work.context = steps, PassContext(
         tokenizer=Later(lambda: source.tokenizer), text=text, workdir=workdir, train=train, heldout_ce=heldout_ce,
+        distillation=frozen_distillation,
         storage_bytes=source.storage.itemsize,
         train_progress=lambda done, total, loss: progress("train", done, total, f"loss {loss:.4f}"))
     result = Result([], dtype_name(dtype), dtype_name(source.storage), source=source.name, streaming=why,
@@ -445,6 +447,7 @@ def apply_passes(model, passes: list[tuple[str, dict[str, Any]]], *, ids: torch.
     work.context = context or PassContext()
     work.context.train = work.context.train or train
     work.context.heldout_ce = work.context.heldout_ce or heldout_ce
+    work.context.distillation = work.context.distillation or frozen_distillation
     check_applies(model, work.steps[0].pass_name)
     t = Tolerances(None, ids, next(model.parameters()).dtype, given=tolerance, output=output_kind(model))
     before, parities = None if ids is None else work.outputs(ids), {}

@@ -19,7 +19,11 @@ section); with ``cycles`` N, Squeeze-Release: N cycles, each on the model the pr
   that minimize could not remove) stay zero. ``masks.release``. Only ``train="full"`` trains
   the released entries, so with norms or lora nothing is released (the count says 0).
 - retrain: heal's loop (``train``: full | norms | lora, merged) for ``steps_per_cycle`` steps
-  (default: ``options.SQUEEZE_STEPS``, 900, in all, split evenly over the cycles: ``SqueezeOptions.steps``).
+  (default: ``options.SQUEEZE_STEPS``, 900, in all, split evenly over the cycles: ``SqueezeOptions.steps``),
+  minimising ``objective`` (default kd, as heal's where a teacher is known: the KL to the cycle's input
+  model per token, ``engine.teacher``), the teacher a frozen copy of that input, or with ``train="lora"``
+  and a cut of whole units and heads, the student's own tensors plus the removed rows and columns
+  (:func:`cycle_teacher`; each cycle records which, and why).
 
 ``cycles=1`` is one-shot: mask to the target, minimize, release, retrain with all the steps.
 With ``control`` (the default) and more than one cycle, one-shot also runs from the input after
@@ -47,6 +51,8 @@ from .convert import apply_passes
 from ..core.errors import SurgeryError
 from ..core.families import layout
 from .heal import Kept, heal_model, require_lm
+from .heal_distill import width_teaching
+from .heal_teacher import Teaching
 from ..core.options import STRUCTURES, SqueezeOptions, Writing, options_and_io, options_of  # noqa: F401  (re-exported: the API's names)
 from ..core.parity import probe_ids
 from ..engine.plan import check_applies
@@ -54,6 +60,7 @@ from ..passes.mask import CALIBRATION
 from ..core.progress import Progress, no_progress
 from ..core.registry import PassContext
 from ..engine.runner import Job, job_scope
+from ..engine.teacher import Frozen
 from ..io.stash import Stash
 from ..io.texts import text_of
 from ..engine.processes import is_main_process
@@ -85,6 +92,10 @@ class Cycle:
     tokens: int
     seconds: float
     steps: int = 0  # retraining steps run
+    objective: str = "ce"  # what the retraining minimised (options.OBJECTIVES)
+    teacher: str | None = None  # how the teacher (the cycle's input model) was held, and why
+    kl_released: float | None = None  # held-out KL(the cycle's input || model), before and after retraining
+    kl_after: float | None = None
 
 
 @dataclass
@@ -195,6 +206,7 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
     t0 = time.perf_counter()
     heal = opts.heal_options()
     heal.seq_len = held.shape[1]
+    unsharded = _unsharded(heal)
     fingerprint = _fingerprint(opts, train_ids, held)
     p0, mask_id = parameters(model), setup.mask_token_id
     original = {"params": p0, "bytes": p0 * setup.storage_bytes, "ce": heldout_ce(model, held, mask_token_id=mask_id)}
@@ -212,6 +224,7 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
         goal = int(original["params"] * t ** (c / opts.cycles))
         progress("squeeze", c - 1, opts.cycles, f"cycle {c}: finding the mask for {goal:,} parameters")
         fraction, heads = plan_fraction(model, goal, opts, context)
+        teaching = Teaching(Frozen(copy.deepcopy(model)), f"cycle {c}'s input") if heal.objective != "ce" else None
         steps = apply_passes(model, [("minimize", mask_options(model, fraction, opts, heads))], ids=ids,
                              context=context)
         check = steps[-1].parity
@@ -220,22 +233,46 @@ def squeeze_model(model, train_ids: torch.Tensor, held: torch.Tensor, opts: Sque
                                f"(tolerance {check.tolerance:.1e}); nothing was written")
         ce_masked = heldout_ce(model, held, mask_token_id=mask_id)
         released = release(model, opts.release_scale, opts.seed, c) if opts.train == "full" else 0
+        teaching, held_as = cycle_teacher(teaching, model, heal)
 
         def step(done, total, loss, c=c):
             progress("squeeze", c - 1, opts.cycles, f"cycle {c}: retraining, step {done}/{total}, loss {loss:.4f}")
 
         kept = None if state is None else Kept(train_state, opts.save_every, resume and c == first and mid_cycle)
         model, report = heal_model(model, train_ids, held, replace(heal, seed=opts.seed + c), mask_token_id=mask_id,
-                                   accelerator=setup.accelerator, progress=step, kept=kept)
+                                   accelerator=setup.accelerator, progress=step, kept=kept, teacher=teaching)
+        teaching = None  # the copy freed before the next cycle's
         params = parameters(model)
         cycles.append(Cycle(c, fraction, heads, params, params * setup.storage_bytes, check.relative,
                             check.tolerance, released, ce_masked, report.ce_before, report.ce_after, report.tokens,
-                            report.seconds, report.steps))
+                            report.seconds, report.steps, report.objective, held_as or unsharded, report.kl_before,
+                            report.kl_after))
         if state is not None and is_main_process():
             _keep(state, {"fingerprint": fingerprint, "model": model, "original": original,
                           "cycles": [asdict(x) for x in cycles]})
     progress("squeeze", opts.cycles, opts.cycles, "done")
     return model, SqueezeResult(original, cycles, asdict(opts), time.perf_counter() - t0, resumed_at=resumed)
+
+
+def _unsharded(heal) -> str | None:
+    """Where training is sharded over processes (FSDP), ``heal``'s objective made ``ce`` and why; else None."""
+    if heal.objective == "ce" or not devices.sharding():
+        return None
+    heal.objective = "ce"
+    return "none: training sharded over processes (FSDP) distils from no teacher"
+
+
+def cycle_teacher(teaching: Teaching | None, model, heal) -> tuple[Teaching | None, str | None]:
+    """(the teacher a cycle's retraining distils from, how it is held): ``teaching``, the cycle's
+    input copied before its mask, kept a frozen copy where the retraining trains the weights it
+    would share (``--train full`` or ``norms``) or the student is not the input less whole units and
+    heads (released noise, sparsity, channels); otherwise the student's own tensors plus the
+    removed rows and columns (``engine.width_teacher``), the copy freed. None with ``ce``."""
+    if teaching is None:
+        return None, None
+    shared, why = width_teaching(teaching, model, heal)
+    return shared, ("shared with the student, plus the removed rows and columns" if why is None else
+                    f"a frozen copy: {why}")
 
 
 def _resumed(model, original: dict, state: Path | None, fingerprint: str,

@@ -149,6 +149,12 @@ class SqueezeOptions(Checked):
     patience: int = option(0, "a cycle's retraining stops once held-out CE went N evaluations without improving "
                            "(default {default}: every step)", metavar="N", check=COUNT0)
     eval_every: int = option(25, "with --patience: steps between evaluations (default {default})", metavar="S", check=COUNT)
+    objective: str = option("kd", "what each cycle's retraining minimises (kd: the KL to the cycle's input model, per "
+                            "token; ce: cross-entropy on --text; kd+ce: KL + --ce-weight x CE): {choices} (default "
+                            "{default})", metavar="WHAT", choices=OBJECTIVES)
+    temperature: float = option(1.0, "kd's temperature T, the loss scaled by T^2 (default {default})", metavar="T",
+                                check=POSITIVE)
+    ce_weight: float = option(1.0, "kd+ce: the weight of CE (default {default})", metavar="W", check=between(0))
     control: bool = option(True, "also one-shot from the input at the same target and training steps, reported "
                            "beside (default {default}; only with --cycles above 1: one cycle is its own)",
                            names=("--control/--no-control",))
@@ -170,7 +176,8 @@ class SqueezeOptions(Checked):
         return HealOptions(steps=self.steps(), lr=self.lr, batch_size=self.batch_size, seq_len=self.seq_len,
                            precision=self.precision, eval_fraction=self.eval_fraction,
                            eval_samples=self.eval_samples, seed=self.seed, train=self.train, patience=self.patience,
-                           eval_every=self.eval_every)
+                           eval_every=self.eval_every, objective=self.objective, temperature=self.temperature,
+                           ce_weight=self.ce_weight)
 
 
 @dataclass

@@ -85,6 +85,9 @@ class PassContext:
     progress: Callable[[str], None] = lambda message: None
     train: Callable[..., Any] | None = None
     heldout_ce: Callable[..., float] | None = None  # ``training.heldout_ce``, given with ``train``
+    # ``teacher.frozen_distillation``, given with ``train``: (the model now, objective, temperature, ce_weight)
+    # -> what ``train``'s ``distillation=`` takes (a frozen copy of the model as the teacher), or None for ce
+    distillation: Callable[..., Any] | None = None
     train_progress: Callable[[int, int, float], None] | None = None
     workdir: Path | None = None
     calibration: Any = None  # token windows [n, T] to calibrate on, instead of tokenizing ``text``

@@ -220,6 +220,15 @@ def _set(config, values: dict) -> None:
         setattr(config, k, v)
 
 
+def frozen_distillation(model, objective: str, temperature: float = 1.0,
+                        ce_weight: float = 1.0) -> Distillation | None:
+    """A trained pass's objective: None for ``ce`` (no teacher held), else a :class:`Distillation`
+    from a frozen copy of ``model`` as it is now (the pass's input: taken before the pass changes it)."""
+    if objective == "ce":
+        return None
+    return Distillation(Frozen(copy.deepcopy(model)), objective, temperature, ce_weight)
+
+
 class Frozen:
     """A live :class:`Teacher` that is a model of its own (``--teacher`` not sharing the student's
     blocks): frozen, in eval mode, moved where the inputs are on first use."""

@@ -4,8 +4,8 @@ imported on first use (``registry.declare``)."""
 
 from dataclasses import dataclass
 
-from ..core.options import (COUNT, COUNT0, CRITERIA, EVAL_FRACTION, FRACTION, POSITIVE, PRECISION_FLAG, SEQ_LEN_HELP,
-                            WINDOW, Checked, option)
+from ..core.options import (COUNT, COUNT0, CRITERIA, EVAL_FRACTION, FRACTION, OBJECTIVES, POSITIVE, PRECISION_FLAG,
+                            SEQ_LEN_HELP, WINDOW, Checked, option)
 from ..core.limits import between
 from ..core.registry import Declared, all_passes, declare
 
@@ -51,6 +51,10 @@ class Trained(Checked):
     patience: int = option(0, "stop once held-out CE went N evaluations without improving (0: every step)",
                            check=COUNT0)
     eval_every: int = option(25, "with patience: steps between evaluations", check=COUNT)
+    objective: str = option("ce", "what training minimises: ce, cross-entropy on the text; kd, the KL to the pass's "
+                            "input model (a frozen copy) per token; kd+ce, KL + ce_weight x CE", choices=OBJECTIVES)
+    temperature: float = option(1.0, "kd's temperature T, the loss scaled by T^2", check=POSITIVE)
+    ce_weight: float = option(1.0, "kd+ce: the weight of CE", check=between(0))
 
 
 @dataclass

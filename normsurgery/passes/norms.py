@@ -153,6 +153,27 @@ class Control:
                 aside.back()
 
 
+def distillation(ctx, model, o: dict):
+    """What a trained pass's loop distils with (``train``'s ``distillation=``): for ``o["objective"]``
+    kd or kd+ce, the engine's (``ctx.distillation``) from a frozen copy of ``model`` as it is now (the
+    pass's input: called before the pass changes it); None for ce."""
+    if o["objective"] == "ce":
+        return None
+    if ctx.distillation is None:
+        raise SurgeryError(f"objective {o['objective']} distils from the pass's input model, through the engine: "
+                           "run the pass through convert or apply_passes")
+    return ctx.distillation(model, o["objective"], o["temperature"], o["ce_weight"])
+
+
+def distilled_report(report, result, o: dict) -> None:
+    """The objective in ``report`` and, where it distilled, the held-out KL(input || model) before and after."""
+    report.metrics["objective"] = o["objective"]
+    if o["objective"] != "ce":
+        report.metrics.update(kl_before=result.kl_before, kl_after=result.kl_after, temperature=o["temperature"])
+        report.notes.append(f"objective {o['objective']} (T {o['temperature']:g}), distilled from a frozen copy of "
+                            f"the input model: held-out KL to it {result.kl_before:.4f} -> {result.kl_after:.4f}")
+
+
 def control_report(report, control) -> None:
     """The control's figures in ``report`` (metrics and a note), beside the pass's ``ce_after``."""
     if control is None:

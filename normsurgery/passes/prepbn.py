@@ -33,7 +33,8 @@ from ..core.errors import SurgeryError
 from ..core.registry import PassContext, PassReport
 from ..core.runtime import RepBN
 from . import PrepbnOptions, bn_fold
-from .norms import Control, adaptive, aux_loss, control_report, refuse_experts, refuse_norms, refuse_output_norms, refuse_post_ln, token_divisors
+from .norms import (Control, adaptive, aux_loss, control_report, distillation, distilled_report, refuse_experts,
+                    refuse_norms, refuse_output_norms, refuse_post_ln, token_divisors)
 
 
 class ProgressiveNorm(nn.Module):
@@ -238,12 +239,13 @@ def _data(ctx: PassContext, opts: dict, max_len: int | None):
             calibration.windows(train_ids, seq, opts["calib_samples"], "the training text"), seq)
 
 
-def _trained(model, layout: Layout, ctx: PassContext, opts: dict, progs: list, data: tuple, phases: tuple[int, int]):
+def _trained(model, layout: Layout, ctx: PassContext, opts: dict, progs: list, data: tuple, phases: tuple[int, int],
+             distilled=None):
     """The training with lam on its schedule (``phases``: the warm-up's and the decay's steps), the
     RepBNs initialised from the norms at the warm-up's end, and (final_aux) the auxiliary loss on
     the final norm's input from the decay's start. ``data``: (training tokens, held-out windows,
-    calibration windows, sequence length). Returns (the training's result, its config, the
-    auxiliary loss's weight)."""
+    calibration windows, sequence length); ``distilled``: the objective's ``Distillation`` (None:
+    ce). Returns (the training's result, its config, the auxiliary loss's weight)."""
     train_ids, held, calib, seq = data
     warmup, decay = phases
     repbns = [p.repbn for p in progs]
@@ -271,7 +273,8 @@ def _trained(model, layout: Layout, ctx: PassContext, opts: dict, progs: list, d
     hook = attach_token_mask(model, repbns)
     try:
         result = ctx.train(model, train_ids, held, config, objective=layout.objective, on_step=on_step,
-                           progress=ctx.train_progress, **({"extra_loss": lambda: final.aux} if weight > 0 else {}))
+                           progress=ctx.train_progress, distillation=distilled,
+                           **({"extra_loss": lambda: final.aux} if weight > 0 else {}))
     finally:
         hook.remove()
         if final is not None:
@@ -290,9 +293,11 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     warmup, decay = schedule(opts["steps"], opts["warmup"], opts["decay"])
     train_ids, held, calib, seq = _data(ctx, opts, positions(model.config))
     control = Control(model, ctx.workdir) if opts["control"] else None
+    distilled = distillation(ctx, model, opts)  # the input, before the norms are replaced
     progs = install(model, layout, opts["momentum"])
     repbns = [p.repbn for p in progs]
-    result, config, weight = _trained(model, layout, ctx, opts, progs, (train_ids, held, calib, seq), (warmup, decay))
+    result, config, weight = _trained(model, layout, ctx, opts, progs, (train_ids, held, calib, seq), (warmup, decay),
+                                      distilled)
     finish(model, layout, progs)
     t = time.perf_counter()
     reestimate(model, repbns, calib)
@@ -302,6 +307,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                           ce_delta=ce - result.ce_before, steps=result.steps, tokens=result.tokens,
                           seconds=result.seconds + time.perf_counter() - t, warmup=warmup, decay=decay,
                           lr=opts["lr"], curve=result.curve, final_aux=weight)
+    distilled_report(report, result, opts)
     if weight > 0:
         report.notes.append(f"final norm: auxiliary loss on its input, weight {weight:g}, from step {warmup} (the "
                             "decay's start)")

@@ -71,8 +71,8 @@ from ..core.layout import Layout
 from ..core.parity import compare, outputs
 from ..core.registry import PassContext, PassReport
 from . import removal_schedule as schedule
-from .norms import (Control, adaptive, control_report, refuse_experts, refuse_norms, refuse_output_norms,
-                    refuse_post_ln)
+from .norms import (Control, adaptive, control_report, distillation, distilled_report, refuse_experts, refuse_norms,
+                    refuse_output_norms, refuse_post_ln)
 from .removable_norm import STOCK_EPS, RemovableNorm, export_stock, fold_checked, install, made, removal_paths
 from .remove_ln_run import Run, calibrate, final_variants, keep_final
 
@@ -128,12 +128,12 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     train_ids, held_ids = split_heldout(ids, o["eval_fraction"], o["seq_len"])
     held = windows(held_ids, o["seq_len"], o["eval_samples"], "the held-out part of the text")
     workdir = ctx.workdir / "remove-ln" if ctx.workdir else None
-    config = {"steps": o["steps"], "batch_size": o["batch_size"], "seq_len": o["seq_len"], "lr": o["lr"],
-              "min_lr": o["min_lr"], "warmup": o["warmup"],
-              "weight_decay": o["weight_decay"], "grad_accum": o["grad_accum"], "precision": o["precision"],
-              "seed": o["seed"], "eval_batch_size": o["batch_size"], "resume": o["resume"],
-              "save_every": o["save_every"] if workdir else 0, "state_dir": workdir}
-    control = Control(model, ctx.workdir) if o["control"] else None
+    config = {k: o[k] for k in ("steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "weight_decay",
+                                "grad_accum", "precision", "seed", "resume")}
+    config.update({"eval_batch_size": o["batch_size"],
+                   "save_every": o["save_every"] if workdir else 0, "state_dir": workdir})
+    # a copy of the input (a control's; a teacher's with kd), before the norms are installed
+    control, distilled = Control(model, ctx.workdir) if o["control"] else None, distillation(ctx, model, o)
     untied = o["untie"] and algebra.untie(model, layout)
     if untied:  # the head trains on its own: it can absorb the scale the final norm's divisor gave
         layout = dataclasses.replace(layout, tied=False)
@@ -144,7 +144,7 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
     run = Run(model, norms, events, o, gap, held, calib, ctx.heldout_ce)
     config = adaptive({**config, **run.evaluations()}, o, settle=run.until)
     result = ctx.train(model, train_ids, held, config, objective="causal-lm", on_step=run.on_step,
-                       progress=ctx.train_progress, **run.extra())
+                       progress=ctx.train_progress, distillation=distilled, **run.extra())
     run.stop_pulling()
     report = PassReport("remove-ln")
     report.metrics.update({"ce_before": result.ce_before, "ce_after": result.ce_after,
@@ -152,9 +152,10 @@ def apply(model, layout: Layout, ctx: PassContext) -> PassReport:
                            "tokens": result.tokens, "seconds": result.seconds, "processes": result.processes,
                            "precision": result.precision, "resumed_from": result.resumed_from,
                            "schedule": run.schedule_metrics(start, final_gap), "curve": result.curve, "kept": kept,
+                           "block_aux": o["block_aux"],
                            **{k: run.variants[k] for k in ("final_divisor", "final_aux", "final_blend")}})
     report.notes += run.variant_notes()
-    report.metrics["block_aux"] = o["block_aux"]
+    distilled_report(report, result, o)
     if o["block_aux"] > 0:
         report.notes.append(f"block norms: auxiliary loss on each one's input, weight {o['block_aux']:g}, from its "
                             "first removal" + (" (the default for gated MLPs)" if ctx.options["block_aux"] is None
