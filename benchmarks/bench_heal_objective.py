@@ -53,8 +53,8 @@ HEADER = """# Healing objective: cross-entropy or distillation from the model be
 The command and its options: [heal](../commands/prune-heal.md). `benchmarks/bench_heal_objective.py` (part
 of `make bench`) heals two cuts of SmolLM2-135M-Instruct on tinyshakespeare under each objective and
 judges each healed model on three texts the heal never saw (a licence, Python source, Python's
-documentation: `../shared/data/other/`): KL(original || model) per predicted token, with the share
-of the unhealed model's KL closed in bold, and CE. Local + kd: blockwise local steps
+documentation: `shared/data/other/` beside the checkout): KL(original || model) per predicted token, with
+the share of the unhealed model's KL closed in bold, and CE. Local + kd: blockwise local steps
 (`--local-steps`) then global kd steps, as many steps of the same windows in all as kd alone."""
 
 

@@ -103,9 +103,6 @@ def _gguf(a: Asked) -> None:
 def _nemotron(a: Asked) -> None:
     """``export --to nemotron-nas``: the DeciLM folder written and checked in MLX-LM or vLLM and in
     transformers (``nemotron.export``)."""
-    from ..exporters.runtime_check import choose
-
-    choose(a.options.runtime)  # the runtime installed, before anything is read
     body = read_text(a.text)
     with claimed(a.src, a.dest, a.options.force, a.options.allow_pickle) as source:
         from ..exporters.export import export as export_api  # each format's runtime required there

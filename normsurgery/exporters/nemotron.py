@@ -292,7 +292,7 @@ def export(src, dest, options: ExportOptions | None = None, *, text: str | None 
            max_shard_size: str | int = MAX_SHARD_SIZE,
            change: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Exported:
     """``src`` written to the folder ``dest`` as a nemotron-nas checkpoint (module docstring) with
-    ``options`` (``ExportOptions``: ``check``, ``tolerance``, ``force``, ``allow_pickle``,
+    ``options`` (``ExportOptions``: ``runtime`` (--check), ``tolerance``, ``force``, ``allow_pickle``,
     ``device``), checked in MLX-LM or vLLM and in transformers; raises SurgeryError, leaving
     nothing, where the format cannot say the model or a check fails. Written through the one
     runner (``runner.Job``: the output claimed once, the folder filled in its stage).
