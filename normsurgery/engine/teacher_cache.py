@@ -51,7 +51,7 @@ def _digest(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(repr((tuple(t.shape), str(t.dtype))).encode())
-        h.update(t.detach().to(devices.HOST).contiguous().numpy().tobytes())
+        h.update(t.detach().to(devices.HOST).contiguous().numpy().tobytes())  # host
     return h.hexdigest()[:16]
 
 
