@@ -295,7 +295,8 @@ def test_readme_matches_the_cli():
 
 #: flags README and the docs quote alone that belong to a script, not to normsurgery: the script taking each
 SCRIPT_FLAGS = {"--models": "scripts/make_demo.py", "--summarize": "benchmarks/bench_squeeze.py",
-                "--real": "benchmarks/bench_rotate.py", "--only": "benchmarks/bench_remove_ln_objective.py"}
+                "--real": "benchmarks/bench_rotate.py", "--only": "benchmarks/bench_remove_ln_objective.py",
+                "--worker": "benchmarks/bench_heal_objective.py", "--cut": "benchmarks/bench_heal_objective.py"}
 
 
 def readme_commands(readme: str):
