@@ -7,6 +7,7 @@ import transformers as T
 
 from normsurgery.core.synthetic import make_realistic
 from normsurgery.core.parity import compare, outputs
+from normsurgery.engine.training import train
 
 VOCAB = 96
 
@@ -178,3 +179,11 @@ def wrong_weight(folder, dest, key: str = "model.layers.3.mlp.up_proj.weight"):
     w[7, 11] += 0.05 * w.abs().max()
     save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
     return dest
+
+
+def distillation_spy(seen: list):
+    """``train``, each call's ``distillation=`` appended to ``seen`` (what a trained pass hands its loop)."""
+    def spy(model, *args, distillation=None, **kwargs):
+        seen.append(distillation)
+        return train(model, *args, distillation=distillation, **kwargs)
+    return spy

@@ -21,7 +21,7 @@ from normsurgery.engine.teacher import frozen_distillation
 from normsurgery.engine.training import heldout_ce, train
 from normsurgery.core.runtime import NoNorm, RepBN
 
-from models import tiny_model, token_ids
+from models import distillation_spy, tiny_model, token_ids
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
 SAMPLE = Path("normsurgery/data/sample.txt")
@@ -254,11 +254,7 @@ def test_objective_kd_reaches_the_loop_from_a_frozen_copy_of_the_input():
     model, ids = small_gpt2(), token_ids(2, 16, seed=3)
     want = model.eval()(input_ids=ids).logits.detach()  # (no dropout)
     seen = []
-
-    def spy(m, *args, distillation=None, **kwargs):
-        seen.append(distillation)
-        return train(m, *args, distillation=distillation, **kwargs)
-
+    spy = distillation_spy(seen)
     report = run_pass(model, train=spy, objective="kd", control=False)
     assert len(seen) == 1 and seen[0].objective == "kd" and report.metrics["objective"] == "kd"
     assert torch.equal(seen[0].teacher.targets(ids, -1, 0), want) and report.metrics["kl_after"] is not None

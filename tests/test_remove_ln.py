@@ -26,7 +26,7 @@ from normsurgery.engine.teacher import frozen_distillation
 from normsurgery.engine.training import heldout_ce, train
 
 from conftest import assert_refused
-from models import tiny_model, token_ids
+from models import distillation_spy, tiny_model, token_ids
 
 GPT2 = "normsurgery/demo/gpt2-tiny"
 SAMPLE = Path("normsurgery/data/sample.txt")
@@ -707,11 +707,7 @@ def test_the_objective_reaches_the_loop_from_a_frozen_copy_of_the_input(objectiv
     model, ids = small_gpt2(), token_ids(2, 16, seed=3)
     want = model.eval()(input_ids=ids).logits.detach()  # (no dropout)
     seen = []
-
-    def spy(m, *args, distillation=None, **kwargs):
-        seen.append(distillation)
-        return train(m, *args, distillation=distillation, **kwargs)
-
+    spy = distillation_spy(seen)
     _, report = run_pass(None, model, train_fn=spy, steps=8, save_every=0, objective=objective, temperature=2.0)
     d = seen[0]
     assert len(seen) == 2 and seen[1] is None and report.metrics["objective"] == objective
